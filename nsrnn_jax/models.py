@@ -1,0 +1,761 @@
+"""Flax Linen language models: LSTM, JM, Gref and the NS-RNN.
+
+Every model maps whole strings to next-symbol logits with the time indexing of
+the authors' code (reference-behaviour.md section 0):
+
+  * no BOS and no EOS; ``logits[:, 0]`` comes from ``h_0 = 0`` and therefore
+    equals the output bias; ``logits[:, t]`` predicts ``symbols[:, t]``;
+  * only ``symbols[:, :-1]`` are fed to the controller;
+  * ``h_t = LSTM(h_{t-1}, [one_hot(x_t); r_{t-1}])`` and update ``t`` of the
+    stack uses actions computed from ``h_t`` (never from ``c_t``);
+  * ``r_0`` is ``one_hot(bottom)`` for the NS-RNN and zeros for JM and Gref.
+
+The reference performs ``n - 2`` stack updates for a length-``n`` string. Here
+each of the ``n - 1`` controller steps is followed by an update, so the last
+update is computed and never read: it cannot change any logit (every logit
+comes from ``h_0 .. h_{n-1}``, and ``h_{n-1}`` only sees ``r_{n-2}``).
+
+Why Flax Linen (and not NNX): Linen keeps parameters as a plain nested dict
+that lives outside the module, and ``apply`` is a pure function of that dict.
+The training code can therefore ``jax.vmap`` over a stacked model axis K,
+shard the dict over a mesh and hand it to Orbax without any module state
+conversion. Parameters are declared once with ``self.param`` (with the
+reference initialisers); all the maths is written as pure functions of those
+arrays (``lstm_step``, ``jm_update``, ``gref_update``, ``ns_controller_step``)
+so the NS model can give a pure ``step_fn`` to ``ns_stack.run_coupled`` (which
+has a custom VJP and must not close over traced parameters) and tests can call
+the pieces directly.
+
+Parameter tree of every model (kernels are ``[in, out]``):
+
+  controller: w_ih [V + R, 4H], w_hh [H, 4H], b_ih [4H], b_hh [4H]
+              (PyTorch gate order i, f, g, o and PyTorch's two bias vectors;
+              R = reading size: 0 lstm, M jm/gref, S ns)
+  output:     kernel [H, V], bias [V]
+  action:     kernel [H, A], bias [A]   (A = 3 jm, 2 gref, QS(2QS+Q) ns)
+  push:       kernel [H, M], bias [M]   (jm, gref)
+
+Deviations from the reference code (none changes a logit):
+  * one stack update per controller step (``n - 1``, the last one unread)
+    instead of ``n - 2``;
+  * kernels are stored ``[in, out]`` (PyTorch stores ``[out, in]``);
+  * JM keeps a fixed stored depth ``T // 2 + 1`` (see ``jm_depth``) instead of
+    the reference's per-step ``min(t, L - t)``; Gref a fixed capacity of T
+    slots with zero strength until written.
+
+Shape legend: B batch, N string length, T = N - 1 controller steps / stack
+updates, H hidden size, V vocabulary size, M stack embedding size, D JM stack
+depth, Q PDA states, S stack symbols (0 = bottom), A action logits.
+"""
+
+import functools
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nsrnn_jax import ns_stack
+
+MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns')
+
+Params = Mapping[str, Any]
+Carry = tuple[jax.Array, jax.Array]
+
+_LSTM_INIT_SCALE = 0.1
+
+
+# ---------------------------------------------------------------------------
+# Initialisers.
+# ---------------------------------------------------------------------------
+
+
+def uniform_init(scale: float = _LSTM_INIT_SCALE) -> Callable[..., jax.Array]:
+  """Returns an initialiser drawing i.i.d. from U[-scale, scale].
+
+  This is PyTorch's ``--init-scale 0.1`` rule used for every LSTM parameter
+  and for the NS-RNN action layer (weight and bias).
+  """
+
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -scale, scale)
+
+  return init
+
+
+def xavier_uniform(gain: float = 1.0) -> Callable[..., jax.Array]:
+  """Xavier/Glorot uniform with bound ``gain * sqrt(6 / (fan_in + fan_out))``.
+
+  Matches the reference ``Layer`` class (gain 1 for softmax/sigmoid/none,
+  5/3 for tanh); kernels are ``[fan_in, fan_out]``.
+  """
+  return nn.initializers.variance_scaling(gain**2, 'fan_avg', 'uniform')
+
+
+# ---------------------------------------------------------------------------
+# Pure maths: LSTM cell, affine layers, stack updates, NS controller.
+# ---------------------------------------------------------------------------
+
+
+def affine(params: Params, x_BxI: jax.Array) -> jax.Array:
+  """``x @ kernel + bias`` for a ``{'kernel', 'bias'}`` dict."""
+  return x_BxI @ params['kernel'] + params['bias']
+
+
+def lstm_step(params: Params, carry: Carry, x_BxI: jax.Array
+              ) -> tuple[Carry, jax.Array]:
+  """One step of PyTorch's LSTM (gate order i, f, g, o; biases b_ih + b_hh).
+
+  Args:
+    params: ``{'w_ih': [I, 4H], 'w_hh': [H, 4H], 'b_ih': [4H], 'b_hh': [4H]}``.
+    carry: ``(h_BxH, c_BxH)``.
+    x_BxI: the input vector.
+
+  Returns:
+    ``((h_BxH, c_BxH), h_BxH)`` after the step.
+  """
+  h_BxH, c_BxH = carry
+  gates_Bx4H = (x_BxI @ params['w_ih'] + params['b_ih']
+                + h_BxH @ params['w_hh'] + params['b_hh'])
+  i_BxH, f_BxH, g_BxH, o_BxH = jnp.split(gates_Bx4H, 4, axis=-1)
+  c_BxH = (jax.nn.sigmoid(f_BxH) * c_BxH
+           + jax.nn.sigmoid(i_BxH) * jnp.tanh(g_BxH))
+  h_BxH = jax.nn.sigmoid(o_BxH) * jnp.tanh(c_BxH)
+  return (h_BxH, c_BxH), h_BxH
+
+
+def jm_update(stack_BxDxM: jax.Array, actions_Bx3: jax.Array,
+              push_BxM: jax.Array) -> jax.Array:
+  """Joulin-Mikolov superposition update of a fixed-depth stack.
+
+  Index 0 is the top; cells below the stored depth are zero (the reference's
+  conceptually infinite stack of zero vectors). ``new[0] = push * v + noop *
+  old[0] + pop * old[1]`` and ``new[i] = push * old[i-1] + noop * old[i] + pop
+  * old[i+1]``, written as two shifts instead of a loop over cells.
+
+  Args:
+    stack_BxDxM: the stack before the update.
+    actions_Bx3: probabilities in the reference order (push, pop, no-op).
+    push_BxM: the pushed vector ``v``.
+
+  Returns:
+    The updated ``stack_BxDxM``; its top ``[:, 0]`` is the new reading.
+  """
+  push_Bx1x1, pop_Bx1x1, noop_Bx1x1 = (
+      a[:, None, None] for a in jnp.moveaxis(actions_Bx3, -1, 0))
+  # The cell above the top is v (what a push moves into place); the cell
+  # below the stored depth is zero.
+  pushed_BxDxM = jnp.concatenate(
+      [push_BxM[:, None, :], stack_BxDxM[:, :-1]], axis=1)
+  popped_BxDxM = jnp.concatenate(
+      [stack_BxDxM[:, 1:], jnp.zeros_like(stack_BxDxM[:, :1])], axis=1)
+  return (push_Bx1x1 * pushed_BxDxM + noop_Bx1x1 * stack_BxDxM
+          + pop_Bx1x1 * popped_BxDxM)
+
+
+def _exclusive_sum_above(strength_BxT: jax.Array) -> jax.Array:
+  """``out[:, i] = sum_{j > i} strength[:, j]`` (index grows towards the top).
+
+  Built from a reverse inclusive cumsum shifted by one, so no subtraction of
+  nearly equal sums spoils small strengths.
+  """
+  inclusive_BxT = jax.lax.cumsum(strength_BxT, axis=1, reverse=True)
+  return jnp.concatenate(
+      [inclusive_BxT[:, 1:], jnp.zeros_like(inclusive_BxT[:, :1])], axis=1)
+
+
+def gref_update(values_BxTxM: jax.Array, strength_BxT: jax.Array,
+                position: jax.Array, push_strength_B: jax.Array,
+                pop_strength_B: jax.Array, push_BxM: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Grefenstette et al. stratification-stack update followed by the read.
+
+  The stack is a fixed-capacity array, bottom at index 0; element ``k``
+  (0-based) is written by update ``k + 1``, unwritten slots have strength 0
+  and so never change any sum. Pop first, then push (section 2.2):
+  ``s_i' = relu(s_i - relu(u - sum_{j above i} s_j))``; then ``(v, d)`` goes
+  to slot ``position``; the reading is
+  ``sum_i min(s_i', relu(1 - sum_{j above i} s_j')) v_i``. Both "sums above"
+  are reverse exclusive cumsums, so there is no loop over elements.
+
+  Args:
+    values_BxTxM: stored vectors.
+    strength_BxT: their strengths.
+    position: scalar int, the slot of the new element (= number of earlier
+      updates).
+    push_strength_B: ``d``.
+    pop_strength_B: ``u``.
+    push_BxM: ``v``.
+
+  Returns:
+    ``(values_BxTxM, strength_BxT, reading_BxM)`` after the update.
+  """
+  above_BxT = _exclusive_sum_above(strength_BxT)
+  strength_BxT = jax.nn.relu(
+      strength_BxT - jax.nn.relu(pop_strength_B[:, None] - above_BxT))
+  values_BxTxM = jax.lax.dynamic_update_slice_in_dim(
+      values_BxTxM, push_BxM[:, None, :], position, axis=1)
+  strength_BxT = jax.lax.dynamic_update_slice_in_dim(
+      strength_BxT, push_strength_B[:, None], position, axis=1)
+  above_BxT = _exclusive_sum_above(strength_BxT)
+  weight_BxT = jnp.minimum(strength_BxT, jax.nn.relu(1.0 - above_BxT))
+  reading_BxM = jnp.einsum('bt,btm->bm', weight_BxT, values_BxTxM)
+  return values_BxTxM, strength_BxT, reading_BxM
+
+
+def ns_action_log_probs(action_params: Params, h_BxH: jax.Array,
+                        num_states: int, num_symbols: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """NS-RNN transition log-weights from the hidden state (section 1.1).
+
+  The affine output is laid out as rows ``q * S + x`` and columns
+  ``[push(r, y) | replace(r, y) | pop(r)]`` with ``r * S + y`` inside a block;
+  each row is one log-softmax over all ``2QS + Q`` columns.
+
+  Returns:
+    ``(push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ)``, log-probabilities.
+  """
+  q, s = num_states, num_symbols
+  logits_BxA = affine(action_params, h_BxH)
+  log_p_BxQSxC = jax.nn.log_softmax(
+      logits_BxA.reshape(-1, q * s, 2 * q * s + q), axis=-1)
+  batch = log_p_BxQSxC.shape[0]
+  push = log_p_BxQSxC[..., :q * s].reshape(batch, q, s, q, s)
+  repl = log_p_BxQSxC[..., q * s:2 * q * s].reshape(batch, q, s, q, s)
+  pop = log_p_BxQSxC[..., 2 * q * s:].reshape(batch, q, s, q)
+  return push, repl, pop
+
+
+def ns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
+                       reading_BxS: jax.Array, *, vocab_size: int,
+                       num_states: int, num_symbols: int):
+  """The NS-RNN's ``step_fn`` for ``ns_stack.run_coupled``.
+
+  Args:
+    params: ``{'controller': LSTM params, 'action': action layer}``.
+    carry: ``(h_BxH, c_BxH)`` before the step.
+    x_B: int id of the input symbol ``x_t`` (integer inputs get no
+      cotangent in ``run_coupled``'s backward, unlike a float one-hot).
+    reading_BxS: ``tau_{t-1}``, the reading after ``t - 1`` updates.
+    vocab_size: V.
+    num_states: Q.
+    num_symbols: S.
+
+  Returns:
+    ``(carry_t, (push, repl, pop), h_BxH)``: the new carry, the log-weights of
+    update ``t`` (computed from ``h_t``) and ``h_t`` for the output layer.
+  """
+  x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxS.dtype)
+  x_BxI = jnp.concatenate([x_BxV, reading_BxS], axis=-1)
+  carry, h_BxH = lstm_step(params['controller'], carry, x_BxI)
+  actions = ns_action_log_probs(params['action'], h_BxH, num_states,
+                                num_symbols)
+  return carry, actions, h_BxH
+
+
+# ---------------------------------------------------------------------------
+# Parameter-holding submodules.
+# ---------------------------------------------------------------------------
+
+
+class LSTMParams(nn.Module):
+  """Declares a PyTorch-style LSTM's parameters, all U[-0.1, 0.1]."""
+
+  input_size: int
+  hidden_size: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self) -> dict[str, jax.Array]:
+    """Returns the parameter dict consumed by :func:`lstm_step`."""
+    init = uniform_init()
+    four_h = 4 * self.hidden_size
+    return {
+        'w_ih': self.param('w_ih', init, (self.input_size, four_h),
+                           self.dtype),
+        'w_hh': self.param('w_hh', init, (self.hidden_size, four_h),
+                           self.dtype),
+        'b_ih': self.param('b_ih', init, (four_h,), self.dtype),
+        'b_hh': self.param('b_hh', init, (four_h,), self.dtype),
+    }
+
+
+class AffineParams(nn.Module):
+  """Declares ``kernel [in, out]`` and ``bias [out]`` with given inits."""
+
+  in_size: int
+  out_size: int
+  kernel_init: Callable[..., jax.Array]
+  bias_init: Callable[..., jax.Array] = nn.initializers.zeros
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self) -> dict[str, jax.Array]:
+    """Returns ``{'kernel', 'bias'}`` for :func:`affine`."""
+    return {
+        'kernel': self.param('kernel', self.kernel_init,
+                             (self.in_size, self.out_size), self.dtype),
+        'bias': self.param('bias', self.bias_init, (self.out_size,),
+                           self.dtype),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Language models.
+# ---------------------------------------------------------------------------
+
+
+def _check_symbols(symbols_BxN, vocab_size: int) -> jax.Array:
+  """Validates a batch of symbol ids; returns it as a JAX int array."""
+  shape = np.shape(symbols_BxN)
+  if len(shape) != 2:
+    raise ValueError(
+        f'symbols must be a 2-D [batch, length] array, got shape {shape}')
+  if shape[1] < 1:
+    raise ValueError('symbols must have length >= 1 (got length 0)')
+  if not hasattr(symbols_BxN, 'dtype'):
+    symbols_BxN = np.asarray(symbols_BxN)
+  dtype = np.dtype(symbols_BxN.dtype)
+  if not np.issubdtype(dtype, np.integer):
+    raise ValueError(f'symbols must be integer ids, got dtype {dtype}')
+  if not isinstance(symbols_BxN, jax.core.Tracer) and shape[0] * shape[1]:
+    values = np.asarray(symbols_BxN)
+    if values.min() < 0 or values.max() >= vocab_size:
+      raise ValueError(
+          f'symbol ids must lie in [0, {vocab_size}), got values in '
+          f'[{values.min()}, {values.max()}]')
+  return jnp.asarray(symbols_BxN)
+
+
+class LanguageModel(nn.Module):
+  """Base of the four models: LSTM controller + output layer.
+
+  Subclasses add the stack (its parameters, reading size and recurrence).
+
+  Subclasses implement ``_run(params, inputs_BxT)`` (the fed ids
+  ``symbols[:, :-1]``) returning the hidden states
+  ``h_1 .. h_T`` ``[B, T, H]`` and a dict of per-step internals.
+  """
+
+  vocab_size: int
+  hidden_size: int = 20
+  dtype: Any = jnp.float32
+
+  def _reading_size(self) -> int:
+    return 0
+
+  def _stack_params(self) -> dict[str, Any]:
+    return {}
+
+  def setup(self):
+    self.controller = LSTMParams(
+        self.vocab_size + self._reading_size(), self.hidden_size, self.dtype)
+    self.output = AffineParams(
+        self.hidden_size, self.vocab_size, xavier_uniform(1.0),
+        dtype=self.dtype)
+
+  def _params(self) -> dict[str, Any]:
+    return {'controller': self.controller(), 'output': self.output(),
+            **self._stack_params()}
+
+  def declare_params(self) -> dict[str, Any]:
+    """Returns the parameter tree; used with ``init`` it skips the forward.
+
+    ``model.init(rng, method='declare_params')`` gives the same values as
+    ``model.init(rng, symbols_BxN)`` (Flax derives each parameter's key from
+    its path, not from the call) without tracing the recurrence.
+    """
+    return self._params()
+
+  def _run(self, params, inputs_BxT):
+    raise NotImplementedError
+
+  def _no_step_internals(self, batch: int) -> dict[str, Any]:
+    """``trace`` internals of a length-1 string (no step, no update)."""
+    del batch
+    return {}
+
+  def _one_hot(self, inputs_BxT):
+    return jax.nn.one_hot(inputs_BxT, self.vocab_size, dtype=self.dtype)
+
+  def _forward(self, symbols_BxN):
+    symbols_BxN = _check_symbols(symbols_BxN, self.vocab_size)
+    params = self._params()
+    batch, length = symbols_BxN.shape
+    if length > 1:
+      h_BxTxH, internals = self._run(params, symbols_BxN[:, :-1])
+    else:
+      h_BxTxH = jnp.zeros((batch, 0, self.hidden_size), self.dtype)
+      internals = self._no_step_internals(batch)
+    # h_0 = 0, so the first row is A 0 + b = b.
+    h_BxNxH = jnp.concatenate(
+        [jnp.zeros((batch, 1, self.hidden_size), h_BxTxH.dtype), h_BxTxH],
+        axis=1)
+    logits_BxNxV = affine(params['output'], h_BxNxH)
+    return logits_BxNxV, h_BxNxH, internals
+
+  def __call__(self, symbols_BxN) -> jax.Array:
+    """Next-symbol logits ``[B, N, V]``; ``logits[:, t]`` predicts ``w_{t+1}``.
+
+    Args:
+      symbols_BxN: int ids; only ``symbols[:, :-1]`` are fed.
+    """
+    return self._forward(symbols_BxN)[0]
+
+  def trace(self, symbols_BxN) -> dict[str, jax.Array]:
+    """Logits plus per-step internals, for inspection.
+
+    Always contains ``logits`` [B, N, V] and ``hidden`` [B, N, H] (row 0 is
+    ``h_0 = 0``); model-specific keys are documented on each model. Per-step
+    entries have T = N - 1 rows, row ``t - 1`` belonging to update ``t`` (the
+    last row belongs to the extra update whose reading is never fed).
+    """
+    logits_BxNxV, h_BxNxH, internals = self._forward(symbols_BxN)
+    return {'logits': logits_BxNxV, 'hidden': h_BxNxH, **internals}
+
+
+class LSTMLM(LanguageModel):
+  """The LSTM baseline (no stack); ``trace`` adds nothing model-specific."""
+
+  def _run(self, params, inputs_BxT):
+    x_BxTxV = self._one_hot(inputs_BxT)
+    batch = x_BxTxV.shape[0]
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+
+    def step(carry, x_BxV):
+      return lstm_step(params['controller'], carry, x_BxV)
+
+    _, h_TxBxH = jax.lax.scan(step, (zeros_BxH, zeros_BxH),
+                              jnp.swapaxes(x_BxTxV, 0, 1))
+    return jnp.swapaxes(h_TxBxH, 0, 1), {}
+
+
+def jm_depth(num_updates: int) -> int:
+  """Stored JM depth that is exact for ``num_updates`` updates.
+
+  A cell lost below depth D at update t had to exist (t >= D + 1) and needs D
+  pops to reach the top (reading t + D >= 2D + 1); with 2D + 1 > T it can
+  never be read. The reference's height truncation ``min(t, L - t)`` is the
+  same observation.
+  """
+  return num_updates // 2 + 1
+
+
+class JMLM(LanguageModel):
+  """LSTM + Joulin-Mikolov superposition stack (actions push, pop, no-op).
+
+  ``trace`` adds ``actions`` [B, T, 3] (push, pop, no-op probabilities),
+  ``push_vectors`` [B, T, M] and ``readings`` [B, N, M] (``r_0 = 0`` ..
+  ``r_T``).
+  """
+
+  stack_embedding_size: int = 20
+
+  def _reading_size(self) -> int:
+    return self.stack_embedding_size
+
+  def _stack_params(self):
+    return {'action': self.action(), 'push': self.push()}
+
+  def setup(self):
+    super().setup()
+    self.action = AffineParams(self.hidden_size, 3, xavier_uniform(1.0),
+                               dtype=self.dtype)
+    self.push = AffineParams(self.hidden_size, self.stack_embedding_size,
+                             xavier_uniform(1.0), dtype=self.dtype)
+
+  def _no_step_internals(self, batch):
+    m, dt = self.stack_embedding_size, self.dtype
+    return {'actions': jnp.zeros((batch, 0, 3), dt),
+            'push_vectors': jnp.zeros((batch, 0, m), dt),
+            'readings': jnp.zeros((batch, 1, m), dt)}
+
+  def _run(self, params, inputs_BxT):
+    x_BxTxV = self._one_hot(inputs_BxT)
+    batch, steps, _ = x_BxTxV.shape
+    m = self.stack_embedding_size
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    stack_BxDxM = jnp.zeros((batch, jm_depth(steps), m), self.dtype)
+
+    def step(carry, x_BxV):
+      lstm_carry, stack_BxDxM = carry
+      reading_BxM = stack_BxDxM[:, 0]
+      lstm_carry, h_BxH = lstm_step(
+          params['controller'], lstm_carry,
+          jnp.concatenate([x_BxV, reading_BxM], axis=-1))
+      actions_Bx3 = jax.nn.softmax(affine(params['action'], h_BxH), axis=-1)
+      push_BxM = jax.nn.sigmoid(affine(params['push'], h_BxH))
+      stack_BxDxM = jm_update(stack_BxDxM, actions_Bx3, push_BxM)
+      return (lstm_carry, stack_BxDxM), (h_BxH, actions_Bx3, push_BxM,
+                                         stack_BxDxM[:, 0])
+
+    _, (h, actions, push, readings) = jax.lax.scan(
+        step, ((zeros_BxH, zeros_BxH), stack_BxDxM),
+        jnp.swapaxes(x_BxTxV, 0, 1))
+    h, actions, push, readings = (jnp.swapaxes(a, 0, 1)
+                                  for a in (h, actions, push, readings))
+    readings = jnp.concatenate(
+        [jnp.zeros((batch, 1, m), readings.dtype), readings], axis=1)
+    return h, {'actions': actions, 'push_vectors': push, 'readings': readings}
+
+
+class GrefLM(LanguageModel):
+  """LSTM + Grefenstette et al. stratification stack (push/pop strengths).
+
+  ``trace`` adds ``actions`` [B, T, 2] (push strength d, pop strength u),
+  ``push_vectors`` [B, T, M], ``strengths`` [B, T, T] (row t - 1: all slot
+  strengths after update t) and ``readings`` [B, N, M] (``r_0 = 0`` .. ``r_T``).
+  """
+
+  stack_embedding_size: int = 20
+
+  def _reading_size(self) -> int:
+    return self.stack_embedding_size
+
+  def _stack_params(self):
+    return {'action': self.action(), 'push': self.push()}
+
+  def setup(self):
+    super().setup()
+    self.action = AffineParams(self.hidden_size, 2, xavier_uniform(1.0),
+                               dtype=self.dtype)
+    self.push = AffineParams(self.hidden_size, self.stack_embedding_size,
+                             xavier_uniform(5.0 / 3.0), dtype=self.dtype)
+
+  def _no_step_internals(self, batch):
+    m, dt = self.stack_embedding_size, self.dtype
+    return {'actions': jnp.zeros((batch, 0, 2), dt),
+            'push_vectors': jnp.zeros((batch, 0, m), dt),
+            'strengths': jnp.zeros((batch, 0, 0), dt),
+            'readings': jnp.zeros((batch, 1, m), dt)}
+
+  def _run(self, params, inputs_BxT):
+    x_BxTxV = self._one_hot(inputs_BxT)
+    batch, steps, _ = x_BxTxV.shape
+    m = self.stack_embedding_size
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    init = ((zeros_BxH, zeros_BxH),
+            jnp.zeros((batch, steps, m), self.dtype),
+            jnp.zeros((batch, steps), self.dtype),
+            jnp.zeros((batch, m), self.dtype))
+
+    def step(carry, inputs):
+      lstm_carry, values_BxTxM, strength_BxT, reading_BxM = carry
+      position, x_BxV = inputs
+      lstm_carry, h_BxH = lstm_step(
+          params['controller'], lstm_carry,
+          jnp.concatenate([x_BxV, reading_BxM], axis=-1))
+      actions_Bx2 = jax.nn.sigmoid(affine(params['action'], h_BxH))
+      push_BxM = jnp.tanh(affine(params['push'], h_BxH))
+      values_BxTxM, strength_BxT, reading_BxM = gref_update(
+          values_BxTxM, strength_BxT, position, actions_Bx2[:, 0],
+          actions_Bx2[:, 1], push_BxM)
+      return ((lstm_carry, values_BxTxM, strength_BxT, reading_BxM),
+              (h_BxH, actions_Bx2, push_BxM, strength_BxT, reading_BxM))
+
+    _, outs = jax.lax.scan(
+        step, init, (jnp.arange(steps), jnp.swapaxes(x_BxTxV, 0, 1)))
+    h, actions, push, strengths, readings = (jnp.swapaxes(a, 0, 1)
+                                             for a in outs)
+    readings = jnp.concatenate(
+        [jnp.zeros((batch, 1, m), readings.dtype), readings], axis=1)
+    return h, {'actions': actions, 'push_vectors': push,
+               'strengths': strengths, 'readings': readings}
+
+
+class NSLM(LanguageModel):
+  """LSTM + nondeterministic stack (Lang's algorithm in ``ns_stack``).
+
+  ``trace`` adds ``actions``: a dict of probabilities ``push`` and
+  ``repl`` [B, T, Q, S, Q, S] and ``pop`` [B, T, Q, S, Q]; ``readings``
+  [B, N, S] (``tau_0 = one_hot(bottom)`` .. ``tau_T``) and ``log_mass`` (the
+  log total weight after each update, as returned by ``ns_stack``).
+  """
+
+  num_states: int = 2
+  num_stack_symbols: int = 2
+
+  def _reading_size(self) -> int:
+    return self.num_stack_symbols
+
+  def _stack_params(self):
+    return {'action': self.action()}
+
+  def setup(self):
+    super().setup()
+    q, s = self.num_states, self.num_stack_symbols
+    self.action = AffineParams(self.hidden_size, q * s * (2 * q * s + q),
+                               uniform_init(), uniform_init(),
+                               dtype=self.dtype)
+
+  def _no_step_internals(self, batch):
+    q, s, dt = self.num_states, self.num_stack_symbols, self.dtype
+    return {'actions': {'push': jnp.zeros((batch, 0, q, s, q, s), dt),
+                        'repl': jnp.zeros((batch, 0, q, s, q, s), dt),
+                        'pop': jnp.zeros((batch, 0, q, s, q), dt)},
+            'readings': jnp.zeros((batch, 1, s), dt).at[:, 0, 0].set(1),
+            'log_mass': jnp.zeros((batch, 1), dt)}
+
+  def _run(self, params, inputs_BxT):
+    batch = inputs_BxT.shape[0]
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    step_fn = functools.partial(
+        ns_controller_step, vocab_size=self.vocab_size,
+        num_states=self.num_states, num_symbols=self.num_stack_symbols)
+    step_params = {'controller': params['controller'],
+                   'action': params['action']}
+    h_BxTxH, readings, log_mass = ns_stack.run_coupled(
+        step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
+        num_states=self.num_states, num_symbols=self.num_stack_symbols)
+    push, repl, pop = jax.vmap(
+        lambda h: ns_action_log_probs(params['action'], h, self.num_states,
+                                      self.num_stack_symbols),
+        in_axes=1, out_axes=1)(h_BxTxH)
+    actions = {'push': jnp.exp(push), 'repl': jnp.exp(repl),
+               'pop': jnp.exp(pop)}
+    return h_BxTxH, {'actions': actions, 'readings': readings,
+                     'log_mass': log_mass}
+
+
+# ---------------------------------------------------------------------------
+# Construction and scoring.
+# ---------------------------------------------------------------------------
+
+
+def _check_positive_int(name: str, value) -> int:
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+      or value < 1):
+    raise ValueError(f'{name} must be a positive integer, got {value!r}')
+  return int(value)
+
+
+def get(name: str, vocab_size: int, hidden_size: int = 20,
+        num_states: int = 2, num_stack_symbols: int = 2,
+        stack_embedding_size: int = 20, dtype=jnp.float32) -> nn.Module:
+  """Builds one of the four language models.
+
+  Args:
+    name: one of ``MODEL_NAMES`` ('lstm', 'jm', 'gref', 'ns').
+    vocab_size: V.
+    hidden_size: LSTM hidden units H (20 in the paper).
+    num_states: NS-RNN PDA states Q (ns only).
+    num_stack_symbols: NS-RNN stack symbols S including bottom (ns only).
+    stack_embedding_size: JM/Gref stack vector size M (jm, gref only).
+    dtype: parameter and computation dtype (float32 or float64; float64
+      needs ``jax_enable_x64``).
+
+  Returns:
+    A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
+    ``[B, N, V]`` and ``apply(..., method='trace')`` a dict of internals.
+
+  Raises:
+    ValueError: unknown name, non-positive sizes or an unusable dtype.
+  """
+  if name not in MODEL_NAMES:
+    raise ValueError(
+        f'unknown model {name!r}; valid models: {", ".join(MODEL_NAMES)}')
+  vocab_size = _check_positive_int('vocab_size', vocab_size)
+  hidden_size = _check_positive_int('hidden_size', hidden_size)
+  num_states = _check_positive_int('num_states', num_states)
+  num_stack_symbols = _check_positive_int('num_stack_symbols',
+                                          num_stack_symbols)
+  stack_embedding_size = _check_positive_int('stack_embedding_size',
+                                             stack_embedding_size)
+  try:
+    np_dtype = np.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f'dtype must be a floating dtype, got {dtype!r}') from e
+  if np_dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+    raise ValueError(f'dtype must be float32 or float64, got {np_dtype}')
+  if np_dtype == np.float64 and not jax.config.jax_enable_x64:
+    raise ValueError('dtype float64 needs jax_enable_x64 (e.g. '
+                     '`with jax.enable_x64(True):` or JAX_ENABLE_X64=1)')
+  common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
+                dtype=np_dtype.type)
+  if name == 'lstm':
+    return LSTMLM(**common)
+  if name == 'jm':
+    return JMLM(stack_embedding_size=stack_embedding_size, **common)
+  if name == 'gref':
+    return GrefLM(stack_embedding_size=stack_embedding_size, **common)
+  return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
+              **common)
+
+
+def build(config, vocab_size: int | None = None) -> nn.Module:
+  """Builds the model named by a flat config.
+
+  Reads ``model``, ``hidden_size``, ``num_states``, ``num_stack_symbols`` and
+  ``stack_embedding_size`` (missing size fields take the paper's defaults).
+  ``vocab_size`` defaults to ``config.vocab_size`` if present, else to the
+  vocabulary of ``config.task`` from :mod:`nsrnn_jax.languages`.
+  """
+  def field(name, default):
+    try:
+      return config[name]
+    except (KeyError, AttributeError, TypeError):
+      return getattr(config, name, default)
+
+  model = field('model', None)
+  if model is None:
+    raise ValueError('config has no field `model`; valid models: '
+                     f'{", ".join(MODEL_NAMES)}')
+  if vocab_size is None:
+    vocab_size = field('vocab_size', None)
+  if vocab_size is None:
+    task = field('task', None)
+    if task is None:
+      raise ValueError('vocab_size not given and config has neither '
+                       '`vocab_size` nor `task`')
+    from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+    vocab_size = languages.get(task).vocab_size
+  return get(model, vocab_size,
+             hidden_size=field('hidden_size', 20),
+             num_states=field('num_states', 2),
+             num_stack_symbols=field('num_stack_symbols', 2),
+             stack_embedding_size=field('stack_embedding_size', 20),
+             dtype=field('dtype', jnp.float32))
+
+
+def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:
+  """Initial parameters of ``model`` without running a forward pass.
+
+  Equal to ``model.init(rng, symbols_BxN)['params']`` for any symbols.
+  """
+  return model.init(rng, method='declare_params')['params']
+
+
+def sequence_log_prob(logits_BxNxV: jax.Array, symbols_BxN: jax.Array,
+                      mask_BxN: jax.Array | None = None) -> jax.Array:
+  """Per-string log-likelihood ``sum_t mask[b, t] log p(w_t | w_<t)``.
+
+  Args:
+    logits_BxNxV: model output.
+    symbols_BxN: the scored strings (same ids that were fed).
+    mask_BxN: optional 0/1 weights (1 = real symbol, 0 = padding).
+
+  Returns:
+    ``[B]`` natural-log probabilities.
+  """
+  if np.ndim(logits_BxNxV) != 3 or np.ndim(symbols_BxN) != 2:
+    raise ValueError(
+        'expected logits [B, N, V] and symbols [B, N], got shapes '
+        f'{np.shape(logits_BxNxV)} and {np.shape(symbols_BxN)}')
+  if tuple(np.shape(logits_BxNxV)[:2]) != tuple(np.shape(symbols_BxN)):
+    raise ValueError(
+        f'logits shape {np.shape(logits_BxNxV)} does not match symbols shape '
+        f'{np.shape(symbols_BxN)}')
+  if mask_BxN is not None and tuple(np.shape(mask_BxN)) != tuple(
+      np.shape(symbols_BxN)):
+    raise ValueError(f'mask shape {np.shape(mask_BxN)} does not match '
+                     f'symbols shape {np.shape(symbols_BxN)}')
+  log_p_BxNxV = jax.nn.log_softmax(logits_BxNxV, axis=-1)
+  log_p_BxN = jnp.take_along_axis(
+      log_p_BxNxV, jnp.asarray(symbols_BxN)[..., None], axis=-1)[..., 0]
+  if mask_BxN is not None:
+    # where, not multiply: a masked -inf must not turn into NaN.
+    log_p_BxN = jnp.where(jnp.asarray(mask_BxN) > 0,
+                          log_p_BxN * jnp.asarray(mask_BxN, log_p_BxN.dtype),
+                          0.0)
+  return jnp.sum(log_p_BxN, axis=-1)

@@ -1,0 +1,604 @@
+"""Tests for nsrnn_jax.models against naive NumPy references.
+
+Oracles (none tuned to the implementation):
+  * a NumPy LSTM written from PyTorch's gate equations;
+  * JM: the growing list of vectors with a zero bottom, cell by cell;
+  * Gref: the literal top-down walk of reference-behaviour section 2.2;
+  * NS-RNN: controller steps in NumPy feeding a brute-force PDA over explicit
+    stacks with the frozen-bottom semantics of section 1.5;
+  * the reference protocol of exactly n - 2 stack updates (the models do one
+    extra, unused update; matching the oracle shows that it is harmless).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsrnn_jax import models
+import pda_oracle  # tests/pda_oracle.py, on sys.path under pytest
+
+
+# ---------------------------------------------------------------------------
+# NumPy references.
+# ---------------------------------------------------------------------------
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+def _softmax(x):
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _np_lstm_step(p, h, c, x):
+  """PyTorch LSTM equations, gate blocks i, f, g, o of the 4H axis."""
+  hidden = h.shape[-1]
+
+  def pre(k):
+    sl = slice(k * hidden, (k + 1) * hidden)
+    return x @ p['w_ih'][:, sl] + p['b_ih'][sl] + h @ p['w_hh'][:, sl] + p[
+        'b_hh'][sl]
+
+  i, f, g, o = _sigmoid(pre(0)), _sigmoid(pre(1)), np.tanh(pre(2)), _sigmoid(
+      pre(3))
+  c = f * c + i * g
+  return o * np.tanh(c), c
+
+
+def _np_affine(p, x):
+  return x @ p['kernel'] + p['bias']
+
+
+class _JMStack:
+  """Naive JM stack: a Python list of vectors, top first, zero below."""
+
+  def __init__(self, params, m):
+    self.params, self.m, self.cells = params, m, []
+    self.reading = np.zeros(m)
+
+  def update(self, h):
+    push, pop, noop = _softmax(_np_affine(self.params['action'], h))
+    v = _sigmoid(_np_affine(self.params['push'], h))
+    old = self.cells
+    get = lambda i: old[i] if 0 <= i < len(old) else np.zeros(self.m)
+    new = []
+    for i in range(len(old) + 1):
+      above = v if i == 0 else get(i - 1)
+      new.append(push * above + noop * get(i) + pop * get(i + 1))
+    self.cells = new
+    self.reading = new[0]
+
+
+class _GrefStack:
+  """Naive Gref stack: the literal walk of section 2.2, bottom first."""
+
+  def __init__(self, params, m):
+    self.params, self.m = params, m
+    self.values, self.strengths = [], []
+    self.reading = np.zeros(m)
+
+  def update(self, h):
+    d, u = _sigmoid(_np_affine(self.params['action'], h))
+    v = np.tanh(_np_affine(self.params['push'], h))
+    rho = u
+    for i in reversed(range(len(self.strengths))):
+      old = self.strengths[i]
+      self.strengths[i] = max(0.0, old - max(0.0, rho))
+      rho -= old
+    self.values.append(v)
+    self.strengths.append(d)
+    reading, remaining = np.zeros(self.m), 1.0
+    for i in reversed(range(len(self.strengths))):
+      reading += min(self.strengths[i], max(0.0, remaining)) * self.values[i]
+      remaining -= self.strengths[i]
+    self.reading = reading
+
+
+def _ns_action_log_probs(action_params, h, q, s):
+  """Section 1.1 layout: per (q, x) row one log-softmax over 2QS + Q."""
+  logits = _np_affine(action_params, h).reshape(q * s, 2 * q * s + q)
+  log_p = np.log(_softmax(logits))
+  return (log_p[:, :q * s].reshape(q, s, q, s),
+          log_p[:, q * s:2 * q * s].reshape(q, s, q, s),
+          log_p[:, 2 * q * s:].reshape(q, s, q))
+
+
+class _PDAStack:
+  """NS stack by brute force: every update re-runs tests/pda_oracle.py.
+
+  The oracle enumerates explicit (state, stack) configurations with the
+  frozen-bottom semantics of reference-behaviour 1.5 for all updates so far.
+  """
+
+  def __init__(self, params, q, s):
+    self.params, self.q, self.s = params, q, s
+    self.actions = ([], [], [])
+    self.reading = np.eye(s)[0]
+    self.log_mass = 0.0
+
+  def update(self, h):
+    for store, a in zip(self.actions, _ns_action_log_probs(
+        self.params['action'], h, self.q, self.s)):
+      store.append(a)
+    readings, log_mass = pda_oracle.readings_and_log_mass(
+        *(np.stack(a) for a in self.actions))
+    self.reading, self.log_mass = readings[-1], log_mass[-1]
+
+
+def _reference_logits(params, symbols, vocab_size, make_stack=None,
+                      reading_size=0, initial_reading=None):
+  """Slow LM: reference time indexing with exactly n - 2 stack updates.
+
+  Returns:
+    (logits [n, V], readings fed r_0 .. r_{n-2}, per-update log masses of
+    the stack (NS only, else empty)).
+  """
+  p = jax.tree.map(np.asarray, params)
+  hidden = p['controller']['w_hh'].shape[0]
+  h, c = np.zeros(hidden), np.zeros(hidden)
+  stack = make_stack(p) if make_stack else None
+  reading = (initial_reading if initial_reading is not None
+             else np.zeros(reading_size))
+  logits, readings = [_np_affine(p['output'], h)], [reading]
+  log_masses = [0.0]
+  n = len(symbols)
+  for t in range(1, n):
+    x = np.concatenate([np.eye(vocab_size)[symbols[t - 1]], reading])
+    h, c = _np_lstm_step(p['controller'], h, c, x)
+    logits.append(_np_affine(p['output'], h))
+    if stack is not None and t <= n - 2:
+      stack.update(h)
+      reading = stack.reading
+      readings.append(reading)
+      log_masses.append(getattr(stack, 'log_mass', np.nan))
+  return np.stack(logits), np.stack(readings), np.array(log_masses)
+
+
+def _log_prob_from_logits(logits, symbols):
+  log_p = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
+      -1, keepdims=True)) - logits.max(-1, keepdims=True)
+  return float(sum(log_p[t, w] for t, w in enumerate(symbols)))
+
+
+def _randomize(params, seed, scale=1.0):
+  """Replaces every parameter by N(0, scale^2) so no value is special."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda a: jnp.asarray(scale * rng.standard_normal(a.shape), a.dtype),
+      params)
+
+
+def _init(model, symbols=None):
+  del symbols  # init_params needs no forward pass (keeps the file fast)
+  return models.init_params(model, jax.random.key(0))
+
+
+def _apply(model, params, symbols, method=None):
+  return jax.jit(functools.partial(model.apply, method=method))(
+      {'params': params}, jnp.asarray(symbols))
+
+
+# ---------------------------------------------------------------------------
+# Stack updates on their own.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('num_updates', [1, 2, 7, 8])
+def test_jm_update_fixed_depth_equals_growing_list(num_updates):
+  rng = np.random.default_rng(num_updates)
+  m = 3
+  # Push for the first half, pop afterwards (the worst case for truncation),
+  # mixed with random soft actions on a second batch row.
+  hard = np.array([[1.0, 0, 0] if t < num_updates // 2 + 1 else [0, 1.0, 0]
+                   for t in range(num_updates)])
+  soft = _softmax(2 * rng.standard_normal((num_updates, 3)))
+  actions_BxTx3 = np.stack([hard, soft])
+  push_BxTxM = rng.uniform(size=(2, num_updates, m))
+  stack = jnp.zeros((2, models.jm_depth(num_updates), m), jnp.float32)
+  ref = [[], []]  # naive stacks, top first, growing by one cell per update
+  for t in range(num_updates):
+    stack = models.jm_update(stack, jnp.asarray(actions_BxTx3[:, t]),
+                             jnp.asarray(push_BxTxM[:, t]))
+    for b in range(2):
+      cells = ref[b]
+      get = lambda i, c=cells: c[i] if 0 <= i < len(c) else np.zeros(m)
+      push, pop, noop = actions_BxTx3[b, t]
+      ref[b] = [push * (push_BxTxM[b, t] if i == 0 else get(i - 1))
+                + noop * get(i) + pop * get(i + 1)
+                for i in range(len(cells) + 1)]
+      np.testing.assert_allclose(stack[b, 0], ref[b][0], atol=1e-6)
+  # The hard row ends with the pushed vectors popped back to the top.
+  if num_updates > 2:
+    assert np.abs(np.asarray(stack[0, 0])).max() > 0.05
+
+
+def test_gref_update_equals_walk_on_random_stacks():
+  rng = np.random.default_rng(0)
+  capacity, m, filled = 6, 2, 4
+  values = rng.standard_normal((3, capacity, m))
+  strengths = rng.uniform(0, 0.8, (3, capacity))
+  values[:, filled:] = 0
+  strengths[:, filled:] = 0
+  d = rng.uniform(size=3)
+  u = np.array([0.3, 1.7, 0.0])
+  v = rng.standard_normal((3, m))
+  new_values, new_strengths, reading = models.gref_update(
+      jnp.asarray(values), jnp.asarray(strengths), filled, jnp.asarray(d),
+      jnp.asarray(u), jnp.asarray(v))
+  for b in range(3):
+    s = list(strengths[b, :filled])
+    rho = u[b]
+    for i in reversed(range(filled)):
+      old = s[i]
+      s[i] = max(0.0, old - max(0.0, rho))
+      rho -= old
+    s.append(d[b])
+    vals = list(values[b, :filled]) + [v[b]]
+    expected, remaining = np.zeros(m), 1.0
+    for i in reversed(range(filled + 1)):
+      expected += min(s[i], max(0.0, remaining)) * vals[i]
+      remaining -= s[i]
+    np.testing.assert_allclose(new_strengths[b, :filled + 1], s, atol=1e-6)
+    np.testing.assert_allclose(new_values[b, filled], v[b], atol=1e-6)
+    np.testing.assert_allclose(reading[b], expected, atol=1e-6)
+  # Only the pop of row 1 (u = 1.7) reaches into the stack.
+  assert not np.allclose(new_strengths[1, :filled], strengths[1, :filled])
+  np.testing.assert_allclose(new_strengths[2, :filled], strengths[2, :filled])
+
+
+# ---------------------------------------------------------------------------
+# Whole models against the slow references (float64).
+# ---------------------------------------------------------------------------
+
+_VOCAB = 3
+_SYMBOLS = np.array([[0, 1, 2, 2, 1, 0, 0, 1, 2, 1, 1, 0, 2],
+                     [2, 2, 2, 0, 1, 1, 0, 2, 0, 0, 1, 2, 1]], np.int32)
+
+
+@pytest.mark.parametrize('name', ['lstm', 'jm', 'gref'])
+def test_model_matches_numpy_reference(name):
+  m = 4
+  with jax.enable_x64(True):
+    model = models.get(name, _VOCAB, hidden_size=5, stack_embedding_size=m,
+                       dtype=jnp.float64)
+    params = _randomize(_init(model, _SYMBOLS), seed=1, scale=0.8)
+    out = _apply(model, params, _SYMBOLS, method='trace')
+    for b, string in enumerate(_SYMBOLS):
+      make_stack = {'lstm': None,
+                    'jm': lambda p: _JMStack(p, m),
+                    'gref': lambda p: _GrefStack(p, m)}[name]
+      logits, readings, _ = _reference_logits(
+          params, string, _VOCAB, make_stack, reading_size=m if make_stack
+          else 0)
+      np.testing.assert_allclose(out['logits'][b], logits, rtol=1e-10,
+                                 atol=1e-10)
+      if name != 'lstm':
+        n = len(string)
+        np.testing.assert_allclose(out['readings'][b, :n - 1], readings,
+                                   atol=1e-10)
+    if name != 'lstm':
+      # Non-trivial stacks: readings vary and the actions are not uniform.
+      assert np.ptp(np.asarray(out['readings'][:, 1:])) > 0.1
+      assert np.ptp(np.asarray(out['actions'])) > 0.1
+
+
+@pytest.mark.parametrize('q,s', [(2, 2), (3, 2), (2, 3)])
+def test_ns_log_likelihood_matches_pda_composition(q, s):
+  symbols = np.array([[0, 2, 1, 1, 0, 2, 1], [1, 1, 1, 2, 0, 0, 2]],
+                     np.int32)
+  with jax.enable_x64(True):
+    model = models.get('ns', _VOCAB, hidden_size=4, num_states=q,
+                       num_stack_symbols=s, dtype=jnp.float64)
+    params = _randomize(_init(model, symbols), seed=q * 10 + s, scale=1.0)
+    out = _apply(model, params, symbols, method='trace')
+    log_prob = models.sequence_log_prob(out['logits'], jnp.asarray(symbols))
+    for b, string in enumerate(symbols):
+      logits, readings, log_masses = _reference_logits(
+          params, string, _VOCAB, lambda p: _PDAStack(p, q, s),
+          initial_reading=np.eye(s)[0])
+      n = len(string)
+      np.testing.assert_allclose(log_prob[b],
+                                 _log_prob_from_logits(logits, string),
+                                 rtol=1e-10)
+      np.testing.assert_allclose(out['logits'][b], logits, atol=1e-10)
+      np.testing.assert_allclose(out['readings'][b, :n - 1], readings,
+                                 atol=1e-10)
+      np.testing.assert_allclose(out['log_mass'][b, :n - 1], log_masses,
+                                 rtol=1e-10, atol=1e-12)
+      # Update 1 is push-only (frozen bottom), so mass is lost at once.
+      assert log_masses[1] < -1e-3
+      # Traced actions are the section 1.1 softmaxes of the hidden states.
+      for t in range(n - 1):
+        expected = _ns_action_log_probs(
+            jax.tree.map(np.asarray, params['action']),
+            np.asarray(out['hidden'][b, t + 1]), q, s)
+        for key, e in zip(('push', 'repl', 'pop'), expected):
+          np.testing.assert_allclose(out['actions'][key][b, t], np.exp(e),
+                                     atol=1e-12)
+    rows = (out['actions']['push'].sum((-2, -1))
+            + out['actions']['repl'].sum((-2, -1))
+            + out['actions']['pop'].sum(-1))
+    np.testing.assert_allclose(rows, 1.0, atol=1e-12)
+    # The readings are far from the initial one-hot: the stack matters.
+    assert np.ptp(np.asarray(out['readings'][:, 2:])) > 0.05
+
+
+def test_lstm_log_prob_equals_manual_sum():
+  symbols = _SYMBOLS[:, :6]
+  with jax.enable_x64(True):
+    model = models.get('lstm', _VOCAB, hidden_size=3, dtype=jnp.float64)
+    params = _randomize(_init(model, symbols), seed=3)
+    logits = _apply(model, params, symbols)
+    mask = np.ones(symbols.shape)
+    mask[1, 4:] = 0
+    got = models.sequence_log_prob(logits, jnp.asarray(symbols),
+                                   jnp.asarray(mask))
+    for b in range(2):
+      n = int(mask[b].sum())
+      expected = _log_prob_from_logits(np.asarray(logits[b, :n]),
+                                       symbols[b, :n])
+      np.testing.assert_allclose(got[b], expected, rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Protocol details: causality, first row, parameter counts, initialisation.
+# ---------------------------------------------------------------------------
+
+_ALL = list(models.MODEL_NAMES)
+
+
+@pytest.mark.parametrize('name', _ALL)
+def test_right_padding_does_not_change_earlier_logits(name):
+  model = models.get(name, _VOCAB, hidden_size=6, stack_embedding_size=3)
+  short = _SYMBOLS[:, :7]
+  padded = np.concatenate([short, np.full((2, 5), 2, np.int32)], axis=1)
+  params = _randomize(_init(model, padded), seed=4)
+  logits_short = _apply(model, params, short)
+  logits_padded = _apply(model, params, padded)
+  np.testing.assert_allclose(logits_padded[:, :7], logits_short, rtol=1e-5,
+                             atol=1e-5)
+  # ... and the masked log-likelihood of the padded batch is the same number.
+  mask = np.zeros(padded.shape, np.float32)
+  mask[:, :7] = 1
+  np.testing.assert_allclose(
+      models.sequence_log_prob(logits_padded, jnp.asarray(padded),
+                               jnp.asarray(mask)),
+      models.sequence_log_prob(logits_short, jnp.asarray(short)), rtol=1e-5)
+  # The later positions do depend on the padding symbols (sanity of the test).
+  other = padded.copy()
+  other[:, 8:] = 0
+  logits_other = _apply(model, params, other)
+  assert np.abs(logits_other[:, 9:] - logits_padded[:, 9:]).max() > 1e-4
+
+
+@pytest.mark.parametrize('name', _ALL)
+def test_first_logit_row_is_output_bias(name):
+  model = models.get(name, _VOCAB, hidden_size=6, stack_embedding_size=3)
+  params = _randomize(_init(model, _SYMBOLS), seed=5)
+  logits = _apply(model, params, _SYMBOLS)
+  np.testing.assert_array_equal(
+      logits[:, 0], np.broadcast_to(params['output']['bias'], (2, _VOCAB)))
+  # Length-1 strings: nothing is fed, the only row is the bias, and trace
+  # has the same keys as for longer strings, with T = 0 steps.
+  one = _apply(model, params, _SYMBOLS[:, :1], method='trace')
+  np.testing.assert_array_equal(one['logits'], logits[:, :1])
+  two = _apply(model, params, _SYMBOLS[:, :2], method='trace')
+  assert jax.tree.map(np.ndim, one) == jax.tree.map(np.ndim, two)
+  if name != 'lstm':
+    np.testing.assert_array_equal(one['readings'], two['readings'][:, :1])
+
+
+@pytest.mark.parametrize('name', ['gref', 'ns'])
+def test_init_params_equals_init_with_symbols(name):
+  model = models.get(name, _VOCAB, hidden_size=3, stack_embedding_size=2)
+  full = jax.jit(model.init)(jax.random.key(3), jnp.asarray(_SYMBOLS[:, :3]))
+  fast = models.init_params(model, jax.random.key(3))
+  jax.tree.map(np.testing.assert_array_equal, fast, full['params'])
+  assert set(full) == {'params'}  # no other variable collections
+
+
+def _count(params):
+  return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize('name,v,q,s,m', [
+    ('lstm', 3, 2, 2, 20), ('jm', 4, 2, 2, 2), ('jm', 7, 2, 2, 40),
+    ('gref', 2, 2, 2, 20), ('ns', 3, 2, 2, 20), ('ns', 2, 3, 2, 20),
+    ('ns', 7, 3, 3, 20)])
+def test_parameter_counts_match_reference_formulas(name, v, q, s, m):
+  model = models.get(name, v, num_states=q, num_stack_symbols=s,
+                     stack_embedding_size=m)
+  shapes = jax.eval_shape(model.init, jax.random.key(0),
+                          jnp.zeros((1, 3), jnp.int32))['params']
+  reading = {'lstm': 0, 'jm': m, 'gref': m, 'ns': s}[name]
+  expected = {'controller': 80 * (v + reading) + 80 * 20 + 160,
+              'output': 21 * v}
+  expected.update({'lstm': {}, 'jm': {'stack': 63 + 21 * m},
+                   'gref': {'stack': 42 + 21 * m},
+                   'ns': {'stack': 21 * q * s * (2 * q * s + q)}}[name])
+  got = {'controller': _count(shapes['controller']),
+         'output': _count(shapes['output'])}
+  if name != 'lstm':
+    got['stack'] = _count({k: shapes[k] for k in ('action', 'push')
+                           if k in shapes})
+  assert got == expected
+
+
+def test_initialisation_statistics():
+  v, m = 4, 40
+  init = {name: models.init_params(
+      models.get(name, v, stack_embedding_size=m), jax.random.key(7))
+          for name in models.MODEL_NAMES}
+
+  def check_uniform(a, scale):
+    a = np.asarray(a).ravel()
+    assert np.abs(a).max() <= scale
+    assert a.max() > 0.8 * scale and a.min() < -0.8 * scale  # spread out
+    # U[-c, c] has standard deviation c / sqrt(3).
+    assert abs(a.std() - scale / np.sqrt(3)) < 0.25 * scale / np.sqrt(3)
+
+  for name, params in init.items():
+    ctrl = params['controller']
+    check_uniform(np.concatenate([np.ravel(a) for a in ctrl.values()]), 0.1)
+    # Two independent bias vectors, not one duplicated.
+    assert not np.allclose(ctrl['b_ih'], ctrl['b_hh'])
+    h = 20
+    check_uniform(params['output']['kernel'], np.sqrt(6 / (h + v)))
+    np.testing.assert_array_equal(params['output']['bias'], 0)
+  for name, out, gain in [('jm', 3, 1.0), ('gref', 2, 1.0)]:
+    kernel = np.asarray(init[name]['action']['kernel'])
+    assert np.abs(kernel).max() <= gain * np.sqrt(6 / (20 + out))
+    np.testing.assert_array_equal(init[name]['action']['bias'], 0)
+  check_uniform(init['jm']['push']['kernel'], np.sqrt(6 / (20 + m)))
+  check_uniform(init['gref']['push']['kernel'], 5 / 3 * np.sqrt(6 / (20 + m)))
+  for name in ('jm', 'gref'):
+    np.testing.assert_array_equal(init[name]['push']['bias'], 0)
+  check_uniform(init['ns']['action']['kernel'], 0.1)
+  check_uniform(init['ns']['action']['bias'], 0.1)
+
+
+# ---------------------------------------------------------------------------
+# Gradients.
+# ---------------------------------------------------------------------------
+
+
+def _loss(model, symbols):
+
+  def loss(params):
+    logits = model.apply({'params': params}, symbols)
+    return -jnp.sum(models.sequence_log_prob(logits, symbols))
+
+  return loss
+
+
+def test_ns_gradients_finite_for_length_60_float32():
+  rng = np.random.default_rng(0)
+  symbols = jnp.asarray(rng.integers(0, _VOCAB, (1, 60)), jnp.int32)
+  model = models.get('ns', _VOCAB)
+  params = _randomize(_init(model, symbols), seed=6, scale=0.5)
+  loss32, grads = jax.jit(jax.value_and_grad(_loss(model, symbols)))(params)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    assert np.all(np.isfinite(g)), path
+  # The stack is actually in the gradient path.
+  assert np.abs(grads['action']['kernel']).max() > 0
+  # float32 training precision: the loss agrees with a float64 run.
+  with jax.enable_x64(True):
+    model64 = models.get('ns', _VOCAB, dtype=jnp.float64)
+    params64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+    loss64 = jax.jit(_loss(model64, symbols))(params64)
+  np.testing.assert_allclose(loss32, loss64, rtol=1e-5)
+
+
+@pytest.mark.parametrize('name', _ALL)
+def test_gradient_matches_finite_differences(name):
+  symbols = jnp.asarray(_SYMBOLS[:, :6])
+  with jax.enable_x64(True):
+    model = models.get(name, _VOCAB, hidden_size=3, stack_embedding_size=2,
+                       dtype=jnp.float64)
+    params = _randomize(_init(model, symbols), seed=8, scale=0.7)
+    loss = jax.jit(_loss(model, symbols))
+    grads = jax.jit(jax.grad(_loss(model, symbols)))(params)
+    direction = _randomize(params, seed=9)
+    eps = 1e-5
+    shifted = lambda sign: jax.tree.map(lambda p, d: p + sign * eps * d,
+                                        params, direction)
+    numeric = (loss(shifted(1)) - loss(shifted(-1))) / (2 * eps)
+    analytic = sum(jnp.vdot(g, d) for g, d in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(direction)))
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Construction and errors.
+# ---------------------------------------------------------------------------
+
+
+def test_unknown_model_lists_valid_names():
+  with pytest.raises(ValueError, match='lstm, jm, gref, ns'):
+    models.get('transformer', 3)
+
+
+@pytest.mark.parametrize('kwargs,field', [
+    ({'vocab_size': 0}, 'vocab_size'), ({'hidden_size': -1}, 'hidden_size'),
+    ({'num_states': 0}, 'num_states'),
+    ({'num_stack_symbols': 1.5}, 'num_stack_symbols'),
+    ({'stack_embedding_size': True}, 'stack_embedding_size'),
+    ({'dtype': jnp.int32}, 'dtype')])
+def test_invalid_sizes_raise(kwargs, field):
+  args = {'vocab_size': 3, **kwargs}
+  with pytest.raises(ValueError, match=field):
+    models.get('ns', **args)
+
+
+def test_float64_without_x64_is_a_clear_error():
+  if jax.config.jax_enable_x64:
+    pytest.skip('x64 is on globally')
+  with pytest.raises(ValueError, match='jax_enable_x64'):
+    models.get('lstm', 3, dtype=jnp.float64)
+
+
+def test_bad_symbols_raise():
+  model = models.get('jm', 3)
+  params = _init(model, _SYMBOLS)
+  with pytest.raises(ValueError, match=r'\[0, 3\)'):
+    model.apply({'params': params}, jnp.asarray([[0, 3, 1]]))
+  with pytest.raises(ValueError, match='2-D'):
+    model.apply({'params': params}, jnp.asarray([0, 1, 1]))
+  with pytest.raises(ValueError, match='integer'):
+    model.apply({'params': params}, jnp.asarray([[0.0, 1.0]]))
+  with pytest.raises(ValueError, match='does not match'):
+    models.sequence_log_prob(jnp.zeros((2, 4, 3)), jnp.zeros((2, 5), int))
+
+
+def test_build_reads_flat_config():
+  config = {'model': 'gref', 'hidden_size': 7, 'num_states': 3,
+            'num_stack_symbols': 3, 'stack_embedding_size': 5}
+  model = models.build(config, vocab_size=4)
+  assert isinstance(model, models.GrefLM)
+  assert (model.hidden_size, model.stack_embedding_size,
+          model.vocab_size) == (7, 5, 4)
+  with pytest.raises(ValueError, match='valid models'):
+    models.build({**config, 'model': 'rnn'}, vocab_size=4)
+  ns = models.build({**config, 'model': 'ns'}, vocab_size=4)
+  assert (ns.num_states, ns.num_stack_symbols) == (3, 3)
+
+
+def test_build_from_config_dict_takes_vocab_from_task():
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  config = ml_collections.ConfigDict(
+      {'model': 'ns', 'task': 'dyck', 'hidden_size': 20, 'num_states': 2,
+       'num_stack_symbols': 3, 'stack_embedding_size': 20})
+  model = models.build(config)
+  assert (model.vocab_size, model.num_stack_symbols) == (4, 3)  # ( ) [ ]
+  config.vocab_size = 9
+  assert models.build(config).vocab_size == 9
+
+
+def test_vmap_over_model_axis_equals_separate_models():
+  """Training vmaps a stacked K axis of parameters through the stack DP."""
+  model = models.get('ns', _VOCAB, hidden_size=3)
+  symbols = jnp.asarray(_SYMBOLS[:, :5])
+  per_model = [_randomize(_init(model), seed=20 + k) for k in range(2)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_model)
+  value_and_grad = jax.value_and_grad(_loss(model, symbols))
+  losses, grads = jax.jit(jax.vmap(value_and_grad))(stacked)
+  for k, params in enumerate(per_model):
+    loss, grad = jax.jit(value_and_grad)(params)
+    np.testing.assert_allclose(losses[k], loss, rtol=1e-5)
+    jax.tree.map(lambda a, b, k=k: np.testing.assert_allclose(
+        a[k], b, rtol=1e-4, atol=1e-6), grads, grad)
+  assert abs(float(losses[0] - losses[1])) > 1e-3
+
+
+def test_jit_matches_eager():
+  model = models.get('lstm', _VOCAB, hidden_size=4)
+  symbols = jnp.asarray(_SYMBOLS[:, :5])
+  params = _randomize(_init(model, symbols), seed=10)
+  eager = model.apply({'params': params}, symbols)
+  jitted = jax.jit(model.apply)({'params': params}, symbols)
+  np.testing.assert_allclose(jitted, eager, rtol=1e-6, atol=1e-6)
