@@ -1,0 +1,121 @@
+"""Default configuration: every field of the training protocol, commented.
+
+The defaults are the paper's protocol (DuSell & Chiang 2020, section 5.5) and
+the authors' code (reference-behaviour.md sections 4-6): NS-RNN with Q = S = 2
+on marked reversal. Task x model configs import this file and override a few
+fields. Run:
+
+  python -m nsrnn_jax.main --config=configs/default.py --workdir=/tmp/nsrnn
+
+Any field can be overridden on the command line, e.g.
+`--config.learning_rate=0.001 --config.task=dyck`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """Returns the default (paper-protocol) configuration."""
+  config = ml_collections.ConfigDict()
+
+  # --- Task and model -------------------------------------------------------
+  # Formal language: marked_reversal, unmarked_reversal, padded_reversal, dyck
+  # or hardest_cfl (languages.TASKS).
+  config.task = "marked_reversal"
+  # Language model: lstm (no stack), jm (Joulin-Mikolov), gref (Grefenstette)
+  # or ns (nondeterministic stack RNN).
+  config.model = "ns"
+  # Hidden units of the LSTM controller (paper: 20 for every model).
+  config.hidden_size = 20
+  # NS-RNN: number of PDA states Q (state 0 is the start state).
+  config.num_states = 2
+  # NS-RNN: number of stack symbols S, including the bottom symbol 0.
+  config.num_stack_symbols = 2
+  # JM/Gref: stack embedding size m (grid value; the paper does not publish
+  # the selected value, 20 is the middle of the grid).
+  config.stack_embedding_size = 20
+  # JM/Gref: the grid searched for m in the paper (documentation; the grid
+  # search itself is a launcher over --config.stack_embedding_size).
+  config.stack_embedding_size_grid = (2, 20, 40)
+
+  # --- Optimiser --------------------------------------------------------------
+  # Initial Adam learning rate (grid value; see learning_rate_grid).
+  config.learning_rate = 0.005
+  # The grid searched for the learning rate in the paper.
+  config.learning_rate_grid = (0.01, 0.005, 0.001, 0.0005)
+  # Adam beta1 / beta2 / epsilon (PyTorch defaults, used by the authors).
+  config.adam_b1 = 0.9
+  config.adam_b2 = 0.999
+  config.adam_eps = 1e-8
+  # Global L2 norm for gradient clipping (of the sum-over-positions loss).
+  config.clip_norm = 5.0
+
+  # --- Data ------------------------------------------------------------------
+  # Strings per training / validation batch (every batch has one length).
+  config.batch_size = 10
+  # Number of training batches (built once; only their order is shuffled).
+  config.num_train_batches = 1000
+  # Number of validation batches (1000 strings for batch size 10).
+  config.num_valid_batches = 100
+  # Interval of string lengths for training and validation (inclusive).
+  config.train_min_length = 40
+  config.train_max_length = 80
+  # Interval of string lengths of the test set (inclusive).
+  config.test_min_length = 40
+  config.test_max_length = 100
+  # Test strings per valid length (one test batch per length).
+  config.test_strings_per_length = 100
+  # Whether the per-length test lower bound includes ln N_L,test (the number
+  # of valid test lengths). True reproduces the paper's figures; False is the
+  # conll2020 code's test.py (curves shift up by ln(N_L,test)/length).
+  # Reference-behaviour.md section 6.
+  config.test_bound_includes_num_lengths = True
+
+  # --- Schedule (PyTorch ReduceLROnPlateau + early stopping) ----------------
+  # Maximum number of epochs.
+  config.max_epochs = 200
+  # Learning-rate multiplier applied on a plateau of validation perplexity.
+  config.lr_decay_factor = 0.9
+  # Epochs without improvement tolerated; the LR decays on the next one.
+  config.lr_decay_patience = 5
+  # Relative improvement threshold of the plateau detector (mode "rel").
+  config.lr_decay_threshold = 1e-4
+  # Early stopping: stop on the (patience + 1)-th epoch without a strict
+  # improvement of validation perplexity.
+  config.early_stopping_patience = 10
+
+  # --- Seeds ----------------------------------------------------------------
+  # Seed of the training and validation data (each restart has its own).
+  config.data_seed = 1
+  # Seed of the parameter initialisation.
+  config.param_seed = 1
+  # Seed of the per-epoch shuffle of the batch order.
+  config.shuffle_seed = 1
+  # Seed of the test set (0 in the paper: identical for every run).
+  config.test_seed = 0
+
+  # --- Numerics and compilation ---------------------------------------------
+  # Parameter / activation dtype: float32 (paper) or float64 (needs x64).
+  config.dtype = "float32"
+  # How distinct string lengths are compiled: "per_length" (one jit cache
+  # entry per length, no padding) or "bucket" (pad to the next bucket
+  # boundary with an exact mask). per_length is faster overall for the
+  # NS-RNN; the baselines' configs use bucket. See README "Compilation
+  # across lengths".
+  config.compile_strategy = "per_length"
+  # Bucket boundaries (upper lengths) used when compile_strategy="bucket".
+  config.length_buckets = (50, 60, 70, 80, 90, 100)
+
+  # --- Checkpoints and logging ----------------------------------------------
+  # Save the full training state every this many epochs (1 = every epoch).
+  config.checkpoint_every_epochs = 1
+  # Number of recent checkpoints kept (>= 2 so a good one always survives).
+  config.checkpoints_to_keep = 2
+  # Stop this invocation after this many epochs (0 = no limit); rerunning on
+  # the same workdir resumes. Used to test interruption.
+  config.stop_after_epochs = 0
+  # Show a tqdm progress bar (process 0 only).
+  config.progress_bar = True
+  # Evaluate on the test set at the end of training.
+  config.run_test = True
+  return config

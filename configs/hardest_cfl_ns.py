@@ -1,0 +1,27 @@
+"""Hardest CFL, NS-RNN: the paper's setting (section 5.5).
+
+Run (one restart; vary the seeds for the 5 restarts):
+
+  python -m nsrnn_jax.main --config=configs/hardest_cfl_ns.py --workdir=runs/hardest_cfl_ns
+
+Grid (paper): --config.learning_rate in learning_rate_grid; the selected
+value is not published, the default is 0.005.
+
+Expected (paper's figure data):
+  final validation CE difference 0.0284 ± 0.0048 nats/symbol (mean ± std of 5 restarts,
+  last epoch; reference-behaviour.md §10.1);
+  test CE difference, mean over lengths 40-80 / 81-100: 0.0213 / 0.0493.
+"""
+
+from configs import default
+
+
+def get_config():
+  """Returns the hardest_cfl x ns configuration."""
+  config = default.get_config()
+  config.task = "hardest_cfl"
+  config.model = "ns"
+  config.num_states = 3
+  config.num_stack_symbols = 3
+  config.learning_rate = 0.005  # grid: (0.01, 0.005, 0.001, 0.0005)
+  return config

@@ -1,0 +1,40 @@
+"""Quick start: NS-RNN (Q = S = 2) on short marked-reversal strings.
+
+Trains in a few minutes on a laptop CPU:
+
+  python -m nsrnn_jax.main --config=configs/quick.py --workdir=/tmp/nsrnn_quick
+
+Same protocol as the paper, smaller data: strings of length 9-21 (test
+9-31), 300 training batches of 10, at most 60 epochs, 5 length buckets.
+Measured (2 shared CPU cores): first epoch ~40 s (compilation), then ~2 s
+per epoch, ~3 minutes in all. The validation cross-entropy difference falls
+from 0.35 to about 0.01 nats/symbol (best 0.0076 at epoch 56 with the default
+seeds); the test difference is about -0.03 on lengths 9-21 (negative because
+the per-length bound includes ln 12 test lengths while the model learned 7
+training lengths) and rises steeply beyond 21.
+"""
+
+from configs import default
+
+
+def get_config():
+  """Returns the quick-start configuration."""
+  config = default.get_config()
+  config.task = "marked_reversal"
+  config.model = "ns"
+  config.num_states = 2
+  config.num_stack_symbols = 2
+  config.learning_rate = 0.005
+  config.num_train_batches = 300
+  config.num_valid_batches = 20
+  config.train_min_length = 9
+  config.train_max_length = 21
+  config.test_min_length = 9
+  config.test_max_length = 31
+  config.test_strings_per_length = 20
+  config.max_epochs = 60
+  # Short strings: compilation dominates a short run, so pad to 5 length
+  # buckets instead of compiling 7 training + 12 test lengths.
+  config.compile_strategy = "bucket"
+  config.length_buckets = (13, 17, 21, 25, 31)
+  return config

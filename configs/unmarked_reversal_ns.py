@@ -1,0 +1,26 @@
+"""Unmarked reversal, NS-RNN: the paper's setting (section 5.5).
+
+Run (one restart; vary the seeds for the 5 restarts):
+
+  python -m nsrnn_jax.main --config=configs/unmarked_reversal_ns.py --workdir=runs/unmarked_reversal_ns
+
+Grid (paper): --config.learning_rate in learning_rate_grid; the selected
+value is not published, the default is 0.005.
+
+Expected (paper's figure data):
+  validation curve: not in the paper's source (figure missing);
+  test CE difference, mean over lengths 40-80 / 81-100: 0.1242 / 0.2288.
+"""
+
+from configs import default
+
+
+def get_config():
+  """Returns the unmarked_reversal x ns configuration."""
+  config = default.get_config()
+  config.task = "unmarked_reversal"
+  config.model = "ns"
+  config.num_states = 2
+  config.num_stack_symbols = 2
+  config.learning_rate = 0.005  # grid: (0.01, 0.005, 0.001, 0.0005)
+  return config

@@ -1,0 +1,194 @@
+"""Metric writers (JSON lines + TensorBoard) and cross-entropy helpers.
+
+Only process 0 writes files; other processes only log. The cross-entropy
+difference of section 5.3 of the paper is
+
+  diff = [sum_w -ln p_model(w) - sum_w -ln p_sample(w)] / sum_w |w|
+
+in nats per symbol, where the lower bound of a string is
+
+  -ln p_sample(w) = -ln G(w) + ln G(|w|) + ln N_L
+
+(N_L = number of valid lengths of the interval the set was drawn from).
+"""
+
+import csv
+import json
+import math
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+from absl import logging
+import numpy as np
+
+
+def lower_bound_neg_log_prob(log_prob_B, length_log_prob, num_lengths):
+  """Returns -ln p_sample(w) for each string (float64 [B]).
+
+  Args:
+    log_prob_B: ln G(w) of each string.
+    length_log_prob: ln G(|w|), scalar or [B].
+    num_lengths: N_L, or 0/None to omit the ln N_L term.
+  """
+  log_num_lengths = math.log(num_lengths) if num_lengths else 0.0
+  return (-np.asarray(log_prob_B, np.float64)
+          + np.asarray(length_log_prob, np.float64) + log_num_lengths)
+
+
+def ce_difference(model_nll_sum, bound_nll_sum, num_symbols):
+  """Cross-entropy difference in nats/symbol (model minus lower bound)."""
+  if num_symbols <= 0:
+    raise ValueError(f"num_symbols must be positive (got {num_symbols})")
+  return (float(model_nll_sum) - float(bound_nll_sum)) / float(num_symbols)
+
+
+def perplexity(nll_sum, num_symbols):
+  """exp(total negative log-likelihood / number of symbols)."""
+  if num_symbols <= 0:
+    raise ValueError(f"num_symbols must be positive (got {num_symbols})")
+  try:
+    return math.exp(float(nll_sum) / float(num_symbols))
+  except OverflowError:  # A diverged model: report inf, not a crash.
+    return math.inf
+
+
+def check_finite(value, what: str):
+  """Raises FloatingPointError if `value` is NaN or infinite."""
+  if not math.isfinite(float(value)):
+    raise FloatingPointError(
+        f"non-finite {what}: {value} (try a smaller learning rate or check "
+        "the model for log-zero NaNs)")
+
+
+class MetricWriter:
+  """Writes scalars to `workdir/metrics.jsonl` and TensorBoard events.
+
+  Disabled writers (processes other than 0) only log. Re-opening an existing
+  workdir appends, so a resumed run keeps one continuous metrics file.
+  """
+
+  def __init__(self, workdir: str, enabled: bool = True,
+               tensorboard: bool = True):
+    self._enabled = enabled
+    self._jsonl = None
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    if tensorboard:
+      try:
+        import tensorboardX  # pylint: disable=g-import-not-at-top
+        self._tb = tensorboardX.SummaryWriter(logdir=workdir)
+      except ImportError:  # TensorBoard output is optional.
+        logging.warning("tensorboardX not installed: no TensorBoard events")
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any],
+                    jsonl: bool = True):
+    """Writes one JSON line {"epoch": step, **scalars} and TB scalars.
+
+    Args:
+      step: the epoch (x axis).
+      scalars: name -> value.
+      jsonl: also append to metrics.jsonl (False for end-of-run summaries,
+        which go to results.json, so the file stays one line per epoch).
+    """
+    record = {"epoch": int(step)}
+    record.update({k: _to_python(v) for k, v in scalars.items()})
+    logging.info("epoch %d: %s", step, record)
+    if not self._enabled:
+      return
+    if jsonl:
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+    if self._tb is not None:
+      for key, value in record.items():
+        if key != "epoch" and isinstance(value, (int, float)):
+          self._tb.add_scalar(key, value, int(step))
+
+  def flush(self):
+    """Flushes buffered output."""
+    if self._jsonl is not None:
+      self._jsonl.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self):
+    """Flushes and closes all outputs."""
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._jsonl = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _to_python(value):
+  """Converts numpy/JAX scalars to JSON-serialisable Python values."""
+  if isinstance(value, (str, bool, int, float)) or value is None:
+    return value
+  arr = np.asarray(value)
+  if arr.ndim == 0:
+    return arr.item()
+  return arr.tolist()
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """Reads a JSON-lines file into a list of dicts."""
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def write_test_table(workdir: str, table: Mapping[str, Sequence[Any]],
+                     enabled: bool = True) -> str:
+  """Saves the per-length test table as JSON and CSV; returns printable text.
+
+  Args:
+    workdir: output directory (test_by_length.json / .csv).
+    table: column name -> list of values, all the same length; must contain
+      "lengths".
+    enabled: write files (process 0) or only format.
+  """
+  columns = list(table)
+  rows = list(zip(*(table[c] for c in columns)))
+  if enabled:
+    with open(os.path.join(workdir, "test_by_length.json"), "w") as f:
+      json.dump({c: [_to_python(v) for v in table[c]] for c in columns}, f,
+                indent=1)
+    with open(os.path.join(workdir, "test_by_length.csv"), "w",
+              newline="") as f:
+      writer = csv.writer(f)
+      writer.writerow(columns)
+      writer.writerows(rows)
+  return format_table(columns, rows)
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """Formats rows as a fixed-width text table."""
+  def fmt(v):
+    if isinstance(v, float):
+      return f"{v:.4f}"
+    return str(v)
+  cells = [[fmt(v) for v in row] for row in rows]
+  widths = [max([len(c)] + [len(r[i]) for r in cells])
+            for i, c in enumerate(columns)]
+  lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+  lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+  return "\n".join(lines)
+
+
+class Timer:
+  """Wall-clock timer for per-epoch timing."""
+
+  def __init__(self):
+    self.start = time.perf_counter()
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start

@@ -1,0 +1,159 @@
+"""Tests of configs/*.py and train.validate_config (incl. the CLI error)."""
+
+import glob
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from configs import default
+from nsrnn_jax import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = ("marked_reversal", "unmarked_reversal", "padded_reversal", "dyck",
+         "hardest_cfl")
+MODELS = ("lstm", "jm", "gref", "ns")
+# Paper section 5.5: (Q, S) of the NS-RNN per task.
+PAPER_QS = {"marked_reversal": (2, 2), "unmarked_reversal": (2, 2),
+            "dyck": (2, 2), "padded_reversal": (3, 2), "hardest_cfl": (3, 3)}
+
+
+def _load(name):
+  return importlib.import_module(f"configs.{name}").get_config()
+
+
+def test_there_is_one_config_per_task_and_model():
+  names = {os.path.basename(p)[:-3]
+           for p in glob.glob(os.path.join(REPO, "configs", "*_*.py"))}
+  assert {f"{t}_{m}" for t in TASKS for m in MODELS} <= names
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("model", MODELS)
+def test_task_model_configs_have_paper_settings(task, model):
+  config = _load(f"{task}_{model}")
+  train.validate_config(config)
+  assert (config.task, config.model) == (task, model)
+  if model == "ns":
+    assert (config.num_states, config.num_stack_symbols) == PAPER_QS[task]
+  assert config.learning_rate in config.learning_rate_grid
+  assert tuple(config.learning_rate_grid) == (0.01, 0.005, 0.001, 0.0005)
+  if model in ("jm", "gref"):
+    assert config.stack_embedding_size in config.stack_embedding_size_grid
+  # Protocol fields are inherited unchanged from default.py.
+  base = default.get_config()
+  for field in ("batch_size", "clip_norm", "max_epochs", "lr_decay_factor",
+                "lr_decay_patience", "early_stopping_patience",
+                "train_min_length", "train_max_length", "test_max_length"):
+    assert config[field] == base[field], field
+  doc = importlib.import_module(f"configs.{task}_{model}").__doc__
+  assert f"--config=configs/{task}_{model}.py" in doc
+
+
+def test_default_is_the_paper_protocol():
+  c = default.get_config()
+  train.validate_config(c)
+  assert (c.batch_size, c.num_train_batches, c.num_valid_batches) == (
+      10, 1000, 100)
+  assert (c.clip_norm, c.adam_b1, c.adam_b2, c.adam_eps) == (
+      5.0, 0.9, 0.999, 1e-8)
+  assert (c.lr_decay_factor, c.lr_decay_patience, c.lr_decay_threshold,
+          c.early_stopping_patience, c.max_epochs) == (0.9, 5, 1e-4, 10, 200)
+  assert (c.train_min_length, c.train_max_length, c.test_min_length,
+          c.test_max_length, c.test_strings_per_length) == (40, 80, 40, 100,
+                                                           100)
+  assert c.test_seed == 0 and c.hidden_size == 20
+
+
+def test_every_default_field_is_commented():
+  lines = open(os.path.join(REPO, "configs", "default.py")).read().splitlines()
+  assign = re.compile(r"^  config\.(\w+) = ")
+  fields = []
+  for i, line in enumerate(lines):
+    m = assign.match(line)
+    if not m:
+      continue
+    fields.append(m.group(1))
+    # Walk up over a block of assignments to the comment that heads it.
+    j = i - 1
+    while j >= 0 and assign.match(lines[j]):
+      j -= 1
+    assert lines[j].strip().startswith("#"), f"{m.group(1)} has no comment"
+  assert set(fields) == set(default.get_config().keys())
+
+
+def test_quick_config_is_small_and_valid():
+  c = _load("quick")
+  train.validate_config(c)
+  assert (c.task, c.model) == ("marked_reversal", "ns")
+  assert c.train_max_length <= 30 and c.num_train_batches <= 500
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("task", "palindromes", "config.task"),
+    ("model", "gru", "config.model"),
+    ("num_states", 0, "config.num_states must be >= 1"),
+    ("num_stack_symbols", 0, "config.num_stack_symbols"),
+    ("hidden_size", -3, "config.hidden_size"),
+    ("learning_rate", -0.1, "config.learning_rate must be > 0"),
+    ("clip_norm", 0.0, "config.clip_norm"),
+    ("lr_decay_factor", 1.5, "config.lr_decay_factor"),
+    ("train_min_length", 90, "config.train_min_length (90) is greater"),
+    ("test_min_length", 101, "config.test_min_length"),
+    ("compile_strategy", "pad", "config.compile_strategy"),
+    ("dtype", "int8", "config.dtype"),
+    ("checkpoints_to_keep", 1, "config.checkpoints_to_keep"),
+    ("batch_size", 0, "config.batch_size"),
+    ("data_seed", -1, "config.data_seed"),
+])
+def test_validation_errors_name_the_field(field, value, message):
+  config = default.get_config()
+  config[field] = value
+  with pytest.raises(ValueError) as info:
+    train.validate_config(config)
+  assert message in str(info.value)
+  assert "\n" not in str(info.value)
+
+
+def test_buckets_must_cover_the_longest_string():
+  config = default.get_config()
+  config.compile_strategy = "bucket"
+  config.length_buckets = (50, 80)
+  with pytest.raises(ValueError, match="config.length_buckets"):
+    train.validate_config(config)
+
+
+def test_batch_must_divide_device_count(monkeypatch):
+  monkeypatch.setattr(train.jax, "device_count", lambda: 4)
+  config = default.get_config()  # batch 10
+  with pytest.raises(ValueError, match="config.batch_size .10. is not "
+                     "divisible by the number of devices .4."):
+    train.validate_config(config)
+
+
+def test_cli_override_and_one_line_error(tmp_path):
+  # The override is applied (max_epochs=0 is then rejected) and the CLI
+  # prints one line naming the field, without a traceback.
+  proc = subprocess.run(
+      [sys.executable, "-m", "nsrnn_jax.main", "--config=configs/quick.py",
+       f"--workdir={tmp_path}", "--config.max_epochs=0",
+       "--config.learning_rate=0.001"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "error: config.max_epochs must be >= 1 (got 0)" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not os.path.exists(tmp_path / "config.json")
+
+
+def test_cli_unknown_field_one_line_error(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "nsrnn_jax.main", "--config=configs/quick.py",
+       f"--workdir={tmp_path}", "--config.learning_rat=0.1"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1
+  assert lines[0].startswith("error: unknown config field 'learning_rat'")

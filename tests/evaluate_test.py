@@ -1,0 +1,127 @@
+"""Tests of nsrnn_jax.evaluate: loading, scoring, re-evaluation, errors."""
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import default
+from nsrnn_jax import evaluate
+from nsrnn_jax import models
+from nsrnn_jax import train
+
+jax.config.update("jax_disable_most_optimizations", True)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _batch(rng, length, num):
+  k = (length - 1) // 2
+  half = rng.integers(0, 2, size=(num, k))
+  symbols = np.concatenate([half, np.full((num, 1), 2), half[:, ::-1]], 1)
+  llp = k * math.log(60 / 61) + math.log(1 / 61)
+  return train.EvalBatch(symbols.astype(np.int32),
+                         np.full(num, llp - k * math.log(2)), llp)
+
+
+def _splits():
+  rng = np.random.default_rng(0)
+  return train.Splits(
+      train=[_batch(rng, 5, 4).symbols for _ in range(6)],
+      valid=[_batch(rng, 5, 4) for _ in range(2)],
+      test=[_batch(rng, n, 5) for n in (5, 7)], valid_num_lengths=1,
+      test_num_lengths=2, alphabet=("0", "1", "#"))
+
+
+def _config():
+  c = default.get_config()
+  c.model, c.hidden_size = "lstm", 6
+  c.batch_size, c.max_epochs, c.learning_rate = 4, 2, 0.02
+  c.train_min_length, c.train_max_length = 5, 5
+  c.test_min_length, c.test_max_length = 5, 7
+  c.progress_bar = False
+  return c
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("run"))
+  config = _config()
+  model = models.build(config, vocab_size=3)
+  train.train_and_evaluate(config, path, splits=_splits(), model=model)
+  return path
+
+
+@pytest.fixture(scope="module")
+def loaded(workdir):
+  return evaluate.load_model(workdir)
+
+
+def test_scores_of_all_strings_of_a_length_sum_to_one(loaded):
+  # No EOS: the model's probabilities of all length-4 strings sum to 1.
+  strings = ["".join(p) for p in itertools.product("01#", repeat=4)]
+  scores = evaluate.score(loaded, strings)
+  np.testing.assert_allclose(np.sum(np.exp(scores)), 1.0, rtol=1e-5)
+  assert np.all(scores < 0)
+
+
+def test_score_matches_model_log_softmax(loaded):
+  symbols = np.array([[0, 1, 2, 1, 0]], np.int32)
+  logits = np.asarray(loaded.model.apply({"params": loaded.params}, symbols),
+                      np.float64)[0]
+  log_p = logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))
+  expected = sum(log_p[t, s] for t, s in enumerate(symbols[0]))
+  got = evaluate.score(loaded, ["01#10", ["0", "1"], list("01#10")])
+  np.testing.assert_allclose(got[[0, 2]], [expected, expected], rtol=1e-5)
+  assert got.shape == (3,)
+
+
+def test_best_params_are_restored(workdir, loaded):
+  results = json.load(open(os.path.join(workdir, "results.json")))
+  splits = _splits()
+  sums = train.evaluate_batches(train._make_eval_fn(loaded.model.apply),  # pylint: disable=protected-access
+                                loaded.params, splits.valid, loaded.config, 1)
+  np.testing.assert_allclose(train.summarize(sums)["perplexity"],
+                             results["best_valid_perplexity"], rtol=1e-5)
+
+
+def test_unknown_symbol_is_a_clear_error(loaded):
+  with pytest.raises(ValueError, match=r"unknown symbol 'x' in string 1; "
+                     r"the alphabet is \['0', '1', '#'\]"):
+    evaluate.score(loaded, ["01#10", "0x"])
+  with pytest.raises(ValueError, match="string 0 is empty"):
+    evaluate.score(loaded, [""])
+
+
+def test_reevaluate_reproduces_test_table(workdir, monkeypatch):
+  saved = json.load(open(os.path.join(workdir, "test_by_length.json")))
+  monkeypatch.setattr(train, "load_splits", lambda config, need_test: _splits())
+  result = evaluate.reevaluate(workdir)
+  assert result["table"]["lengths"] == saved["lengths"] == [5, 7]
+  np.testing.assert_allclose(result["table"]["ce_diff"], saved["ce_diff"],
+                             rtol=1e-9)
+
+
+def test_missing_or_broken_workdir_errors(tmp_path):
+  with pytest.raises(ValueError, match="does not exist"):
+    evaluate.load_model(str(tmp_path / "nope"))
+  with pytest.raises(ValueError, match="no config.json"):
+    evaluate.load_model(str(tmp_path))
+  (tmp_path / "config.json").write_text("{not json")
+  with pytest.raises(ValueError, match="unreadable"):
+    evaluate.load_model(str(tmp_path))
+
+
+def test_cli_missing_workdir_one_line_error(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "nsrnn_jax.evaluate",
+       f"--workdir={tmp_path}/missing"], cwd=REPO, capture_output=True,
+      text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,448 @@
+"""Tests of nsrnn_jax.train: loss, schedule, steps, end-to-end, resume.
+
+The data and (mostly) the model are small stand-ins so the tests do not depend
+on other modules' speed: marked-reversal strings with their exact
+probabilities, and a tiny causal LSTM language model.
+"""
+
+import json
+import math
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default
+from nsrnn_jax import checkpointing
+from nsrnn_jax import train
+
+jax.config.update("jax_disable_most_optimizations", True)
+
+
+# ---------------------------------------------------------------------------
+# Stand-ins.
+# ---------------------------------------------------------------------------
+
+
+class TinyLM(nn.Module):
+  """Causal LM: LSTM over one-hot w_1..w_{n-1}, logits from h_0 = 0 .. h_{n-1}."""
+  vocab_size: int = 3
+  hidden_size: int = 8
+
+  @nn.compact
+  def __call__(self, symbols_BxN):
+    x_BxNxV = jax.nn.one_hot(symbols_BxN, self.vocab_size)
+    # Shift right so that position t only sees symbols before t.
+    x_BxNxV = jnp.pad(x_BxNxV[:, :-1], ((0, 0), (1, 0), (0, 0)))
+    h_BxNxH = nn.RNN(nn.OptimizedLSTMCell(self.hidden_size))(x_BxNxV)
+    return nn.Dense(self.vocab_size)(h_BxNxH)
+
+
+class NaNLM(TinyLM):
+  """TinyLM whose logits are NaN: the loss is not finite."""
+
+  def __call__(self, symbols_BxN):
+    return super().__call__(symbols_BxN) * jnp.nan
+
+
+# One instance per stand-in, shared by all tests, so that the module-level
+# jit caches of train.py are reused across tests.
+TINY = TinyLM()
+
+
+def marked_reversal_batch(rng, length, num):
+  """Strings u # reverse(u) with exact ln G(w), ln G(length) (mean length 60)."""
+  k = (length - 1) // 2
+  half_BxK = rng.integers(0, 2, size=(num, k))
+  symbols = np.concatenate(
+      [half_BxK, np.full((num, 1), 2), half_BxK[:, ::-1]], axis=1)
+  f = 60.0 / 61.0
+  length_log_prob = k * math.log(f) + math.log(1.0 - f)
+  log_prob = np.full(num, length_log_prob - k * math.log(2.0))
+  return train.EvalBatch(symbols.astype(np.int32), log_prob, length_log_prob)
+
+
+def tiny_splits(seed=0, lengths=(5, 7), num_train=12, num_valid=3,
+                batch_size=4, test_lengths=(5, 7, 9)):
+  rng = np.random.default_rng(seed)
+  pick = lambda: int(rng.choice(lengths))
+  train_b = [marked_reversal_batch(rng, pick(), batch_size).symbols
+             for _ in range(num_train)]
+  valid_b = [marked_reversal_batch(rng, pick(), batch_size)
+             for _ in range(num_valid)]
+  test_rng = np.random.default_rng(1000 + seed)
+  test_b = [marked_reversal_batch(test_rng, n, 6) for n in test_lengths]
+  return train.Splits(train=train_b, valid=valid_b, test=test_b,
+                      valid_num_lengths=len(lengths),
+                      test_num_lengths=len(test_lengths),
+                      alphabet=("0", "1", "#"))
+
+
+def tiny_config(**overrides):
+  config = default.get_config()
+  config.batch_size = 4
+  config.train_min_length, config.train_max_length = 5, 7
+  config.test_min_length, config.test_max_length = 5, 9
+  config.max_epochs = 3
+  config.learning_rate = 0.02
+  config.progress_bar = False
+  config.length_buckets = (8, 12)
+  for k, v in overrides.items():
+    config[k] = v
+  return config
+
+
+def restore_arrays(workdir, model, config):
+  state = train.create_train_state(config, jax.random.key(0), model)
+  manager = checkpointing.make_manager(os.path.join(workdir, "checkpoints"))
+  step, arrays, host = checkpointing.restore_latest(manager, state.arrays())
+  checkpointing.close(manager)
+  return step, arrays, host
+
+
+# ---------------------------------------------------------------------------
+# Loss.
+# ---------------------------------------------------------------------------
+
+
+def test_loss_is_sum_over_positions_mean_over_batch():
+  rng = np.random.default_rng(0)
+  logits_BxNxV = rng.normal(size=(3, 5, 4)).astype(np.float32)
+  symbols_BxN = rng.integers(0, 4, size=(3, 5)).astype(np.int32)
+  apply_fn = lambda variables, s: jnp.asarray(logits_BxNxV)
+  batch = train.make_batch(symbols_BxN)
+  loss = train.loss_fn({}, apply_fn, batch)
+  # NumPy oracle: log-softmax by hand.
+  log_z = np.log(np.sum(np.exp(logits_BxNxV.astype(np.float64)), axis=-1))
+  picked = np.take_along_axis(logits_BxNxV.astype(np.float64),
+                              symbols_BxN[..., None], axis=-1)[..., 0]
+  expected = np.sum(log_z - picked) / 3.0
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+
+
+def test_masked_padding_gives_the_same_loss_and_gradient():
+  model = TinyLM()
+  symbols = np.random.default_rng(1).integers(0, 3, (4, 7)).astype(np.int32)
+  params = model.init(jax.random.key(0), symbols)["params"]
+  grad_fn = jax.jit(jax.value_and_grad(train.loss_fn), static_argnums=1)
+  loss, grads = grad_fn(params, model.apply, train.make_batch(symbols))
+  loss_p, grads_p = grad_fn(params, model.apply,
+                            train.make_batch(symbols, padded_to=12))
+  np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-6)
+  for g, gp in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_p)):
+    np.testing.assert_allclose(gp, g, rtol=1e-5, atol=1e-7)
+
+
+def test_padded_length_buckets():
+  config = tiny_config(compile_strategy="bucket")
+  assert [train.padded_length(n, config) for n in (2, 8, 9, 12)] == [
+      8, 8, 12, 12]
+  with pytest.raises(ValueError, match="length_buckets"):
+    train.padded_length(13, config)
+  assert train.padded_length(13, tiny_config()) == 13
+
+
+# ---------------------------------------------------------------------------
+# Epoch-end schedule (PyTorch ReduceLROnPlateau + early stopping).
+# ---------------------------------------------------------------------------
+
+
+def _run_schedule(metrics, **overrides):
+  config = tiny_config(learning_rate=1.0, max_epochs=200, **overrides)
+  state = train.create_train_state(config, jax.random.key(0), TINY)
+  end = jax.jit(train.end_of_epoch)
+  lrs, stopped = [], []
+  for m in metrics:
+    state = end(state, m)
+    lrs.append(float(train.learning_rate(state)))
+    stopped.append(bool(state.stopped))
+  return state, lrs, stopped
+
+
+def test_plateau_decays_on_sixth_bad_epoch_and_stops_on_eleventh():
+  # Epoch 1 sets the best; epochs 2.. are all worse.
+  state, lrs, stopped = _run_schedule([5.0] + [8.0] * 13)
+  # Bad epochs 1..5 (epochs 2-6) keep the LR; the 6th (epoch 7) decays it.
+  np.testing.assert_allclose(lrs[:6], [1.0] * 6)
+  np.testing.assert_allclose(lrs[6:12], [0.9] * 6, rtol=1e-6)
+  # Early stopping: 11th bad epoch is epoch 12.
+  assert stopped.index(True) == 11
+  assert int(state.epoch) == 12 and int(state.best_epoch) == 1
+  # A stopped state no longer changes (epochs 13, 14 ignored).
+  assert lrs[12:] == [lrs[11]] * 2
+  np.testing.assert_allclose(float(state.best_metric), 5.0)
+
+
+def test_relative_threshold_vs_strict_early_stopping():
+  # Tiny improvements (< 1e-4 relative) reset early stopping but not the
+  # plateau counter, as in PyTorch.
+  metrics = [5.0, 4.9999, 4.9998, 4.9997, 4.9996, 4.99958, 4.99956, 4.99954]
+  state, lrs, stopped = _run_schedule(metrics)
+  np.testing.assert_allclose(lrs[:6], [1.0] * 6)
+  np.testing.assert_allclose(lrs[6], 0.9, rtol=1e-6)  # 6th plateau-bad epoch
+  assert int(state.bad_epochs) == 0 and int(state.best_epoch) == 8
+  assert not any(stopped)
+
+
+def _reference_schedule(metrics, patience=5, factor=0.9, threshold=1e-4,
+                        stop_patience=10):
+  """Plain-Python transcription of torch ReduceLROnPlateau + the authors'
+  early stopping loop; returns (lrs, stop_epoch or None, best_epoch)."""
+  lr, best, bad = 1.0, math.inf, 0
+  es_best, es_bad, best_epoch = math.inf, 0, 0
+  lrs = []
+  for epoch, m in enumerate(metrics, start=1):
+    if m < es_best:
+      es_best, es_bad, best_epoch = m, 0, epoch
+    else:
+      es_bad += 1
+    if m < best * (1 - threshold):
+      best, bad = m, 0
+    else:
+      bad += 1
+    if bad > patience:
+      lr, bad = lr * factor, 0
+    lrs.append(lr)
+    if es_bad > stop_patience:
+      return lrs, epoch, best_epoch
+  return lrs, None, best_epoch
+
+
+def test_schedule_matches_reference_on_random_sequences():
+  rng = np.random.default_rng(3)
+  for _ in range(3):
+    # A slowly improving, noisy metric produces decays and a late stop.
+    metrics = list(3.0 + 0.5 * np.exp(-np.arange(60) / 8.0)
+                   + 0.02 * rng.random(60))
+    metrics = [float(np.float32(m)) for m in metrics]
+    ref_lrs, ref_stop, ref_best = _reference_schedule(metrics)
+    state, lrs, stopped = _run_schedule(metrics)
+    n = len(ref_lrs)
+    np.testing.assert_allclose(lrs[:n], ref_lrs, rtol=1e-5)
+    got_stop = stopped.index(True) + 1 if any(stopped) else None
+    assert got_stop == ref_stop
+    assert int(state.best_epoch) == ref_best
+
+
+def test_max_epochs_stops():
+  config = tiny_config(max_epochs=2)
+  state = train.create_train_state(config, jax.random.key(0), TINY)
+  state = train.end_of_epoch(state, 3.0)
+  assert not bool(state.stopped)
+  state = train.end_of_epoch(state, 2.0)
+  assert bool(state.stopped)
+
+
+def test_end_of_epoch_vmaps_over_models():
+  config = tiny_config(learning_rate=1.0, max_epochs=200)
+  model = TINY  # one model: states must share their static fields
+  states = [train.create_train_state(config, jax.random.key(k), model)
+            for k in range(2)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+  seqs = [[5.0] + [8.0] * 11, [5.0 - 0.1 * i for i in range(12)]]
+  end = jax.jit(jax.vmap(train.end_of_epoch))
+  for t in range(12):
+    stacked = end(stacked, jnp.asarray([seqs[0][t], seqs[1][t]]))
+  assert stacked.stopped.tolist() == [True, False]
+  np.testing.assert_allclose(stacked.opt_state.hyperparams["learning_rate"],
+                             [0.9, 1.0], rtol=1e-6)
+
+
+def test_stopped_state_train_step_is_a_no_op():
+  config = tiny_config()
+  model = TINY
+  state = train.create_train_state(config, jax.random.key(0), model)
+  state = state.replace(stopped=jnp.asarray(True))
+  batch = train.make_batch(tiny_splits().train[0])
+  new_state, m = jax.jit(train.train_step)(state, batch)
+  assert np.isfinite(float(m["loss"]))
+  for a, b in zip(jax.tree.leaves(state.arrays()),
+                  jax.tree.leaves(new_state.arrays())):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_train_step_matches_manual_adam_with_clipping():
+  config = tiny_config(learning_rate=0.01, clip_norm=0.5)
+  model = TINY
+  state = train.create_train_state(config, jax.random.key(0), model)
+  batch = train.make_batch(tiny_splits().train[0])
+  new_state, m = train._jit_train_step(state, batch)  # pylint: disable=protected-access
+  grads = jax.jit(jax.grad(train.loss_fn), static_argnums=1)(
+      state.params, model.apply, batch)
+  norm = math.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2))
+                       for g in jax.tree.leaves(grads)))
+  np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=1e-5)
+  assert norm > 0.5  # so the clip is active
+  # First Adam step: update = -lr * g_hat / (|g_hat| + eps) with bias
+  # correction, i.e. -lr * sign(g) (up to eps) for the clipped gradient.
+  for p0, p1, g in zip(jax.tree.leaves(state.params),
+                       jax.tree.leaves(new_state.params),
+                       jax.tree.leaves(grads)):
+    g = np.asarray(g, np.float64) * 0.5 / norm
+    expected = np.asarray(p0) - 0.01 * g / (np.abs(g) + 1e-8)
+    np.testing.assert_allclose(np.asarray(p1), expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# End to end.
+# ---------------------------------------------------------------------------
+
+
+def test_train_and_evaluate_end_to_end(tmp_path):
+  config = tiny_config(max_epochs=4)
+  splits = tiny_splits()
+  results = train.train_and_evaluate(config, str(tmp_path), splits=splits,
+                                     model=TINY)
+  assert results["finished"] and results["epochs"] == 4
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  per_epoch = [r for r in records if "train_loss" in r]
+  assert per_epoch == records  # one line per epoch, no summary lines
+  assert [r["epoch"] for r in per_epoch] == [1, 2, 3, 4]
+  # The loss falls.
+  assert per_epoch[-1]["train_loss"] < per_epoch[0]["train_loss"] - 0.5
+  assert per_epoch[-1]["valid_ce_diff"] < per_epoch[0]["valid_ce_diff"]
+  # The CE difference agrees with the perplexities it is made of.
+  for r in per_epoch:
+    np.testing.assert_allclose(
+        r["valid_ce_diff"], math.log(r["valid_perplexity"])
+        - math.log(r["valid_lower_bound_perplexity"]), rtol=1e-9, atol=1e-12)
+  # The validation lower bound includes ln N_L: recompute it by hand.
+  bound = sum(float(np.sum(-b.log_prob + b.length_log_prob + math.log(2)))
+              for b in splits.valid)
+  tokens = sum(b.symbols.size for b in splits.valid)
+  np.testing.assert_allclose(per_epoch[0]["valid_lower_bound_perplexity"],
+                             math.exp(bound / tokens), rtol=1e-12)
+  table = json.load(open(tmp_path / "test_by_length.json"))
+  assert table["lengths"] == [5, 7, 9]
+  # Per-length test bound includes ln N_L,test (3 lengths) by default.
+  b5 = splits.test[0]
+  expected = math.exp(float(np.mean(-b5.log_prob + b5.length_log_prob
+                                    + math.log(3))) / 5)
+  np.testing.assert_allclose(table["lower_bound_perplexity"][0], expected,
+                             rtol=1e-12)
+  csv_lines = open(tmp_path / "test_by_length.csv").read().splitlines()
+  assert csv_lines[0].startswith("lengths,ce_diff") and len(csv_lines) == 4
+  saved = json.load(open(tmp_path / "results.json"))
+  assert saved["best_epoch"] == results["best_epoch"]
+  assert json.load(open(tmp_path / "config.json"))["alphabet"] == [
+      "0", "1", "#"]
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+
+
+def test_test_bound_flag_shifts_by_log_num_lengths(tmp_path):
+  config = tiny_config(max_epochs=1)
+  splits = tiny_splits()
+  train.train_and_evaluate(config, str(tmp_path / "a"), splits=splits,
+                           model=TINY)
+  config.test_bound_includes_num_lengths = False
+  train.train_and_evaluate(config, str(tmp_path / "b"), splits=splits,
+                           model=TINY)
+  a = json.load(open(tmp_path / "a" / "test_by_length.json"))
+  b = json.load(open(tmp_path / "b" / "test_by_length.json"))
+  shift = np.asarray(b["ce_diff"]) - np.asarray(a["ce_diff"])
+  np.testing.assert_allclose(shift, math.log(3) / np.asarray(a["lengths"]),
+                             rtol=1e-9)
+
+
+def test_resume_after_interrupt_is_exact(tmp_path):
+  splits = tiny_splits()
+  full = train.train_and_evaluate(tiny_config(max_epochs=4),
+                                  str(tmp_path / "full"), splits=splits,
+                                  model=TINY)
+  part = train.train_and_evaluate(
+      tiny_config(max_epochs=4, stop_after_epochs=2), str(tmp_path / "part"),
+      splits=splits, model=TINY)
+  assert not part["finished"] and part["epochs"] == 2
+  resumed = train.train_and_evaluate(tiny_config(max_epochs=4),
+                                     str(tmp_path / "part"), splits=splits,
+                                     model=TINY)
+  assert resumed == full
+  config = tiny_config()
+  _, a, host_a = restore_arrays(str(tmp_path / "full"), TINY, config)
+  _, b, host_b = restore_arrays(str(tmp_path / "part"), TINY, config)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert host_a == host_b
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
+  splits = tiny_splits()
+  workdir = str(tmp_path / "run")
+  full = train.train_and_evaluate(tiny_config(max_epochs=4),
+                                  str(tmp_path / "full"), splits=splits,
+                                  model=TINY)
+  train.train_and_evaluate(tiny_config(max_epochs=4, stop_after_epochs=3),
+                           workdir, splits=splits, model=TINY)
+  ckpt = os.path.join(workdir, "checkpoints")
+  assert sorted(os.listdir(ckpt)) == ["2", "3"]
+  # Corrupt every data file of the latest checkpoint.
+  for root, _, files in os.walk(os.path.join(ckpt, "3", "state")):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"garbage")
+  # And leave a partial (never finalised) save behind, as a crash would.
+  os.makedirs(os.path.join(ckpt, "4.orbax-checkpoint-tmp-123", "state"))
+  with caplog.at_level("WARNING"):
+    resumed = train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
+                                       splits=splits, model=TINY)
+  assert any("unreadable" in r.getMessage() for r in caplog.records)
+  assert resumed == full
+
+
+def test_non_finite_loss_raises(tmp_path):
+  config = tiny_config(max_epochs=2)
+  with pytest.raises(FloatingPointError, match="non-finite training loss"):
+    train.train_and_evaluate(config, str(tmp_path),
+                             splits=tiny_splits(lengths=(5,)),
+                             model=NaNLM())
+
+
+def test_bucket_strategy_trains_like_per_length(tmp_path):
+  splits = tiny_splits()
+  a = train.train_and_evaluate(tiny_config(max_epochs=1), str(tmp_path / "a"),
+                               splits=splits, model=TINY)
+  b = train.train_and_evaluate(
+      tiny_config(max_epochs=1, compile_strategy="bucket"),
+      str(tmp_path / "b"), splits=splits, model=TINY)
+  for key in ("best_valid_perplexity", "test_ce_diff"):
+    np.testing.assert_allclose(a[key], b[key], rtol=1e-4)
+
+
+_TWO_DEVICE_SCRIPT = r"""
+import json, sys
+import jax
+sys.path.insert(0, {repo!r})
+from tests import train_test as t
+from nsrnn_jax import models, train
+assert jax.device_count() == 2
+model = models.get("lstm", vocab_size=3, hidden_size=6)
+r = train.train_and_evaluate(t.tiny_config(max_epochs=1), sys.argv[1],
+                             splits=t.tiny_splits(lengths=(5,)), model=model)
+print("RESULT" + json.dumps(r))
+"""
+
+
+def test_two_devices_match_one_device(tmp_path):
+  """Batch sharded over a 2-device mesh: same results as one device."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-c", _TWO_DEVICE_SCRIPT.format(repo=repo),
+       str(tmp_path / "two")], cwd=repo, env=env, capture_output=True,
+      text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  two = json.loads(proc.stdout.split("RESULT")[-1])
+  model = models.get("lstm", vocab_size=3, hidden_size=6)
+  one = train.train_and_evaluate(tiny_config(max_epochs=1),
+                                 str(tmp_path / "one"),
+                                 splits=tiny_splits(lengths=(5,)), model=model)
+  assert one.keys() == two.keys()
+  for key, value in one.items():
+    np.testing.assert_allclose(two[key], value, rtol=1e-4, err_msg=key)
