@@ -1,0 +1,821 @@
+"""Inspect a trained NS-RNN on one string: actions, readings, Viterbi run, and
+the model's next-symbol distribution beside the true one.
+
+Everything here works on one string at a time and returns plain NumPy arrays
+(heatmap-ready, time on the last axis) plus small matplotlib helpers that
+return `Figure` objects. The notebook notebooks/inspect_model.ipynb is a thin
+driver over these functions.
+
+Time indexing (models.py, reference-behaviour.md section 0). For a string
+w_1..w_N the controller runs T = N - 1 steps; step t (1-based) reads w_t and
+the reading tau_{t-1}, produces h_t, and update t of the stack uses actions
+computed from h_t. Arrays with a T axis have column t - 1 for update t;
+readings have N columns, tau_0 (one-hot on the bottom symbol) .. tau_T. The
+last update is computed but never read by any logit (models.py docstring).
+
+Action probabilities. For each update t the NS-RNN gives, for every current
+PDA state q and stack top x, one distribution over push(r, y), replace(r, y)
+and pop(r). Two views are returned by `action_probabilities`:
+
+  * per row: `rows_TxQxSx3` [t, q, x, op] = total probability of op in {push,
+    replace, pop} from configuration (q, x), summed over the target (r, y).
+    Every row sums to 1. This is what the controller *proposes*.
+  * marginal: `marginal_3xT` [op, t] = sum_{q,x} w_t(q, x) rows[t, q, x, op],
+    weighted by the forward posterior of the current configuration,
+    w_t(q, x) = alpha_{t-1}[q, x] / sum alpha_{t-1} (the normalised forward
+    weight of being in state q with x on top just before update t). This is
+    the expected action under the stack's own belief. The posterior comes
+    from `stack_posteriors`, which replays Lang's algorithm in NumPy float64
+    on the traced action probabilities, with the frozen-bottom semantics of
+    reference-behaviour.md section 1.5 (so w_1 is one-hot on (0, bottom)).
+
+True next-symbol distribution. The length-conditioned sampler draws w with
+probability G(w) / G(n) among strings of length n, so the exact conditional
+is
+
+  p(w_{t+1} = a | w_1..w_t, n) = Z(w_1..w_t a) / Z(w_1..w_t),
+  Z(u) = sum_{v : |uv| = n} G(uv).
+
+Z(u) is the inside weight of a string whose first |u| positions are the
+known symbols and whose remaining positions are wildcards (emission weight 1
+for every terminal): summing the emission of one position over all terminals
+is exactly the sum over completions. `true_next_symbol_distribution` runs one
+batched inside chart over all (t, a) pairs of the ε- and unary-free grammar
+the sampler uses (languages / pcfg), so it is exact, not sampled. Cost:
+O(N * V * |rules| * N^3) multiply-adds; about 0.02 s for marked reversal and
+a few seconds for the hardest CFL at N = 40 (the batch is processed in
+chunks that keep memory below `_CHART_BYTES`).
+
+Viterbi run. `viterbi_run` calls `ns_stack.viterbi` (max-product Lang's
+algorithm) on the traced actions of one string and replays the best run on
+an explicit stack (`ns_stack.replay_run`), giving one `StackOp` per update
+with the stack contents after it; `ViterbiRun.table()` prints it.
+
+Shape legend: N string length, T = N - 1 updates (T1 = T + 1 time points),
+V vocabulary, Q PDA states, S stack symbols (0 = bottom), B batch of
+weighted strings, X grammar nonterminals, L1 = N + 1 span lengths.
+
+Public API: `inspect_string` (everything for one string, as an
+`Inspection`), `plot_actions`, `plot_readings`, `plot_next_symbol`, and the
+pieces `trace`, `action_probabilities`, `stack_posteriors`, `viterbi_run`,
+`true_next_symbol_distribution`, `task_grammar`, `inside_chart`,
+`tiny_training_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.figure
+import numpy as np
+
+OPS = ("push", "replace", "pop")
+# Memory budget of one inside-chart chunk (chart plus dotted items), bytes.
+_CHART_BYTES = 256 * 2**20
+
+# ---------------------------------------------------------------------------
+# Exact next-symbol distribution from a PCFG
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChartGrammar:
+  """An ε-free, unary-free PCFG in the form the inside chart needs.
+
+  Attributes:
+    num_nonterminals: nonterminals are 0..num_nonterminals - 1.
+    num_terminals: terminals are the vocabulary ids 0..num_terminals - 1.
+    start: the start nonterminal.
+    rules: (lhs, rhs, probability) triples; rhs is a tuple of
+      (is_terminal, index) pairs. A rule of one symbol must be a terminal
+      (unary nonterminal rules and ε-rules are not allowed).
+  """
+  num_nonterminals: int
+  num_terminals: int
+  start: int
+  rules: tuple[tuple[int, tuple[tuple[bool, int], ...], float], ...]
+
+  def __post_init__(self):
+    if not 0 <= self.start < self.num_nonterminals:
+      raise ValueError(f"start symbol {self.start} is not a nonterminal "
+                       f"index in [0, {self.num_nonterminals}).")
+    for lhs, rhs, prob in self.rules:
+      if not 0 <= lhs < self.num_nonterminals:
+        raise ValueError(f"rule lhs {lhs} out of range.")
+      if not rhs:
+        raise ValueError(f"ε-rule for nonterminal {lhs}: remove ε-rules "
+                         "first (pcfg normal form).")
+      if len(rhs) == 1 and not rhs[0][0]:
+        raise ValueError(f"unary rule {lhs} -> N{rhs[0][1]}: remove unary "
+                         "rules first (pcfg normal form).")
+      for is_terminal, index in rhs:
+        bound = self.num_terminals if is_terminal else self.num_nonterminals
+        if not 0 <= index < bound:
+          raise ValueError(f"rule {lhs} -> {rhs}: symbol index {index} out "
+                           "of range.")
+      if not prob >= 0.0:
+        raise ValueError(f"rule {lhs} -> {rhs} has probability {prob}.")
+
+
+def inside_chart(grammar: ChartGrammar, emissions_BxNxV: np.ndarray
+                 ) -> np.ndarray:
+  """Inside weights of every span for a batch of weighted "strings".
+
+  Position i of string b emits terminal a with weight emissions[b, i, a]
+  (one-hot for a known symbol, all ones for a wildcard). The weight of a
+  derivation is the product of its rule probabilities and the emission
+  weights of its leaves.
+
+  Args:
+    grammar: the ε/unary-free grammar.
+    emissions_BxNxV: float64 emission weights.
+
+  Returns:
+    chart_BxXxNxL1: chart[b, X, i, l] = total weight of X deriving the span
+    of length l starting at position i (l = 0..N; zero where i + l > N).
+  """
+  emissions_BxNxV = np.asarray(emissions_BxNxV, dtype=np.float64)
+  if emissions_BxNxV.ndim != 3 or emissions_BxNxV.shape[2] != (
+      grammar.num_terminals):
+    raise ValueError(
+        f"emissions must be [B, N, {grammar.num_terminals}], got shape "
+        f"{emissions_BxNxV.shape}.")
+  batch, length, _ = emissions_BxNxV.shape
+  num_x = grammar.num_nonterminals
+  chart_BxXxNxL1 = np.zeros((batch, num_x, length, length + 1))
+  # Dotted items: items[r][d] [B, N, L1] = weight of rhs[:d] covering the
+  # span (start, length); d = 1 needs no storage (it is the symbol itself).
+  items = [[None] * (len(rhs) + 1) for _, rhs, _ in grammar.rules]
+  for r, (_, rhs, _) in enumerate(grammar.rules):
+    for d in range(2, len(rhs) + 1):
+      items[r][d] = np.zeros((batch, length, length + 1))
+
+  def span_weights(symbol, starts, lengths):
+    """Weights [B, len(starts), ...] of `symbol` over (start, length)."""
+    is_terminal, index = symbol
+    if is_terminal:
+      # A terminal covers only spans of length 1, with its emission weight.
+      starts_c = np.minimum(starts, length - 1)
+      return np.where(lengths == 1,
+                      emissions_BxNxV[:, starts_c, index], 0.0)
+    return chart_BxXxNxL1[:, index, np.minimum(starts, length - 1), lengths]
+
+  for span in range(1, length + 1):
+    starts_I = np.arange(length - span + 1)
+    # Items with d >= 2 symbols: split the span into rhs[:d-1] (length l1)
+    # and rhs[d-1] (length span - l1); both parts are non-empty (ε-free), so
+    # only chart entries of strictly shorter spans are read.
+    if span >= 2:
+      l1_K = np.arange(1, span)
+      for r, (_, rhs, _) in enumerate(grammar.rules):
+        for d in range(2, len(rhs) + 1):
+          if d == 2:
+            left_BxIxK = span_weights(rhs[0], starts_I[:, None],
+                                      l1_K[None, :])
+          else:
+            left_BxIxK = items[r][d - 1][:, starts_I[:, None], l1_K[None, :]]
+          right_BxIxK = span_weights(rhs[d - 1],
+                                     starts_I[:, None] + l1_K[None, :],
+                                     span - l1_K[None, :])
+          items[r][d][:, starts_I, span] = np.sum(left_BxIxK * right_BxIxK,
+                                                  axis=-1)
+    for r, (lhs, rhs, prob) in enumerate(grammar.rules):
+      if len(rhs) == 1:
+        if span == 1:
+          chart_BxXxNxL1[:, lhs, starts_I, 1] += (
+              prob * emissions_BxNxV[:, starts_I, rhs[0][1]])
+      else:
+        chart_BxXxNxL1[:, lhs, starts_I, span] += prob * items[r][len(rhs)][
+            :, starts_I, span]
+  return chart_BxXxNxL1
+
+
+def true_next_symbol_distribution(grammar: ChartGrammar,
+                                  symbols: Sequence[int]) -> np.ndarray:
+  """Exact p(w_{t+1} = a | w_1..w_t, n) of the length-conditioned sampler.
+
+  Args:
+    grammar: the ε/unary-free grammar the strings are sampled from.
+    symbols: the string w_1..w_n (ids); n = len(symbols).
+
+  Returns:
+    probs_NxV: row t (0-based) is the distribution of w_{t+1} given
+    w_1..w_t and the length n; row 0 is the distribution of the first
+    symbol. Rows sum to 1. Row t is NaN if w_1..w_t has no completion of
+    length n (the prefix is impossible).
+
+  Raises:
+    ValueError: for an empty string or ids outside the vocabulary.
+  """
+  symbols_N = _check_string(symbols, grammar.num_terminals)
+  length, vocab = len(symbols_N), grammar.num_terminals
+  # One batched chart over every (t, a): positions < t carry w, position t
+  # carries a, positions > t are wildcards.
+  emissions_TxVxNxV = np.ones((length, vocab, length, vocab))
+  known_NxV = np.eye(vocab)[symbols_N]
+  for t in range(length):
+    emissions_TxVxNxV[t, :, :t] = known_NxV[:t]
+    emissions_TxVxNxV[t, :, t] = np.eye(vocab)
+  # Scaling every emission by the same constant c multiplies every string's
+  # weight by c^n, which cancels in the ratio but keeps long strings far from
+  # float64 underflow.
+  emissions_TxVxNxV *= vocab
+  emissions_BxNxV = emissions_TxVxNxV.reshape(length * vocab, length, vocab)
+  # Chart and dotted items hold (X + items) [N, N + 1] float64 arrays per
+  # batch element; chunk the batch to bound memory.
+  num_items = sum(max(0, len(rhs) - 1) for _, rhs, _ in grammar.rules)
+  per_string = (grammar.num_nonterminals + num_items) * length * (
+      length + 1) * 8
+  chunk = max(1, _CHART_BYTES // per_string)
+  weights_B = np.concatenate([
+      inside_chart(grammar, emissions_BxNxV[i:i + chunk])[
+          :, grammar.start, 0, length]
+      for i in range(0, len(emissions_BxNxV), chunk)])
+  weights_NxV = weights_B.reshape(length, vocab)
+  totals_N = weights_NxV.sum(axis=1, keepdims=True)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    probs_NxV = np.where(totals_N > 0, weights_NxV / totals_N, np.nan)
+  return probs_NxV
+
+
+def _check_string(symbols: Sequence[int], vocab_size: int) -> np.ndarray:
+  """Validates a single string of ids; returns an int64 array [N]."""
+  symbols_N = np.asarray(symbols)
+  if symbols_N.ndim != 1:
+    raise ValueError(f"expected one string (a 1-D sequence of ids), got "
+                     f"shape {symbols_N.shape}.")
+  if symbols_N.size == 0:
+    raise ValueError("the string is empty.")
+  if not np.issubdtype(symbols_N.dtype, np.integer):
+    raise ValueError(f"symbol ids must be integers, got {symbols_N.dtype}.")
+  if symbols_N.min() < 0 or symbols_N.max() >= vocab_size:
+    raise ValueError(f"symbol ids must lie in [0, {vocab_size}), got "
+                     f"[{symbols_N.min()}, {symbols_N.max()}].")
+  return symbols_N.astype(np.int64)
+
+
+# ---------------------------------------------------------------------------
+# Lang's algorithm replayed in NumPy float64 (posteriors and Viterbi)
+# ---------------------------------------------------------------------------
+
+
+def _check_actions(push, repl, pop):
+  """Validates one string's action probabilities; returns float64 logs."""
+  push_TxQxSxQxS = np.asarray(push, dtype=np.float64)
+  repl_TxQxSxQxS = np.asarray(repl, dtype=np.float64)
+  pop_TxQxSxQ = np.asarray(pop, dtype=np.float64)
+  if push_TxQxSxQxS.ndim != 5:
+    raise ValueError(f"push must be [T, Q, S, Q, S] (one string), got shape "
+                     f"{push_TxQxSxQxS.shape}.")
+  t, q, s = push_TxQxSxQxS.shape[:3]
+  if push_TxQxSxQxS.shape != (t, q, s, q, s):
+    raise ValueError(f"push shape {push_TxQxSxQxS.shape} is not [T, Q, S, Q, "
+                     "S].")
+  if repl_TxQxSxQxS.shape != (t, q, s, q, s) or pop_TxQxSxQ.shape != (
+      t, q, s, q):
+    raise ValueError(
+        f"shapes do not agree: push {push_TxQxSxQxS.shape}, repl "
+        f"{repl_TxQxSxQxS.shape}, pop {pop_TxQxSxQ.shape} (expected "
+        f"[T,Q,S,Q,S], [T,Q,S,Q,S], [T,Q,S,Q]).")
+  for name, x in (("push", push_TxQxSxQxS), ("repl", repl_TxQxSxQxS),
+                  ("pop", pop_TxQxSxQ)):
+    if not np.all(np.isfinite(x)) or np.any(x < 0):
+      raise ValueError(f"{name} must hold finite non-negative weights "
+                       "(probabilities, not log-probabilities).")
+  with np.errstate(divide="ignore"):
+    return (np.log(push_TxQxSxQxS), np.log(repl_TxQxSxQxS),
+            np.log(pop_TxQxSxQ))
+
+
+def _logsumexp(x, axis):
+  """log sum exp over `axis` (int or tuple) with all -inf giving -inf."""
+  peak = np.max(x, axis=axis, keepdims=True)
+  peak = np.where(np.isfinite(peak), peak, 0.0)
+  with np.errstate(divide="ignore"):
+    out = np.log(np.sum(np.exp(x - peak), axis=axis, keepdims=True)) + peak
+  return np.squeeze(out, axis=axis)
+
+
+def _forward_log_alpha(push, repl, pop) -> np.ndarray:
+  """Lang's algorithm for one string in the log semiring (float64).
+
+  Frozen-bottom semantics (reference-behaviour.md section 1.5): the initial
+  bottom exists only as alpha_0, so update 1 can only push and the symbol on
+  the bottom is never popped. Written out in NumPy (rather than calling
+  ns_stack, whose public `run` returns only the q-marginalised readings)
+  because the action marginal needs alpha per (q, x).
+
+  Args:
+    push, repl, pop: action probabilities [T, Q, S, Q, S] / [T, Q, S, Q].
+
+  Returns:
+    log_alpha_T1xQxS: ln alpha_t[q, x] for t = 0..T.
+  """
+  log_push, log_repl, log_pop = _check_actions(push, repl, pop)
+  num_t, q, s = log_push.shape[:3]
+  # gamma[i, j] = ln gamma[i -> j][q, x, r, y] (-inf outside 0 <= i < j).
+  gamma = np.full((num_t + 1, num_t + 1, q, s, q, s), -np.inf)
+  alpha = np.full((num_t + 1, q, s), -np.inf)
+  alpha[0, 0, 0] = 0.0
+  for j in range(1, num_t + 1):
+    column = np.full((j, q, s, q, s), -np.inf)
+    column[j - 1] = log_push[j - 1]
+    if j >= 2:
+      # R[i,q,x,r,y] = sum_{s,z} gamma[i->j-1][q,x,s,z] repl[s,z,r,y]
+      terms = (gamma[:j - 1, j - 1][..., None, None]
+               + log_repl[j - 1][None, None, None])  # i,q,x,s,z,r,y
+      column[:j - 1] = _logsumexp(terms, (3, 4))
+    if j >= 3:
+      # M[k,t,y,r] = sum_{s,z} gamma[k->j-1][t,y,s,z] pop[s,z,r], k >= 1
+      m_val = _logsumexp(gamma[1:j - 1, j - 1][..., None]
+                         + log_pop[j - 1][None, None, None], (3, 4))
+      # P[i,q,x,r,y] = sum_{k,t} gamma[i->k][q,x,t,y] M[k,t,y,r]
+      p_terms = (gamma[:j - 2, 1:j - 1][..., None]       # i,k,q,x,t,y,_
+                 + m_val[None, :, None, None])           # _,k,_,_,t,y,r
+      pop_val = np.swapaxes(_logsumexp(p_terms, (1, 4)), 3, 4)  # i,q,x,r,y
+      column[:j - 2] = np.logaddexp(column[:j - 2], pop_val)
+    gamma[:j, j] = column
+    # alpha[j][r,y] = sum_{i,q,x} alpha[i][q,x] gamma[i->j][q,x,r,y]
+    alpha[j] = _logsumexp(alpha[:j, :, :, None, None] + column, (0, 1, 2))
+  return alpha
+
+
+def stack_posteriors(push, repl, pop) -> dict[str, np.ndarray]:
+  """Forward weights of the stack for one string, in float64.
+
+  Args:
+    push: [T, Q, S, Q, S] push probabilities (e.g. `trace["actions"]["push"]`
+      of one batch element).
+    repl: [T, Q, S, Q, S] replace probabilities.
+    pop: [T, Q, S, Q] pop probabilities.
+
+  Returns:
+    {"posterior_T1xQxS": alpha_t normalised over (q, x), t = 0..T;
+     "readings_T1xS": tau_t = the posterior summed over q (what the
+     controller reads); "log_mass_T1": ln sum alpha_t (below 0: mass lost to
+     the frozen bottom)}.
+  """
+  alpha_T1xQxS = _forward_log_alpha(push, repl, pop)
+  log_mass_T1 = _logsumexp(alpha_T1xQxS, (1, 2))
+  with np.errstate(invalid="ignore"):
+    posterior_T1xQxS = np.exp(alpha_T1xQxS - log_mass_T1[:, None, None])
+  return {"posterior_T1xQxS": posterior_T1xQxS,
+          "readings_T1xS": posterior_T1xQxS.sum(axis=1),
+          "log_mass_T1": log_mass_T1}
+
+
+@dataclasses.dataclass(frozen=True)
+class StackOp:
+  """One update of a PDA run.
+
+  Attributes:
+    time: update number t (1-based; update t uses actions from h_t).
+    op: "push", "replace" or "pop".
+    state: PDA state before the update (q).
+    top: stack top before the update (x).
+    new_state: PDA state after the update (r).
+    symbol: pushed / replacing symbol y (None for pop).
+    log_weight: ln of this transition's probability.
+    stack: stack contents after the update, bottom first (stack[0] = 0 is
+      the bottom symbol).
+  """
+  time: int
+  op: str
+  state: int
+  top: int
+  new_state: int
+  symbol: int | None
+  log_weight: float
+  stack: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ViterbiRun:
+  """The most probable PDA run for one string.
+
+  Attributes:
+    log_prob: ln of the run's probability (sum of the ops' log_weight).
+    ops: one StackOp per update t = 1..T, in order.
+  """
+  log_prob: float
+  ops: tuple[StackOp, ...]
+
+  def table(self, input_symbols: Sequence[str] | None = None,
+            stack_names: Sequence[str] | None = None) -> str:
+    """The run as a text table: one line per update with the stack after it.
+
+    Args:
+      input_symbols: optional strings of the symbols read: update t is
+        computed after reading input symbol t (shown in column "read").
+      stack_names: optional names of stack symbols (default "⊥", "1", ...).
+    """
+    def name(y):
+      if stack_names is not None:
+        return str(stack_names[y])
+      return "⊥" if y == 0 else str(y)
+    lines = [f"{'t':>3}  {'read':<4} {'operation':<22} {'p':>7}  stack "
+             "(bottom → top)"]
+    for op in self.ops:
+      if op.op == "pop":
+        what = f"pop {name(op.top)}"
+      elif op.op == "push":
+        what = f"push {name(op.symbol)}"
+      else:
+        what = f"replace {name(op.top)}→{name(op.symbol)}"
+      what = f"q{op.state}: {what} → q{op.new_state}"
+      read = ""
+      if input_symbols is not None and op.time - 1 < len(input_symbols):
+        read = str(input_symbols[op.time - 1])
+      lines.append(f"{op.time:>3}  {read:<4} {what:<22} "
+                   f"{np.exp(op.log_weight):7.4f}  "
+                   f"{' '.join(name(y) for y in op.stack)}")
+    return "\n".join(lines)
+
+
+def viterbi_run(push, repl, pop) -> ViterbiRun:
+  """The most probable PDA run of one string, with the stack after each op.
+
+  Uses `ns_stack.viterbi` (max-product Lang's algorithm) and replays the run
+  on an explicit stack with `ns_stack.replay_run`, which also checks that
+  the run is valid under the frozen-bottom semantics. The run ends in the
+  best final configuration (the NS-RNN has no accepting states).
+
+  Args:
+    push, repl, pop: action probabilities of one string, as for
+      `stack_posteriors`.
+
+  Returns:
+    A ViterbiRun with one StackOp per update.
+
+  Raises:
+    ValueError: for malformed weights, or if no run has positive weight.
+  """
+  from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top
+  log_push, log_repl, log_pop = _check_actions(push, repl, pop)
+  num_t = log_push.shape[0]
+  if num_t == 0:
+    return ViterbiRun(0.0, ())
+  ((actions, log_prob),) = ns_stack.viterbi(log_push[None], log_repl[None],
+                                            log_pop[None])
+  if not np.isfinite(log_prob) or len(actions) != num_t:
+    raise ValueError("no PDA run has positive probability.")
+  stacks, _ = ns_stack.replay_run(actions)
+  ops = []
+  for j, kind, q, r, y in actions:
+    x = stacks[j - 1][-1]
+    if kind == "push":
+      log_weight, symbol = log_push[j - 1, q, x, r, y], y
+    elif kind == "replace":
+      log_weight, symbol = log_repl[j - 1, q, x, r, y], y
+    else:
+      log_weight, symbol = log_pop[j - 1, q, x, r], None
+    ops.append(StackOp(int(j), kind, int(q), int(x), int(r),
+                       None if symbol is None else int(symbol),
+                       float(log_weight), tuple(int(a) for a in stacks[j])))
+  # Re-total in float64 (ns_stack may run in float32).
+  return ViterbiRun(float(sum(op.log_weight for op in ops)), tuple(ops))
+
+
+# ---------------------------------------------------------------------------
+# Grammars of the tasks
+# ---------------------------------------------------------------------------
+
+
+def grammar_from_pcfg(grammar: Any) -> ChartGrammar:
+  """Converts an ε/unary-free `pcfg.PCFG` into a ChartGrammar.
+
+  Raises:
+    ValueError: if the grammar still has ε- or unary rules.
+  """
+  names = list(grammar.nonterminals)
+  index = {name: i for i, name in enumerate(names)}
+  rules = []
+  for rule in grammar.rules:
+    rhs = tuple((True, int(s)) if isinstance(s, (int, np.integer))
+                else (False, index[s]) for s in rule.rhs)
+    rules.append((index[rule.lhs], rhs, float(rule.prob)))
+  return ChartGrammar(num_nonterminals=len(names),
+                      num_terminals=int(grammar.num_terminals),
+                      start=index[grammar.start], rules=tuple(rules))
+
+
+def task_grammar(task: str) -> ChartGrammar:
+  """The grammar the task's strings are sampled from (after ε/unary removal,
+  exactly as `languages.get(task)` samples and scores them)."""
+  from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+  return grammar_from_pcfg(languages.get(task).normal_grammar)
+
+
+# ---------------------------------------------------------------------------
+# A tiny training run (notebooks, tests)
+# ---------------------------------------------------------------------------
+
+
+def tiny_training_config(base: Any, task: str = "marked_reversal",
+                         model: str = "ns", seed: int = 1, **overrides: Any
+                         ) -> Any:
+  """A copy of `base` (configs/default.py) shrunk to train in seconds on CPU.
+
+  Strings of length 5-11 (test 5-13), 30 batches of 5, 4 validation
+  batches, 4 epochs, a hidden size of 12, every batch padded to length 13
+  (one compilation). Enough for the notebooks to show
+  every view on a real trained workdir; not a meaningful experiment.
+
+  Args:
+    base: the default ConfigDict (`configs.default.get_config()`).
+    task: languages task name.
+    model: "lstm", "jm", "gref" or "ns".
+    seed: used for the data, parameter and shuffle seeds.
+    **overrides: further fields to set.
+
+  Returns:
+    A new ConfigDict.
+  """
+  config = base.copy_and_resolve_references()
+  fields = dict(
+      task=task, model=model, hidden_size=12, batch_size=5,
+      num_train_batches=30, num_valid_batches=4, train_min_length=5,
+      train_max_length=11, test_min_length=5, test_max_length=13,
+      test_strings_per_length=5, max_epochs=4, learning_rate=0.01,
+      data_seed=seed, param_seed=seed, shuffle_seed=seed,
+      progress_bar=False, stack_embedding_size=4,
+      # One padded shape for every batch: a single compilation per step fn.
+      compile_strategy="bucket", length_buckets=(13,))
+  fields.update(overrides)
+  for key, value in fields.items():
+    if key not in config:
+      raise ValueError(f"the base config has no field {key!r}.")
+    config[key] = value
+  return config
+
+
+# ---------------------------------------------------------------------------
+# Tracing a trained model on one string
+# ---------------------------------------------------------------------------
+
+
+def action_probabilities(push, repl, pop) -> dict[str, np.ndarray]:
+  """Heatmap-ready action probabilities of one string (see module docstring).
+
+  Args:
+    push, repl, pop: probabilities [T,Q,S,Q,S], [T,Q,S,Q,S], [T,Q,S,Q].
+
+  Returns:
+    {"rows_TxQxSx3": per-(q, x) totals of (push, replace, pop);
+     "marginal_3xT": the totals weighted by the forward posterior of (q, x)
+     before each update; "posterior_T1xQxS", "readings_T1xS", "log_mass_T1"
+     from `stack_posteriors`}.
+  """
+  post = stack_posteriors(push, repl, pop)
+  push = np.asarray(push, np.float64)
+  repl = np.asarray(repl, np.float64)
+  pop = np.asarray(pop, np.float64)
+  rows_TxQxSx3 = np.stack([push.sum(axis=(3, 4)), repl.sum(axis=(3, 4)),
+                           pop.sum(axis=3)], axis=-1)
+  # Update t acts on the configuration reached after t - 1 updates.
+  weights_TxQxS = post["posterior_T1xQxS"][:-1]
+  marginal_3xT = np.einsum("tqx,tqxo->ot", weights_TxQxS, rows_TxQxSx3)
+  return {"rows_TxQxSx3": rows_TxQxSx3, "marginal_3xT": marginal_3xT, **post}
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspection:
+  """What a model does on one string (all NumPy, float64).
+
+  Attributes:
+    symbols: the string w_1..w_N (ids).
+    alphabet: symbol strings (index = id), or None.
+    model_probs_NxV: row t = the model's p(w_{t+1} | w_1..w_t).
+    true_probs_NxV: the sampler's exact p(w_{t+1} | w_1..w_t, N), or None.
+    readings_SxN: tau_0..tau_{N-1} as traced by the model (NS-RNN only).
+    actions: `action_probabilities` output (NS-RNN only).
+    viterbi: the most probable PDA run (NS-RNN only).
+  """
+  symbols: np.ndarray
+  alphabet: tuple[str, ...] | None
+  model_probs_NxV: np.ndarray
+  true_probs_NxV: np.ndarray | None = None
+  readings_SxN: np.ndarray | None = None
+  actions: Mapping[str, np.ndarray] | None = None
+  viterbi: ViterbiRun | None = None
+
+  @property
+  def model_nll_N(self) -> np.ndarray:
+    """-ln p_model(w_{t+1} | w_1..w_t) per position."""
+    return -np.log(self.model_probs_NxV[np.arange(len(self.symbols)),
+                                        self.symbols])
+
+  @property
+  def true_nll_N(self) -> np.ndarray | None:
+    """-ln p_true(w_{t+1} | w_1..w_t, N) per position (None without PCFG)."""
+    if self.true_probs_NxV is None:
+      return None
+    with np.errstate(divide="ignore"):
+      return -np.log(self.true_probs_NxV[np.arange(len(self.symbols)),
+                                         self.symbols])
+
+  def symbol_names(self) -> list[str]:
+    """The string's symbols as text (ids when there is no alphabet)."""
+    if self.alphabet is None:
+      return [str(int(a)) for a in self.symbols]
+    return [self.alphabet[int(a)] for a in self.symbols]
+
+  def summary(self) -> str:
+    """One line: -ln p of the string under the model (and the truth)."""
+    line = f"-ln p_model(w) = {self.model_nll_N.sum():.4f}"
+    if self.true_nll_N is not None:
+      true = self.true_nll_N.sum()
+      diff = (self.model_nll_N.sum() - true) / len(self.symbols)
+      line += (f"   -ln p_true(w | n) = {true:.4f}   difference "
+               f"{diff:+.4f} nats/symbol")
+    return line
+
+  def next_symbol_table(self) -> str:
+    """Per position: the symbol and the model's (and true) probabilities."""
+    v = self.model_probs_NxV.shape[1]
+    names = (list(self.alphabet) if self.alphabet is not None
+             else [str(a) for a in range(v)])
+    header = "  t  next  " + "  ".join(
+        f"{'model ' + a:>8}" + (f"  {'true ' + a:>7}"
+                                if self.true_probs_NxV is not None else "")
+        for a in names)
+    lines = [header]
+    for t, symbol in enumerate(self.symbol_names()):
+      cells = []
+      for a in range(v):
+        cell = f"{self.model_probs_NxV[t, a]:8.3f}"
+        if self.true_probs_NxV is not None:
+          cell += f"  {self.true_probs_NxV[t, a]:7.3f}"
+        cells.append(cell)
+      lines.append(f"{t + 1:>3}  {symbol:>4}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+# Jitted trace functions per model object (id -> (model, fn)); keeping the
+# model alive keeps its id unique. Jitting the whole trace is several times
+# faster than dispatching its operations one by one.
+_TRACE_FNS: dict[int, tuple[Any, Any]] = {}
+
+
+def trace(model: Any, params: Any, symbols: Sequence[int]) -> dict[str, Any]:
+  """`model.apply(..., method="trace")` on one string, as NumPy (batch dropped).
+
+  Raises:
+    ValueError: for a malformed string or ids outside the vocabulary.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  symbols_N = _check_string(symbols, int(model.vocab_size))
+  if id(model) not in _TRACE_FNS or _TRACE_FNS[id(model)][0] is not model:
+    _TRACE_FNS[id(model)] = (model, jax.jit(
+        lambda p, x: model.apply({"params": p}, x, method="trace")))
+  out = _TRACE_FNS[id(model)][1](params, symbols_N[None].astype(np.int32))
+  return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64)[0], out)
+
+
+def inspect_string(model: Any, params: Any, symbols: Sequence[int],
+                   grammar: ChartGrammar | None = None,
+                   alphabet: Sequence[str] | None = None) -> Inspection:
+  """Traces `model` on one string and gathers everything the notebook shows.
+
+  Args:
+    model: a models.py Linen model (any of the four; the stack views need
+      the NS-RNN).
+    params: its parameters.
+    symbols: the string (ids).
+    grammar: the task's grammar (`task_grammar`) for the true next-symbol
+      distribution; None skips it.
+    alphabet: symbol strings for labels.
+
+  Returns:
+    An Inspection.
+  """
+  vocab = int(model.vocab_size)
+  symbols_N = _check_string(symbols, vocab)
+  if grammar is not None and grammar.num_terminals != vocab:
+    raise ValueError(f"grammar has {grammar.num_terminals} terminals but the "
+                     f"model's vocabulary has {vocab} symbols.")
+  if alphabet is not None and len(alphabet) != vocab:
+    raise ValueError(f"alphabet has {len(alphabet)} symbols, the model "
+                     f"{vocab}.")
+  traced = trace(model, params, symbols_N)
+  logits_NxV = traced["logits"]
+  log_z_N = np.log(np.sum(np.exp(logits_NxV - logits_NxV.max(-1,
+                                                             keepdims=True)),
+                          axis=-1)) + logits_NxV.max(-1)
+  model_probs_NxV = np.exp(logits_NxV - log_z_N[:, None])
+  true_probs_NxV = None
+  if grammar is not None:
+    true_probs_NxV = true_next_symbol_distribution(grammar, symbols_N)
+  readings_SxN = actions = viterbi = None
+  if isinstance(traced.get("actions"), Mapping) and "pop" in traced["actions"]:
+    acts = traced["actions"]
+    readings_SxN = np.asarray(traced["readings"]).T
+    if len(symbols_N) > 1:
+      actions = action_probabilities(acts["push"], acts["repl"], acts["pop"])
+      viterbi = viterbi_run(acts["push"], acts["repl"], acts["pop"])
+  return Inspection(symbols_N, None if alphabet is None else tuple(alphabet),
+                    model_probs_NxV, true_probs_NxV, readings_SxN, actions,
+                    viterbi)
+
+
+# ---------------------------------------------------------------------------
+# Figures
+# ---------------------------------------------------------------------------
+
+
+def _stack_symbol_name(y: int) -> str:
+  return "⊥" if y == 0 else str(y)
+
+
+def _heatmap(fig, ax, values, row_labels, col_labels, title, vmax=1.0):
+  """A [rows, cols] heatmap in [0, vmax] with labelled ticks and colorbar."""
+  image = ax.imshow(values, aspect="auto", cmap="viridis", vmin=0.0,
+                    vmax=vmax, interpolation="nearest")
+  ax.set_yticks(range(len(row_labels)), row_labels)
+  step = max(1, len(col_labels) // 40)
+  ax.set_xticks(range(0, len(col_labels), step), col_labels[::step],
+                fontsize=7)
+  ax.set_title(title, fontsize=10)
+  fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01)
+
+
+def plot_actions(insp: Inspection) -> matplotlib.figure.Figure:
+  """Heatmaps of push/replace/pop probabilities per update.
+
+  Top: the posterior-weighted marginal (3 x T). Bottom: one row per
+  (state q, top x, operation). Column t - 1 is update t, labelled with the
+  input symbol w_t that the controller had just read.
+  """
+  if insp.actions is None:
+    raise ValueError("no stack actions: inspect an NS-RNN on a string of "
+                     "length >= 2.")
+  rows_TxQxSx3 = insp.actions["rows_TxQxSx3"]
+  num_t, q, s, _ = rows_TxQxSx3.shape
+  cols = [f"{t + 1}:{a}" for t, a in enumerate(insp.symbol_names()[:num_t])]
+  fig = matplotlib.figure.Figure(
+      figsize=(max(6.0, 0.18 * num_t + 2), 2.0 + 0.25 * q * s * 3),
+      layout="constrained")
+  ax_top, ax_rows = fig.subplots(2, 1, height_ratios=[3, 3 * q * s])
+  _heatmap(fig, ax_top, insp.actions["marginal_3xT"], list(OPS), cols,
+           "actions, weighted by the stack posterior of (q, x)")
+  labels = [f"q{qq},{_stack_symbol_name(x)} {op}" for qq in range(q)
+            for x in range(s) for op in OPS]
+  _heatmap(fig, ax_rows,
+           rows_TxQxSx3.reshape(num_t, q * s * 3).T, labels, cols,
+           "actions per (state, top)")
+  ax_rows.set_xlabel("update t : input symbol w_t")
+  return fig
+
+
+def plot_readings(insp: Inspection) -> matplotlib.figure.Figure:
+  """Heatmap of the readings tau_0..tau_{N-1} (stack symbol x time)."""
+  if insp.readings_SxN is None:
+    raise ValueError("no readings: inspect an NS-RNN.")
+  s, n = insp.readings_SxN.shape
+  names = insp.symbol_names()
+  cols = ["init"] + [f"{t}:{names[t - 1]}" for t in range(1, n)]
+  fig = matplotlib.figure.Figure(figsize=(max(6.0, 0.18 * n + 2),
+                                          1.2 + 0.35 * s),
+                                 layout="constrained")
+  ax = fig.subplots()
+  _heatmap(fig, ax, insp.readings_SxN,
+           [_stack_symbol_name(y) for y in range(s)], cols,
+           "reading τ_t (distribution of the stack top)")
+  ax.set_xlabel("after update t : input symbol w_t")
+  return fig
+
+
+def plot_next_symbol(insp: Inspection) -> matplotlib.figure.Figure:
+  """Model vs true next-symbol distributions (V x N heatmaps) and the
+  per-position cross-entropies; white dots mark the actual next symbol."""
+  v = insp.model_probs_NxV.shape[1]
+  n = len(insp.symbols)
+  names = insp.symbol_names()
+  cols = [f"{t + 1}:{a}" for t, a in enumerate(names)]
+  sym_labels = (list(insp.alphabet) if insp.alphabet is not None
+                else [str(a) for a in range(v)])
+  panels = [(insp.model_probs_NxV, "model p(w_t+1 | w_≤t)")]
+  if insp.true_probs_NxV is not None:
+    panels.append((np.nan_to_num(insp.true_probs_NxV),
+                   "true p(w_t+1 | w_≤t, length)"))
+  fig = matplotlib.figure.Figure(
+      figsize=(max(6.0, 0.18 * n + 2), 1.6 + (0.3 * v + 0.8) * len(panels)
+               + 1.5), layout="constrained")
+  axes = fig.subplots(len(panels) + 1, 1)
+  for ax, (probs_NxV, title) in zip(axes, panels):
+    _heatmap(fig, ax, probs_NxV.T, sym_labels, cols, title)
+    ax.scatter(np.arange(n), insp.symbols, s=6, c="white")
+  ax = axes[-1]
+  ax.plot(np.arange(n), insp.model_nll_N, label="model", color="C3")
+  if insp.true_nll_N is not None:
+    ax.plot(np.arange(n), insp.true_nll_N, label="true", color="k",
+            linestyle="--")
+  ax.set_xlim(-0.5, n - 0.5)
+  step = max(1, n // 40)
+  ax.set_xticks(range(0, n, step), cols[::step], fontsize=7)
+  ax.set_ylabel("−ln p (nats)")
+  ax.set_xlabel("position t+1 : symbol w_t+1")
+  ax.legend(fontsize=8)
+  return fig

@@ -1,0 +1,398 @@
+"""Tests for nsrnn_jax/inspection.py.
+
+Oracles (none of them shares code with the module under test):
+  * the true next-symbol distribution: brute-force enumeration of every
+    string of a short length, scored by `languages` (its own inside
+    algorithm), and for a toy grammar a top-down enumeration of derivations;
+  * stack posteriors: explicit PDA configurations (state, whole stack) under
+    the frozen-bottom semantics, merged per step;
+  * Viterbi: a hard-weight PDA simulated step by step; the Viterbi run must be
+    exactly the run that PDA takes.
+"""
+
+import itertools
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from nsrnn_jax import inspection
+from nsrnn_jax import languages
+from nsrnn_jax import models
+
+# Compile time dominates these tiny models; XLA's optimisations do not pay.
+jax.config.update("jax_disable_most_optimizations", True)
+
+# ---------------------------------------------------------------------------
+# Helpers (oracles)
+# ---------------------------------------------------------------------------
+
+
+def random_actions(rng, num_t, q, s, scale=2.0):
+  """Random per-(q, x) action distributions [T,Q,S,Q,S]x2 and [T,Q,S,Q]."""
+  logits = rng.normal(size=(num_t, q, s, 2 * q * s + q)) * scale
+  p = np.exp(logits)
+  p /= p.sum(-1, keepdims=True)
+  return (p[..., :q * s].reshape(num_t, q, s, q, s),
+          p[..., q * s:2 * q * s].reshape(num_t, q, s, q, s),
+          p[..., 2 * q * s:])
+
+
+def explicit_configurations(push, repl, pop):
+  """{(state, stack): probability} after each update, by explicit stacks."""
+  num_t, q, s = push.shape[:3]
+  configs = [{(0, (0,)): 1.0}]
+  for t in range(num_t):
+    nxt = {}
+    for (state, stack), w in configs[-1].items():
+      x = stack[-1]
+      moves = []
+      for r in range(q):
+        for y in range(s):
+          moves.append((r, stack + (y,), push[t, state, x, r, y]))
+          if len(stack) > 1:  # the bottom is never replaced
+            moves.append((r, stack[:-1] + (y,), repl[t, state, x, r, y]))
+        if len(stack) > 2:  # the symbol on the bottom is never popped
+          moves.append((r, stack[:-1], pop[t, state, x, r]))
+      for r, new_stack, p in moves:
+        nxt[(r, new_stack)] = nxt.get((r, new_stack), 0.0) + w * p
+    configs.append(nxt)
+  return configs
+
+
+def simulate_hard_pda(rng, num_t, q, s, confidence):
+  """A PDA whose every (t, q, x) row puts `confidence` on one action.
+
+  The action of the configuration actually visited at time t is drawn among
+  the moves the frozen-bottom semantics allows; every other row gets an
+  arbitrary preferred action. Returns the weights and the run it takes as
+  (op, new_state, symbol, stack_after) per update.
+  """
+  num_actions = 2 * q * s + q
+  p = np.full((num_t, q, s, num_actions),
+              (1.0 - confidence) / (num_actions - 1))
+  state, stack, run = 0, [0], []
+  for t in range(num_t):
+    for qq in range(q):
+      for x in range(s):
+        p[t, qq, x, rng.integers(num_actions)] = confidence
+    p[t, state] = (1.0 - confidence) / (num_actions - 1)
+    allowed = ["push"] + (["replace"] if len(stack) > 1 else []) + (
+        ["pop"] if len(stack) > 2 else [])
+    # Favour pops and pushes so that runs nest (exercises the pop term).
+    op = rng.choice(allowed, p=None if len(allowed) == 1 else
+                    np.array([3, 1, 3][:len(allowed)]) / sum(
+                        [3, 1, 3][:len(allowed)]))
+    r = int(rng.integers(q))
+    x = stack[-1]
+    if op == "push":
+      y = int(rng.integers(s))
+      column = r * s + y
+      stack.append(y)
+    elif op == "replace":
+      y = int(rng.integers(s))
+      column = q * s + r * s + y
+      stack[-1] = y
+    else:
+      y = None
+      column = 2 * q * s + r
+      stack.pop()
+    p[t, state, x, column] = confidence
+    run.append((str(op), r, y, tuple(stack)))
+    state = r
+  push = p[..., :q * s].reshape(num_t, q, s, q, s)
+  repl = p[..., q * s:2 * q * s].reshape(num_t, q, s, q, s)
+  return push, repl, p[..., 2 * q * s:], run
+
+
+def brute_force_next_symbol(lang, symbols, first_row=0):
+  """p(w_{t+1} | w_<=t, n) by scoring every completion of w_<=t with ln G.
+
+  Rows before `first_row` are left NaN (their completions are too many to
+  score quickly for the hardest CFL).
+  """
+  n, v = len(symbols), lang.vocab_size
+  out = np.full((n, v), np.nan)
+  for t in range(first_row, n):
+    tails = np.array(list(itertools.product(range(v), repeat=n - t)))
+    strings = np.concatenate(
+        [np.tile(np.asarray(symbols[:t], np.int64), (len(tails), 1)), tails],
+        axis=1)
+    g = np.exp(lang.log_prob_batch(strings))
+    out[t] = [g[tails[:, 0] == a].sum() for a in range(v)]
+    out[t] /= out[t].sum()
+  return out
+
+
+# ---------------------------------------------------------------------------
+# True next-symbol distribution
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task,length,first_row", [
+    ("marked_reversal", 9, 0), ("unmarked_reversal", 8, 0),
+    ("padded_reversal", 7, 0), ("dyck", 6, 0), ("hardest_cfl", 6, 2)])
+def test_true_next_symbol_matches_brute_force(task, length, first_row):
+  lang = languages.get(task)
+  symbols = lang.sample(length, np.random.default_rng(3))
+  probs = inspection.true_next_symbol_distribution(
+      inspection.task_grammar(task), symbols)
+  expected = brute_force_next_symbol(lang, symbols, first_row)
+  np.testing.assert_allclose(probs[first_row:], expected[first_row:],
+                             rtol=1e-10, atol=1e-13)
+  np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-12)
+
+
+def test_true_next_symbol_marked_reversal_closed_form():
+  # Length 9: the first four symbols are free (1/2 each), then # is forced,
+  # then the mirror image is forced.
+  lang = languages.get("marked_reversal")
+  symbols = lang.encode("0110#0110")
+  probs = inspection.true_next_symbol_distribution(
+      inspection.task_grammar("marked_reversal"), symbols)
+  expected = np.zeros((9, 3))
+  expected[:4, :2] = 0.5
+  expected[4, 2] = 1.0
+  expected[np.arange(5, 9), [0, 1, 1, 0]] = 1.0
+  np.testing.assert_allclose(probs, expected, atol=1e-15)
+
+
+def test_true_next_symbol_toy_ambiguous_grammar_by_derivations():
+  # S -> S S / .4 | a / .35 | b / .25. Enumerate derivations top-down: each
+  # string of length n has the same number of derivations (Catalan), so the
+  # conditional of every position is .35 / .6 for a.
+  t = lambda i: (True, i)
+  grammar = inspection.ChartGrammar(
+      1, 2, 0, ((0, ((False, 0), (False, 0)), 0.4), (0, (t(0),), 0.35),
+                (0, (t(1),), 0.25)))
+  probs = inspection.true_next_symbol_distribution(grammar, [0, 1, 1, 0, 1])
+
+  def derivation_weights(n):
+    """{string: weight} of all leftmost derivations with n leaves."""
+    out = {}
+    forms = [(("S",), 1.0)]
+    while forms:
+      form, w = forms.pop()
+      if len(form) > n:
+        continue
+      if "S" not in form:
+        if len(form) == n:
+          out[form] = out.get(form, 0.0) + w
+        continue
+      i = form.index("S")
+      for rhs, p in ((("S", "S"), 0.4), (("a",), 0.35), (("b",), 0.25)):
+        forms.append((form[:i] + rhs + form[i + 1:], w * p))
+    return out
+
+  weights = derivation_weights(5)
+  string = ("a", "b", "b", "a", "b")
+  for pos in range(5):
+    num = {a: sum(w for s, w in weights.items()
+                  if s[:pos] == string[:pos] and s[pos] == a)
+           for a in "ab"}
+    np.testing.assert_allclose(probs[pos],
+                               [num["a"] / (num["a"] + num["b"]),
+                                num["b"] / (num["a"] + num["b"])], rtol=1e-12)
+
+
+def test_impossible_prefix_gives_nan_rows():
+  grammar = inspection.task_grammar("marked_reversal")
+  probs = inspection.true_next_symbol_distribution(grammar, [2, 0, 0])
+  # "#" first: only length 1 is possible, so no row after it has mass.
+  assert np.all(np.isnan(probs[1:]))
+  np.testing.assert_allclose(probs[0], [0.5, 0.5, 0.0])
+
+
+# ---------------------------------------------------------------------------
+# Stack posteriors and Viterbi
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_t,q,s", [(5, 2, 2), (4, 3, 2), (4, 2, 3)])
+def test_stack_posteriors_match_explicit_configurations(num_t, q, s):
+  push, repl, pop = random_actions(np.random.default_rng(num_t * q * s),
+                                   num_t, q, s)
+  out = inspection.stack_posteriors(push, repl, pop)
+  for t, configs in enumerate(explicit_configurations(push, repl, pop)):
+    alpha = np.zeros((q, s))
+    for (state, stack), w in configs.items():
+      alpha[state, stack[-1]] += w
+    np.testing.assert_allclose(np.exp(out["log_mass_T1"][t]), alpha.sum(),
+                               rtol=1e-12)
+    np.testing.assert_allclose(out["posterior_T1xQxS"][t],
+                               alpha / alpha.sum(), rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(out["readings_T1xS"][t],
+                               alpha.sum(0) / alpha.sum(), rtol=1e-10,
+                               atol=1e-14)
+
+
+@pytest.mark.parametrize("confidence", [0.9, 1.0])
+@pytest.mark.parametrize("seed,q,s", [(0, 2, 2), (1, 2, 3), (2, 3, 2)])
+def test_viterbi_is_the_run_a_hard_weight_pda_takes(seed, q, s, confidence):
+  num_t = 16
+  push, repl, pop, run = simulate_hard_pda(np.random.default_rng(seed), num_t,
+                                           q, s, confidence)
+  assert any(op == "pop" for op, *_ in run)  # the pop term is exercised
+  result = inspection.viterbi_run(push, repl, pop)
+  got = [(op.op, op.new_state, op.symbol, op.stack) for op in result.ops]
+  assert got == run
+  assert result.log_prob == pytest.approx(num_t * math.log(confidence),
+                                          abs=1e-6)
+  # The run's ops chain: each starts where the previous ended.
+  state, top = 0, 0
+  for op in result.ops:
+    assert (op.state, op.top) == (state, top)
+    state, top = op.new_state, op.stack[-1]
+  table = result.table()
+  assert len(table.splitlines()) == num_t + 1
+  assert "pop" in table and "⊥" in table
+
+
+def test_viterbi_matches_exhaustive_search():
+  rng = np.random.default_rng(7)
+  push, repl, pop = random_actions(rng, 5, 2, 2, scale=3.0)
+  # Exhaustive: best run weight among all explicit runs.
+  best_w, best_ops = -1.0, None
+  runs = [((), 0, (0,), 1.0)]
+  for t in range(5):
+    nxt = []
+    for ops, state, stack, w in runs:
+      x = stack[-1]
+      for r in range(2):
+        for y in range(2):
+          nxt.append((ops + (("push", r, y),), r, stack + (y,),
+                      w * push[t, state, x, r, y]))
+          if len(stack) > 1:
+            nxt.append((ops + (("replace", r, y),), r, stack[:-1] + (y,),
+                        w * repl[t, state, x, r, y]))
+        if len(stack) > 2:
+          nxt.append((ops + (("pop", r, None),), r, stack[:-1],
+                      w * pop[t, state, x, r]))
+    runs = nxt
+  for ops, _, _, w in runs:
+    if w > best_w:
+      best_w, best_ops = w, ops
+  result = inspection.viterbi_run(push, repl, pop)
+  assert [(o.op, o.new_state, o.symbol) for o in result.ops] == list(best_ops)
+  assert result.log_prob == pytest.approx(math.log(best_w), rel=1e-6)
+
+
+def test_action_probabilities_rows_and_posterior_marginal():
+  push, repl, pop = random_actions(np.random.default_rng(5), 6, 2, 3)
+  out = inspection.action_probabilities(push, repl, pop)
+  np.testing.assert_allclose(out["rows_TxQxSx3"].sum(-1), 1.0, rtol=1e-12)
+  # Naive loop for the marginal; update 1 sees only (q0, bottom).
+  post = out["posterior_T1xQxS"]
+  np.testing.assert_allclose(post[0], [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+  for t in range(6):
+    for o, name in enumerate(("push", "repl", "pop")):
+      total = 0.0
+      for q in range(2):
+        for x in range(3):
+          row = {"push": push, "repl": repl, "pop": pop}[name][t, q, x]
+          total += post[t, q, x] * row.sum()
+      assert out["marginal_3xT"][o, t] == pytest.approx(total, rel=1e-12)
+  np.testing.assert_allclose(out["marginal_3xT"][:, 0],
+                             out["rows_TxQxSx3"][0, 0, 0])
+
+
+# ---------------------------------------------------------------------------
+# A real (randomly initialised) NS-RNN
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(name="ns_model", scope="module")
+def fixture_ns_model():
+  model = models.get("ns", vocab_size=3, hidden_size=8, num_states=2,
+                     num_stack_symbols=2)
+  params = model.init(jax.random.key(0), np.zeros((1, 9), np.int32))["params"]
+  # Sharpen the action layer so the stack is far from uniform.
+  params = dict(params)
+  params["action"] = {k: v * 30.0 for k, v in params["action"].items()}
+  return model, params
+
+
+def test_inspect_string_agrees_with_model_and_ns_stack(ns_model):
+  model, params = ns_model
+  lang = languages.get("marked_reversal")
+  symbols = lang.encode("0110#0110")
+  insp = inspection.inspect_string(model, params, symbols,
+                                   inspection.task_grammar("marked_reversal"),
+                                   lang.alphabet)
+  logits = np.asarray(model.apply({"params": params},
+                                  np.asarray(symbols, np.int32)[None]))[0]
+  expected = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  np.testing.assert_allclose(insp.model_probs_NxV, expected, rtol=2e-5)
+  # The model's readings (ns_stack, float32) equal our float64 replay of
+  # Lang's algorithm on the traced actions.
+  np.testing.assert_allclose(insp.readings_SxN.T,
+                             insp.actions["readings_T1xS"], atol=2e-5)
+  assert insp.readings_SxN.shape == (2, 9)
+  np.testing.assert_allclose(insp.readings_SxN[:, 0], [1.0, 0.0])
+  assert len(insp.viterbi.ops) == 8
+  np.testing.assert_allclose(insp.true_probs_NxV[4], [0.0, 0.0, 1.0])
+  np.testing.assert_allclose(insp.model_nll_N,
+                             -np.log(expected[np.arange(9), symbols]),
+                             rtol=2e-5)
+  # The text views print the same numbers (3 decimals).
+  lines = insp.next_symbol_table().splitlines()
+  assert len(lines) == 10 and lines[5].split()[:2] == ["5", "#"]
+  printed = np.array([float(x) for x in lines[5].split()[2:]])
+  np.testing.assert_allclose(printed[0::2], expected[4], atol=5e-4)
+  np.testing.assert_allclose(printed[1::2], [0.0, 0.0, 1.0], atol=5e-4)
+  printed_nll = float(insp.summary().split("=")[1].split()[0])
+  assert printed_nll == pytest.approx(
+      -np.log(expected[np.arange(9), symbols]).sum(), abs=2e-4)
+
+
+def test_figures_show_the_inspected_numbers(ns_model):
+  model, params = ns_model
+  lang = languages.get("marked_reversal")
+  symbols = lang.encode("01#10")
+  insp = inspection.inspect_string(model, params, symbols,
+                                   inspection.task_grammar("marked_reversal"),
+                                   lang.alphabet)
+  fig = inspection.plot_actions(insp)
+  np.testing.assert_allclose(fig.axes[0].images[0].get_array(),
+                             insp.actions["marginal_3xT"])
+  fig = inspection.plot_readings(insp)
+  np.testing.assert_allclose(fig.axes[0].images[0].get_array(),
+                             insp.readings_SxN)
+  fig = inspection.plot_next_symbol(insp)
+  np.testing.assert_allclose(fig.axes[0].images[0].get_array(),
+                             insp.model_probs_NxV.T)
+  np.testing.assert_allclose(fig.axes[1].images[0].get_array(),
+                             insp.true_probs_NxV.T)
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+
+
+def test_bad_input_is_rejected_with_clear_errors(ns_model):
+  model, params = ns_model
+  push, repl, pop = random_actions(np.random.default_rng(0), 3, 2, 2)
+  with pytest.raises(ValueError, match="probabilities, not log"):
+    inspection.stack_posteriors(np.log(push), repl, pop)
+  with pytest.raises(ValueError, match="do not agree"):
+    inspection.viterbi_run(push, repl, pop[:, :, :, :1])
+  with pytest.raises(ValueError, match="one string"):
+    inspection.stack_posteriors(push[None], repl[None], pop[None])
+  grammar = inspection.task_grammar("marked_reversal")
+  with pytest.raises(ValueError, match=r"lie in \[0, 3\)"):
+    inspection.true_next_symbol_distribution(grammar, [0, 3, 0])
+  with pytest.raises(ValueError, match="empty"):
+    inspection.true_next_symbol_distribution(grammar, [])
+  with pytest.raises(ValueError, match="unary"):
+    inspection.ChartGrammar(2, 1, 0, ((0, ((False, 1),), 1.0),))
+  with pytest.raises(ValueError, match="vocabulary"):
+    inspection.inspect_string(model, params, [0, 1],
+                              inspection.task_grammar("dyck"))
+  lstm = models.get("lstm", vocab_size=3, hidden_size=4)
+  lstm_params = lstm.init(jax.random.key(0), np.zeros((1, 3), np.int32))
+  insp = inspection.inspect_string(lstm, lstm_params["params"], [0, 2, 0])
+  assert insp.actions is None and insp.viterbi is None
+  with pytest.raises(ValueError, match="NS-RNN"):
+    inspection.plot_actions(insp)

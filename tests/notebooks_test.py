@@ -1,0 +1,132 @@
+"""Runs both notebooks end to end (nbclient, kernel python3) on tiny workdirs.
+
+The test trains tiny runs with `train.train_and_evaluate` (two NS-RNN
+restarts that stop at different epochs, one LSTM), injects their paths into
+each notebook's "parameters" cell and executes every cell. Besides "no cell
+raised", it checks numbers the notebooks print against independent sources:
+the model's log-probability from `evaluate.score`, and the plotted series
+against a by-hand recomputation from the metrics files.
+"""
+
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
+from nsrnn_jax import inspection  # pylint: disable=g-import-not-at-top
+from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+
+# Compile time dominates these tiny runs; XLA's optimisations do not pay.
+jax.config.update("jax_disable_most_optimizations", True)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(REPO_ROOT, "notebooks")
+
+
+@pytest.fixture(name="workdirs", scope="module")
+def fixture_workdirs(tmp_path_factory):
+  """{name: workdir} of three tiny trained runs."""
+  from configs import default  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp("runs")
+  runs = {}
+  for name, model, seed, epochs in (("ns-0", "ns", 1, 3), ("ns-1", "ns", 2, 2),
+                                    ("lstm-0", "lstm", 1, 2)):
+    config = inspection.tiny_training_config(
+        default.get_config(), "marked_reversal", model, seed=seed,
+        max_epochs=epochs)
+    workdir = str(root / name)
+    train.train_and_evaluate(config, workdir)
+    runs[name] = workdir
+  return runs
+
+
+def _run_notebook(name, parameters):
+  """Executes notebooks/<name> with its parameters cell replaced.
+
+  The kernel inherits the environment; JAX_DISABLE_MOST_OPTIMIZATIONS cuts
+  its compile time the same way as in this process.
+  """
+
+  with open(os.path.join(NOTEBOOKS, name)) as f:
+    notebook = nbformat.read(f, as_version=4)
+  # Committed notebooks carry no outputs (stripped before commit).
+  for cell in notebook.cells:
+    if cell.cell_type == "code":
+      assert not cell.outputs and cell.execution_count is None, name
+  param_cells = [c for c in notebook.cells
+                 if "parameters" in c.metadata.get("tags", [])]
+  assert len(param_cells) == 1 and notebook.cells.index(param_cells[0]) <= 1
+  param_cells[0].source = "\n".join(f"{k} = {v!r}"
+                                    for k, v in parameters.items())
+  client = nbclient.NotebookClient(
+      notebook, timeout=300, kernel_name="python3",
+      resources={"metadata": {"path": NOTEBOOKS}})
+  client.execute(env={**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
+  return notebook
+
+
+def _outputs(notebook):
+  """(all stdout text, number of PNG images) of an executed notebook."""
+  text, images = [], 0
+  for cell in notebook.cells:
+    for out in cell.get("outputs", []):
+      assert out.output_type != "error", out
+      if out.output_type == "stream":
+        text.append(out.text)
+      elif "image/png" in out.get("data", {}):
+        images += 1
+  return "".join(text), images
+
+
+def test_inspect_model_notebook_runs_on_a_trained_workdir(workdirs):
+  workdir = workdirs["ns-0"]
+  notebook = _run_notebook("inspect_model.ipynb", {
+      "WORKDIR": workdir, "STRING": "0110#0110", "STRING_LENGTH": 9,
+      "SEED": 0})
+  text, images = _outputs(notebook)
+  assert images == 3  # actions, readings, next-symbol distributions
+  # The Viterbi table has one line per stack update (n - 1 = 8).
+  table = text[text.index("stack (bottom → top)"):].splitlines()[1:9]
+  assert [int(line.split()[0]) for line in table] == list(range(1, 9))
+  # The printed -ln p_model(w) is the model's own score of the string.
+  printed = float(re.search(r"-ln p_model\(w\) = ([0-9.]+)", text).group(1))
+  expected = -evaluate.score(workdir, ["0110#0110"])[0]
+  assert printed == pytest.approx(expected, abs=2e-4)
+  # Marked reversal of length 9: -ln p_true(w | n) = 4 ln 2 exactly.
+  printed_true = float(re.search(r"-ln p_true\(w \| n\) = ([0-9.]+)",
+                                 text).group(1))
+  assert printed_true == pytest.approx(4 * np.log(2), abs=1e-4)
+
+
+def test_compare_models_notebook_draws_both_figures(workdirs, tmp_path):
+  out = str(tmp_path / "figures")
+  notebook = _run_notebook("compare_models.ipynb", {
+      "WORKDIRS": [os.path.join(os.path.dirname(workdirs["ns-0"]), "lstm-*"),
+                   os.path.join(os.path.dirname(workdirs["ns-0"]), "ns-*")],
+      "LABELS": None, "GROUP_BY": "pattern", "OUT": out})
+  text, images = _outputs(notebook)
+  assert images == 2
+  assert "LSTM" in text and "Ours" in text
+  for name in ("figure3.png", "figure3.pdf", "figure4.png", "figure4.pdf"):
+    assert os.path.getsize(os.path.join(out, name)) > 1000
+  with open(os.path.join(out, "series.json")) as f:
+    series = json.load(f)
+  ours = next(s for s in series["figure3"] if s["label"] == "Ours")
+  curves = []
+  for name in ("ns-0", "ns-1"):
+    with open(os.path.join(workdirs[name], "metrics.jsonl")) as f:
+      curves.append([r["valid_ce_diff"] for r in map(json.loads, f)
+                     if "valid_ce_diff" in r])
+  assert [len(c) for c in curves] == [3, 2]
+  padded = np.array([curves[0], curves[1] + [curves[1][-1]]])
+  np.testing.assert_allclose(ours["mean"], padded.mean(0), rtol=1e-12)
+  np.testing.assert_allclose(ours["std"], padded.std(0), rtol=1e-12,
+                             atol=1e-15)
