@@ -1,0 +1,156 @@
+"""Tests for nsrnn_jax.data: split protocol, lower bounds, file format, CLI."""
+
+import filecmp
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nsrnn_jax import data
+from nsrnn_jax import languages
+
+SMALL = dict(train_batches=6, valid_batches=3, batch_size=4,
+             train_min_length=6, train_max_length=12, test_per_length=5,
+             test_min_length=6, test_max_length=14)
+
+
+def test_make_splits_protocol():
+  splits = data.make_splits("dyck", seed=3, **SMALL)
+  lang = languages.get("dyck")
+  valid_lengths = lang.valid_lengths(6, 12)
+  assert len(splits.train) == 6 and len(splits.valid) == 3
+  assert splits.train.num_lengths == splits.valid.num_lengths == 4
+  assert splits.test.num_lengths == 5
+  for batch in list(splits.train) + list(splits.valid):
+    assert batch.symbols.dtype == np.int32
+    assert batch.symbols.shape[0] == 4 and batch.length in valid_lengths
+  assert [b.length for b in splits.test] == lang.valid_lengths(6, 14)
+  assert all(len(b) == 5 for b in splits.test)
+  assert splits.train[0].log_prob is None
+  # Reproduce the generator by hand: one rng, train then valid continuing.
+  rng = np.random.default_rng(3)
+  for batch in list(splits.train) + list(splits.valid):
+    length = valid_lengths[int(rng.integers(len(valid_lengths)))]
+    expected = [lang.sample(length, rng) for _ in range(4)]
+    np.testing.assert_array_equal(batch.symbols, expected)
+  test_rng = np.random.default_rng(0)
+  for batch in splits.test:
+    expected = [lang.sample(batch.length, test_rng) for _ in range(5)]
+    np.testing.assert_array_equal(batch.symbols, expected)
+
+
+def test_log_probs_and_lower_bounds():
+  splits = data.make_splits("marked_reversal", seed=1, **SMALL)
+  f = 1 - 1 / 61
+  for split in (splits.valid, splits.test):
+    for batch, bound in zip(split, split.lower_bounds()):
+      n = batch.length
+      assert batch.log_prob.dtype == np.float64
+      # Closed form: G(w) = (1-f) (f/2)^((n-1)/2); G(n) = (1-f) f^((n-1)/2).
+      np.testing.assert_allclose(
+          batch.log_prob, math.log(1 - f) + (n - 1) / 2 * math.log(f / 2),
+          rtol=1e-12)
+      assert math.isclose(batch.length_log_prob,
+                          math.log(1 - f) + (n - 1) / 2 * math.log(f),
+                          rel_tol=1e-12)
+      np.testing.assert_allclose(
+          bound, (n - 1) / 2 * math.log(2) + math.log(split.num_lengths),
+          rtol=1e-12)
+  total = sum(b.sum() for b in splits.valid.lower_bounds())
+  assert math.isclose(splits.valid.lower_bound_cross_entropy(),
+                      total / splits.valid.num_symbols, rel_tol=1e-12)
+  with pytest.raises(ValueError, match="no log_prob"):
+    data.lower_bound(splits.train[0], 3)
+
+
+def test_write_read_roundtrip_and_byte_identical(tmp_path):
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  data.write_splits(data.make_splits("hardest_cfl", seed=5, **SMALL), a)
+  data.write_splits(data.make_splits("hardest_cfl", seed=5, **SMALL), b)
+  names = ["meta.json", "train.tsv", "valid.tsv", "test.tsv"]
+  match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+  assert match == names and not mismatch and not errors
+  other = str(tmp_path / "c")
+  data.write_splits(data.make_splits("hardest_cfl", seed=6, **SMALL), other)
+  assert not filecmp.cmp(os.path.join(a, "train.tsv"),
+                         os.path.join(other, "train.tsv"), shallow=False)
+  original = data.make_splits("hardest_cfl", seed=5, **SMALL)
+  back = data.read_splits(a)
+  assert back.task == "hardest_cfl" and back.seed == 5
+  assert back.alphabet == languages.get("hardest_cfl").alphabet
+  for name in data.SPLITS:
+    s1, s2 = original.split(name), back.split(name)
+    assert s1.num_lengths == s2.num_lengths and len(s1) == len(s2)
+    for x, y in zip(s1, s2):
+      np.testing.assert_array_equal(x.symbols, y.symbols)
+      if x.log_prob is None:
+        assert y.log_prob is None
+      else:
+        # repr round-trips float64 exactly.
+        np.testing.assert_array_equal(x.log_prob, y.log_prob)
+        assert x.length_log_prob == y.length_log_prob
+  with open(os.path.join(a, "valid.tsv")) as f:
+    header, first = f.readline(), f.readline()
+  assert header.startswith("batch\tlength\tstring")
+  fields = first.rstrip("\n").split("\t")
+  assert int(fields[1]) == len(fields[2].split(" "))
+  assert math.isclose(float(fields[5]),
+                      -float(fields[3]) + float(fields[4])
+                      + math.log(back.valid.num_lengths), rel_tol=1e-12)
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="valid tasks are"):
+    data.make_splits("nope", seed=0)
+  with pytest.raises(ValueError, match="min_length"):
+    data.make_splits("dyck", seed=0, **dict(SMALL, train_min_length=20))
+  with pytest.raises(ValueError, match="must be >= 0"):
+    data.make_splits("dyck", seed=0, **dict(SMALL, train_batches=-1))
+  with pytest.raises(ValueError, match="must be >= 0"):
+    data.make_splits("dyck", seed=0, **dict(SMALL, test_min_length=-4))
+  with pytest.raises(ValueError, match="no string with length"):
+    data.make_splits("marked_reversal", seed=0,
+                     **dict(SMALL, train_min_length=10, train_max_length=10))
+
+
+def test_read_rejects_bad_directory(tmp_path):
+  with pytest.raises(ValueError, match="no meta.json"):
+    data.read_splits(str(tmp_path))
+  out = str(tmp_path / "d")
+  data.write_splits(data.make_splits("dyck", seed=1, **SMALL), out)
+  path = os.path.join(out, "valid.tsv")
+  with open(path) as f:
+    lines = f.readlines()
+  fields = lines[1].split("\t")
+  fields[2] = "x" + fields[2][1:]
+  lines[1] = "\t".join(fields)
+  with open(path, "w") as f:
+    f.writelines(lines)
+  with pytest.raises(ValueError, match="not in alphabet"):
+    data.read_splits(out)
+
+
+def test_cli(tmp_path):
+  out = str(tmp_path / "cli")
+  args = [sys.executable, "-m", "nsrnn_jax.data", "--task=unmarked_reversal",
+          f"--out={out}", "--seed=2", "--train_batches=3",
+          "--valid_batches=2", "--batch_size=2", "--train_min_length=4",
+          "--train_max_length=8", "--test_per_length=2",
+          "--test_min_length=4", "--test_max_length=8"]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run(args, check=True, cwd=root, capture_output=True)
+  splits = data.read_splits(out)
+  assert len(splits.train) == 3 and len(splits.valid) == 2
+  assert [b.length for b in splits.test] == [4, 6, 8]
+  expected = data.make_splits(
+      "unmarked_reversal", seed=2, train_batches=3, valid_batches=2,
+      batch_size=2, train_min_length=4, train_max_length=8,
+      test_per_length=2, test_min_length=4, test_max_length=8)
+  for x, y in zip(splits.valid, expected.valid):
+    np.testing.assert_array_equal(x.symbols, y.symbols)
+  bad = subprocess.run(args[:3] + ["--task=bogus", f"--out={out}"], cwd=root,
+                       capture_output=True, text=True)
+  assert bad.returncode != 0 and "hardest_cfl" in bad.stderr
