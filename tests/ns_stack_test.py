@@ -1,0 +1,432 @@
+"""Tests for nsrnn_jax.ns_stack against explicit-stack PDA enumeration.
+
+Oracles: `pda_oracle` (explicit stacks, frozen-bottom semantics), a naive
+log-space transcription (`ns_stack.run_reference`, plain autodiff), finite
+differences, and hand-simulated deterministic PDAs. float64 is enabled only
+inside the tests that need it (`jax.enable_x64` context), so other test
+modules in the same process are unaffected.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax import test_util as jtu
+
+import pda_oracle
+from nsrnn_jax import ns_stack
+
+
+@pytest.fixture
+def x64():
+  with jax.enable_x64(True):
+    yield
+
+
+def _random_actions(rng, batch, steps, q, s, kind):
+  """Random log-weights: 'norm' (per-(q,x) log-softmax), 'unnorm', 'neginf'."""
+  push = rng.normal(size=(batch, steps, q, s, q, s))
+  repl = rng.normal(size=(batch, steps, q, s, q, s))
+  pop = rng.normal(size=(batch, steps, q, s, q))
+  if kind in ("norm", "neginf"):
+    flat = np.concatenate([push.reshape(batch, steps, q, s, -1),
+                           repl.reshape(batch, steps, q, s, -1), pop], -1)
+    flat = flat - np.log(np.exp(flat).sum(-1, keepdims=True))
+    n = q * s
+    push = flat[..., :n].reshape(push.shape)
+    repl = flat[..., n:2 * n].reshape(push.shape)
+    pop = flat[..., 2 * n:]
+  if kind == "neginf":
+    repl = np.where(rng.random(repl.shape) < 0.3, -np.inf, repl)
+    pop = np.where(rng.random(pop.shape) < 0.3, -np.inf, pop)
+    push = np.where(rng.random(push.shape) < 0.1, -np.inf, push)
+  return push, repl, pop
+
+
+# ---------------------------------------------------------------------------
+# Forward values.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q,s,steps", [
+    (1, 1, 6), (1, 2, 6), (2, 1, 5), (2, 2, 6), (3, 2, 5), (2, 3, 5),
+    (3, 3, 4), (1, 3, 6), (3, 1, 6),
+])
+def test_matches_explicit_stack_enumeration(x64, q, s, steps):
+  rng = np.random.default_rng(100 * q + 10 * s + steps)
+  kinds = ("norm", "unnorm", "neginf")
+  acts = [_random_actions(rng, 1, steps, q, s, k) for k in kinds]
+  push, repl, pop = (np.concatenate(a, 0) for a in zip(*acts))
+  readings, log_mass = ns_stack.run(push, repl, pop)
+  ref_readings, ref_log_mass = ns_stack.run_reference(push, repl, pop)
+  assert readings.dtype == jnp.float64
+  for b in range(len(kinds)):
+    want_r, want_lm = pda_oracle.readings_and_log_mass(push[b], repl[b],
+                                                       pop[b])
+    np.testing.assert_allclose(readings[b], want_r, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(ref_readings[b], want_r, rtol=0, atol=1e-10)
+    finite = np.isfinite(want_lm)
+    np.testing.assert_array_equal(np.isfinite(log_mass[b]), finite)
+    np.testing.assert_allclose(np.asarray(log_mass[b])[finite],
+                               want_lm[finite], rtol=0, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(ref_log_mass[b])[finite],
+                               want_lm[finite], rtol=0, atol=1e-10)
+
+
+def test_first_update_is_push_only(x64):
+  # Replace/pop mass at update 1 is lost (frozen bottom): log_mass_1 is the
+  # log of the total push weight out of (state 0, ⊥).
+  rng = np.random.default_rng(0)
+  push, repl, pop = _random_actions(rng, 2, 3, 2, 2, "norm")
+  _, log_mass = ns_stack.run(push, repl, pop)
+  want = np.log(np.exp(push[:, 0, 0, 0]).sum(axis=(1, 2)))
+  np.testing.assert_allclose(log_mass[:, 1], want, atol=1e-12)
+  assert np.all(np.asarray(log_mass[:, 1]) < 0)
+
+
+def _fixture_actions():
+  t, q, s = 5, 2, 2
+  j, a, x, r, y = np.meshgrid(*[np.arange(n) for n in (t, q, s, q, s)],
+                              indexing="ij")
+  push = np.sin(1.0 + j + 2 * a + 3 * x + 5 * r + 7 * y)
+  repl = np.cos(0.5 + 2 * j + a + 3 * x + 2 * r + y)
+  j, a, x, r = np.meshgrid(*[np.arange(n) for n in (t, q, s, q)],
+                           indexing="ij")
+  pop = np.sin(0.3 + j + 3 * a + x + 2 * r)
+  return push[None], repl[None], pop[None]
+
+
+# Computed once with pda_oracle.readings_and_log_mass (explicit stacks).
+_FIXTURE_READINGS = np.array([
+    [1.0, 0.0],
+    [0.42207986144892784, 0.5779201385510722],
+    [0.48949114485549033, 0.51050885514451],
+    [0.5201905868471096, 0.47980941315289044],
+    [0.5071354767702224, 0.4928645232297778],
+    [0.47056013421039533, 0.5294398657896053]])
+_FIXTURE_LOG_MASS = np.array([
+    0.0, 1.9861915865774153, 4.326500061960131, 6.743136422452655,
+    9.180583372626684, 11.702941121263398])
+
+
+def test_deterministic_fixture(x64):
+  readings, log_mass = ns_stack.run(*_fixture_actions())
+  np.testing.assert_allclose(readings[0], _FIXTURE_READINGS, atol=1e-12)
+  np.testing.assert_allclose(log_mass[0], _FIXTURE_LOG_MASS, atol=1e-12)
+
+
+def test_fixture_float32():
+  acts = [jnp.asarray(a, jnp.float32) for a in _fixture_actions()]
+  readings, log_mass = ns_stack.run(*acts)
+  assert readings.dtype == jnp.float32
+  np.testing.assert_allclose(readings[0], _FIXTURE_READINGS, atol=2e-6)
+  np.testing.assert_allclose(log_mass[0], _FIXTURE_LOG_MASS, rtol=2e-6)
+
+
+def test_step_api_matches_run(x64):
+  rng = np.random.default_rng(3)
+  b, t, q, s = 2, 7, 2, 3
+  push, repl, pop = _random_actions(rng, b, t, q, s, "norm")
+  state = ns_stack.init_state(b, t, q, s, jnp.float64)
+  readings, _ = ns_stack.run(push, repl, pop)
+  for j in range(1, t + 1):  # `step` is jitted; j is traced (one compile).
+    state, reading, _ = ns_stack.step(state, j, push[:, j - 1],
+                                      repl[:, j - 1], pop[:, j - 1])
+    np.testing.assert_allclose(reading, readings[:, j], atol=1e-13)
+
+
+def _marked_reversal_pda(symbols):
+  """0/1 log-weights of a deterministic PDA and the top symbol it would have.
+
+  Stack symbols: ⊥ = 0, a = 1, b = 2, c = 3 (c marks the first symbol so
+  that a deeper symbol is always available). States: 0 reading, 1 popping.
+  Input ids 0/1 push a/b; id 2 (the marker) moves to state 1 by replacing
+  the top with itself; afterwards every update pops.
+  """
+  q, s = 2, 4
+  t = len(symbols)
+  push = np.full((t, q, s, q, s), -np.inf)
+  repl = np.full((t, q, s, q, s), -np.inf)
+  pop = np.full((t, q, s, q), -np.inf)
+  stack, state, tops = [0], 0, [0]
+  for j, w in enumerate(symbols):
+    if state == 0 and w in (0, 1):
+      y = 3 if j == 0 else 1 + w
+      push[j, 0, :, 0, y] = 0.0
+      stack.append(y)
+    elif state == 0 and w == 2:
+      for x in range(s):
+        repl[j, 0, x, 1, x] = 0.0
+      state = 1
+    else:
+      pop[j, 1, :, 1] = 0.0
+      stack.pop()
+    tops.append(stack[-1])
+  return push, repl, pop, tops
+
+
+def test_deterministic_pda_gives_one_hot_readings():
+  symbols = [0, 1, 1, 0, 1, 2, 0, 0, 0, 0]
+  push, repl, pop, tops = _marked_reversal_pda(symbols)
+  acts = [jnp.asarray(a[None], jnp.float32) for a in (push, repl, pop)]
+  readings, log_mass = ns_stack.run(*acts)
+  want = np.eye(4)[tops]
+  np.testing.assert_allclose(readings[0], want, atol=1e-6)
+  np.testing.assert_allclose(log_mass[0], 0.0, atol=1e-6)
+  grads = jax.grad(lambda a: jnp.sum(ns_stack.run(a, *acts[1:])[0] ** 2))(
+      acts[0])
+  assert np.all(np.isfinite(grads))
+
+
+# ---------------------------------------------------------------------------
+# Gradients.
+# ---------------------------------------------------------------------------
+
+
+def _loss(fn, c, e):
+  def loss(push, repl, pop):
+    readings, log_mass = fn(push, repl, pop)
+    safe = jnp.where(jnp.isfinite(log_mass), log_mass, 0)
+    return (jnp.sum(c * readings) + 0.3 * jnp.sum(c * readings ** 2)
+            + 0.1 * jnp.sum(e * safe))
+  return loss
+
+
+def test_check_grads_small(x64):
+  rng = np.random.default_rng(5)
+  push, repl, pop = _random_actions(rng, 2, 5, 2, 2, "unnorm")
+  c = rng.normal(size=(2, 6, 2))
+  e = rng.normal(size=(2, 6))
+  jtu.check_grads(_loss(ns_stack.run, c, e), (push, repl, pop),
+                            order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("q,s,steps,kind", [
+    (2, 2, 50, "neginf"), (3, 2, 30, "unnorm"), (2, 3, 12, "norm"),
+    (3, 3, 7, "neginf"),
+])
+def test_custom_vjp_equals_autodiff_of_naive_scan(x64, q, s, steps, kind):
+  # steps = 50 uses two static time blocks (see ns_stack._time_blocks).
+  rng = np.random.default_rng(q * 7 + s * 3 + steps)
+  push, repl, pop = _random_actions(rng, 2, steps, q, s, kind)
+  c = rng.normal(size=(2, steps + 1, s))
+  e = rng.normal(size=(2, steps + 1))
+  got = jax.jit(jax.grad(_loss(ns_stack.run, c, e), argnums=(0, 1, 2)))(
+      push, repl, pop)
+  want = jax.jit(jax.grad(_loss(ns_stack.run_reference, c, e),
+                          argnums=(0, 1, 2)))(push, repl, pop)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
+
+
+_H, _V = 5, 3
+
+
+def _tanh_controller(q, s):
+  """A small tanh-RNN emitting per-(q,x) log-softmax actions."""
+  def step_fn(p, h, x, reading):
+    h = jnp.tanh(x @ p["wx"] + reading @ p["wr"] + h @ p["wh"] + p["b"])
+    logits = (h @ p["wa"]).reshape(h.shape[0], q, s, 2 * q * s + q)
+    lp = jax.nn.log_softmax(logits, -1)
+    n = q * s
+    push = lp[..., :n].reshape(h.shape[0], q, s, q, s)
+    repl = lp[..., n:2 * n].reshape(h.shape[0], q, s, q, s)
+    return h, (push, repl, lp[..., 2 * n:]), h @ p["wo"]
+  return step_fn
+
+
+def _controller_params(rng, q, s):
+  return {"wx": rng.normal(size=(_V, _H)), "wr": rng.normal(size=(s, _H)),
+          "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
+          "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
+          "wo": rng.normal(size=(_H, _V))}
+
+
+def _plain_coupled(step_fn, params, h0, xs, q, s):
+  """The straightforward coupled scan (plain autodiff, O(T³) memory)."""
+  b, t = xs.shape[:2]
+  state = ns_stack.init_state(b, t, q, s, xs.dtype)
+  reading0 = jnp.zeros((b, s), xs.dtype).at[:, 0].set(1)
+
+  def body(carry, inp):
+    h, st, reading = carry
+    j, x = inp
+    h, acts, out = step_fn(params, h, x, reading)
+    st, reading, log_mass = ns_stack.step(st, j, *acts)
+    return (h, st, reading), (out, reading, log_mass)
+
+  _, (outs, readings, log_mass) = lax.scan(
+      body, (h0, state, reading0), (jnp.arange(1, t + 1), xs.swapaxes(0, 1)))
+  readings = jnp.concatenate([reading0[:, None], readings.swapaxes(0, 1)], 1)
+  log_mass = jnp.concatenate([jnp.zeros((b, 1), xs.dtype),
+                              log_mass.swapaxes(0, 1)], 1)
+  return outs.swapaxes(0, 1), readings, log_mass
+
+
+@pytest.mark.parametrize("q,s,steps", [(2, 2, 50), (3, 2, 9)])
+def test_run_coupled_gradients_equal_plain_autodiff(x64, q, s, steps):
+  rng = np.random.default_rng(11 * q + s)
+  b = 2
+  step_fn = _tanh_controller(q, s)
+  params = _controller_params(rng, q, s)
+  h0 = 0.1 * rng.normal(size=(b, _H))
+  xs = rng.normal(size=(b, steps, _V))
+  c1 = rng.normal(size=(b, steps, _V))
+  c2 = rng.normal(size=(b, steps + 1, s))
+  c3 = rng.normal(size=(b, steps + 1))
+
+  def loss(fn):
+    def f(p, h, x):
+      outs, readings, log_mass = fn(p, h, x)
+      return (jnp.sum(c1 * outs) + jnp.sum(c2 * readings)
+              + jnp.sum(readings ** 2) + 0.1 * jnp.sum(c3 * log_mass))
+    return f
+
+  coupled = lambda p, h, x: ns_stack.run_coupled(step_fn, p, h, x, q, s)
+  plain = lambda p, h, x: _plain_coupled(step_fn, p, h, x, q, s)
+  got_out = jax.jit(coupled)(params, h0, xs)
+  want_out = jax.jit(plain)(params, h0, xs)
+  for g, w in zip(got_out, want_out):
+    np.testing.assert_allclose(g, w, atol=1e-12)
+  got = jax.jit(jax.grad(loss(coupled), argnums=(0, 1, 2)))(params, h0, xs)
+  want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(params, h0, xs)
+  got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+  scale = max(float(np.abs(w).max()) for w in want)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-9 * max(scale, 1))
+
+
+def test_run_coupled_readings_equal_run_on_its_actions(x64):
+  rng = np.random.default_rng(2)
+  q, s, b, t = 2, 2, 2, 6
+  step_fn = _tanh_controller(q, s)
+  params = _controller_params(rng, q, s)
+  xs = rng.normal(size=(b, t, _V))
+  _, readings, log_mass = ns_stack.run_coupled(
+      step_fn, params, jnp.zeros((b, _H)), xs, q, s)
+  # Re-derive the actions step by step from the coupled readings.
+  h, acts = jnp.zeros((b, _H)), []
+  for j in range(t):
+    h, a, _ = step_fn(params, h, xs[:, j], readings[:, j])
+    acts.append(a)
+  push, repl, pop = (jnp.stack(x, 1) for x in zip(*acts))
+  for bb in range(b):
+    want_r, want_lm = pda_oracle.readings_and_log_mass(push[bb], repl[bb],
+                                                       pop[bb])
+    np.testing.assert_allclose(readings[bb], want_r, atol=1e-10)
+    np.testing.assert_allclose(log_mass[bb], want_lm, atol=1e-10)
+
+
+def test_run_coupled_integer_inputs_float32():
+  rng = np.random.default_rng(4)
+  q, s, b, t = 2, 2, 3, 9
+  base = _tanh_controller(q, s)
+  step_fn = lambda p, h, x, rd: base(p, h, jax.nn.one_hot(x, _V), rd)
+  params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32),
+                                  _controller_params(rng, q, s))
+  xs = jnp.asarray(rng.integers(0, _V, size=(b, t)), jnp.int32)
+  h0 = jnp.zeros((b, _H), jnp.float32)
+  loss = lambda p: jnp.sum(
+      ns_stack.run_coupled(step_fn, p, h0, xs, q, s)[1][:, :, 1])
+  grads = jax.jit(jax.grad(loss))(params)
+  for g in jax.tree_util.tree_leaves(grads):
+    assert g.dtype == jnp.float32 and np.all(np.isfinite(g))
+  assert float(np.abs(grads["wa"]).max()) > 0
+
+
+# ---------------------------------------------------------------------------
+# Long sequences in float32.
+# ---------------------------------------------------------------------------
+
+
+def test_length_500_float32_is_finite_and_normalised():
+  rng = np.random.default_rng(7)
+  push, repl, pop = (jnp.asarray(a, jnp.float32)
+                     for a in _random_actions(rng, 1, 500, 2, 2, "norm"))
+  loss = lambda a, b, c: jnp.sum(ns_stack.run(a, b, c)[0][:, :, 1] ** 2)
+  (readings, log_mass), grads = jax.jit(lambda *a: (
+      ns_stack.run(*a), jax.grad(loss, argnums=(0, 1, 2))(*a)))(
+          push, repl, pop)
+  assert np.all(np.isfinite(readings)) and np.all(np.isfinite(log_mass))
+  np.testing.assert_allclose(np.sum(readings, -1), 1.0, atol=1e-5)
+  assert np.all(np.diff(np.asarray(log_mass[0])) <= 1e-5)
+  for g in grads:
+    assert np.all(np.isfinite(g))
+
+
+# ---------------------------------------------------------------------------
+# Viterbi.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q,s,steps,kind", [
+    (2, 2, 5, "norm"), (1, 3, 5, "unnorm"), (3, 2, 4, "neginf"),
+    (2, 3, 4, "norm"),
+])
+def test_viterbi_is_the_best_enumerated_run(x64, q, s, steps, kind):
+  rng = np.random.default_rng(q + 10 * s + 100 * steps)
+  push, repl, pop = _random_actions(rng, 2, steps, q, s, kind)
+  results = ns_stack.viterbi(push, repl, pop)
+  assert len(results) == 2
+  for b, (actions, weight) in enumerate(results):
+    runs = pda_oracle.enumerate_runs(push[b], repl[b], pop[b])
+    best = max(w for _, w, _ in runs)
+    assert math.isclose(weight, best, abs_tol=1e-10)
+    stacks, replayed = ns_stack.replay_run(actions, push[b], repl[b], pop[b])
+    assert math.isclose(replayed, best, abs_tol=1e-10)
+    assert len(stacks) == steps + 1
+    # The run is one of the enumerated runs, with the same stack history.
+    match = [st for acts, _, st in runs if acts == actions]
+    assert match and match[0] == stacks
+
+
+def test_viterbi_recovers_deterministic_pda():
+  symbols = [0, 1, 1, 0, 2, 0, 0]
+  push, repl, pop, tops = _marked_reversal_pda(symbols)
+  ((actions, weight),) = ns_stack.viterbi(push[None], repl[None], pop[None])
+  assert weight == 0.0
+  stacks, _ = ns_stack.replay_run(actions)
+  assert [st[-1] for st in stacks] == tops
+  assert [a[1] for a in actions] == (["push"] * 4 + ["replace"]
+                                     + ["pop"] * 2)
+
+
+def test_replay_rejects_invalid_runs():
+  with pytest.raises(ValueError, match="pops the symbol directly"):
+    ns_stack.replay_run([(1, "push", 0, 0, 1), (2, "pop", 0, 0, 1)])
+  with pytest.raises(ValueError, match="replaces the bottom"):
+    ns_stack.replay_run([(1, "replace", 0, 0, 1)])
+  with pytest.raises(ValueError, match="starts in state"):
+    ns_stack.replay_run([(1, "push", 1, 0, 1)])
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------
+
+
+def test_bad_input_raises_value_error():
+  push = np.zeros((1, 3, 2, 2, 2, 2), np.float32)
+  pop = np.zeros((1, 3, 2, 2, 2), np.float32)
+  with pytest.raises(ValueError, match="repl must have push's shape"):
+    ns_stack.run(push, push[:, :2], pop)
+  with pytest.raises(ValueError, match="pop must be"):
+    ns_stack.run(push, push, pop[..., :1])
+  with pytest.raises(ValueError, match="push must be"):
+    ns_stack.run(push[0], push, pop)
+  with pytest.raises(ValueError, match="float log-weights"):
+    ns_stack.run(push.astype(np.int32), push, pop)
+  with pytest.raises(ValueError, match="NaN"):
+    ns_stack.run(push, np.full_like(push, np.nan), pop)
+  with pytest.raises(ValueError, match="share one dtype"):
+    ns_stack.run(push, push.astype(np.float16), pop)
+  with pytest.raises(ValueError, match="num_states"):
+    ns_stack.run_coupled(lambda *a: a, {}, (), np.zeros((1, 3)), 0, 2)
+  bad_step = lambda p, h, x, rd: (h, (push[:, 0], push[:, 0], pop[:, 0]), h)
+  with pytest.raises(ValueError, match="push must have shape"):
+    ns_stack.run_coupled(bad_step, {}, jnp.zeros((1, 1)),
+                         np.zeros((1, 3, 1), np.float32), 2, 3)
