@@ -53,6 +53,20 @@ _ALTERNATIVES = {
     "v4 with 8 blocks": {"fwd_ms": 11.4, "fwd_bwd_ms": 66,
                          "note": "no gain, more compile time"},
     "v4 at B=1": {"fwd_ms": 1.4, "fwd_bwd_ms": 7.7},
+    # v5 steps, B=10, T=78, min of 10 interleaved with v4 in one process;
+    # Q=S=3 figures in brackets (v4: fwd+bwd 280-300 ms).
+    "v5a left pop factors E_{j',k} for all (j', k) hoisted out of the "
+    "backward scan (was a per-step dot with B*T tiny batches)": {
+        "fwd_bwd_ms": 37, "v4_same_run_ms": 59,
+        "note": "Q=S=3 unchanged (there XLA ran it as a YNN fusion)"},
+    "v5b backward step in the transposed table's column layout "
+    "[B,Y,R,I,Q,X], W table [B*Y, J*R, I*Q*X], NN matmuls": {
+        "fwd_bwd_ms": 31.6, "fwd_bwd_Q3S3_ms": 272},
+    "v5c no column-sized log in the backward (half-split exps, "
+    "division for 1/g): fused log->exp loops ran ~5x slower than exp": {
+        "fwd_bwd_ms": 25.5, "fwd_bwd_Q3S3_ms": 211,
+        "old_same_run_ms": 65.2, "old_Q3S3_same_run_ms": 328,
+        "note": "T=80; forward unchanged (11.5 / 70 ms)"},
 }
 
 

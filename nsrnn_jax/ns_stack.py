@@ -61,17 +61,23 @@ actions). Its backward is one reverse sweep (per block a reverse `lax.scan`)
 with hand-written log-adjoints  v̂ = v · ∂L/∂v  (ns-stack-gradient.md §5) in
 the scaled representation. It never forms the adjoint of γ as a table: the
 left pop factor's contribution to column j from all later updates j' is one
-matmul of a table W[(i,q,x), (j',r)] of the later updates' pop-term adjoints
-with E_{·,j}; replace / right-pop contributions travel column-sized from
-update j+1 to j. Memory: the final table, its transpose and W, i.e.
-O(B·T²·Q²·S²). The real adjoint ĝ/g of an entry is clamped at
-exp(log(float max) − 20) so entries flushed to ~0 cannot create inf·0.
+matmul of a table W[(j',r), (i,q,x)] of the later updates' pop-term adjoints
+with E_{·,j}, and all E_{j',k} are computed once before the sweep; replace /
+right-pop contributions travel column-sized from update j+1 to j. Memory:
+the final table, its transpose, W and E, i.e. O(B·T²·Q²·S²). The real
+adjoint ĝ/g of an entry is clamped at exp(log(float max) − 20) so entries
+flushed to ~0 cannot create inf·0.
 
 XLA:CPU notes (measured): table-sized contractions whose free / summed small
 axis is the state r run fastest as dot_generals on flat [B·Y, rows, cols]
 views; an in-place column update of a carried table must happen before the
 table is read in the same step and be fenced by an optimization barrier, or
-XLA copies the table (3 copies per step).
+XLA copies the table (3 copies per step). The backward step works in the
+transposed table's column layout [B, Y, R, I, Q, X] (no transposes of
+column-sized arrays inside the loop) and avoids column-sized logs: a fused
+log → exp loop runs ~5x slower than an exp alone. Batched dot_generals with
+many tiny batches (e.g. batch B·T) are slow; such contractions are hoisted
+out of the loop.
 
 Shape legend: B batch, T updates, Q states, S stack symbols, Y/X/Z stack
 symbols in roles (top at the column end / at the row start / intermediate),
@@ -276,14 +282,20 @@ def step(state, j, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ):
 # ---------------------------------------------------------------------------
 
 
-def _pop_factors(state, pop_TB):
-  """Per-update pop constants for all updates at once (backward prologue).
+def _left_pop_factors(state, pop_TB):
+  """Left pop factors E_{j',k} of every update j' at every column k, at once.
+
+  E_{j',k}[t,y,r] = ek_{j'}(k) · Σ_{s,z} G_{k,j'−1}[t,y,s,z] pop_e_{j'}[s,z,r]
+  is the (scaled) M_{j',k} of the forward step j'; the backward step k reads
+  the slice k. Computing it once here, as one contraction over the final
+  table, replaces a per-step batched matmul with T·B tiny batches (which
+  XLA:CPU runs slowly: it was ~40% of the backward). Memory O(B·T²·Q²·S).
 
   Returns:
-    pop_e_N: exp(pop_j − max), [T+1, B, S, Z, R] (index j; row 0 unused).
-    ek_BxNxK: ek of update j at column k (see `_shifts`), [B, T+1, T+1].
+    E_BxYxKxTxJxR: [B, Y, T+1 (k), T (state t), T+1 (j'), R]; zero where
+    k ∉ [1, j'−2] and at j' = 0.
   """
-  scale = state.scale
+  scale, gamma = state.scale, state.gamma
   num_cols = scale.shape[1]
   m_pop = _finite_shift(pop_TB, axis=(2, 3, 4))
   pop_e = jnp.exp(pop_TB - m_pop[:, :, None, None, None])
@@ -293,99 +305,114 @@ def _pop_factors(state, pop_TB):
   valid = (kk >= 1) & (kk <= jj - 2)
   c_max = _finite_shift(jnp.where(valid, scale[:, None, :], -jnp.inf), axis=2)
   ek = jnp.where(valid, jnp.exp(scale[:, None, :] - c_max[:, :, None]), 0)
-  return pop_e_N, ek
+  # Column j' − 1 of the table feeds update j'; column −1 does not exist.
+  g_shift = jnp.concatenate([jnp.zeros_like(gamma[:, :, :, :, :, :1]),
+                             gamma[:, :, :, :, :, :-1]], axis=5)
+  e_all = jnp.einsum("bzktyns,nbszr->byktnr", g_shift,
+                     pop_e_N)
+  return e_all * jnp.swapaxes(ek, 1, 2)[:, None, :, None, :, None]
 
 
-def _backward_step(state, gamma_rows, gamma_t, pop_e_N, ek_all, w_table, col0,
-                   j, push, repl, pop, prev_hat, a_hat):
+def _backward_step(state, e_all, gamma_t, w_table, col0, j, push, repl, pop,
+                   prev_hat, a_hat):
   """Reverse of update j on the final tables.
 
   The adjoint table is never formed. The left pop factor's contribution to
   column j (from every later update j') is G_{·,j} ⊙ Σ_{j',r} W_{j'} ⊗ E_{j',j},
-  one matmul of the table W_table[b,y,(i,q,x),(j',r)] of the later updates'
-  pop adjoints W_{j'} with E_{·,j}; the replace / right-pop contributions to
-  column j arrive column-sized from update j+1 (`prev_hat`).
+  one matmul of E_{·,j} with the table W_table[b,y,(j',r),(i,q,x)] of the
+  later updates' pop adjoints W_{j'}; the replace / right-pop contributions
+  to column j arrive column-sized from update j+1 (`prev_hat`). Column-sized
+  arrays here are in the layout [B, Y, R, I, Q, X].
 
   Args:
     state: final StackState, sliced to the rows / columns < j1 of the block.
-    gamma_rows: the full final table (row j is read across all columns).
+    e_all: `_left_pop_factors` sliced to columns k < j1 and updates
+      j' ≥ col0, [B, Y, K, T, J', R].
     gamma_t: `state.gamma` transposed to [B, Y, J, R, I, Q, X] (for M̄).
-    pop_e_N, ek_all: from `_pop_factors`.
-    w_table: W_{j'} of updates j' > j, flat [B·Y, I·Q·X, J·R] (column j');
+    w_table: W_{j'} of updates j' > j, flat [B·Y, J·R, I·Q·X] (row j');
       W_{j+1} may still be missing: E_{j+1,j} = 0. Only columns j' ≥ col0
       are passed (E_{j',j} = 0 for j' ≤ j + 1 anyway).
-    col0: static first column of `w_table`.
+    col0: static first update j' of `w_table`.
     j: update number.
     push, repl, pop: update j's log-weights.
-    prev_hat: log-adjoint added to column j by update j+1, [B,Y,I,Q,X,R].
+    prev_hat: log-adjoint added to column j by update j+1, [B,Y,R,I,Q,X].
     a_hat: complete log-adjoint of log α_j, [B, Q(r), S(y)].
 
   Returns:
-    (W_j [B,Y,I,Q,X,R], prev_hat for column j−1, la_hat for log α rows < j,
+    (W_j [B,Y,R,I,Q,X], prev_hat for column j−1, la_hat for log α rows < j,
      push_hat, repl_hat, pop_hat).
   """
   gamma, scale, log_alpha = state
   bsz, ny, ni, nq, nx, _, nr = gamma.shape
-  nj = gamma_rows.shape[5]
+  nj = col0 + e_all.shape[4]
   dtype = gamma.dtype
   b = (slice(None),) + (None,) * 5
   sh = _shifts(scale, j, push, repl, pop)
-  g_prev = lax.dynamic_index_in_dim(gamma, j - 1, axis=5, keepdims=False)
-  g_new = lax.dynamic_index_in_dim(gamma, j, axis=5, keepdims=False)
+  # Columns j−1 and j in the transposed table's layout [B, Y, R, I, Q, X]
+  # (a column is contiguous there). The whole step works in this layout:
+  # a transposed column read fused into the step's elementwise fusions made
+  # them scalar, strided loops that dominated the step.
+  col_pair = lax.dynamic_slice_in_dim(gamma_t, j - 1, 2, axis=2)
+  g_prev, g_new = col_pair[:, :, 0], col_pair[:, :, 1]
   c_new = lax.dynamic_index_in_dim(scale, j, axis=1, keepdims=False)
   la_new = lax.dynamic_index_in_dim(log_alpha, j, axis=1, keepdims=False)
 
-  # Left pop factor: E_{j',j}[t,y,r] for all later j' from row j of the table.
-  row = lax.dynamic_index_in_dim(gamma_rows, j, axis=2, keepdims=False)
-  row = jnp.concatenate([jnp.zeros_like(row[:, :, :, :, :1]),
-                         row[:, :, :, :, :-1]], axis=4)   # [b,z,t,y,j',s]
-  ek_j = lax.dynamic_index_in_dim(ek_all, j, axis=2, keepdims=False)
-  e_col = jnp.einsum("bztyns,nbszr->bynrt", row, pop_e_N)
-  e_col = (e_col * ek_j[:, None, :, None, None])[:, :, col0:]
+  # Left pop factor: E_{j',j}[t,y,r] of all later j' (precomputed).
+  e_col = lax.dynamic_index_in_dim(e_all, j, axis=2, keepdims=False)
   left = lax.dot_general(
-      w_table, e_col.reshape(bsz * ny, (nj - col0) * nr, nr),
+      e_col.reshape(bsz * ny, nr, (nj - col0) * nr), w_table,
       (((2,), (1,)), ((0,), (0,))))
   gh_col = g_new * left.reshape(g_new.shape) + prev_hat
 
-  # α_j = Σ α_i ⊗ γ_{i,j}: column-sized shares, computed in log space.
-  la_new_byr = jnp.swapaxes(la_new, 1, 2)[:, :, None, None, None, :]
-  terms = log_alpha[:, None, :, :, :, None] + _safe_log(g_new) + c_new[b]
-  live = jnp.isfinite(terms) & jnp.isfinite(la_new_byr)
-  share = jnp.where(live, jnp.exp(jnp.where(live, terms - la_new_byr, 0)), 0)
-  share = share * jnp.swapaxes(a_hat, 1, 2)[:, :, None, None, None, :]
-  la_hat = jnp.sum(share, axis=(1, 5))
+  # No column-sized log below: XLA:CPU runs a fused log → exp elementwise
+  # loop ~5x slower than exp alone, and it dominated the step. Every exp
+  # argument that a log-space form would write as `… + log g` is instead
+  # split in halves, exp(a/2) · g · exp(a/2) or exp(d/2) / g · exp(d/2), so
+  # no factor overflows or underflows where the log-space value would not.
+  ok = g_new > 0
+
+  # α_j = Σ α_i ⊗ γ_{i,j}: column-sized shares α_i γ_{i,j} / α_j ≤ 1.
+  la_new_yr = jnp.swapaxes(la_new, 1, 2)[:, :, :, None, None, None]
+  la_i = log_alpha[:, None, None]
+  live = ok & jnp.isfinite(la_i) & jnp.isfinite(la_new_yr)
+  half = jnp.exp(jnp.where(live, (la_i + c_new[b] - la_new_yr) * 0.5, 0))
+  share = jnp.where(live, half * g_new * half, 0)
+  share = share * jnp.swapaxes(a_hat, 1, 2)[:, :, :, None, None, None]
+  la_hat = jnp.sum(share, axis=(1, 2))
   gh_col = gh_col + share
 
   # Push row i = j−1 has share 1.
   push_hat = jnp.transpose(
-      lax.dynamic_index_in_dim(gh_col, j - 1, axis=2, keepdims=False),
-      (0, 2, 3, 4, 1))
+      lax.dynamic_index_in_dim(gh_col, j - 1, axis=3, keepdims=False),
+      (0, 3, 4, 2, 1))
 
   # Real adjoints of the replace / pop mantissas: ĝ / g · exp(scale − c_j).
-  # The exponent is clamped so that astronomically small entries cannot turn
-  # a bounded log-adjoint into inf (their true share is negligible).
-  big = float(np.log(np.finfo(dtype).max)) - 20.0
-  ok = g_new > 0
-  log_ratio = -_safe_log(g_new)
+  # The factor is clamped at exp(big) so that astronomically small entries
+  # cannot turn a bounded log-adjoint into inf (their true share is
+  # negligible). With h = exp(d/2): if h / g overflows, the product exceeds
+  # exp(big) anyway, so the clamp gives the same value.
+  big = float(np.exp(np.log(np.finfo(dtype).max) - 20.0))
+  g_safe = jnp.where(ok, g_new, 1)
 
   def adjoint(log_term_scale):
-    expo = jnp.minimum(log_ratio + (log_term_scale - c_new)[b], big)
-    return jnp.where(ok, gh_col * jnp.exp(jnp.where(ok, expo, 0)), 0)
+    h = jnp.exp((log_term_scale - c_new) * 0.5)[b]
+    ratio = jnp.minimum(h / g_safe * h, big)
+    return jnp.where(ok, gh_col * ratio, 0)
 
   w_r = adjoint(sh.log_r)
   w_p = adjoint(sh.log_p)
 
-  # Replace.
-  repl_hat = sh.repl_e * jnp.einsum("bziqxs,byiqxr->bszry", g_prev, w_r)
-  prev_out = g_prev * jnp.einsum("byiqxr,bszry->bziqxs", w_r, sh.repl_e)
+  # Replace (g_prev is column j−1: its Y axis is z, its R axis s).
+  repl_hat = sh.repl_e * jnp.einsum("bzsiqx,byriqx->bszry", g_prev, w_r)
+  prev_out = g_prev * jnp.einsum("byriqx,bszry->bzsiqx", w_r, sh.repl_e)
 
   # Pop, right factor: M̄_{j,k} = ek · Σ_{i,q,x} G_{i,k} W_j (one matmul).
   m_bar = lax.dot_general(
       gamma_t.reshape(bsz * ny, ni * nr, ni * nq * nx),
-      w_p.reshape(bsz * ny, ni * nq * nx, nr), (((2,), (1,)), ((0,), (0,))))
+      w_p.reshape(bsz * ny, nr, ni * nq * nx), (((2,), (2,)), ((0,), (0,))))
   m_bar = m_bar.reshape(bsz, ny, ni, nr, nr) * sh.ek[:, None, :, None, None]
-  pop_hat = sh.pop_e * jnp.einsum("bzktys,byktr->bszr", g_prev, m_bar)
-  prev_out = prev_out + g_prev * jnp.einsum("byktr,bszr->bzktys", m_bar,
+  pop_hat = sh.pop_e * jnp.einsum("bzskty,byktr->bszr", g_prev, m_bar)
+  prev_out = prev_out + g_prev * jnp.einsum("byktr,bszr->bzskty", m_bar,
                                             sh.pop_e)
   return w_p, prev_out, la_hat, push_hat, repl_hat, pop_hat
 
@@ -408,9 +435,9 @@ def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
   """
   num_steps = push_TB.shape[0]
   bsz, ny, ni, nq, nx, nj, nr = state.gamma.shape
-  pop_e_N, ek_all = _pop_factors(state, pop_TB)
+  e_all = _left_pop_factors(state, pop_TB)
 
-  def body(part, gamma_t, col0, carry, inp):
+  def body(part, e_part, gamma_t, col0, carry, inp):
     w_table, w_next, prev_hat, ah, ctrl = carry
     j, push, repl, pop = inp
     # W_{j+1} is written one step late, before the table is read: written
@@ -418,21 +445,21 @@ def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
     # The barrier stops XLA from duplicating the update into the matmul's
     # operand fusion, which costs three table copies per step.
     w_table = lax.optimization_barrier(lax.dynamic_update_slice_in_dim(
-        w_table, w_next.reshape(w_table.shape[0], w_table.shape[1], -1),
-        (jnp.minimum(j + 1, num_steps) - col0) * nr, axis=2))
+        w_table, w_next.reshape(w_table.shape[0], -1, w_table.shape[2]),
+        (jnp.minimum(j + 1, num_steps) - col0) * nr, axis=1))
     a_hat = lax.dynamic_index_in_dim(ah, j, axis=1, keepdims=False)
     a_hat = a_hat + la_ct_fn(j, ctrl)
     w_next, prev_hat, la_hat, push_hat, repl_hat, pop_hat = _backward_step(
-        part, state.gamma, gamma_t, pop_e_N, ek_all, w_table, col0, j, push,
-        repl, pop, prev_hat, a_hat)
+        part, e_part, gamma_t, w_table, col0, j, push, repl, pop, prev_hat,
+        a_hat)
     ah = ah + la_hat
     ctrl = ctrl_fn(j, ctrl, push_hat, repl_hat, pop_hat)
     return (w_table, w_next, prev_hat, ah, ctrl), (push_hat, repl_hat,
                                                   pop_hat)
 
-  # W table kept flat as [B·Y, I·Q·X, J·R], the matmul's operand layout.
-  w_table = jnp.zeros((bsz * ny, ni * nq * nx, nj * nr), state.gamma.dtype)
-  col = jnp.zeros_like(state.gamma[:, :, :, :, :, 0, :])
+  # W table kept flat as [B·Y, J·R, I·Q·X], the matmul's operand layout.
+  w_table = jnp.zeros((bsz * ny, nj * nr, ni * nq * nx), state.gamma.dtype)
+  col = jnp.zeros((bsz, ny, nr, ni, nq, nx), state.gamma.dtype)
   carry = (w_table, col, col, jnp.zeros_like(state.log_alpha), ctrl_init)
   hats = []
   # Blocks in reverse; block [j0, j1) only needs rows / columns < j1 of the
@@ -442,18 +469,20 @@ def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
     gamma_t = jnp.transpose(part.gamma, (0, 1, 5, 6, 2, 3, 4))
     w_full, w_next, prev_hat, ah_full, ctrl = carry
     rows = j1 * nq * nx
-    sub = (w_full[:, :rows, j0 * nr:], w_next[:, :, :j1], prev_hat[:, :, :j1],
+    sub = (w_full[:, j0 * nr:, :rows], w_next[:, :, :, :j1],
+           prev_hat[:, :, :, :j1],
            ah_full[:, :j1], ctrl)
     xs = (jnp.arange(j0, j1), push_TB[j0 - 1:j1 - 1], repl_TB[j0 - 1:j1 - 1],
           pop_TB[j0 - 1:j1 - 1])
-    sub, blk_hats = lax.scan(functools.partial(body, part, gamma_t, j0), sub,
-                             xs, reverse=True)
+    e_part = e_all[:, :, :j1, :, j0:]
+    sub, blk_hats = lax.scan(functools.partial(body, part, e_part, gamma_t, j0),
+                             sub, xs, reverse=True)
     w_sub, w_next_s, prev_s, ah_s, ctrl = sub
     pad = lambda a, full, axis: lax.dynamic_update_slice_in_dim(
         jnp.zeros_like(full), a, 0, axis)
-    carry = (w_full.at[:, :rows, j0 * nr:].set(w_sub),
-             pad(w_next_s, w_next, 2),
-             pad(prev_s, prev_hat, 2), ah_full.at[:, :j1].set(ah_s), ctrl)
+    carry = (w_full.at[:, j0 * nr:, :rows].set(w_sub),
+             pad(w_next_s, w_next, 3),
+             pad(prev_s, prev_hat, 3), ah_full.at[:, :j1].set(ah_s), ctrl)
     hats.append(blk_hats)
   ctrl = carry[4]
   hats = tuple(jnp.concatenate(h[::-1], axis=0) for h in zip(*hats))
