@@ -549,7 +549,7 @@ def make_figures(groups: Sequence[RunGroup], out_dir: str,
     for fmt in formats:
       files.append(os.path.join(out_dir, f"figure4.{fmt}"))
       fig.savefig(files[-1], dpi=150)
-    result = {"title": title, "figure3": train, "figure4": test or None,
+  result = {"title": title, "figure3": train, "figure4": test or None,
             "files": files}
   files.append(os.path.join(out_dir, "series.json"))
   with open(files[-1], "w") as f:

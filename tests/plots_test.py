@@ -223,3 +223,21 @@ def test_grid_workdir_stands_for_its_selected_setting(tmp_path):
   (groups,) = plots.group_runs([str(grid)])
   assert groups.label == "Ours"
   assert plots.train_series(groups)["mean"] == [0.3, 0.2]
+
+
+def test_runs_without_test_tables_draw_figure3_only(tmp_path):
+  """Unfinished runs (no test_by_length.json yet) still give Figure 3."""
+  curves = [[0.3, 0.2, 0.1], [0.4, 0.05]]
+  for r, curve in enumerate(curves):
+    _write_run(str(tmp_path / f"run{r}"), curve)
+  group = plots.RunGroup("Ours", tuple(str(tmp_path / f"run{r}")
+                                        for r in range(len(curves))))
+  result = plots.make_figures([group], str(tmp_path / "out"),
+                              formats=("png",))
+  assert result["figure4"] is None
+  assert sorted(os.listdir(tmp_path / "out")) == ["figure3.png",
+                                                  "series.json"]
+  means, _ = _naive_padded_stats(curves)
+  np.testing.assert_allclose(result["figure3"][0]["mean"], means)
+  with open(tmp_path / "out" / "series.json") as f:
+    assert json.load(f)["figure4"] is None
