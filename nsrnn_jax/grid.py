@@ -242,7 +242,8 @@ def _load_member_splits(grid_members: Sequence[Member], need_test: bool
 def run_grid(config: ml_collections.ConfigDict, workdir: str,
              splits: Optional[Sequence[train.Splits]] = None,
              model: Any = None,
-             mesh: Optional[jax.sharding.Mesh] = None) -> dict:
+             mesh: Optional[jax.sharding.Mesh] = None,
+             should_stop=None) -> dict:
   """Trains the K models of a grid at once, writes per-model runs + summary.
 
   Args:
@@ -256,6 +257,8 @@ def run_grid(config: ml_collections.ConfigDict, workdir: str,
     model: Flax model to use instead of `models.build(config)`.
     mesh: device mesh; default `parallel.make_mesh(num_models=
       config.grid_model_parallel)` over all devices.
+    should_stop: called after every epoch (once its checkpoint is saved);
+      returning True ends this invocation there (rerunning resumes).
 
   Returns:
     The summary dict (also written to grid_summary.json on process 0).
@@ -400,6 +403,8 @@ def run_grid(config: ml_collections.ConfigDict, workdir: str,
       epochs_this_run += 1
       if (config.stop_after_epochs
           and epochs_this_run >= int(config.stop_after_epochs)):
+        break
+      if should_stop is not None and should_stop():
         break
     checkpointing.close(manager)
     finished = bool(np.asarray(parallel.to_host(state_K.stopped)).all())

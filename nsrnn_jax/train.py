@@ -705,7 +705,9 @@ def _make_eval_fn(apply_fn):
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        splits: Optional[Splits] = None,
-                       model: Any = None) -> dict:
+                       model: Any = None,
+                       should_stop: Optional[Callable[[], bool]] = None
+                       ) -> dict:
   """Trains with the paper's protocol (resuming from `workdir`) and tests.
 
   Args:
@@ -715,6 +717,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       Rerunning on the same workdir resumes from its latest good checkpoint.
     splits: data to use instead of `load_splits(config)` (tests/notebooks).
     model: Flax model to use instead of `models.build(config)`.
+    should_stop: called after every epoch (once its checkpoint is saved);
+      returning True ends this invocation there, like `stop_after_epochs`
+      (a time budget; rerunning resumes).
 
   Returns:
     The results dict (also saved as results.json when training finished):
@@ -815,6 +820,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                              ppl=f"{valid['perplexity']:.4f}")
       epochs_this_run += 1
       if config.stop_after_epochs and epochs_this_run >= config.stop_after_epochs:
+        break
+      if should_stop is not None and should_stop():
         break
     if progress is not None:
       progress.close()
