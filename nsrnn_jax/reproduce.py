@@ -1,0 +1,1092 @@
+"""Reproduce the paper: the whole protocol of one task, resumable, with records.
+
+One command runs the paper's grid for one task (DuSell & Chiang 2020, section
+5.5; reference-behaviour.md section 9) and writes one small JSON record per
+finished run, which is what gets committed; a second command regenerates the
+report (`docs/reproduction.md` and the Figure 3/4 images) from the records
+alone:
+
+  python -m nsrnn_jax.reproduce --task=dyck --workdir=runs/dyck \
+      [--models=lstm,jm,gref,ns] [--learning_rates=0.005] [--restarts=3] \
+      [--budget_minutes=60]
+  python -m nsrnn_jax.reproduce --report
+
+The protocol. LSTM and NS-RNN: every learning rate of the grid x restarts;
+JM and Gref: learning rate x stack embedding size m x restarts; the NS-RNN
+uses the paper's Q and S of the task (`NS_SHAPES`). Restart r (0-based) uses
+data, parameter and shuffle seeds `1 + r`, so every restart has its own
+training and validation data (as the authors' runs do) and the settings of
+one restart are paired, exactly like `grid.members`. The test set is fixed
+(seed 0).
+
+Execution. On an accelerator the restarts and learning rates of one (model,
+m) are trained at once on a model axis (`grid.run_grid`); on the CPU the runs
+go one after another, because one NS-RNN step already keeps the cores busy
+(20 vmapped NS-RNNs measured 0.62x the throughput of sequential runs on 2
+cores, 8.2x on an H200; README "Benchmarks"). The choice is printed.
+
+Resuming. Every run checkpoints every epoch under `--workdir`; rerunning the
+same command skips runs whose record exists, continues unfinished ones from
+their last checkpoint and starts the rest, so a crash or kill loses at most
+one epoch of one run (of one group on the model axis). `--budget_minutes`
+stops at the first epoch boundary after the budget and prints the command
+that continues.
+
+Records (`--results`, default `results/` of the repository), one per
+finished run: `results/<task>/<model>/<setting>/restart_<r>.json` where
+setting is `lr_<lr>` or `m_<m>-lr_<lr>`; the format is documented in
+`results/README.md` (RECORD_FORMAT below).
+
+Selection (the authors' print_grid_search.py): per model, the setting with
+the lowest mean best-epoch validation CE difference over its restarts (ties
+by lower std); only settings with the most finished restarts of that model
+compete, so a partly run grid never prefers a setting for having fewer runs.
+Reported: the last epoch's validation CE difference, mean +- std (ddof=0)
+over the selected restarts (the paper's Figure 3 end points), and the mean
+test CE difference over lengths 40-80 and 81-100 (Figure 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+RECORD_FORMAT = "nsrnn_jax.run_record.v1"
+MANIFEST_FILE = "reproduce.json"
+MODELS = ("lstm", "jm", "gref", "ns")
+STACK_MODELS = ("jm", "gref")
+TASKS = ("marked_reversal", "unmarked_reversal", "padded_reversal", "dyck",
+         "hardest_cfl")
+# The NS-RNN's (Q, S) per task (paper section 5.5).
+NS_SHAPES = {"marked_reversal": (2, 2), "unmarked_reversal": (2, 2),
+             "padded_reversal": (3, 2), "dyck": (2, 2), "hardest_cfl": (3, 3)}
+LEARNING_RATES = (0.01, 0.005, 0.001, 0.0005)
+STACK_SIZES = (2, 20, 40)
+NUM_RESTARTS = 5
+# Seeds of restart r are BASE_SEED + r (as grid.members with seed 1).
+BASE_SEED = 1
+LABELS = {"lstm": "LSTM", "gref": "Gref", "jm": "JM", "ns": "Ours"}
+TASK_TITLES = {"marked_reversal": "Marked reversal",
+               "unmarked_reversal": "Unmarked reversal",
+               "padded_reversal": "Padded reversal", "dyck": "Dyck",
+               "hardest_cfl": "Hardest CFL"}
+# Report order of the models (the paper's figures: LSTM, Gref, JM, Ours).
+REPORT_ORDER = ("lstm", "gref", "jm", "ns")
+# Length bins of the test table (the paper's Figure 4 discussion).
+TEST_BINS = ((40, 80), (81, 100))
+
+# The paper's numbers (reference-behaviour.md section 10, read off the
+# figures' data): last-epoch validation CE difference (mean, std), and the
+# mean test CE difference over lengths 40-80 and 81-100. The paper source
+# lacks the training figures of unmarked and padded reversal (None).
+PAPER_VALID = {
+    "marked_reversal": {"lstm": (0.0871, 0.0148), "gref": (0.0350, 0.0355),
+                        "jm": (0.0339, 0.0362), "ns": (0.0038, 0.0022)},
+    "unmarked_reversal": None,
+    "padded_reversal": None,
+    "dyck": {"lstm": (0.0235, 0.0102), "gref": (0.0021, 0.0041),
+             "jm": (-0.0003, 0.0024), "ns": (-0.0004, 0.0029)},
+    "hardest_cfl": {"lstm": (0.0363, 0.0034), "gref": (0.0334, 0.0026),
+                    "jm": (0.0318, 0.0050), "ns": (0.0284, 0.0048)},
+}
+PAPER_TEST = {
+    "marked_reversal": {"lstm": (0.0514, 0.1869), "gref": (0.0161, 0.1169),
+                        "jm": (0.0175, 0.0976), "ns": (-0.0055, 0.0796)},
+    "unmarked_reversal": {"lstm": (0.1741, 0.2673), "gref": (0.1465, 0.2523),
+                          "jm": (0.1508, 0.2631), "ns": (0.1242, 0.2288)},
+    "padded_reversal": {"lstm": (0.1039, 0.1962), "gref": (0.0575, 0.1471),
+                        "jm": (0.0490, 0.1437), "ns": (0.0782, 0.1831)},
+    "dyck": {"lstm": (0.0056, 0.0680), "gref": (-0.0084, 0.0236),
+             "jm": (-0.0081, 0.0206), "ns": (-0.0090, 0.0253)},
+    "hardest_cfl": {"lstm": (0.0285, 0.0504), "gref": (0.0242, 0.0470),
+                    "jm": (0.0238, 0.0459), "ns": (0.0213, 0.0493)},
+}
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_RESULTS = os.path.join(REPO_ROOT, "results")
+DEFAULT_REPORT = os.path.join(REPO_ROOT, "docs", "reproduction.md")
+
+
+class ReproduceError(ValueError):
+  """Bad input to the reproduction tool (reported as one line, exit 2)."""
+
+
+# ---------------------------------------------------------------------------
+# The protocol: which runs exist.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One run of the protocol.
+
+  Attributes:
+    task: languages task name.
+    model: lstm, jm, gref or ns.
+    learning_rate: initial Adam learning rate.
+    stack_size: JM/Gref stack embedding size m (None for lstm/ns).
+    restart: restart index r (0-based); seeds are BASE_SEED + r.
+  """
+  task: str
+  model: str
+  learning_rate: float
+  stack_size: Optional[int]
+  restart: int
+
+  @property
+  def group(self) -> str:
+    """Path of the runs trained together on a model axis: model[/m_<m>]."""
+    if self.stack_size is None:
+      return self.model
+    return f"{self.model}/m_{self.stack_size}"
+
+  @property
+  def setting(self) -> str:
+    """Name of the grid point (restarts excluded)."""
+    lr = f"lr_{self.learning_rate:g}"
+    return lr if self.stack_size is None else f"m_{self.stack_size}-{lr}"
+
+  @property
+  def run_subdir(self) -> str:
+    """Run directory under the workdir (grid.py's member layout)."""
+    return os.path.join(self.group, f"lr_{self.learning_rate:g}",
+                        f"restart_{self.restart}")
+
+  @property
+  def record_path(self) -> str:
+    """Record path under the results directory."""
+    return os.path.join(self.task, self.model, self.setting,
+                        f"restart_{self.restart}.json")
+
+  @property
+  def name(self) -> str:
+    return f"{self.model}/{self.setting}/restart_{self.restart}"
+
+
+def plan(task: str, models: Sequence[str],
+         learning_rates: Sequence[float] = LEARNING_RATES,
+         stack_sizes: Sequence[int] = STACK_SIZES,
+         restarts: int = NUM_RESTARTS) -> list[RunSpec]:
+  """All runs of the protocol, restart-major so early stops cover every cell.
+
+  Within a restart the cheap models come first (in `MODELS` order), so a
+  budgeted invocation finishes whole cells of restart 0 before spending
+  hours on restart 1 of the NS-RNN.
+  """
+  runs = []
+  for r in range(restarts):
+    for model in MODELS:
+      if model not in models:
+        continue
+      sizes = stack_sizes if model in STACK_MODELS else (None,)
+      for m in sizes:
+        for lr in learning_rates:
+          runs.append(RunSpec(task, model, float(lr), m, r))
+  return runs
+
+
+def _load_config_file(path: str):
+  """get_config() of a configs/*.py file, importable from any directory."""
+  if not os.path.isfile(path):
+    raise ReproduceError(f"config file {path} not found")
+  added = REPO_ROOT not in sys.path
+  if added:  # configs/*.py import `configs.default`.
+    sys.path.insert(0, REPO_ROOT)
+  try:
+    spec = importlib.util.spec_from_file_location(
+        "_reproduce_" + os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+  finally:
+    if added:
+      sys.path.remove(REPO_ROOT)
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+  """`field=value` strings into a dict (values as Python literals)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  out = {}
+  for item in items:
+    if "=" not in item:
+      raise ReproduceError(f"--set expects field=value, got {item!r}")
+    field, value = item.split("=", 1)
+    try:
+      out[field.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      out[field.strip()] = value.strip()
+  return out
+
+
+def run_config(spec: RunSpec, overrides: Mapping[str, Any] = ()):
+  """The full single-run config of a run: configs/<task>_<model>.py + spec."""
+  config = _load_config_file(os.path.join(
+      REPO_ROOT, "configs", f"{spec.task}_{spec.model}.py"))
+  with config.unlocked():
+    config.learning_rate = spec.learning_rate
+    if spec.stack_size is not None:
+      config.stack_embedding_size = spec.stack_size
+    if spec.model == "ns":
+      config.num_states, config.num_stack_symbols = NS_SHAPES[spec.task]
+    config.data_seed = BASE_SEED + spec.restart
+    config.param_seed = BASE_SEED + spec.restart
+    config.shuffle_seed = BASE_SEED + spec.restart
+    config.progress_bar = False
+    for field, value in dict(overrides).items():
+      if field not in config:
+        raise ReproduceError(f"--set {field}: unknown config field "
+                             "(fields: configs/default.py)")
+      if field in ("task", "model", "learning_rate", "stack_embedding_size",
+                   "data_seed", "param_seed", "shuffle_seed"):
+        raise ReproduceError(f"--set {field}: set by the protocol; use "
+                             "--task/--models/--learning_rates/--stack_sizes/"
+                             "--restarts")
+      config[field] = value
+  return config
+
+
+# ---------------------------------------------------------------------------
+# Records.
+# ---------------------------------------------------------------------------
+
+
+def hardware() -> dict[str, Any]:
+  """What the run ran on (the invocation that finished it)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  devices = jax.devices()
+  return {"backend": jax.default_backend(),
+          "device_kind": devices[0].device_kind,
+          "num_devices": len(devices), "cpu": cpu,
+          "cpu_count": os.cpu_count(), "jax": jax.__version__}
+
+
+def _read_json(path: str):
+  with open(path) as f:
+    return json.load(f)
+
+
+def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
+                hw: Mapping[str, Any]) -> dict[str, Any]:
+  """The committed record of a finished run, from its run directory."""
+  from nsrnn_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  results = _read_json(os.path.join(run_dir, "results.json"))
+  config = _read_json(os.path.join(run_dir, "config.json"))
+  epochs = {}
+  for rec in metrics_lib.read_jsonl(os.path.join(run_dir, "metrics.jsonl")):
+    if "epoch" in rec and "valid_ce_diff" in rec:
+      epochs[int(rec["epoch"])] = rec  # The last record of an epoch wins.
+  keys = ("train_loss", "valid_ce_diff", "valid_perplexity", "learning_rate",
+          "time")
+  history = [{"epoch": e, **{k: epochs[e].get(k) for k in keys}}
+             for e in sorted(epochs)]
+  if [h["epoch"] for h in history] != list(range(1, results["epochs"] + 1)):
+    raise ReproduceError(f"{run_dir}: metrics.jsonl does not hold epochs "
+                         f"1..{results['epochs']}")
+  test = None
+  test_path = os.path.join(run_dir, "test_by_length.json")
+  if os.path.isfile(test_path):
+    table = _read_json(test_path)
+    test = {k: table[k] for k in ("lengths", "ce_diff", "perplexity",
+                                  "lower_bound_perplexity", "num_strings")
+            if k in table}
+  return {
+      "format": RECORD_FORMAT,
+      "task": spec.task, "model": spec.model, "setting": spec.setting,
+      "learning_rate": spec.learning_rate, "stack_size": spec.stack_size,
+      "restart": spec.restart,
+      "protocol": "paper" if not overrides else "custom",
+      "overrides": dict(overrides),
+      "config": config,
+      "epochs": history,
+      "num_epochs": results["epochs"],
+      "best_epoch": results["best_epoch"],
+      "best_valid_ce_diff": results.get("best_valid_ce_diff"),
+      "last_valid_ce_diff": history[-1]["valid_ce_diff"],
+      "test": test,
+      "train_time_s": float(sum(h["time"] or 0.0 for h in history)),
+      "hardware": dict(hw),
+      "finished_on": datetime.date.today().isoformat(),
+  }
+
+
+def write_json_atomic(path: str, obj) -> None:
+  """Writes JSON via a temporary file and a rename (never half a file)."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def load_records(results_dir: str, task: Optional[str] = None
+                 ) -> list[dict[str, Any]]:
+  """Every record under results_dir (of one task if given), sorted by path."""
+  out = []
+  root = results_dir if task is None else os.path.join(results_dir, task)
+  for dirpath, _, filenames in sorted(os.walk(root)):
+    for name in sorted(filenames):
+      if name.startswith("restart_") and name.endswith(".json"):
+        path = os.path.join(dirpath, name)
+        try:
+          rec = _read_json(path)
+        except (OSError, json.JSONDecodeError) as e:
+          raise ReproduceError(f"unreadable record {path}: {e}") from e
+        if rec.get("format") != RECORD_FORMAT:
+          raise ReproduceError(f"{path} is not a {RECORD_FORMAT} record")
+        out.append(rec)
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Running the protocol.
+# ---------------------------------------------------------------------------
+
+
+class Budget:
+  """A wall-clock budget checked at epoch boundaries."""
+
+  def __init__(self, minutes: Optional[float]):
+    self.seconds = None if minutes is None else 60.0 * float(minutes)
+    self.start = time.monotonic()
+
+  def expired(self) -> bool:
+    return (self.seconds is not None
+            and time.monotonic() - self.start >= self.seconds)
+
+
+def choose_execution(requested: str, backend: str) -> tuple[str, str]:
+  """("sequential" | "model_axis", why) for the requested mode and backend."""
+  if requested == "sequential":
+    return "sequential", "requested"
+  if requested == "model_axis":
+    return "model_axis", "requested"
+  if backend == "cpu":
+    return "sequential", ("cpu backend: one model already keeps the cores "
+                          "busy (20 vmapped NS-RNNs ran at 0.62x of "
+                          "sequential on 2 cores)")
+  return "model_axis", (f"{backend} backend: a model axis turns many "
+                        "launch-bound runs into one (8.2x for 20 NS-RNNs on "
+                        "an H200)")
+
+
+def _manifest(task, overrides) -> dict[str, Any]:
+  return {"task": task, "overrides": dict(overrides)}
+
+
+def check_workdir(workdir: str, task: str, overrides: Mapping[str, Any]
+                  ) -> None:
+  """Claims `workdir` for (task, overrides) or fails if it holds other runs."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ReproduceError(f"--workdir {workdir} is a file")
+  path = os.path.join(workdir, MANIFEST_FILE)
+  want = _manifest(task, overrides)
+  if os.path.isfile(path):
+    try:
+      have = _read_json(path)
+    except (OSError, json.JSONDecodeError) as e:
+      raise ReproduceError(f"{path} is unreadable ({e}); use a new "
+                           "--workdir") from e
+    if have != want:
+      diff = [k for k in sorted(set(have) | set(want))
+              if have.get(k) != want.get(k)]
+      raise ReproduceError(
+          f"--workdir {workdir} holds runs of task={have.get('task')} with "
+          f"overrides {have.get('overrides')}, not task={task} with overrides "
+          f"{dict(overrides)} (differs in: {', '.join(diff)}); use a new "
+          "--workdir")
+    return
+  if os.path.isdir(workdir) and os.listdir(workdir):
+    raise ReproduceError(f"--workdir {workdir} is not empty and was not made "
+                         "by nsrnn_jax.reproduce; use a new --workdir")
+  try:
+    write_json_atomic(path, want)
+  except OSError as e:
+    raise ReproduceError(f"cannot write to --workdir {workdir}: "
+                         f"{e.strerror}") from e
+
+
+def check_results_dir(results_dir: str, runs: Sequence[RunSpec],
+                      overrides: Mapping[str, Any]) -> None:
+  """Existing records of these runs must come from the same overrides."""
+  for spec in runs:
+    path = os.path.join(results_dir, spec.record_path)
+    if os.path.isfile(path):
+      rec = _read_json(path)
+      if rec.get("overrides") != dict(overrides):
+        raise ReproduceError(
+            f"{path} was made with overrides {rec.get('overrides')}, not "
+            f"{dict(overrides)}; use another --results directory")
+
+
+def _fmt_duration(seconds: Optional[float]) -> str:
+  if seconds is None or not math.isfinite(seconds):
+    return "unknown"
+  minutes = int(round(seconds / 60))
+  return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else (
+      f"{minutes}m")
+
+
+def estimate_seconds(spec: RunSpec, records: Sequence[Mapping[str, Any]]
+                     ) -> Optional[float]:
+  """Expected wall time of a run: mean of finished runs like it.
+
+  The same task and model first, else the same model on any task.
+  """
+  for same in (lambda r: r["task"] == spec.task and r["model"] == spec.model,
+               lambda r: r["model"] == spec.model):
+    times = [r["train_time_s"] for r in records if same(r)]
+    if times:
+      return float(np.mean(times))
+  return None
+
+
+class Progress:
+  """Prints which runs are done, running and pending, and the time left."""
+
+  def __init__(self, runs: Sequence[RunSpec], results_dir: str,
+               out=sys.stdout):
+    self.runs = list(runs)
+    self.results_dir = results_dir
+    self.out = out
+
+  def done(self) -> list[RunSpec]:
+    return [s for s in self.runs
+            if os.path.isfile(os.path.join(self.results_dir, s.record_path))]
+
+  def line(self, running: Sequence[RunSpec]) -> str:
+    done = set(self.done())
+    running = list(running)
+    pending = [s for s in self.runs if s not in done and s not in running]
+    records = load_records(self.results_dir)
+    left = 0.0
+    for s in running + pending:
+      est = estimate_seconds(s, records)
+      if est is None:
+        left = None
+        break
+      left += est
+    now = ", ".join(s.name for s in running) or "-"
+    return (f"[{len(done)} done | running {now} | {len(pending)} pending] "
+            f"estimated time left {_fmt_duration(left)}")
+
+  def show(self, running: Sequence[RunSpec]) -> None:
+    print(self.line(running), file=self.out, flush=True)
+
+
+def _record_finished(spec, run_dir, results_dir, overrides, hw) -> bool:
+  results_path = os.path.join(run_dir, "results.json")
+  if not os.path.isfile(results_path):
+    return False
+  if not _read_json(results_path).get("finished"):
+    return False
+  write_json_atomic(os.path.join(results_dir, spec.record_path),
+                    make_record(spec, run_dir, overrides, hw))
+  return True
+
+
+def run_protocol(task: str, workdir: str, *,
+                 models: Sequence[str] = MODELS,
+                 learning_rates: Sequence[float] = LEARNING_RATES,
+                 stack_sizes: Sequence[int] = STACK_SIZES,
+                 restarts: int = NUM_RESTARTS,
+                 budget_minutes: Optional[float] = None,
+                 results_dir: str = DEFAULT_RESULTS,
+                 overrides: Mapping[str, Any] = (),
+                 execution: str = "auto",
+                 out=sys.stdout,
+                 train_fn: Optional[Callable[..., dict]] = None) -> dict:
+  """Runs (or continues) the protocol of one task; writes records.
+
+  Args:
+    task, models, learning_rates, stack_sizes, restarts: the grid (`plan`).
+    workdir: run directories and checkpoints (not committed).
+    budget_minutes: stop at the first epoch boundary after this many minutes
+      (None: no limit).
+    results_dir: where records go (`results/` of the repository).
+    overrides: config fields set on every run (a non-paper protocol; its
+      records say so).
+    execution: "auto", "sequential" or "model_axis".
+    out: where progress lines go.
+    train_fn: `train.train_and_evaluate` (tests may wrap it).
+
+  Returns:
+    {"finished": bool, "done": [names], "pending": [names], "execution"}.
+  """
+  overrides = dict(overrides)
+  # As stored in JSON (tuples become lists), for comparisons with the disk.
+  stored_overrides = json.loads(json.dumps(overrides))
+  runs = plan(task, models, learning_rates, stack_sizes, restarts)
+  configs = {s: run_config(s, overrides) for s in runs}  # Validates overrides.
+  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+  for config in configs.values():
+    train.validate_config(config)
+  check_workdir(workdir, task, stored_overrides)
+  check_results_dir(results_dir, runs, stored_overrides)
+  import jax  # pylint: disable=g-import-not-at-top
+  mode, why = choose_execution(execution, jax.default_backend())
+  print(f"reproduce {task}: {len(runs)} runs "
+        f"({', '.join(m for m in MODELS if m in models)}); execution: {mode} "
+        f"({why})", file=out, flush=True)
+  budget = Budget(budget_minutes)
+  progress = Progress(runs, results_dir, out)
+  hw = hardware()
+  train_fn = train.train_and_evaluate if train_fn is None else train_fn
+
+  def pending():
+    done = set(progress.done())
+    return [s for s in runs if s not in done]
+
+  stopped = False
+  if mode == "sequential":
+    for spec in pending():
+      if budget.expired():
+        stopped = True
+        break
+      run_dir = os.path.join(workdir, spec.run_subdir)
+      if _record_finished(spec, run_dir, results_dir, overrides, hw):
+        continue  # Finished earlier, record not yet written.
+      progress.show([spec])
+      results = train_fn(configs[spec], run_dir, should_stop=budget.expired)
+      if not results.get("finished"):
+        stopped = True
+        break
+      _record_finished(spec, run_dir, results_dir, overrides, hw)
+  else:
+    stopped = _run_model_axis(pending(), configs, workdir, results_dir,
+                              overrides, hw, budget, progress)
+  left = pending()
+  if left and stopped:
+    print(f"stopped at the budget ({budget_minutes:g} min): "
+          f"{len(runs) - len(left)} of {len(runs)} runs done. Continue with:\n"
+          f"  {continue_command()}", file=out, flush=True)
+  elif not left:
+    print(f"all {len(runs)} runs of {task} done; records in {results_dir}. "
+          "Regenerate the report with: python -m nsrnn_jax.reproduce "
+          "--report", file=out, flush=True)
+  return {"finished": not left, "execution": mode,
+          "done": [s.name for s in runs if s not in left],
+          "pending": [s.name for s in left]}
+
+
+def _run_model_axis(runs, configs, workdir, results_dir, overrides, hw,
+                    budget, progress) -> bool:
+  """Trains each (model, m) group's runs at once with grid.run_grid."""
+  from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
+  groups: dict[str, list[RunSpec]] = {}
+  for spec in runs:
+    groups.setdefault(spec.group, []).append(spec)
+  for name, specs in groups.items():
+    if budget.expired():
+      return True
+    lrs = sorted({s.learning_rate for s in specs}, reverse=True)
+    num_restarts = max(s.restart for s in specs) + 1
+    # The grid's members are every (lr, restart < num_restarts); its
+    # member seeds (seed + r) and layout equal the sequential runs'.
+    config = configs[specs[0]].copy_and_resolve_references()
+    with config.unlocked():
+      config.data_seed = config.param_seed = config.shuffle_seed = BASE_SEED
+      config.grid_learning_rates = tuple(lrs)
+      config.num_restarts = num_restarts
+    progress.show(specs)
+    summary = grid.run_grid(config, os.path.join(workdir, name),
+                            should_stop=budget.expired)
+    if not summary.get("finished", True):
+      return True
+    for spec in specs:
+      _record_finished(spec, os.path.join(workdir, spec.run_subdir),
+                       results_dir, overrides, hw)
+  return False
+
+
+def continue_command() -> str:
+  """The command line of this invocation (rerun it to continue)."""
+  import shlex  # pylint: disable=g-import-not-at-top
+  return " ".join(["python -m nsrnn_jax.reproduce"] +
+                  [shlex.quote(a) for a in sys.argv[1:]])
+
+
+# ---------------------------------------------------------------------------
+# Summaries and selection.
+# ---------------------------------------------------------------------------
+
+
+def _bin_mean(test: Optional[Mapping[str, Any]], lo: int, hi: int
+              ) -> Optional[float]:
+  if not test:
+    return None
+  values = [d for n, d in zip(test["lengths"], test["ce_diff"])
+            if lo <= n <= hi]
+  return float(np.mean(values)) if values else None
+
+
+@dataclasses.dataclass
+class Setting:
+  """The finished restarts of one grid point of one (task, model)."""
+  task: str
+  model: str
+  name: str
+  records: list
+
+  @property
+  def best_valid(self) -> np.ndarray:
+    return np.asarray([r["best_valid_ce_diff"] for r in self.records])
+
+  def rank(self) -> tuple[float, float]:
+    """The authors' selection key: (mean, std) of best-epoch differences."""
+    return (float(np.mean(self.best_valid)), float(np.std(self.best_valid)))
+
+
+@dataclasses.dataclass
+class Cell:
+  """One (task, model) of the report: its settings and the selected one."""
+  task: str
+  model: str
+  settings: list
+  selected: Optional[Setting]
+
+  @property
+  def runs(self) -> list:
+    return [] if self.selected is None else self.selected.records
+
+  def last_valid(self) -> Optional[tuple[float, float]]:
+    if not self.runs:
+      return None
+    values = np.asarray([r["last_valid_ce_diff"] for r in self.runs])
+    return float(np.mean(values)), float(np.std(values))
+
+  def test_bins(self) -> Optional[list[Optional[float]]]:
+    """Mean over restarts of each bin's per-length mean (None if missing)."""
+    tested = [r for r in self.runs if r.get("test")]
+    if not tested:
+      return None
+    out = []
+    for lo, hi in TEST_BINS:
+      means = [_bin_mean(r["test"], lo, hi) for r in tested]
+      means = [m for m in means if m is not None]
+      out.append(float(np.mean(means)) if means else None)
+    return out
+
+
+def summarize_cells(records: Sequence[Mapping[str, Any]],
+                    include_custom: bool = False) -> dict:
+  """{(task, model): Cell} with the paper's selection rule applied."""
+  settings: dict = {}
+  for rec in records:
+    if rec["protocol"] != "paper" and not include_custom:
+      continue
+    key = (rec["task"], rec["model"], rec["setting"])
+    settings.setdefault(key, []).append(rec)
+  cells = {}
+  for task in TASKS:
+    for model in REPORT_ORDER:
+      group = [Setting(task, model, name, sorted(recs,
+                                                 key=lambda r: r["restart"]))
+               for (t, m, name), recs in sorted(settings.items())
+               if t == task and m == model]
+      selected = None
+      if group:
+        most = max(len(s.records) for s in group)
+        candidates = [s for s in group if len(s.records) == most]
+        selected = min(candidates, key=lambda s: (s.rank(), s.name))
+      cells[(task, model)] = Cell(task, model, group, selected)
+  return cells
+
+
+# ---------------------------------------------------------------------------
+# The paper's qualitative claims (reference-behaviour.md section 10.2).
+# ---------------------------------------------------------------------------
+
+
+def _in_dist(cells, task, model) -> Optional[float]:
+  bins = cells[(task, model)].test_bins()
+  return None if bins is None else bins[0]
+
+
+def _longer(cells, task, model) -> Optional[float]:
+  bins = cells[(task, model)].test_bins()
+  return None if bins is None else bins[1]
+
+
+def _claim_best(cells, task, model) -> Optional[bool]:
+  values = {m: _in_dist(cells, task, m) for m in REPORT_ORDER}
+  if any(v is None for v in values.values()):
+    return None
+  return min(values, key=values.get) == model
+
+
+def _claim_between(cells, task) -> Optional[bool]:
+  lstm, jm, ns = (_in_dist(cells, task, m) for m in ("lstm", "jm", "ns"))
+  if None in (lstm, jm, ns):
+    return None
+  return jm < ns < lstm
+
+
+def _claim_dyck_zero(cells, task) -> Optional[bool]:
+  values = [cells[(task, m)].last_valid() for m in ("gref", "jm", "ns")]
+  if any(v is None for v in values):
+    return None
+  return all(abs(mean) < 0.005 for mean, _ in values)
+
+
+def _claim_ns_generalises_worse(cells, task) -> Optional[bool]:
+  ns, jm, gref = (_longer(cells, task, m) for m in ("ns", "jm", "gref"))
+  if None in (ns, jm, gref):
+    return None
+  return ns > min(jm, gref)
+
+
+CLAIMS = {
+    "marked_reversal": [
+        ("the NS-RNN has the lowest test difference on lengths 40-80",
+         lambda c: _claim_best(c, "marked_reversal", "ns"))],
+    "unmarked_reversal": [
+        ("the NS-RNN has the lowest test difference on lengths 40-80",
+         lambda c: _claim_best(c, "unmarked_reversal", "ns"))],
+    "padded_reversal": [
+        ("JM has the lowest test difference on lengths 40-80",
+         lambda c: _claim_best(c, "padded_reversal", "jm")),
+        ("the NS-RNN lies between JM and the LSTM on lengths 40-80",
+         lambda c: _claim_between(c, "padded_reversal"))],
+    "dyck": [
+        ("all stack models end near 0 (|last validation difference| < 0.005)",
+         lambda c: _claim_dyck_zero(c, "dyck")),
+        ("the NS-RNN generalises worse than JM or Gref to lengths 81-100",
+         lambda c: _claim_ns_generalises_worse(c, "dyck"))],
+    "hardest_cfl": [
+        ("the NS-RNN has the lowest test difference on lengths 40-80",
+         lambda c: _claim_best(c, "hardest_cfl", "ns")),
+        ("the NS-RNN generalises worse than JM or Gref to lengths 81-100",
+         lambda c: _claim_ns_generalises_worse(c, "hardest_cfl"))],
+}
+
+
+# ---------------------------------------------------------------------------
+# The report.
+# ---------------------------------------------------------------------------
+
+
+def _f(x: Optional[float], digits: int = 4) -> str:
+  return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _pm(pair) -> str:
+  return "—" if pair is None else f"{pair[0]:.4f} ± {pair[1]:.4f}"
+
+
+def _grid_size(model: str) -> int:
+  per_lr = len(STACK_SIZES) if model in STACK_MODELS else 1
+  return len(LEARNING_RATES) * per_lr * NUM_RESTARTS
+
+
+def _hours(seconds: float) -> str:
+  return f"{seconds / 3600:.1f} h"
+
+
+def _hardware_summary(records) -> str:
+  kinds = sorted({f"{r['hardware']['device_kind']} "
+                  f"({r['hardware']['backend']}, {r['hardware']['cpu_count']} "
+                  "cores)" for r in records})
+  return "; ".join(kinds) if kinds else "—"
+
+
+def figure_series(cell: Cell) -> Optional[dict]:
+  """Figure 3/4 series of a cell's selected restarts (plots.py's rules)."""
+  from nsrnn_jax import plots  # pylint: disable=g-import-not-at-top
+  if not cell.runs:
+    return None
+  curves = [np.asarray([e["valid_ce_diff"] for e in r["epochs"]])
+            for r in cell.runs]
+  runs_RxE = plots.pad_with_last(curves)
+  out = {"label": LABELS[cell.model], "setting": cell.selected.name,
+         "restarts": [r["restart"] for r in cell.runs],
+         "epochs": list(range(1, runs_RxE.shape[1] + 1)),
+         "mean": runs_RxE.mean(axis=0).tolist(),
+         "std": runs_RxE.std(axis=0).tolist(), "test": None}
+  tested = [r["test"] for r in cell.runs if r.get("test")]
+  if tested:
+    lengths_L = sorted({n for t in tested for n in t["lengths"]})
+    table_RxL = np.full((len(tested), len(lengths_L)), np.nan)
+    for i, t in enumerate(tested):
+      for n, d in zip(t["lengths"], t["ce_diff"]):
+        table_RxL[i, lengths_L.index(n)] = d
+    out["test"] = {"label": LABELS[cell.model], "lengths": lengths_L,
+                   "mean": np.nanmean(table_RxL, axis=0).tolist(),
+                   "std": np.nanstd(table_RxL, axis=0).tolist()}
+  return out
+
+
+def draw_figures(cells, task: str, out_dir: str) -> list[str]:
+  """figure3.png / figure4.png / series.json of one task; returns the files."""
+  from nsrnn_jax import plots  # pylint: disable=g-import-not-at-top
+  series = [s for s in (figure_series(cells[(task, m)]) for m in REPORT_ORDER)
+            if s is not None]
+  if not series:
+    return []
+  os.makedirs(out_dir, exist_ok=True)
+  title = TASK_TITLES[task]
+  files = []
+  # No "Software" metadata: the PNG depends on the numbers only.
+  png = {"Software": None}
+  fig = plots.plot_train(series, title)
+  files.append(os.path.join(out_dir, "figure3.png"))
+  fig.savefig(files[-1], dpi=120, metadata=png)
+  tests = [s["test"] for s in series if s["test"] is not None]
+  if tests:
+    fig = plots.plot_test(tests, title)
+    files.append(os.path.join(out_dir, "figure4.png"))
+    fig.savefig(files[-1], dpi=120, metadata=png)
+  files.append(os.path.join(out_dir, "series.json"))
+  write_json_atomic(files[-1], {"title": title, "series": series})
+  return files
+
+
+def render_report(records: Sequence[Mapping[str, Any]],
+                  figures_rel: str = "figures") -> str:
+  """docs/reproduction.md from the records alone (deterministic text)."""
+  cells = summarize_cells(records)
+  paper_runs = [r for r in records if r["protocol"] == "paper"]
+  lines = [
+      "# Reproduction report",
+      "",
+      "<!-- Generated by `python -m nsrnn_jax.reproduce --report` from the "
+      "records under results/; do not edit by hand. -->",
+      "",
+      "Our runs of the paper's protocol (DuSell & Chiang 2020, section 5.5) "
+      "beside the paper's numbers. Every number below is computed from the "
+      "committed run records in `results/<task>/<model>/<setting>/"
+      "restart_<r>.json` (format: `results/README.md`), one per finished "
+      "run; `python -m nsrnn_jax.reproduce --report` regenerates this file "
+      "and the figures, and a test checks that they match. Runs are made "
+      "with `python -m nsrnn_jax.reproduce --task=<task>`. Our strings are "
+      "drawn with NumPy's generator: same grammars and distributions as the "
+      "authors', not their strings.",
+      "",
+      f"Records: {len(paper_runs)} finished runs of the paper's protocol, on "
+      f"{_hardware_summary(paper_runs)}.",
+      "",
+      "Selection as in the paper: per model, the setting (learning rate, and "
+      "m for JM/Gref) with the lowest mean best-epoch validation CE "
+      "difference over its restarts; among settings with the most finished "
+      "restarts only. *Setting* names the selected one and *runs* its "
+      "restarts over the settings tried.",
+      "",
+      "## Validation cross-entropy difference (nats/symbol)",
+      "",
+      "Last epoch's value, mean ± std (ddof=0) over the selected restarts "
+      "(the paper's Figure 3 end points; reference-behaviour.md §10.1). "
+      "✓: our mean lies within the paper's mean ± std.",
+      "",
+      "| task | model | setting | runs | ours | paper | within |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for task in TASKS:
+    for model in REPORT_ORDER:
+      cell = cells[(task, model)]
+      paper = (PAPER_VALID[task] or {}).get(model)
+      ours = cell.last_valid()
+      within = "—"
+      if ours is not None and paper is not None:
+        within = "✓" if abs(ours[0] - paper[0]) <= paper[1] else "✗"
+      setting = cell.selected.name if cell.selected else "not run"
+      tried = len(cell.settings)
+      runs = (f"{len(cell.runs)} of {tried} setting"
+              f"{'s' if tried != 1 else ''}" if cell.selected else "0")
+      lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | {setting} | "
+                   f"{runs} | {_pm(ours)} | "
+                   f"{_pm(paper) if paper else 'no figure'} | {within} |")
+  lines += [
+      "",
+      "## Test cross-entropy difference by length",
+      "",
+      "Mean over the restarts of the mean per-length difference in lengths "
+      "40–80 / 81–100, best-epoch parameters (per-length bound including "
+      "ln N_L,test, which reproduces the paper's figures; reference-"
+      "behaviour.md §6, §10.2).",
+      "",
+      "| task | model | ours 40–80 | ours 81–100 | paper 40–80 | paper 81–100 |",
+      "|---|---|---|---|---|---|",
+  ]
+  for task in TASKS:
+    for model in REPORT_ORDER:
+      bins = cells[(task, model)].test_bins() or [None, None]
+      paper = PAPER_TEST[task][model]
+      lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | "
+                   f"{_f(bins[0])} | {_f(bins[1])} | {paper[0]:.4f} | "
+                   f"{paper[1]:.4f} |")
+  lines += ["", "## The paper's qualitative claims", "",
+            "| task | claim | ours |", "|---|---|---|"]
+  for task in TASKS:
+    for text, check in CLAIMS[task]:
+      verdict = check(cells)
+      word = {True: "agrees", False: "**disagrees**",
+              None: "not decidable yet (cells missing)"}[verdict]
+      lines.append(f"| {TASK_TITLES[task]} | {text} | {word} |")
+  lines += ["", "## Figures", ""]
+  for task in TASKS:
+    if not any(cells[(task, m)].runs for m in REPORT_ORDER):
+      continue
+    lines.append(f"### {TASK_TITLES[task]}")
+    lines.append("")
+    lines.append(f"![{TASK_TITLES[task]}, Figure 3]({figures_rel}/{task}/"
+                 "figure3.png)")
+    if any(cells[(task, m)].test_bins() for m in REPORT_ORDER):
+      lines.append(f"![{TASK_TITLES[task]}, Figure 4]({figures_rel}/{task}/"
+                   "figure4.png)")
+    lines.append("")
+  lines += _gaps_section(cells, paper_runs)
+  return "\n".join(lines) + "\n"
+
+
+def _gaps_section(cells, records) -> list[str]:
+  """What of the full protocol has not run, with its measured cost."""
+  lines = [
+      "## What has not run yet, and what it would take",
+      "",
+      "The full protocol is, per task, 20 LSTM + 60 JM + 60 Gref + 20 NS-RNN "
+      "runs (4 learning rates × 5 restarts, × 3 values of m for JM/Gref). "
+      "Cost estimates use the mean training time of our finished runs of the "
+      "same task and model (else the same model on any task), on the "
+      "hardware the records name.",
+      "",
+      "| task | model | finished | of | missing | estimated time for the "
+      "rest |",
+      "|---|---|---|---|---|---|",
+  ]
+  for task in TASKS:
+    for model in REPORT_ORDER:
+      done = sum(len(s.records) for s in cells[(task, model)].settings)
+      total = _grid_size(model)
+      probe = RunSpec(task, model, 0.005, None, 0)
+      est = estimate_seconds(probe, records)
+      rest = "unknown (no run of this model yet)" if est is None else (
+          _hours(est * (total - done)))
+      if done >= total:
+        rest = "—"
+      lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | {done} | "
+                   f"{total} | {total - done} | {rest} |")
+  return lines
+
+
+def write_report(results_dir: str = DEFAULT_RESULTS,
+                 report_path: str = DEFAULT_REPORT) -> list[str]:
+  """Writes the report and the figures next to it; returns the paths."""
+  records = load_records(results_dir)
+  figures_dir = os.path.join(os.path.dirname(report_path), "figures")
+  cells = summarize_cells(records)
+  files = []
+  for task in TASKS:
+    files += draw_figures(cells, task, os.path.join(figures_dir, task))
+  text = render_report(records)
+  os.makedirs(os.path.dirname(report_path) or ".", exist_ok=True)
+  with open(report_path, "w") as f:
+    f.write(text)
+  return [report_path] + files
+
+
+# ---------------------------------------------------------------------------
+# CLI.
+# ---------------------------------------------------------------------------
+
+
+def _split_list(value: str, cast, what: str) -> list:
+  items = [v.strip() for v in value.split(",") if v.strip()]
+  if not items:
+    raise ReproduceError(f"--{what} is empty")
+  try:
+    return [cast(v) for v in items]
+  except ValueError as e:
+    raise ReproduceError(f"--{what}: {value!r} is not a list of "
+                         f"{cast.__name__}s") from e
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """CLI entry point; returns the exit code (2 with one line on bad input)."""
+  import argparse  # pylint: disable=g-import-not-at-top
+
+  class Parser(argparse.ArgumentParser):
+
+    def error(self, message):
+      raise ReproduceError(message)
+
+  parser = Parser(prog="python -m nsrnn_jax.reproduce",
+                  description=__doc__.split("\n\n")[0])
+  parser.add_argument("--task", help=f"one of {', '.join(TASKS)}")
+  parser.add_argument("--workdir", help="run directories and checkpoints")
+  parser.add_argument("--models", default=",".join(MODELS))
+  parser.add_argument("--learning_rates",
+                      default=",".join(f"{x:g}" for x in LEARNING_RATES))
+  parser.add_argument("--stack_sizes",
+                      default=",".join(str(x) for x in STACK_SIZES))
+  parser.add_argument("--restarts", type=int, default=NUM_RESTARTS)
+  parser.add_argument("--budget_minutes", type=float, default=None)
+  parser.add_argument("--results", default=DEFAULT_RESULTS,
+                      help="records directory (default: results/)")
+  parser.add_argument("--set", action="append", default=[],
+                      metavar="FIELD=VALUE",
+                      help="config override for every run (not the paper's "
+                      "protocol: records say so)")
+  parser.add_argument("--execution", default="auto",
+                      choices=("auto", "sequential", "model_axis"))
+  parser.add_argument("--report", action="store_true",
+                      help="regenerate the report from --results and exit")
+  parser.add_argument("--report_path", default=DEFAULT_REPORT)
+  try:
+    args = parser.parse_args(argv)
+    if args.report:
+      for path in write_report(args.results, args.report_path):
+        print(path)
+      return 0
+    if args.task not in TASKS:
+      raise ReproduceError(f"--task is {args.task!r}; expected one of "
+                           f"{', '.join(TASKS)}")
+    if not args.workdir:
+      raise ReproduceError("--workdir is required")
+    models = _split_list(args.models, str, "models")
+    for m in models:
+      if m not in MODELS:
+        raise ReproduceError(f"--models: unknown model {m!r}; expected "
+                             f"some of {', '.join(MODELS)}")
+    lrs = _split_list(args.learning_rates, float, "learning_rates")
+    if any(not (x > 0 and math.isfinite(x)) for x in lrs):
+      raise ReproduceError(f"--learning_rates must be positive ({lrs})")
+    sizes = _split_list(args.stack_sizes, int, "stack_sizes")
+    if any(x < 1 for x in sizes):
+      raise ReproduceError(f"--stack_sizes must be >= 1 ({sizes})")
+    if args.restarts < 1:
+      raise ReproduceError(f"--restarts must be >= 1 (got {args.restarts})")
+    if args.budget_minutes is not None and not args.budget_minutes > 0:
+      raise ReproduceError(f"--budget_minutes must be > 0 (got "
+                           f"{args.budget_minutes:g})")
+    result = run_protocol(
+        args.task, args.workdir, models=models, learning_rates=lrs,
+        stack_sizes=sizes, restarts=args.restarts,
+        budget_minutes=args.budget_minutes, results_dir=args.results,
+        overrides=parse_overrides(args.set), execution=args.execution)
+  except ValueError as e:  # ReproduceError and config validation errors.
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
+  return 0 if result["finished"] else 3
+
+
+if __name__ == "__main__":
+  sys.exit(main())
