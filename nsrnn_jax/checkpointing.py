@@ -48,10 +48,15 @@ def make_manager(directory: str, keep: int = 2,
 
 def save(manager: ocp.CheckpointManager, step: int, state: PyTree,
          host: dict) -> None:
-  """Saves `state` (pytree of arrays) and `host` (JSON-able dict) at `step`."""
+  """Saves `state` (pytree of arrays) and `host` (JSON-able dict) at `step`.
+
+  Returns once the checkpoint is final on disk: callers log an epoch only
+  after its checkpoint exists, so a kill loses at most the epoch in progress.
+  """
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),
                force=True)
+  manager.wait_until_finished()
 
 
 def restore_latest(manager: ocp.CheckpointManager, target: PyTree

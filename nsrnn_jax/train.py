@@ -807,13 +807,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if "ce_diff" in valid:
         record["valid_ce_diff"] = valid["ce_diff"]
         record["valid_lower_bound_perplexity"] = valid["lower_bound_perplexity"]
-      writer.write_scalars(epoch, record)
+      # Checkpoint first: an epoch is logged only once it is saved.
       if epoch % config.checkpoint_every_epochs == 0 or bool(
           host(state.stopped)):
         checkpointing.save(manager, epoch, state.arrays(), {
             "shuffle_rng": checkpointing.rng_state_to_json(
                 shuffle_rng.get_state()),
             "order": order.tolist(), "epoch": epoch})
+      writer.write_scalars(epoch, record)
       if progress is not None:
         progress.update(1)
         progress.set_postfix(loss=f"{record['train_loss']:.3f}",

@@ -1,0 +1,366 @@
+"""Tests of nsrnn_jax.reproduce: protocol, budget/resume, records, report.
+
+Runs use the LSTM on short marked-reversal strings (a tiny override of the
+paper's config), so each takes seconds; the protocol's arithmetic (grid size,
+seeds, selection) is checked on the full-size plan without training.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from nsrnn_jax import reproduce
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A tiny protocol: 12 batches of strings of length 5-11, at most 4 epochs.
+TINY = {"num_train_batches": 12, "num_valid_batches": 3,
+        "train_min_length": 5, "train_max_length": 11,
+        "test_min_length": 5, "test_max_length": 15,
+        "test_strings_per_length": 4, "max_epochs": 4,
+        "compile_strategy": "bucket", "length_buckets": (11, 15),
+        "hidden_size": 6}
+TINY_FLAGS = [f"--set={k}={v!r}" for k, v in TINY.items()]
+
+
+def _tiny_run(tmp_path, name, **kwargs):
+  args = dict(models=("lstm",), learning_rates=(0.01,), restarts=1,
+              overrides=TINY, results_dir=str(tmp_path / f"{name}_results"))
+  args.update(kwargs)
+  return reproduce.run_protocol("marked_reversal", str(tmp_path / name),
+                                **args)
+
+
+# ---------------------------------------------------------------------------
+# The protocol.
+# ---------------------------------------------------------------------------
+
+
+def test_full_plan_is_the_papers_grid():
+  runs = reproduce.plan("dyck", reproduce.MODELS)
+  counts = {m: sum(r.model == m for r in runs) for m in reproduce.MODELS}
+  # 4 lr x 5 restarts; JM and Gref also x 3 values of m (ref. section 9).
+  assert counts == {"lstm": 20, "jm": 60, "gref": 60, "ns": 20}
+  assert len({r.record_path for r in runs}) == 160
+  # Restart-major: every run of restart 0 precedes every run of restart 1.
+  restarts = [r.restart for r in runs]
+  assert restarts == sorted(restarts)
+
+
+@pytest.mark.parametrize("task,shape", sorted(reproduce.NS_SHAPES.items()))
+def test_ns_runs_use_the_papers_q_and_s(task, shape):
+  spec = reproduce.RunSpec(task, "ns", 0.001, None, 2)
+  config = reproduce.run_config(spec)
+  assert (config.num_states, config.num_stack_symbols) == shape
+  assert config.task == task and config.learning_rate == 0.001
+
+
+def test_restarts_have_their_own_seeds_and_settings_are_paired():
+  seeds = {}
+  for spec in reproduce.plan("padded_reversal", ("jm",), restarts=3):
+    c = reproduce.run_config(spec)
+    assert c.stack_embedding_size == spec.stack_size
+    seeds.setdefault(spec.restart, set()).add(
+        (c.data_seed, c.param_seed, c.shuffle_seed))
+  # One seed triple per restart (shared by its settings), distinct across.
+  assert all(len(s) == 1 for s in seeds.values())
+  assert len({next(iter(s)) for s in seeds.values()}) == 3
+
+
+def test_execution_choice_depends_on_the_backend():
+  assert reproduce.choose_execution("auto", "cpu")[0] == "sequential"
+  assert reproduce.choose_execution("auto", "gpu")[0] == "model_axis"
+  assert reproduce.choose_execution("auto", "tpu")[0] == "model_axis"
+  assert reproduce.choose_execution("model_axis", "cpu")[0] == "model_axis"
+
+
+# ---------------------------------------------------------------------------
+# Budget, resume, records.
+# ---------------------------------------------------------------------------
+
+
+class BudgetOfOneEpoch(reproduce.Budget):
+  """Not expired before the first run starts, expired at every epoch end."""
+
+  def __init__(self, minutes):
+    super().__init__(minutes)
+    self.calls = 0
+
+  def expired(self):
+    self.calls += 1
+    return self.calls > 1
+
+
+def test_budget_stops_at_an_epoch_and_a_rerun_finishes_identically(
+    tmp_path, monkeypatch):
+  whole = _tiny_run(tmp_path, "whole")
+  assert whole["finished"]
+  reference = reproduce.load_records(str(tmp_path / "whole_results"))
+  assert len(reference) == 1
+
+  # A budget that has run out after the first epoch: stop there.
+  lines = []
+
+  class Out:
+    def write(self, text):
+      lines.append(text)
+
+    def flush(self):
+      pass
+
+  with monkeypatch.context() as patch:
+    patch.setattr(reproduce, "Budget", BudgetOfOneEpoch)
+    first = _tiny_run(tmp_path, "split", budget_minutes=1, out=Out())
+  assert not first["finished"] and first["pending"]
+  text = "".join(lines)
+  assert "stopped at the budget" in text and "Continue with:" in text
+  run_dir = tmp_path / "split" / "lstm" / "lr_0.01" / "restart_0"
+  assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+  assert not reproduce.load_records(str(tmp_path / "split_results"))
+  # A budget already spent starts nothing.
+  spent = _tiny_run(tmp_path, "split", budget_minutes=1e-9, out=Out())
+  assert not spent["finished"]
+  assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+
+  second = _tiny_run(tmp_path, "split")
+  assert second["finished"]
+  (record,) = reproduce.load_records(str(tmp_path / "split_results"))
+  (ref,) = reference
+  # Resumed training equals the uninterrupted run, epoch by epoch.
+  for key in ("valid_ce_diff", "train_loss", "learning_rate"):
+    np.testing.assert_allclose([e[key] for e in record["epochs"]],
+                               [e[key] for e in ref["epochs"]], rtol=1e-6)
+  assert record["num_epochs"] == ref["num_epochs"] == len(record["epochs"])
+  assert record["best_epoch"] == ref["best_epoch"]
+  np.testing.assert_allclose(record["test"]["ce_diff"], ref["test"]["ce_diff"],
+                             rtol=1e-5)
+  assert record["protocol"] == "custom"  # Overrides are not the paper's.
+  assert record["hardware"]["backend"] == "cpu"
+  assert record["last_valid_ce_diff"] == record["epochs"][-1]["valid_ce_diff"]
+
+  # A third invocation has nothing to do and rewrites nothing.
+  path = tmp_path / "split_results" / record_path(record)
+  mtime = path.stat().st_mtime_ns
+  third = _tiny_run(tmp_path, "split")
+  assert third["finished"] and path.stat().st_mtime_ns == mtime
+
+
+def record_path(record):
+  spec = reproduce.RunSpec(record["task"], record["model"],
+                           record["learning_rate"], record["stack_size"],
+                           record["restart"])
+  return spec.record_path
+
+
+def _cli(args, **kwargs):
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return subprocess.Popen([sys.executable, "-m", "nsrnn_jax.reproduce"] + args,
+                          cwd=str(kwargs.pop("cwd", REPO)), env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, **kwargs)
+
+
+def _checkpoint_epochs(run_dir):
+  ckpt = os.path.join(run_dir, "checkpoints")
+  if not os.path.isdir(ckpt):
+    return []
+  return sorted(int(n) for n in os.listdir(ckpt) if n.isdigit())
+
+
+def test_kill_9_loses_at_most_one_epoch(tmp_path):
+  workdir, results = tmp_path / "w", tmp_path / "r"
+  flags = TINY_FLAGS + ["--set=max_epochs=8", "--task=marked_reversal",
+                        "--models=lstm", "--learning_rates=0.01",
+                        "--restarts=1", f"--workdir={workdir}",
+                        f"--results={results}"]
+  proc = _cli(flags)
+  metrics = workdir / "lstm" / "lr_0.01" / "restart_0" / "metrics.jsonl"
+  deadline = time.time() + 240
+  while time.time() < deadline:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+      break
+    if proc.poll() is not None:
+      pytest.fail("finished before it could be killed: "
+                  + proc.communicate()[1][-500:])
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  logged = len(metrics.read_text().splitlines())
+  saved = _checkpoint_epochs(str(metrics.parent))
+  # Every logged epoch was checkpointed first: only the epoch in progress
+  # is lost.
+  assert saved and max(saved) >= logged
+  rerun = _cli(flags)
+  out, err = rerun.communicate(timeout=300)
+  assert rerun.returncode == 0, err[-1000:]
+  (record,) = reproduce.load_records(str(results))
+  assert [e["epoch"] for e in record["epochs"]] == list(
+      range(1, record["num_epochs"] + 1))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--task=nope", "--workdir=W"], "--task is 'nope'"),
+    (["--task=dyck", "--workdir=W", "--models=lstm,rnn"], "unknown model 'rnn'"),
+    (["--task=dyck", "--workdir=W", "--budget_minutes=0"],
+     "--budget_minutes must be > 0"),
+    (["--task=dyck", "--workdir=W", "--budget_minutes=-3"],
+     "--budget_minutes must be > 0"),
+    (["--task=dyck", "--workdir=W", "--restarts=0"], "--restarts must be >= 1"),
+    (["--task=dyck", "--workdir=W", "--learning_rates=0.1,x"],
+     "--learning_rates"),
+    (["--task=dyck", "--workdir=W", "--set=hidden_sizes=3"],
+     "unknown config field"),
+    (["--task=dyck", "--workdir=W", "--set=learning_rate=0.1"],
+     "set by the protocol"),
+    (["--task=dyck", "--workdir=W", "--set=hidden_size=0"],
+     "config.hidden_size must be >= 1"),
+    (["--task=dyck"], "--workdir is required"),
+    (["--task=dyck", "--workdir=W", "--bogus"], "unrecognized arguments"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args,
+                                                         message, capsys):
+  args = [a.replace("=W", f"={tmp_path / 'w'}") for a in args]
+  assert reproduce.main(args + [f"--results={tmp_path / 'r'}"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+  assert not os.path.exists(tmp_path / "w")
+  assert not os.path.exists(tmp_path / "r")
+
+
+def test_workdir_of_another_task_or_config_is_refused(tmp_path, capsys):
+  workdir = tmp_path / "w"
+  reproduce.check_workdir(str(workdir), "dyck", {})
+  manifest = (workdir / reproduce.MANIFEST_FILE).read_text()
+  (workdir / "marker").write_text("keep")
+  for args in (["--task=marked_reversal"],
+               ["--task=dyck", "--set=hidden_size=7"]):
+    code = reproduce.main(args + [f"--workdir={workdir}",
+                                  f"--results={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "use a new --workdir" in err
+  assert (workdir / reproduce.MANIFEST_FILE).read_text() == manifest
+  assert sorted(os.listdir(workdir)) == sorted([reproduce.MANIFEST_FILE, "marker"])
+  # A directory not made by the tool, and a file, are refused too.
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "x").write_text("")
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  for path, message in ((other, "not made by"), (afile, "is a file")):
+    code = reproduce.main(["--task=dyck", f"--workdir={path}",
+                           f"--results={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+  assert afile.read_text() == "" and os.listdir(other) == ["x"]
+
+
+# ---------------------------------------------------------------------------
+# Selection and the report.
+# ---------------------------------------------------------------------------
+
+
+def fake_record(task, model, lr, restart, best, last, stack_size=None,
+                test_in=None, test_out=None):
+  spec = reproduce.RunSpec(task, model, lr, stack_size, restart)
+  test = None
+  if test_in is not None:
+    lengths = list(range(40, 101))
+    test = {"lengths": lengths,
+            "ce_diff": [test_in if n <= 80 else test_out for n in lengths]}
+  return {"format": reproduce.RECORD_FORMAT, "task": task, "model": model,
+          "setting": spec.setting, "learning_rate": lr,
+          "stack_size": stack_size, "restart": restart, "protocol": "paper",
+          "overrides": {}, "epochs": [{"epoch": 1, "valid_ce_diff": 0.3},
+                                      {"epoch": 2, "valid_ce_diff": last}],
+          "num_epochs": 2, "best_epoch": 2, "best_valid_ce_diff": best,
+          "last_valid_ce_diff": last, "test": test, "train_time_s": 600.0,
+          "hardware": {"backend": "cpu", "device_kind": "cpu",
+                       "cpu_count": 2}}
+
+
+def test_selection_lowest_mean_best_epoch_among_most_restarts():
+  recs = [fake_record("dyck", "lstm", 0.01, r, best, 0.1)
+          for r, best in enumerate([0.02, 0.04, 0.03])]       # mean 0.03
+  recs += [fake_record("dyck", "lstm", 0.005, r, best, 0.2)
+           for r, best in enumerate([0.01, 0.05, 0.02])]      # mean 0.0267
+  # Lowest mean, but from fewer restarts: not eligible.
+  recs += [fake_record("dyck", "lstm", 0.001, 0, 0.001, 0.3)]
+  cell = reproduce.summarize_cells(recs)[("dyck", "lstm")]
+  assert cell.selected.name == "lr_0.005"
+  assert len(cell.runs) == 3 and len(cell.settings) == 3
+  mean, std = cell.last_valid()
+  assert mean == pytest.approx(0.2) and std == pytest.approx(0.0)
+
+
+def test_report_values_claims_and_gaps():
+  recs = []
+  for r in range(3):
+    recs.append(fake_record("marked_reversal", "ns", 0.005, r, 0.002,
+                            0.003 + 0.001 * (r - 1), test_in=-0.005,
+                            test_out=0.05))
+    for model, t_in in (("lstm", 0.05), ("gref", 0.02)):
+      recs.append(fake_record("marked_reversal", model, 0.005, r, 0.05, 0.09,
+                              test_in=t_in, test_out=0.2))
+    recs.append(fake_record("marked_reversal", "jm", 0.005, r, 0.05, 0.09,
+                            stack_size=20, test_in=0.03, test_out=0.2))
+  text = reproduce.render_report(recs)
+  assert text == reproduce.render_report(list(reversed(recs)))
+  # NS-RNN: last-epoch 0.0030 +- 0.0008 is within the paper's 0.0038 +- 0.0022.
+  assert ("| Marked reversal | Ours | lr_0.005 | 3 | 1 | "
+          "0.0030 ± 0.0008 | 0.0038 ± 0.0022 | ✓ |") in text
+  # LSTM 0.09 lies within 0.0871 +- 0.0148; Gref 0.09 not within 0.035 +- 0.0355.
+  assert "| Marked reversal | LSTM | lr_0.005 | 3 | 1 | 0.0900" in text
+  assert "0.0350 ± 0.0355 | ✗ |" in text
+  assert ("| Marked reversal | Ours | -0.0050 | 0.0500 | -0.0055 | 0.0796 |"
+          in text)
+  assert ("| Marked reversal | the NS-RNN has the lowest test difference on "
+          "lengths 40-80 | agrees |") in text
+  assert "| Dyck | all stack models end near 0" in text
+  assert "not decidable yet" in text
+  # Gaps: 3 of 20 NS-RNN runs done; 17 x 600 s = 2.8 h.
+  assert "| Marked reversal | Ours | 3 | 20 | 17 | 2.8 h |" in text
+  assert "| Dyck | Ours | 0 | 20 | 20 | 3.3 h |" in text  # Rate of any task.
+  assert "| Dyck | JM | 0 | 60 | 60 | 10.0 h |" in text
+
+
+def test_committed_report_is_generated_from_committed_records(tmp_path):
+  results = os.path.join(REPO, "results")
+  records = reproduce.load_records(results)
+  with open(os.path.join(REPO, "docs", "reproduction.md")) as f:
+    committed = f.read()
+  assert committed == reproduce.render_report(records), (
+      "docs/reproduction.md is stale: run python -m nsrnn_jax.reproduce "
+      "--report")
+  # The plotted numbers too (PNG bytes depend on the matplotlib version).
+  report = tmp_path / "docs" / "reproduction.md"
+  reproduce.write_report(results, str(report))
+  for task in reproduce.TASKS:
+    generated = tmp_path / "docs" / "figures" / task / "series.json"
+    committed_series = os.path.join(REPO, "docs", "figures", task,
+                                    "series.json")
+    assert generated.exists() == os.path.exists(committed_series), task
+    if generated.exists():
+      with open(committed_series) as f:
+        assert json.load(f) == json.loads(generated.read_text())
+
+
+def test_every_committed_record_is_consistent():
+  for rec in reproduce.load_records(os.path.join(REPO, "results")):
+    assert rec["protocol"] == "paper", rec["task"]
+    epochs = [e["epoch"] for e in rec["epochs"]]
+    assert epochs == list(range(1, rec["num_epochs"] + 1))
+    assert 1 <= rec["best_epoch"] <= rec["num_epochs"]
+    assert rec["last_valid_ce_diff"] == rec["epochs"][-1]["valid_ce_diff"]
+    assert rec["config"]["task"] == rec["task"]
+    assert rec["config"]["model"] == rec["model"]
+    assert rec["config"]["learning_rate"] == rec["learning_rate"]
+    assert rec["config"]["data_seed"] == reproduce.BASE_SEED + rec["restart"]
+    # The paper's test set: every valid length in 40..100.
+    assert rec["test"] and min(rec["test"]["lengths"]) >= 40
+    assert max(rec["test"]["lengths"]) <= 100
