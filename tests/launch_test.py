@@ -9,7 +9,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
-SCRIPTS = ("local_multiprocess.sh", "slurm.sbatch", "tpu_pod.sh")
+SCRIPTS = ("local_multiprocess.sh", "slurm.sbatch", "tpu_pod.sh",
+           "reproduce_gpu.sh")
 
 
 def _run(script, *args):

@@ -364,3 +364,24 @@ def test_every_committed_record_is_consistent():
     # The paper's test set: every valid length in 40..100.
     assert rec["test"] and min(rec["test"]["lengths"]) >= 40
     assert max(rec["test"]["lengths"]) <= 100
+
+
+def test_model_axis_gives_the_records_of_sequential_runs(tmp_path):
+  kwargs = dict(restarts=2, learning_rates=(0.01,))
+  seq = _tiny_run(tmp_path, "seq", execution="sequential", **kwargs)
+  axis = _tiny_run(tmp_path, "axis", execution="model_axis", **kwargs)
+  assert seq["finished"] and axis["finished"]
+  assert axis["execution"] == "model_axis"
+  recs_seq = reproduce.load_records(str(tmp_path / "seq_results"))
+  recs_axis = reproduce.load_records(str(tmp_path / "axis_results"))
+  assert len(recs_seq) == len(recs_axis) == 2
+  for a, b in zip(recs_seq, recs_axis):
+    assert (a["setting"], a["restart"]) == (b["setting"], b["restart"])
+    assert a["num_epochs"] == b["num_epochs"]
+    # Same seeds and data; the model axis pads each step to the longest of
+    # the K batches with an exact mask, so only float rounding differs.
+    np.testing.assert_allclose([e["valid_ce_diff"] for e in a["epochs"]],
+                               [e["valid_ce_diff"] for e in b["epochs"]],
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(a["test"]["ce_diff"], b["test"]["ce_diff"],
+                               rtol=1e-4, atol=1e-6)
