@@ -298,6 +298,20 @@ def test_selection_lowest_mean_best_epoch_among_most_restarts():
   assert mean == pytest.approx(0.2) and std == pytest.approx(0.0)
 
 
+def test_best_run_selection_picks_the_single_best_run():
+  recs = [fake_record("dyck", "ns", 0.01, r, best, 0.1 + r)
+          for r, best in enumerate([0.02, 0.04, 0.03])]
+  recs += [fake_record("dyck", "ns", 0.005, r, best, 0.5 + r)
+           for r, best in enumerate([0.01, 0.001, 0.02])]
+  cell = reproduce.summarize_cells(recs, selection="best_run")[("dyck", "ns")]
+  assert cell.selected.name == "lr_0.005/restart_1"
+  assert cell.last_valid() == (1.5, 0.0)
+  mean_cell = reproduce.summarize_cells(recs)[("dyck", "ns")]
+  assert mean_cell.selected.name == "lr_0.005"
+  with pytest.raises(ValueError, match="selection"):
+    reproduce.summarize_cells(recs, selection="median")
+
+
 def test_report_values_claims_and_gaps():
   recs = []
   for r in range(3):
