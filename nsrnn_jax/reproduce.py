@@ -21,9 +21,11 @@ one restart are paired, exactly like `grid.members`. The test set is fixed
 
 Execution. On an accelerator the restarts and learning rates of one (model,
 m) are trained at once on a model axis (`grid.run_grid`); on the CPU the runs
-go one after another, because one NS-RNN step already keeps the cores busy
-(20 vmapped NS-RNNs measured 0.62x the throughput of sequential runs on 2
-cores, 8.2x on an H200; README "Benchmarks"). The choice is printed.
+go one after another: on 2 cores, K vmapped train steps (n=60, B=10) gave
+0.75x (JM, K=5), 0.76x (Gref), 0.20x (NS-RNN) and 0.31-0.53x at K=20 the
+throughput of K sequential steps (only the LSTM gained, 2.3x at K=5, and its
+runs take minutes anyway), while 20 NS-RNNs on an H200 gave 8.2x (README
+"Benchmarks"). The choice is printed.
 
 Resuming. Every run checkpoints every epoch under `--workdir`; rerunning the
 same command skips runs whose record exists, continues unfinished ones from
@@ -381,9 +383,9 @@ def choose_execution(requested: str, backend: str) -> tuple[str, str]:
   if requested == "model_axis":
     return "model_axis", "requested"
   if backend == "cpu":
-    return "sequential", ("cpu backend: one model already keeps the cores "
-                          "busy (20 vmapped NS-RNNs ran at 0.62x of "
-                          "sequential on 2 cores)")
+    return "sequential", ("cpu backend: vmapped models ran slower than "
+                          "one after another on 2 cores (JM, Gref, NS-RNN: "
+                          "0.2-0.8x the throughput)")
   return "model_axis", (f"{backend} backend: a model axis turns many "
                         "launch-bound runs into one (8.2x for 20 NS-RNNs on "
                         "an H200)")
