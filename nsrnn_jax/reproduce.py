@@ -794,7 +794,7 @@ CLAIMS = {
         ("the NS-RNN lies between JM and the LSTM on lengths 40-80",
          lambda c: _claim_between(c, "padded_reversal"))],
     "dyck": [
-        ("all stack models end near 0 (|last validation difference| < 0.005)",
+        ("all stack models end near 0 (last validation difference within ±0.005)",
          lambda c: _claim_dyck_zero(c, "dyck")),
         ("the NS-RNN generalises worse than JM or Gref to lengths 81-100",
          lambda c: _claim_ns_generalises_worse(c, "dyck"))],
