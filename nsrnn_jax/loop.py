@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,11 +97,30 @@ def _eval_models(params_K, batch_K, apply_fn):
       params_K, batch_K)
 
 
-# Module-level jits: their caches are shared by every call in one process
-# (tests, notebooks, grids) as long as the static fields compare equal, and
-# each compiles once per padded length (see tests/loop_test.py).
-train_models = jax.jit(jax.vmap(train.train_step), donate_argnums=0)
-end_of_epoch_models = jax.jit(jax.vmap(train.end_of_epoch), donate_argnums=0)
+class Steps(NamedTuple):
+  """The vmapped, jitted train and epoch-end steps of one mesh."""
+  train: Callable[..., Any]
+  end_of_epoch: Callable[..., Any]
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_steps(mesh) -> Steps:
+  """The steps for `mesh`, cached: one jit cache per mesh for the process.
+
+  Their caches are shared by every call in one process (tests, notebooks,
+  grids) as long as the static fields compare equal, and each compiles once
+  per padded length (tests/loop_test.py). The state's output sharding is
+  pinned to its input sharding, or a size-1 'model' axis would come back
+  replicated and cost one more compilation.
+  """
+  state_sharding = parallel.model_sharding(mesh)
+  return Steps(
+      train=jax.jit(jax.vmap(train.train_step), donate_argnums=0,
+                    out_shardings=state_sharding),
+      end_of_epoch=jax.jit(jax.vmap(train.end_of_epoch), donate_argnums=0,
+                           out_shardings=state_sharding))
+
+
 eval_models = jax.jit(_eval_models, static_argnames="apply_fn")
 
 
@@ -378,6 +397,7 @@ def run_models(runs: Sequence[Run], model, mesh=None,
         else f"resumed {sum(e > 0 for e in resumed)} of {num_models} runs "
         f"from epochs {min(resumed)}-{max(resumed)}")
   host = parallel.to_host
+  steps = jitted_steps(mesh)
   epochs_this_run = 0
   try:
     while True:
@@ -392,7 +412,7 @@ def run_models(runs: Sequence[Run], model, mesh=None,
         symbols = [r.splits.train[o[i]].symbols for r, o in zip(runs, orders)]
         longest = max(x.shape[1] for x in symbols)
         batch = stack_batches(symbols, train.padded_length(longest, config))
-        state, step_metrics = train_models(state, _put(batch, mesh))
+        state, step_metrics = steps.train(state, _put(batch, mesh))
         losses.append(step_metrics["loss"])
       losses_SxK = np.asarray(host(losses), np.float64)
       for k in np.flatnonzero(~stopped):
@@ -409,7 +429,7 @@ def run_models(runs: Sequence[Run], model, mesh=None,
           [r.splits.valid.num_lengths for r in runs], mesh)]
       lr_used = np.asarray(host(train.learning_rate(state)))
       ppl = np.asarray([v["perplexity"] for v in valid], np.float32)
-      state = end_of_epoch_models(state, parallel.shard_models(ppl, mesh))
+      state = steps.end_of_epoch(state, parallel.shard_models(ppl, mesh))
       after = host({"epoch": state.epoch, "best_epoch": state.best_epoch,
                     "lr": train.learning_rate(state),
                     "stopped": state.stopped})

@@ -22,7 +22,7 @@ from nsrnn_jax import languages
 from nsrnn_jax import models
 
 # Compile time dominates these tiny models; XLA's optimisations do not pay.
-jax.config.update("jax_disable_most_optimizations", True)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # ---------------------------------------------------------------------------
 # Helpers (oracles)
