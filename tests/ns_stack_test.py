@@ -430,3 +430,23 @@ def test_bad_input_raises_value_error():
   with pytest.raises(ValueError, match="push must have shape"):
     ns_stack.run_coupled(bad_step, {}, jnp.zeros((1, 1)),
                          np.zeros((1, 3, 1), np.float32), 2, 3)
+
+
+@pytest.mark.parametrize("steps,blocks,q,s,kind", [
+    (72, 3, 2, 2, "neginf"),  # training at n = 80 uses 3 time blocks
+    (96, 4, 1, 2, "unnorm"),  # test lengths >= 97 use 4
+])
+def test_custom_vjp_equals_autodiff_at_three_and_four_time_blocks(
+    x64, fast_compile, steps, blocks, q, s, kind):
+  assert len(ns_stack._time_blocks(steps)) == blocks  # pylint: disable=protected-access
+  rng = np.random.default_rng(steps)
+  push, repl, pop = _random_actions(rng, 1, steps, q, s, kind)
+  c = rng.normal(size=(1, steps + 1, s))
+  e = rng.normal(size=(1, steps + 1))
+  got = jax.jit(jax.grad(_loss(ns_stack.run, c, e), argnums=(0, 1, 2)))(
+      push, repl, pop)
+  want = jax.jit(jax.grad(_loss(ns_stack.run_reference, c, e),
+                          argnums=(0, 1, 2)))(push, repl, pop)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
