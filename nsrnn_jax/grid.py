@@ -176,6 +176,8 @@ def run_grid(config: ml_collections.ConfigDict, workdir: str,
     mesh = parallel.make_mesh(
         num_models=int(_get(config, "grid_model_parallel", 1)))
   model = train.build_model(config) if model is None else model
+  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    _split_stacked_checkpoint(workdir, grid_members, model)
   runs = []
   for m, s, config_json in zip(grid_members, splits, configs_json):
     run_dir = os.path.join(workdir, m.subdir)
@@ -194,6 +196,44 @@ def run_grid(config: ml_collections.ConfigDict, workdir: str,
     checkpointing.write_json(workdir, SUMMARY_FILE, summary)
     print(format_summary(summary))
   return summary
+
+
+def _split_stacked_checkpoint(workdir: str, grid_members: Sequence[Member],
+                              model) -> None:
+  """Resumes a grid written by an older version (one stacked checkpoint).
+
+  Its `checkpoints/` held the [K, ...] state of all members; each member's
+  slice becomes a checkpoint of its own run directory (at that member's
+  epoch), and the stacked directory is moved aside to
+  `checkpoints_stacked/`, never deleted.
+  """
+  if any(os.path.isdir(checkpointing.checkpoint_dir(
+      os.path.join(workdir, m.subdir))) for m in grid_members):
+    raise ValueError(f"{workdir!r} holds both a stacked grid checkpoint "
+                     "(checkpoints/) and per-run ones; move one of them away")
+  template = loop.stack_states([train.create_train_state(
+      grid_members[0].config, jax.random.key(0), model)] * len(grid_members))
+  template = jax.tree.map(np.asarray, template.arrays())
+  manager = checkpointing.make_manager(os.path.join(workdir, "checkpoints"),
+                                       read_only=True)
+  try:
+    restored = checkpointing.restore_latest(manager, template)
+  finally:
+    checkpointing.close(manager)
+  if restored is not None and parallel.is_main_process():
+    _, arrays, host = restored
+    for k, m in enumerate(grid_members):
+      epoch = int(np.asarray(arrays["epoch"])[k])
+      member = checkpointing.make_manager(checkpointing.checkpoint_dir(
+          os.path.join(workdir, m.subdir)), async_save=False)
+      checkpointing.save(member, epoch, jax.tree.map(
+          lambda x: np.asarray(x)[k], arrays),  # pylint: disable=cell-var-from-loop
+                         {"shuffle_rng": host["shuffle_rngs"][k],
+                          "order": host["orders"][k], "epoch": epoch})
+      checkpointing.close(member)
+  if parallel.is_main_process():
+    os.rename(os.path.join(workdir, "checkpoints"),
+              os.path.join(workdir, "checkpoints_stacked"))
 
 
 # ---------------------------------------------------------------------------

@@ -288,3 +288,38 @@ def test_grid_rejects_inconsistent_inputs(tmp_path):
   config.max_epochs = 0
   with pytest.raises(ValueError, match="max_epochs"):
     grid.run_grid(config, str(tmp_path), splits=splits)
+
+
+def test_grid_written_with_one_stacked_checkpoint_resumes(tmp_path):
+  # Older versions kept one [K, ...] checkpoint under the grid workdir.
+  config = tiny_grid_config()
+  config.max_epochs = 3
+  ms = grid.members(config)
+  splits = [tiny_splits(m.config) for m in ms]
+  full = grid.run_grid(config, str(tmp_path / "full"), splits=splits)
+  old = str(tmp_path / "old")
+  config.stop_after_epochs = 2
+  assert grid.run_grid(config, old, splits=splits) == {"finished": False}
+  template = train.create_train_state(config, jax.random.key(0)).arrays()
+  states, hosts = [], []
+  for m in ms:
+    ckpt = os.path.join(old, m.subdir, "checkpoints")
+    manager = checkpointing.make_manager(ckpt, keep=2)
+    _, arrays, host = checkpointing.restore_latest(manager, template)
+    checkpointing.close(manager)
+    states.append(arrays)
+    hosts.append(host)
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(ckpt)
+  stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
+  manager = checkpointing.make_manager(os.path.join(old, "checkpoints"))
+  checkpointing.save(manager, 2, stacked, {
+      "shuffle_rngs": [h["shuffle_rng"] for h in hosts],
+      "orders": [h["order"] for h in hosts], "epoch": 2})
+  checkpointing.close(manager)
+  config.stop_after_epochs = 0
+  resumed = grid.run_grid(config, old, splits=splits)
+  assert resumed["best"] == full["best"]
+  for a, b in zip(resumed["settings"], full["settings"]):
+    np.testing.assert_allclose(a["values"], b["values"], rtol=1e-6)
+  assert os.path.isdir(os.path.join(old, "checkpoints_stacked", "2"))
