@@ -32,7 +32,7 @@ On a mesh the K axis is sharded over 'model' and each batch over 'data'
 (`make_mesh(num_models=config.grid_model_parallel)`).
 
 CLI:
-  python -m nsrnn_jax.grid --config=configs/grid_quick.py --workdir=/tmp/grid
+  python -m nsrnn_jax.grid --config=configs/dyck_ns.py --workdir=runs/grid_dyck_ns
 """
 
 from __future__ import annotations
