@@ -1,7 +1,7 @@
 """Benchmark: one full training step (forward, loss, backward, clip, Adam).
 
 Batch 10, length 80 (marked reversal, V = 3) for the NS-RNN (Q = S = 2 and
-Q = S = 3), JM and Gref (m = 20) and the LSTM, through the same jitted
+Q = S = 3), JM and Gref (m = 20) and the LSTM, through
 `train.train_step` (jitted) that training vmaps. Prints a table and saves
 benchmarks/results/train_step.json.
 
