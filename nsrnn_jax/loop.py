@@ -364,132 +364,149 @@ def run_models(runs: Sequence[Run], model, mesh=None,
   template = jax.tree.map(lambda x: np.asarray(x[0]), state.arrays())
   rngs = [np.random.RandomState(r.config.shuffle_seed) for r in runs]
   orders = [np.arange(num_steps) for _ in runs]
-  managers = [checkpointing.make_manager(
-      checkpointing.checkpoint_dir(r.workdir),
-      keep=int(config.checkpoints_to_keep)) for r in runs]
-  restored_arrays = []
-  resumed = []
-  for k, (run, manager) in enumerate(zip(runs, managers)):
+  managers, writers = [], []
+  console = None
+  try:
+    for run in runs:
+      managers.append(checkpointing.make_manager(
+          checkpointing.checkpoint_dir(run.workdir),
+          keep=int(config.checkpoints_to_keep)))
+    state, resumed = _restore(state, managers, template, rngs, orders, mesh,
+                              move_aside=main)
+    writers = [metrics_lib.MetricWriter(r.workdir, enabled=main,
+                                        resume_epoch=e)
+               for r, e in zip(runs, resumed)]
+    console = _Console(main, bool(config.progress_bar),
+                       int(config.max_epochs), max(resumed))
+    if any(resumed):
+      console.print(
+          f"resumed from epoch {resumed[0]} ({runs[0].name})"
+          if num_models == 1 else f"resumed {sum(e > 0 for e in resumed)} "
+          f"of {num_models} runs from epochs {min(resumed)}-{max(resumed)}")
+    return _train(state, runs, model, mesh, managers, writers, console, rngs,
+                  orders, main, should_stop)
+  finally:
+    for manager in managers:
+      checkpointing.close(manager)
+    for w in writers:
+      w.close()
+    if console is not None:
+      console.close()
+
+
+def _restore(state, managers, template, rngs, orders, mesh, move_aside):
+  """Each run's latest readable checkpoint (or its fresh state), stacked."""
+  arrays_K, resumed = [], []
+  for k, manager in enumerate(managers):
     restored = checkpointing.restore_latest(manager, template,
-                                            move_aside=main)
+                                            move_aside=move_aside)
     if restored is None:
-      restored_arrays.append(jax.tree.map(lambda x: np.asarray(x[k]),
-                                          state.arrays()))
+      arrays_K.append(jax.tree.map(lambda x: np.asarray(x[k]),  # pylint: disable=cell-var-from-loop
+                                   state.arrays()))
       resumed.append(0)
       continue
     epoch, arrays, host = restored
-    restored_arrays.append(arrays)
+    arrays_K.append(arrays)
     rngs[k].set_state(checkpointing.rng_state_from_json(host["shuffle_rng"]))
     orders[k] = np.asarray(host["order"], np.int64)
     resumed.append(epoch)
-  state = state.replace(**parallel.shard_models(
-      jax.tree.map(lambda *xs: np.stack(xs), *restored_arrays), mesh))
-  del restored_arrays
+  return state.replace(**parallel.shard_models(
+      jax.tree.map(lambda *xs: np.stack(xs), *arrays_K), mesh)), resumed
 
-  writers = [metrics_lib.MetricWriter(r.workdir, enabled=main,
-                                      resume_epoch=e)
-             for r, e in zip(runs, resumed)]
-  console = _Console(main, bool(config.progress_bar), int(config.max_epochs),
-                     max(resumed))
-  if any(resumed):
-    console.print(
-        f"resumed from epoch {resumed[0]} ({runs[0].name})" if num_models == 1
-        else f"resumed {sum(e > 0 for e in resumed)} of {num_models} runs "
-        f"from epochs {min(resumed)}-{max(resumed)}")
+
+def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
+           main, should_stop) -> list[dict]:
+  """The epochs, then the final evaluation (see run_models)."""
+  config = runs[0].config
+  num_models = len(runs)
+  num_steps = len(runs[0].splits.train)
   host = parallel.to_host
   steps = jitted_steps(mesh)
   epochs_this_run = 0
-  try:
-    while True:
-      stopped = np.asarray(host(state.stopped))
-      if stopped.all():
-        break
-      start = time.perf_counter()
-      for k in np.flatnonzero(~stopped):
-        rngs[k].shuffle(orders[k])
-      losses = []
-      for i in range(num_steps):
-        symbols = [r.splits.train[o[i]].symbols for r, o in zip(runs, orders)]
-        longest = max(x.shape[1] for x in symbols)
-        batch = stack_batches(symbols, train.padded_length(longest, config))
-        state, step_metrics = steps.train(state, _put(batch, mesh))
-        losses.append(step_metrics["loss"])
-      losses_SxK = np.asarray(host(losses), np.float64)
-      for k in np.flatnonzero(~stopped):
-        bad = np.flatnonzero(~np.isfinite(losses_SxK[:, k]))
-        if bad.size:
-          raise FloatingPointError(
-              f"non-finite training loss ({losses_SxK[bad[0], k]}) in epoch "
-              f"{int(host(state.epoch)[k]) + 1}, step {bad[0] + 1} of run "
-              f"{runs[k].name} (try a smaller learning rate); its last "
-              "checkpoint is kept")
-      train_time = time.perf_counter() - start
-      valid = [summarize(r) for r in evaluate_split(
-          state.params, model.apply, [r.splits.valid for r in runs], config,
-          [r.splits.valid.num_lengths for r in runs], mesh)]
-      lr_used = np.asarray(host(train.learning_rate(state)))
-      ppl = np.asarray([v["perplexity"] for v in valid], np.float32)
-      state = steps.end_of_epoch(state, parallel.shard_models(ppl, mesh))
-      after = host({"epoch": state.epoch, "best_epoch": state.best_epoch,
-                    "lr": train.learning_rate(state),
-                    "stopped": state.stopped})
-      elapsed = time.perf_counter() - start
-      records = {}
-      for k in np.flatnonzero(~stopped):
-        epoch = int(after["epoch"][k])
-        record = {"train_loss": float(np.mean(losses_SxK[:, k])),
-                  "valid_perplexity": valid[k]["perplexity"],
-                  "valid_cross_entropy": valid[k]["cross_entropy"],
-                  "valid_accuracy": valid[k]["accuracy"],
-                  "learning_rate": float(lr_used[k]),
-                  "next_learning_rate": float(after["lr"][k]),
-                  "best_epoch": int(after["best_epoch"][k]),
-                  "time": elapsed, "train_time": train_time}
-        if "ce_diff" in valid[k]:
-          record["valid_ce_diff"] = valid[k]["ce_diff"]
-          record["valid_lower_bound_perplexity"] = (
-              valid[k]["lower_bound_perplexity"])
-        writers[k].write_scalars(epoch, record)
-        records[epoch if num_models == 1 else k] = record
-      epochs_this_run += 1
-      leaving = bool(config.stop_after_epochs) and (
-          epochs_this_run >= int(config.stop_after_epochs))
-      # Save every checkpoint_every_epochs, when a run stops, and before
-      # this invocation ends (nothing trained is lost).
-      due = [k for k in np.flatnonzero(~stopped) if leaving
-             or after["stopped"][k]
-             or after["epoch"][k] % int(config.checkpoint_every_epochs) == 0]
-      _save(managers, due, host(state.arrays()) if due else None,
+  while True:
+    stopped = np.asarray(host(state.stopped))
+    if stopped.all():
+      break
+    start = time.perf_counter()
+    for k in np.flatnonzero(~stopped):
+      rngs[k].shuffle(orders[k])
+    losses = []
+    for i in range(num_steps):
+      symbols = [r.splits.train[o[i]].symbols for r, o in zip(runs, orders)]
+      longest = max(x.shape[1] for x in symbols)
+      batch = stack_batches(symbols, train.padded_length(longest, config))
+      state, step_metrics = steps.train(state, _put(batch, mesh))
+      losses.append(step_metrics["loss"])
+    losses_SxK = np.asarray(host(losses), np.float64)
+    for k in np.flatnonzero(~stopped):
+      bad = np.flatnonzero(~np.isfinite(losses_SxK[:, k]))
+      if bad.size:
+        raise FloatingPointError(
+            f"non-finite training loss ({losses_SxK[bad[0], k]}) in epoch "
+            f"{int(host(state.epoch)[k]) + 1}, step {bad[0] + 1} of run "
+            f"{runs[k].name} (try a smaller learning rate); its last "
+            "checkpoint is kept")
+    train_time = time.perf_counter() - start
+    valid = [summarize(r) for r in evaluate_split(
+        state.params, model.apply, [r.splits.valid for r in runs], config,
+        [r.splits.valid.num_lengths for r in runs], mesh)]
+    lr_used = np.asarray(host(train.learning_rate(state)))
+    ppl = np.asarray([v["perplexity"] for v in valid], np.float32)
+    state = steps.end_of_epoch(state, parallel.shard_models(ppl, mesh))
+    after = host({"epoch": state.epoch, "best_epoch": state.best_epoch,
+                  "lr": train.learning_rate(state),
+                  "stopped": state.stopped})
+    elapsed = time.perf_counter() - start
+    records = {}
+    for k in np.flatnonzero(~stopped):
+      epoch = int(after["epoch"][k])
+      record = {"train_loss": float(np.mean(losses_SxK[:, k])),
+                "valid_perplexity": valid[k]["perplexity"],
+                "valid_cross_entropy": valid[k]["cross_entropy"],
+                "valid_accuracy": valid[k]["accuracy"],
+                "learning_rate": float(lr_used[k]),
+                "next_learning_rate": float(after["lr"][k]),
+                "best_epoch": int(after["best_epoch"][k]),
+                "time": elapsed, "train_time": train_time}
+      if "ce_diff" in valid[k]:
+        record["valid_ce_diff"] = valid[k]["ce_diff"]
+        record["valid_lower_bound_perplexity"] = (
+            valid[k]["lower_bound_perplexity"])
+      writers[k].write_scalars(epoch, record)
+      records[epoch if num_models == 1 else k] = record
+    epochs_this_run += 1
+    leaving = bool(config.stop_after_epochs) and (
+        epochs_this_run >= int(config.stop_after_epochs))
+    # Save every checkpoint_every_epochs, when a run stops, and before
+    # this invocation ends (nothing trained is lost).
+    due = [k for k in np.flatnonzero(~stopped) if leaving
+           or after["stopped"][k]
+           or after["epoch"][k] % int(config.checkpoint_every_epochs) == 0]
+    _save(managers, due, host(state.arrays()) if due else None,
+          after["epoch"], rngs, orders)
+    console.update()
+    console.print(_epoch_line(after["epoch"], records,
+                              int(config.max_epochs),
+                              int((~after["stopped"]).sum()), elapsed))
+    if not leaving and should_stop is not None and should_stop():
+      unsaved = [k for k in np.flatnonzero(~stopped) if k not in due]
+      _save(managers, unsaved, host(state.arrays()) if unsaved else None,
             after["epoch"], rngs, orders)
-      console.update()
-      console.print(_epoch_line(after["epoch"], records,
-                                int(config.max_epochs),
-                                int((~after["stopped"]).sum()), elapsed))
-      if not leaving and should_stop is not None and should_stop():
-        unsaved = [k for k in np.flatnonzero(~stopped) if k not in due]
-        _save(managers, unsaved, host(state.arrays()) if unsaved else None,
-              after["epoch"], rngs, orders)
-        leaving = True
-      if leaving:
-        break
-    for manager in managers:
-      checkpointing.close(manager)
-    console.close()
-    final = host({"stopped": state.stopped, "epoch": state.epoch,
-                  "step": state.step, "best_epoch": state.best_epoch,
-                  "best_metric": state.best_metric,
-                  "lr": train.learning_rate(state)})
-    results = [_results(final, k) for k in range(num_models)]
-    if not final["stopped"].all():
-      console.print(f"stopped after {epochs_this_run} epochs, rerun the same "
-                    "command to continue")
-      return results
-    _finish(state, model, runs, mesh, results, writers, main)
+      leaving = True
+    if leaving:
+      break
+  console.close()
+  final = host({"stopped": state.stopped, "epoch": state.epoch,
+                "step": state.step, "best_epoch": state.best_epoch,
+                "best_metric": state.best_metric,
+                "lr": train.learning_rate(state)})
+  results = [_results(final, k) for k in range(num_models)]
+  if not final["stopped"].all():
+    console.print(f"stopped after {epochs_this_run} epochs, rerun the same "
+                  "command to continue")
     return results
-  finally:
-    for w in writers:
-      w.close()
-    console.close()
+  _finish(state, model, runs, mesh, results, writers, main)
+  return results
 
 
 def _save(managers, ks, arrays, epochs, rngs, orders) -> None:
