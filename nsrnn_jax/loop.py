@@ -124,23 +124,6 @@ def jitted_steps(mesh) -> Steps:
 eval_models = jax.jit(_eval_models, static_argnames="apply_fn")
 
 
-def _put(batch_K: train.Batch, mesh) -> train.Batch:
-  """Places a host [K, B, N] batch on the mesh (rows padded to the data axis).
-
-  Padded rows have a zero mask and contribute nothing.
-  """
-  num = batch_K["symbols"].shape[1]
-  extra = -num % parallel.data_axis_size(mesh)
-  if extra:
-    batch_K = {k: np.concatenate(
-        [v, np.zeros(v.shape[:1] + (extra,) + v.shape[2:], v.dtype)], axis=1)
-               for k, v in batch_K.items()}
-  # Every process holds the full batch; it contributes its rows.
-  rows = parallel.process_slice(num + extra, mesh)
-  return parallel.shard_batch({k: v[:, rows] for k, v in batch_K.items()},
-                              mesh, model_axis=True)
-
-
 # ---------------------------------------------------------------------------
 # Evaluation (also used by evaluate.py).
 # ---------------------------------------------------------------------------
@@ -173,7 +156,8 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
     symbols = [s[j].symbols for s in splits_K]
     longest = max(x.shape[1] for x in symbols)
     batch = stack_batches(symbols, train.padded_length(longest, config))
-    pending.append(eval_models(params_K, _put(batch, mesh), apply_fn=apply_fn))
+    pending.append(eval_models(params_K, parallel.put_model_batch(batch, mesh),
+                               apply_fn=apply_fn))
   sums = parallel.to_host(pending)  # Fetch after dispatching everything.
   results = [[] for _ in splits_K]
   for j in range(num):
@@ -435,7 +419,8 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
       symbols = [r.splits.train[o[i]].symbols for r, o in zip(runs, orders)]
       longest = max(x.shape[1] for x in symbols)
       batch = stack_batches(symbols, train.padded_length(longest, config))
-      state, step_metrics = steps.train(state, _put(batch, mesh))
+      state, step_metrics = steps.train(
+          state, parallel.put_model_batch(batch, mesh))
       losses.append(step_metrics["loss"])
     losses_SxK = np.asarray(host(losses), np.float64)
     for k in np.flatnonzero(~stopped):
