@@ -437,6 +437,7 @@ def config_to_json(config: ml_collections.ConfigDict) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
+# The old name of data.from_config (the splits of a config).
 load_splits = data.from_config
 
 
