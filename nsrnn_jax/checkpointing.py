@@ -25,6 +25,7 @@ this file.
 import json
 import os
 import shutil
+import tempfile
 from typing import Any, Mapping, Optional
 
 from absl import logging
@@ -74,10 +75,10 @@ def check_writable(path: str, what: str = "workdir") -> None:
   if not os.path.isdir(probe_dir):
     raise ValueError(f"{what} {path!r} cannot be created: "
                      f"{probe_dir!r} is a file")
-  probe = os.path.join(probe_dir, f".nsrnn_write_probe_{os.getpid()}")
   try:
-    with open(probe, "w"):
-      pass
+    # A unique name: several processes (hosts) may probe one directory.
+    fd, probe = tempfile.mkstemp(prefix=".nsrnn_write_probe_", dir=probe_dir)
+    os.close(fd)
     os.remove(probe)
   except OSError as e:
     raise ValueError(f"{what} {path!r} is not writable ({e.strerror})") from e
