@@ -179,6 +179,8 @@ def run_grid(config: ml_collections.ConfigDict, workdir: str,
   if os.path.isdir(os.path.join(workdir, "checkpoints")):
     _split_stacked_checkpoint(workdir, grid_members, model)
   runs = []
+  for m, s in zip(grid_members, splits):
+    loop.check_splits(s, m.config, m.subdir)
   for m, s, config_json in zip(grid_members, splits, configs_json):
     run_dir = os.path.join(workdir, m.subdir)
     config_json.update(alphabet=list(s.alphabet), vocab_size=len(s.alphabet))

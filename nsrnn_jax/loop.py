@@ -221,6 +221,16 @@ def test_outputs(results: Sequence[dict], config) -> tuple[dict, dict]:
   return table, summary
 
 
+def check_splits(splits: data.Splits, config, name: str) -> None:
+  """Raises a one-line ValueError for data the loop cannot use."""
+  for split in ("train", "valid"):
+    if not splits.split(split).batches:
+      raise ValueError(f"run {name} has no {split} batches")
+  if config.run_test and not splits.test.batches:
+    raise ValueError(f"config.run_test is set but run {name} has no test "
+                     "strings")
+
+
 def test_num_lengths(split: data.Split, config) -> Optional[int]:
   """N_L of the per-length test bound (reference-behaviour.md section 6)."""
   return split.num_lengths if config.test_bound_includes_num_lengths else None

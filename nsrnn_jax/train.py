@@ -475,6 +475,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpointing.check_workdir(workdir, config_json)
   if splits is None:
     splits = data.from_config(config, need_test=bool(config.run_test))
+  loop.check_splits(splits, config, workdir)
   # The alphabet lets evaluate.py rebuild and score the model without data.
   config_json.update(alphabet=list(splits.alphabet),
                      vocab_size=len(splits.alphabet))

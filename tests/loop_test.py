@@ -2,6 +2,7 @@
 uses the best epoch's parameters, compilation happens once per shape, and a
 non-finite loss stops every run at once with the run named."""
 
+import dataclasses
 import json
 import os
 
@@ -9,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from nsrnn_jax import data
 from nsrnn_jax import grid
 from nsrnn_jax import loop
 from nsrnn_jax import parallel
@@ -78,3 +80,17 @@ def test_non_finite_loss_in_a_grid_fails_fast_naming_the_run(tmp_path):
   with pytest.raises(FloatingPointError, match=r"in epoch 1, step 1 of run "
                      r"lr_0.01/restart_0"):
     grid.run_grid(config, str(tmp_path), splits=splits, model=NaNLM())
+
+
+def test_unusable_splits_are_one_line_errors_before_any_write(tmp_path):
+  splits = tiny_splits()
+  no_test = dataclasses.replace(splits, test=data.Split([], 0, 5, 9))
+  with pytest.raises(ValueError, match="config.run_test is set but run .* "
+                     "has no test strings"):
+    train.train_and_evaluate(tiny_config(), str(tmp_path / "run"),
+                             splits=no_test, model=TINY)
+  no_train = dataclasses.replace(splits, train=data.Split([], 0, 5, 7))
+  with pytest.raises(ValueError, match="has no train batches"):
+    train.train_and_evaluate(tiny_config(), str(tmp_path / "run"),
+                             splits=no_train, model=TINY)
+  assert not os.path.exists(tmp_path / "run")
