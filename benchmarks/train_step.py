@@ -1,8 +1,8 @@
 """Benchmark: one full training step (forward, loss, backward, clip, Adam).
 
 Batch 10, length 80 (marked reversal, V = 3) for the NS-RNN (Q = S = 2 and
-Q = S = 3), JM and Gref (m = 20) and the LSTM, through the same jitted
-`train._jit_train_step` that training uses. Prints a table and saves
+Q = S = 3), JM and Gref (m = 20) and the LSTM, through
+`train.train_step` (jitted) that training vmaps. Prints a table and saves
 benchmarks/results/train_step.json.
 
 With --compile_study it also measures what the compile strategy costs: the
@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+
+_STEP = jax.jit(train.train_step)
 
 # Issue 4 targets (seconds per step on 2 CPU cores) and the authors' PyTorch
 # times on the same kind of CPU (reference figures from the issue).
@@ -66,13 +68,13 @@ def _state_and_batch(name, length, batch_size=10, seed=0):
 def time_step(state, batch, repeats):
   """(compile seconds, median step seconds, all step seconds)."""
   start = time.perf_counter()
-  state, m = train._jit_train_step(state, batch)  # pylint: disable=protected-access
+  state, m = _STEP(state, batch)
   jax.block_until_ready(m["loss"])
   compile_s = time.perf_counter() - start
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    state, m = train._jit_train_step(state, batch)  # pylint: disable=protected-access
+    state, m = _STEP(state, batch)
     jax.block_until_ready((state.params, m["loss"]))
     times.append(time.perf_counter() - start)
   return compile_s, statistics.median(times), times

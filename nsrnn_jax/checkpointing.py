@@ -1,4 +1,4 @@
-"""Thin wrapper over Orbax's (V0) CheckpointManager.
+"""Run directories: checkpoints (a thin wrapper over Orbax) and their safety.
 
 A checkpoint holds two items:
   "state": the array fields of train.TrainState (params, optimizer state with
@@ -6,19 +6,27 @@ A checkpoint holds two items:
            best parameters, epoch), saved with StandardSave;
   "host":  JSON with the data-order RNG state and batch order.
 
-Safety: Orbax writes every step into a temporary directory and renames it
-only when complete, so a partial save is never listed. `LatestN(keep >= 2)`
-deletes old steps only after a newer one is finalised, so the last good
-checkpoint always survives. If the latest finalised checkpoint cannot be read
-(corrupted files), `restore_latest` warns, falls back to the previous one and
-deletes the unreadable newer steps so they can be written again.
+Safety rules (README "Outputs"):
+* Orbax writes every step into a temporary directory and renames it only when
+  complete, so a partial save is never listed; `LatestN(keep >= 2)` deletes
+  old steps only after a newer one is finalised.
+* A checkpoint is never deleted for being unreadable. When the newest cannot
+  be read, training moves it aside to `checkpoints_unreadable/` and resumes
+  from the previous one; when none can be read, `restore_latest` raises.
+  Reading commands (evaluate, notebooks) open checkpoints read-only.
+* `check_workdir` compares a workdir's stored config.json with the requested
+  config before anything is written: a difference that changes the run is a
+  one-line error naming the fields.
 
-Keeping this behind three functions means a move to the Orbax V1 API touches
-only this file.
+Keeping Orbax behind these functions means a move to its V1 API touches only
+this file.
 """
 
+import json
 import os
-from typing import Any, Optional
+import shutil
+import tempfile
+from typing import Any, Mapping, Optional
 
 from absl import logging
 import jax
@@ -26,22 +34,140 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 PyTree = Any
+CONFIG_FILE = "config.json"
+UNREADABLE_DIR = "checkpoints_unreadable"
+
+# Config fields that may change between invocations on one workdir: they
+# change how a run is executed or reported, never what it computes.
+RESUME_SAFE_FIELDS = frozenset({
+    "progress_bar", "stop_after_epochs", "checkpoint_every_epochs",
+    "checkpoints_to_keep", "compile_strategy", "length_buckets",
+    # Grid members' configs carry the grid's fields; growing a grid adds
+    # members without changing the existing ones.
+    "grid_learning_rates", "learning_rate_grid", "num_restarts",
+    "grid_model_parallel",
+    # Written by train_and_evaluate next to the config, derived from it.
+    "alphabet", "vocab_size",
+})
 
 
-def make_manager(directory: str, keep: int = 2,
-                 async_save: bool = True) -> ocp.CheckpointManager:
+# ---------------------------------------------------------------------------
+# Workdir checks.
+# ---------------------------------------------------------------------------
+
+
+def checkpoint_dir(workdir: str) -> str:
+  """The checkpoint directory of a run directory."""
+  return os.path.join(workdir, "checkpoints")
+
+
+def check_writable(path: str, what: str = "workdir") -> None:
+  """Raises ValueError unless `path` is (or can be made) a writable directory.
+
+  Nothing is created: an existing directory is probed with a temporary file,
+  a missing one must have a writable existing ancestor.
+  """
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"{what} {path!r} is a file, not a directory")
+  probe_dir = os.path.abspath(path)
+  while not os.path.exists(probe_dir):
+    probe_dir = os.path.dirname(probe_dir)
+  if not os.path.isdir(probe_dir):
+    raise ValueError(f"{what} {path!r} cannot be created: "
+                     f"{probe_dir!r} is a file")
+  try:
+    # A unique name: several processes (hosts) may probe one directory.
+    fd, probe = tempfile.mkstemp(prefix=".nsrnn_write_probe_", dir=probe_dir)
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(f"{what} {path!r} is not writable ({e.strerror})") from e
+
+
+def read_config(workdir: str) -> dict:
+  """The stored config.json of a run directory (ValueError if unusable)."""
+  if not os.path.exists(workdir):
+    raise ValueError(f"workdir {workdir!r} does not exist")
+  if not os.path.isdir(workdir):
+    raise ValueError(f"workdir {workdir!r} is a file, not a directory")
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise ValueError(f"{workdir!r} is not a training workdir: no {CONFIG_FILE}")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} is unreadable: {e}") from e
+
+
+def config_differences(stored: Mapping[str, Any],
+                       requested: Mapping[str, Any]) -> list[str]:
+  """Fields that differ and change the run, as 'name (stored X, requested Y)'.
+
+  Only fields present in both are compared: a field added to (or removed
+  from) configs/default.py after the run started does not block a resume.
+  """
+  out = []
+  for name in sorted(set(stored) & set(requested) - RESUME_SAFE_FIELDS):
+    a, b = stored[name], requested[name]
+    if json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
+      out.append(f"{name} (stored {a!r}, requested {b!r})")
+  return out
+
+
+def check_workdir(workdir: str, config_json: Mapping[str, Any]) -> None:
+  """Raises a one-line ValueError before a run would write into `workdir`.
+
+  Checks that the workdir is (or can be) a writable directory and that a
+  stored config.json, if any, does not differ in fields that change the run.
+  Touches nothing.
+  """
+  check_writable(workdir)
+  if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    return
+  diffs = config_differences(read_config(workdir), config_json)
+  if diffs:
+    raise ValueError(
+        f"{workdir!r} holds a run with a different config: {'; '.join(diffs)}."
+        " Use a new --workdir, or the stored values to resume")
+
+
+def write_config(workdir: str, config_json: Mapping[str, Any]) -> None:
+  """Writes config.json unless the workdir already has one (the run's own)."""
+  os.makedirs(workdir, exist_ok=True)
+  if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    write_json(workdir, CONFIG_FILE, config_json)
+
+
+def write_json(directory: str, name: str, value: Any) -> None:
+  """Writes `value` as indented, sorted JSON (via a rename: never partial)."""
+  path = os.path.join(directory, name)
+  with open(path + ".tmp", "w") as f:
+    json.dump(value, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------------------
+# Orbax.
+# ---------------------------------------------------------------------------
+
+
+def make_manager(directory: str, keep: int = 2, async_save: bool = True,
+                 read_only: bool = False) -> ocp.CheckpointManager:
   """Creates (or opens) a checkpoint directory.
 
   Args:
-    directory: absolute or relative path; created if missing.
+    directory: absolute or relative path; created if missing (unless
+      read_only).
     keep: number of most recent checkpoints kept (>= 2 recommended).
     async_save: write in a background thread (waited for before the next
       save and in `close`).
+    read_only: never create, save or delete anything (reading commands).
   """
   options = ocp.CheckpointManagerOptions(
       preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
-      enable_async_checkpointing=async_save,
-      create=True)
+      enable_async_checkpointing=async_save and not read_only,
+      create=not read_only, read_only=read_only)
   return ocp.CheckpointManager(os.path.abspath(directory), options=options,
                                item_names=("state", "host"))
 
@@ -59,18 +185,24 @@ def save(manager: ocp.CheckpointManager, step: int, state: PyTree,
   manager.wait_until_finished()
 
 
-def restore_latest(manager: ocp.CheckpointManager, target: PyTree
+def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
+                   move_aside: bool = False
                    ) -> Optional[tuple[int, PyTree, dict]]:
   """Restores the newest readable checkpoint.
 
   Args:
     manager: from `make_manager`.
     target: a pytree with the structure, shapes and dtypes of the saved state
-      (e.g. a freshly initialised state); restored arrays follow its
-      shardings.
+      (e.g. a freshly initialised state).
+    move_aside: move unreadable checkpoints newer than the restored one to
+      `checkpoints_unreadable/` next to the checkpoint directory, so that
+      training can save those steps again (training only; never deletes).
 
   Returns:
-    (step, state, host) or None when there is no readable checkpoint.
+    (step, state, host), or None when the directory holds no checkpoint.
+
+  Raises:
+    ValueError: there are checkpoints but none is readable (nothing moved).
   """
   manager.wait_until_finished()
   manager.reload()
@@ -87,21 +219,35 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree
       if not isinstance(host, dict):
         raise ValueError("host item is not a JSON object")
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning("Checkpoint at step %d in %s is unreadable (%s: %s); "
-                      "falling back to an earlier one.", step,
-                      manager.directory, type(e).__name__,
-                      str(e).splitlines()[0][:200] if str(e) else "")
-      bad.append(step)
+      reason = str(e).splitlines()[0][:200] if str(e) else ""
+      bad.append(f"{step} ({type(e).__name__}: {reason})")
       continue
-    for b in bad:  # Newer unreadable steps would block re-saving that step.
-      manager.delete(b)
+    if bad:
+      logging.warning("Unreadable checkpoint(s) in %s: %s; using step %d.",
+                      manager.directory, "; ".join(bad), step)
+      if move_aside:
+        _move_aside(manager, [int(b.split()[0]) for b in bad])
     return step, state, host
   if steps:
-    logging.warning("No readable checkpoint in %s; starting from scratch.",
-                    manager.directory)
-    for b in bad:
-      manager.delete(b)
+    raise ValueError(
+        f"no readable checkpoint in {str(manager.directory)!r} (tried "
+        f"{'; '.join(bad)}); nothing was changed: move the directory away to "
+        "start again")
   return None
+
+
+def _move_aside(manager: ocp.CheckpointManager, steps) -> None:
+  directory = str(manager.directory)
+  aside = os.path.join(os.path.dirname(directory), UNREADABLE_DIR)
+  os.makedirs(aside, exist_ok=True)
+  for step in steps:
+    target = os.path.join(aside, str(step))
+    n = 1
+    while os.path.exists(target):
+      target, n = os.path.join(aside, f"{step}.{n}"), n + 1
+    shutil.move(os.path.join(directory, str(step)), target)
+    logging.warning("Moved unreadable checkpoint %d to %s.", step, target)
+  manager.reload()
 
 
 def _check_tree(restored: PyTree, target: PyTree) -> None:

@@ -263,6 +263,29 @@ def make_splits(task: str, *, seed: int, test_seed: int = 0,
                 valid, test)
 
 
+def from_config(config, need_test: bool = True) -> Splits:
+  """The splits of a training config (configs/default.py fields).
+
+  Args:
+    config: task, seeds, batch counts and sizes, length intervals.
+    need_test: sample (and score) the test split; when False it is empty.
+  """
+  splits = make_splits(
+      config.task, seed=int(config.data_seed), test_seed=int(config.test_seed),
+      train_batches=int(config.num_train_batches),
+      valid_batches=int(config.num_valid_batches),
+      batch_size=int(config.batch_size),
+      train_min_length=int(config.train_min_length),
+      train_max_length=int(config.train_max_length),
+      test_per_length=int(config.test_strings_per_length) if need_test else 0,
+      test_min_length=int(config.test_min_length),
+      test_max_length=int(config.test_max_length))
+  if need_test:
+    return splits
+  return dataclasses.replace(splits, test=Split(
+      [], 0, int(config.test_min_length), int(config.test_max_length)))
+
+
 def _format_float(x) -> str:
   return "nan" if x is None else repr(float(x))
 
@@ -371,13 +394,12 @@ def read_splits(out_dir: str) -> Splits:
 
 def _main(argv: Sequence[str]) -> None:
   """CLI entry point (absl)."""
-  from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   import tqdm  # pylint: disable=g-import-not-at-top
-  del app
-  if len(argv) > 1:
-    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  from nsrnn_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  del argv
   f = flags.FLAGS
+  checkpointing.check_writable(f.out, what="--out")
   total = f.train_batches + f.valid_batches + len(
       languages.get(f.task).valid_lengths(f.test_min_length,
                                           f.test_max_length))
@@ -421,6 +443,6 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-  from absl import app as _app  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
   _define_flags()
-  _app.run(_main)
+  cli.run(_main)

@@ -1,9 +1,11 @@
 """Re-evaluation of a trained workdir (CLI) and a scoring API.
 
-CLI (recomputes the per-length test table with the best parameters and
-rewrites test_by_length.{json,csv}; prints the table):
+CLI (recomputes the per-length test table with the best parameters, prints
+it and writes test_by_length.{json,csv} to --out, default the workdir; works
+on any run directory, single run or grid member, and never writes into
+checkpoints; an unwritable --out is an error before any work):
 
-  python -m nsrnn_jax.evaluate --workdir=/tmp/nsrnn
+  python -m nsrnn_jax.evaluate --workdir=/tmp/nsrnn [--out=/tmp/table]
 
 Scoring API:
 
@@ -16,18 +18,20 @@ a length-n string the probability that it is the prefix of a string (no EOS),
 so scores of all strings of one length sum to 1.
 """
 
-import json
 import os
-import sys
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
-from absl import app
 from absl import flags
 import jax
 import ml_collections
 import numpy as np
 
 from nsrnn_jax import checkpointing
+from nsrnn_jax import cli
+from nsrnn_jax import data
+from nsrnn_jax import loop
+from nsrnn_jax import metrics as metrics_lib
+from nsrnn_jax import parallel
 from nsrnn_jax import train
 
 
@@ -38,26 +42,12 @@ class Loaded(NamedTuple):
   config: ml_collections.ConfigDict
 
 
-def _read_config(workdir: str) -> ml_collections.ConfigDict:
-  if not os.path.isdir(workdir):
-    raise ValueError(f"workdir {workdir!r} does not exist")
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"{workdir!r} is not a training workdir: no config.json")
-  try:
-    with open(path) as f:
-      fields = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path} is unreadable: {e}") from e
-  # JSON turns tuples into lists; ConfigDict accepts either.
-  return ml_collections.ConfigDict(fields)
-
-
 def load_model(workdir: str, model: Any = None) -> Loaded:
-  """Restores the best-validation parameters of a workdir.
+  """Restores the best-validation parameters of a workdir (read-only).
 
   Args:
-    workdir: a directory written by train.train_and_evaluate.
+    workdir: a run directory written by train.train_and_evaluate or a grid
+      member's lr_<lr>/restart_<r>.
     model: the Flax model to use instead of models.build(config).
 
   Returns:
@@ -66,23 +56,29 @@ def load_model(workdir: str, model: Any = None) -> Loaded:
   Raises:
     ValueError: missing workdir/config, or no readable checkpoint.
   """
-  config = _read_config(workdir)
+  # JSON turns tuples into lists; ConfigDict accepts either.
+  config = ml_collections.ConfigDict(checkpointing.read_config(workdir))
   if model is None:
     from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
     model = models.build(config, vocab_size=config.get("vocab_size"))
-  ckpt_dir = os.path.join(workdir, "checkpoints")
+  ckpt_dir = checkpointing.checkpoint_dir(workdir)
   if not os.path.isdir(ckpt_dir):
     raise ValueError(f"{workdir!r} has no checkpoints/ directory")
   state = train.create_train_state(config, jax.random.key(0), model)
-  manager = checkpointing.make_manager(ckpt_dir, keep=2)
+  manager = checkpointing.make_manager(ckpt_dir, read_only=True)
   try:
     restored = checkpointing.restore_latest(manager, state.arrays())
   finally:
     checkpointing.close(manager)
   if restored is None:
-    raise ValueError(f"{ckpt_dir!r} holds no readable checkpoint")
+    raise ValueError(f"{ckpt_dir!r} holds no checkpoint")
   _, arrays, _ = restored
   return Loaded(model, arrays["best_params"], config)
+
+
+def _stacked(params):
+  """One model's parameters as a K = 1 model axis (for loop's evaluation)."""
+  return jax.tree.map(lambda x: np.asarray(x)[None], params)
 
 
 def encode(strings: Sequence[Union[str, Sequence[str]]],
@@ -127,51 +123,55 @@ def score(workdir_or_loaded: Union[str, Loaded],
   by_length = {}
   for k, ids in enumerate(encoded):
     by_length.setdefault(len(ids), []).append(k)
+  params_K = _stacked(loaded.params)
   for _, ks in sorted(by_length.items()):
-    symbols = np.stack([encoded[k] for k in ks])
-    sums = _eval_fn(loaded.model)(loaded.params, train.make_batch(symbols))
-    scores[ks] = -np.asarray(sums["nll"], np.float64)
+    batch_K = jax.tree.map(lambda x: x[None], train.make_batch(
+        np.stack([encoded[k] for k in ks])))
+    sums = loop.eval_models(params_K, batch_K, apply_fn=loaded.model.apply)
+    scores[ks] = -np.asarray(sums["nll"][0], np.float64)
   return scores
 
 
-def _eval_fn(model):
-  return train._make_eval_fn(model.apply)  # pylint: disable=protected-access
-
-
-def reevaluate(workdir: str, splits: train.Splits = None,
-               model: Any = None) -> dict:
-  """Recomputes and rewrites the per-length test table of a workdir.
+def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
+               model: Any = None, out: Optional[str] = None) -> dict:
+  """Recomputes the per-length test table of a workdir with its best params.
 
   Args:
-    workdir: a trained workdir.
+    workdir: a trained run directory (never written to unless it is `out`).
     splits: data to use instead of regenerating it from the config.
     model: model to use instead of models.build(config).
+    out: directory for test_by_length.{json,csv} (default: the workdir);
+      checked for writability before any work.
 
   Returns:
     {"table": per-length table, "summary": overall test metrics, "text"}.
   """
+  out = workdir if out is None else out
+  checkpointing.read_config(workdir)  # A clear error before anything else.
+  checkpointing.check_writable(out, what="output directory")
   loaded = load_model(workdir, model=model)
   if splits is None:
-    splits = train.load_splits(loaded.config, need_test=True)
-  if not splits.test:
+    splits = data.from_config(loaded.config, need_test=True)
+  if not splits.test.batches:
     raise ValueError("no test data to evaluate")
-  table, summary, text = train.run_test(
-      _eval_fn(loaded.model), loaded.params, splits, loaded.config, workdir,
-      write=jax.process_index() == 0)
+  results = loop.evaluate_split(
+      _stacked(loaded.params), loaded.model.apply, [splits.test],
+      loaded.config, [loop.test_num_lengths(splits.test, loaded.config)],
+      parallel.make_mesh())[0]
+  table, summary = loop.test_outputs(results, loaded.config)
+  main = parallel.is_main_process()
+  if main:
+    os.makedirs(out, exist_ok=True)
+  text = metrics_lib.write_test_table(out, table, enabled=main)
   return {"table": table, "summary": summary, "text": text}
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv
   workdir = flags.FLAGS.workdir
   if not workdir:
-    raise app.UsageError("--workdir is required")
-  try:
-    result = reevaluate(workdir)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    raise ValueError("--workdir is required")
+  result = reevaluate(workdir, out=flags.FLAGS.out)
   print(result["text"])
   for key, value in sorted(result["summary"].items()):
     print(f"{key}: {value:.6f}")
@@ -181,4 +181,6 @@ if __name__ == "__main__":
   # Defined here, not at import, so that importing this module next to
   # nsrnn_jax.main (which also has --workdir) does not clash.
   flags.DEFINE_string("workdir", None, "Training workdir to re-evaluate.")
-  app.run(main)
+  flags.DEFINE_string("out", None, "Directory for test_by_length.{json,csv} "
+                      "(default: the workdir).")
+  cli.run(main)

@@ -39,12 +39,10 @@ is
 Z(u) is the inside weight of a string whose first |u| positions are the
 known symbols and whose remaining positions are wildcards (emission weight 1
 for every terminal): summing the emission of one position over all terminals
-is exactly the sum over completions. `true_next_symbol_distribution` runs one
-batched inside chart over all (t, a) pairs of the ε- and unary-free grammar
-the sampler uses (languages / pcfg), so it is exact, not sampled. Cost:
-O(N * V * |rules| * N^3) multiply-adds; about 0.02 s for marked reversal and
-a few seconds for the hardest CFL at N = 40 (the batch is processed in
-chunks that keep memory below `_CHART_BYTES`).
+is exactly the sum over completions. `true_next_symbol_distribution` runs
+the compiled grammar's own inside algorithm (`pcfg.CompiledPCFG.log_inside`,
+the one that scores the data) once over all (t, a) pairs, so it is exact,
+not sampled.
 
 Viterbi run. `viterbi_run` calls `ns_stack.viterbi` (max-product Lang's
 algorithm) on the traced actions of one string and replays the best run on
@@ -58,8 +56,7 @@ weighted strings, X grammar nonterminals, L1 = N + 1 span lengths.
 Public API: `inspect_string` (everything for one string, as an
 `Inspection`), `plot_actions`, `plot_readings`, `plot_next_symbol`, and the
 pieces `trace`, `action_probabilities`, `stack_posteriors`, `viterbi_run`,
-`true_next_symbol_distribution`, `task_grammar`, `inside_chart`,
-`tiny_training_config`.
+`true_next_symbol_distribution`, `task_grammar`, `tiny_training_config`.
 """
 
 from __future__ import annotations
@@ -72,132 +69,19 @@ import matplotlib.figure
 import numpy as np
 
 OPS = ("push", "replace", "pop")
-# Memory budget of one inside-chart chunk (chart plus dotted items), bytes.
-_CHART_BYTES = 256 * 2**20
 
 # ---------------------------------------------------------------------------
 # Exact next-symbol distribution from a PCFG
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class ChartGrammar:
-  """An ε-free, unary-free PCFG in the form the inside chart needs.
-
-  Attributes:
-    num_nonterminals: nonterminals are 0..num_nonterminals - 1.
-    num_terminals: terminals are the vocabulary ids 0..num_terminals - 1.
-    start: the start nonterminal.
-    rules: (lhs, rhs, probability) triples; rhs is a tuple of
-      (is_terminal, index) pairs. A rule of one symbol must be a terminal
-      (unary nonterminal rules and ε-rules are not allowed).
-  """
-  num_nonterminals: int
-  num_terminals: int
-  start: int
-  rules: tuple[tuple[int, tuple[tuple[bool, int], ...], float], ...]
-
-  def __post_init__(self):
-    if not 0 <= self.start < self.num_nonterminals:
-      raise ValueError(f"start symbol {self.start} is not a nonterminal "
-                       f"index in [0, {self.num_nonterminals}).")
-    for lhs, rhs, prob in self.rules:
-      if not 0 <= lhs < self.num_nonterminals:
-        raise ValueError(f"rule lhs {lhs} out of range.")
-      if not rhs:
-        raise ValueError(f"ε-rule for nonterminal {lhs}: remove ε-rules "
-                         "first (pcfg normal form).")
-      if len(rhs) == 1 and not rhs[0][0]:
-        raise ValueError(f"unary rule {lhs} -> N{rhs[0][1]}: remove unary "
-                         "rules first (pcfg normal form).")
-      for is_terminal, index in rhs:
-        bound = self.num_terminals if is_terminal else self.num_nonterminals
-        if not 0 <= index < bound:
-          raise ValueError(f"rule {lhs} -> {rhs}: symbol index {index} out "
-                           "of range.")
-      if not prob >= 0.0:
-        raise ValueError(f"rule {lhs} -> {rhs} has probability {prob}.")
-
-
-def inside_chart(grammar: ChartGrammar, emissions_BxNxV: np.ndarray
-                 ) -> np.ndarray:
-  """Inside weights of every span for a batch of weighted "strings".
-
-  Position i of string b emits terminal a with weight emissions[b, i, a]
-  (one-hot for a known symbol, all ones for a wildcard). The weight of a
-  derivation is the product of its rule probabilities and the emission
-  weights of its leaves.
-
-  Args:
-    grammar: the ε/unary-free grammar.
-    emissions_BxNxV: float64 emission weights.
-
-  Returns:
-    chart_BxXxNxL1: chart[b, X, i, l] = total weight of X deriving the span
-    of length l starting at position i (l = 0..N; zero where i + l > N).
-  """
-  emissions_BxNxV = np.asarray(emissions_BxNxV, dtype=np.float64)
-  if emissions_BxNxV.ndim != 3 or emissions_BxNxV.shape[2] != (
-      grammar.num_terminals):
-    raise ValueError(
-        f"emissions must be [B, N, {grammar.num_terminals}], got shape "
-        f"{emissions_BxNxV.shape}.")
-  batch, length, _ = emissions_BxNxV.shape
-  num_x = grammar.num_nonterminals
-  chart_BxXxNxL1 = np.zeros((batch, num_x, length, length + 1))
-  # Dotted items: items[r][d] [B, N, L1] = weight of rhs[:d] covering the
-  # span (start, length); d = 1 needs no storage (it is the symbol itself).
-  items = [[None] * (len(rhs) + 1) for _, rhs, _ in grammar.rules]
-  for r, (_, rhs, _) in enumerate(grammar.rules):
-    for d in range(2, len(rhs) + 1):
-      items[r][d] = np.zeros((batch, length, length + 1))
-
-  def span_weights(symbol, starts, lengths):
-    """Weights [B, len(starts), ...] of `symbol` over (start, length)."""
-    is_terminal, index = symbol
-    if is_terminal:
-      # A terminal covers only spans of length 1, with its emission weight.
-      starts_c = np.minimum(starts, length - 1)
-      return np.where(lengths == 1,
-                      emissions_BxNxV[:, starts_c, index], 0.0)
-    return chart_BxXxNxL1[:, index, np.minimum(starts, length - 1), lengths]
-
-  for span in range(1, length + 1):
-    starts_I = np.arange(length - span + 1)
-    # Items with d >= 2 symbols: split the span into rhs[:d-1] (length l1)
-    # and rhs[d-1] (length span - l1); both parts are non-empty (ε-free), so
-    # only chart entries of strictly shorter spans are read.
-    if span >= 2:
-      l1_K = np.arange(1, span)
-      for r, (_, rhs, _) in enumerate(grammar.rules):
-        for d in range(2, len(rhs) + 1):
-          if d == 2:
-            left_BxIxK = span_weights(rhs[0], starts_I[:, None],
-                                      l1_K[None, :])
-          else:
-            left_BxIxK = items[r][d - 1][:, starts_I[:, None], l1_K[None, :]]
-          right_BxIxK = span_weights(rhs[d - 1],
-                                     starts_I[:, None] + l1_K[None, :],
-                                     span - l1_K[None, :])
-          items[r][d][:, starts_I, span] = np.sum(left_BxIxK * right_BxIxK,
-                                                  axis=-1)
-    for r, (lhs, rhs, prob) in enumerate(grammar.rules):
-      if len(rhs) == 1:
-        if span == 1:
-          chart_BxXxNxL1[:, lhs, starts_I, 1] += (
-              prob * emissions_BxNxV[:, starts_I, rhs[0][1]])
-      else:
-        chart_BxXxNxL1[:, lhs, starts_I, span] += prob * items[r][len(rhs)][
-            :, starts_I, span]
-  return chart_BxXxNxL1
-
-
-def true_next_symbol_distribution(grammar: ChartGrammar,
+def true_next_symbol_distribution(grammar: Any,
                                   symbols: Sequence[int]) -> np.ndarray:
   """Exact p(w_{t+1} = a | w_1..w_t, n) of the length-conditioned sampler.
 
   Args:
-    grammar: the ε/unary-free grammar the strings are sampled from.
+    grammar: the `pcfg.CompiledPCFG` the strings are sampled from
+      (`task_grammar(task)`).
     symbols: the string w_1..w_n (ids); n = len(symbols).
 
   Returns:
@@ -211,33 +95,22 @@ def true_next_symbol_distribution(grammar: ChartGrammar,
   """
   symbols_N = _check_string(symbols, grammar.num_terminals)
   length, vocab = len(symbols_N), grammar.num_terminals
-  # One batched chart over every (t, a): positions < t carry w, position t
-  # carries a, positions > t are wildcards.
-  emissions_TxVxNxV = np.ones((length, vocab, length, vocab))
+  # One batch over every (t, a): positions < t carry w, position t carries
+  # a, positions > t are wildcards.
+  weights_TxVxNxV = np.ones((length, vocab, length, vocab))
   known_NxV = np.eye(vocab)[symbols_N]
   for t in range(length):
-    emissions_TxVxNxV[t, :, :t] = known_NxV[:t]
-    emissions_TxVxNxV[t, :, t] = np.eye(vocab)
-  # Scaling every emission by the same constant c multiplies every string's
-  # weight by c^n, which cancels in the ratio but keeps long strings far from
-  # float64 underflow.
-  emissions_TxVxNxV *= vocab
-  emissions_BxNxV = emissions_TxVxNxV.reshape(length * vocab, length, vocab)
-  # Chart and dotted items hold (X + items) [N, N + 1] float64 arrays per
-  # batch element; chunk the batch to bound memory.
-  num_items = sum(max(0, len(rhs) - 1) for _, rhs, _ in grammar.rules)
-  per_string = (grammar.num_nonterminals + num_items) * length * (
-      length + 1) * 8
-  chunk = max(1, _CHART_BYTES // per_string)
-  weights_B = np.concatenate([
-      inside_chart(grammar, emissions_BxNxV[i:i + chunk])[
-          :, grammar.start, 0, length]
-      for i in range(0, len(emissions_BxNxV), chunk)])
-  weights_NxV = weights_B.reshape(length, vocab)
-  totals_N = weights_NxV.sum(axis=1, keepdims=True)
-  with np.errstate(invalid="ignore", divide="ignore"):
-    probs_NxV = np.where(totals_N > 0, weights_NxV / totals_N, np.nan)
-  return probs_NxV
+    weights_TxVxNxV[t, :, :t] = known_NxV[:t]
+    weights_TxVxNxV[t, :, t] = np.eye(vocab)
+  log_z_NxV = grammar.log_inside(
+      weights_TxVxNxV.reshape(length * vocab, length, vocab)).reshape(
+          length, vocab)
+  top_N1 = np.max(log_z_NxV, axis=1, keepdims=True)
+  with np.errstate(invalid="ignore"):
+    weights_NxV = np.exp(log_z_NxV - top_N1)
+    probs_NxV = weights_NxV / weights_NxV.sum(axis=1, keepdims=True)
+  # A prefix without completions has weight 0 for every a: a NaN row.
+  return np.where(np.isfinite(top_N1), probs_NxV, np.nan)
 
 
 def _check_string(symbols: Sequence[int], vocab_size: int) -> np.ndarray:
@@ -483,29 +356,11 @@ def viterbi_run(push, repl, pop) -> ViterbiRun:
 # ---------------------------------------------------------------------------
 
 
-def grammar_from_pcfg(grammar: Any) -> ChartGrammar:
-  """Converts an ε/unary-free `pcfg.PCFG` into a ChartGrammar.
-
-  Raises:
-    ValueError: if the grammar still has ε- or unary rules.
-  """
-  names = list(grammar.nonterminals)
-  index = {name: i for i, name in enumerate(names)}
-  rules = []
-  for rule in grammar.rules:
-    rhs = tuple((True, int(s)) if isinstance(s, (int, np.integer))
-                else (False, index[s]) for s in rule.rhs)
-    rules.append((index[rule.lhs], rhs, float(rule.prob)))
-  return ChartGrammar(num_nonterminals=len(names),
-                      num_terminals=int(grammar.num_terminals),
-                      start=index[grammar.start], rules=tuple(rules))
-
-
-def task_grammar(task: str) -> ChartGrammar:
-  """The grammar the task's strings are sampled from (after ε/unary removal,
-  exactly as `languages.get(task)` samples and scores them)."""
+def task_grammar(task: str) -> Any:
+  """The compiled grammar the task's strings are sampled from and scored with
+  (`languages.get(task).compiled`, after the authors' ε/unary removal)."""
   from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
-  return grammar_from_pcfg(languages.get(task).normal_grammar)
+  return languages.get(task).compiled
 
 
 # ---------------------------------------------------------------------------
@@ -675,7 +530,7 @@ def trace(model: Any, params: Any, symbols: Sequence[int]) -> dict[str, Any]:
 
 
 def inspect_string(model: Any, params: Any, symbols: Sequence[int],
-                   grammar: ChartGrammar | None = None,
+                   grammar: Any = None,
                    alphabet: Sequence[str] | None = None) -> Inspection:
   """Traces `model` on one string and gathers everything the notebook shows.
 

@@ -6,17 +6,14 @@
 
 Rerunning the same command on the same workdir resumes from the last
 checkpoint. All logic lives in train.train_and_evaluate; this file only
-parses flags.
+parses flags (bad input: one line on stderr, exit 2; see cli.py).
 """
 
-import sys
-
-from absl import app
-from absl import flags
-from absl import logging
 import jax
+from absl import flags
 from ml_collections import config_flags
 
+from nsrnn_jax import cli
 from nsrnn_jax import parallel
 from nsrnn_jax import train
 
@@ -30,39 +27,13 @@ _DISTRIBUTED = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _parse_flags(argv):
-  """Parses flags; an override of an unknown config field is one line."""
-  try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as e:
-    # ml_collections raises these for --config.<name> with an unknown name;
-    # the innermost message names the field (and may suggest a fix).
-    message = e
-    while isinstance(message, BaseException) and message.args:
-      message = message.args[0]
-    message = " ".join(str(message).split())
-    print(f"error: unknown config field {message} (fields: "
-          "configs/default.py)", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv
   # Must precede any device use: the backend is fixed at first touch.
   parallel.maybe_initialize_distributed(_DISTRIBUTED.value)
-  logging.info("JAX process %d / %d, devices: %s", jax.process_index(),
-               jax.process_count(), jax.local_devices())
-  config = _CONFIG.value
-  try:
-    train.validate_config(config)
-  except ValueError as e:
-    # One line, no traceback: the message names the offending field.
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  train.train_and_evaluate(config, _WORKDIR.value)
+  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":
   jax.config.config_with_absl()
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)

@@ -16,7 +16,6 @@ import csv
 import json
 import math
 import os
-import time
 from typing import Any, Mapping, Sequence
 
 from absl import logging
@@ -64,25 +63,46 @@ def check_finite(value, what: str):
 class MetricWriter:
   """Writes scalars to `workdir/metrics.jsonl` and TensorBoard events.
 
-  Disabled writers (processes other than 0) only log. Re-opening an existing
-  workdir appends, so a resumed run keeps one continuous metrics file.
+  Disabled writers (processes other than 0) write nothing. Opening a workdir
+  keeps the records of epochs <= `resume_epoch` (the restored checkpoint's
+  epoch; 0 for a fresh run) and drops the rest, and rewrites the TensorBoard
+  events from the kept records, so a resumed run has one record per epoch
+  and one TensorBoard history.
   """
 
   def __init__(self, workdir: str, enabled: bool = True,
-               tensorboard: bool = True):
+               tensorboard: bool = True, resume_epoch: int = 0):
     self._enabled = enabled
     self._jsonl = None
     self._tb = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    path = os.path.join(workdir, "metrics.jsonl")
+    kept = []
+    if os.path.exists(path):
+      kept = [r for r in read_jsonl(path) if r.get("epoch", 0) <= resume_epoch]
+    with open(path + ".tmp", "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(path + ".tmp", path)
+    self._jsonl = open(path, "a")
     if tensorboard:
       try:
         import tensorboardX  # pylint: disable=g-import-not-at-top
-        self._tb = tensorboardX.SummaryWriter(logdir=workdir)
       except ImportError:  # TensorBoard output is optional.
         logging.warning("tensorboardX not installed: no TensorBoard events")
+        return
+      for name in os.listdir(workdir):
+        if name.startswith("events.out.tfevents"):
+          os.remove(os.path.join(workdir, name))  # Rebuilt from metrics.jsonl.
+      self._tb = tensorboardX.SummaryWriter(logdir=workdir)
+      for record in kept:
+        self._write_tb(record)
+
+  def _write_tb(self, record: Mapping[str, Any]) -> None:
+    for key, value in record.items():
+      if key != "epoch" and isinstance(value, (int, float)):
+        self._tb.add_scalar(key, value, int(record["epoch"]))
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any],
                     jsonl: bool = True):
@@ -96,23 +116,13 @@ class MetricWriter:
     """
     record = {"epoch": int(step)}
     record.update({k: _to_python(v) for k, v in scalars.items()})
-    logging.info("epoch %d: %s", step, record)
     if not self._enabled:
       return
     if jsonl:
       self._jsonl.write(json.dumps(record) + "\n")
       self._jsonl.flush()
     if self._tb is not None:
-      for key, value in record.items():
-        if key != "epoch" and isinstance(value, (int, float)):
-          self._tb.add_scalar(key, value, int(step))
-
-  def flush(self):
-    """Flushes buffered output."""
-    if self._jsonl is not None:
-      self._jsonl.flush()
-    if self._tb is not None:
-      self._tb.flush()
+      self._write_tb(record)
 
   def close(self):
     """Flushes and closes all outputs."""
@@ -182,13 +192,3 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
   lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
   return "\n".join(lines)
-
-
-class Timer:
-  """Wall-clock timer for per-epoch timing."""
-
-  def __init__(self):
-    self.start = time.perf_counter()
-
-  def elapsed(self) -> float:
-    return time.perf_counter() - self.start

@@ -1,10 +1,11 @@
 """Device mesh, shardings, multi-host start-up and process-local batches.
 
 Scale-out in this package is plain GSPMD: the pure train/eval steps of
-`train.py` are jitted with the batch sharded on a ``'data'`` mesh axis and the
-parameters replicated, so XLA inserts the gradient all-reduce itself (no psum
-to write). A second mesh axis, ``'model'``, carries the K independently trained
-models of `grid.py` (stacked parameters, vmapped steps).
+`train.py` are jitted (by loop.py) with the batch sharded on a ``'data'`` mesh
+axis and the parameters replicated, so XLA inserts the gradient all-reduce
+itself (no psum to write). A second mesh axis, ``'model'``, carries the K
+independently trained models of the loop (stacked parameters, vmapped steps;
+size 1 for a single run).
 
 Mesh axes (always both, so code never branches on their presence):
 
@@ -360,6 +361,23 @@ def shard_batch(local_batch: PyTree, mesh: jax.sharding.Mesh,
     return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
 
   return jax.tree.map(put, local_batch)
+
+
+def put_model_batch(batch_K: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
+  """Places a host batch {name: [K, B, ...]} held whole by every process.
+
+  Rows are padded with zeros to a multiple of the data axis (a zero mask:
+  padded rows contribute nothing); each process contributes its rows.
+  """
+  num = np.shape(jax.tree.leaves(batch_K)[0])[1]
+  extra = -num % data_axis_size(mesh)
+  if extra:
+    batch_K = jax.tree.map(lambda v: np.concatenate(
+        [v, np.zeros(v.shape[:1] + (extra,) + v.shape[2:], v.dtype)], axis=1),
+                           batch_K)
+  rows = process_slice(num + extra, mesh)
+  return shard_batch(jax.tree.map(lambda v: v[:, rows], batch_K), mesh,
+                     model_axis=True)
 
 
 def _local_data_axis_positions(mesh: jax.sharding.Mesh) -> set:

@@ -623,17 +623,22 @@ class CompiledPCFG:
           self._groups.append((cls, anchored, rules, to_lhs))
     return self._groups
 
-  def _scaled_inside(self, symbols_BxN: np.ndarray, log_c: float) -> np.ndarray:
-    """Chart entry of the start symbol on the whole string, scaled by c**n."""
-    b, n = symbols_BxN.shape
+  def _scaled_inside(self, weights_BxNxV: np.ndarray, log_c: float
+                     ) -> np.ndarray:
+    """Chart entry of the start symbol on the whole string, scaled by c**n.
+
+    Position i emits terminal a with weight weights[b, i, a] (one-hot rows:
+    the string itself; all-ones rows: any symbol).
+    """
+    b, n, _ = weights_BxNxV.shape
     m = self.num_nonterminals
     # chart_by_start[l, b, X, i]: scaled inside of span (i, i+l);
     # chart_by_end[l, b, X, j]: the same span indexed by its end j = i+l, so
     # that the right children of all split points are one slice.
     chart_by_start = np.zeros((n + 1, b, m, n))
     chart_by_end = np.zeros((n + 1, b, m, n + 1))
-    emit_BxMxN = np.exp(log_c) * np.transpose(self._emit_MxV[:, symbols_BxN],
-                                              (1, 0, 2))
+    emit_BxMxN = np.exp(log_c) * np.einsum("mv,bnv->bmn", self._emit_MxV,
+                                           weights_BxNxV)
     chart_by_start[1] = emit_BxMxN
     chart_by_end[1, :, :, 1:] = emit_BxMxN
     for length in range(2, n + 1):
@@ -674,7 +679,28 @@ class CompiledPCFG:
       ValueError: on a bad shape or an id outside the alphabet.
     """
     symbols_BxN = self._check_symbols(symbols_BxN)
-    b, n = symbols_BxN.shape
+    return self.log_inside(np.eye(self.num_terminals)[symbols_BxN])
+
+  def log_inside(self, weights_BxNxV) -> np.ndarray:
+    """ln sum_w G(w) prod_i weights[b, i, w_i] over the strings w of length N.
+
+    One-hot rows give ln G(w) (`log_prob_batch`); an all-ones row sums over
+    every symbol at that position, so a prefix followed by all-ones rows
+    gives the total weight of its completions (inspection.py uses this for
+    exact next-symbol distributions).
+
+    Args:
+      weights_BxNxV: non-negative float64 emission weights [B, N, V], N >= 1.
+
+    Returns:
+      float64 [B] (-inf where the weight is 0).
+    """
+    weights_BxNxV = np.asarray(weights_BxNxV, np.float64)
+    if weights_BxNxV.ndim != 3 or weights_BxNxV.shape[2:] != (
+        self.num_terminals,) or weights_BxNxV.shape[1] < 1:
+      raise ValueError(f"weights must be [B, N >= 1, {self.num_terminals}], "
+                       f"got shape {weights_BxNxV.shape}")
+    b, n, _ = weights_BxNxV.shape
     if b == 0:
       return np.zeros(0)
     g_len = self.length_prob(n)
@@ -684,7 +710,7 @@ class CompiledPCFG:
     log_c = -math.log(g_len) / n
     # Chunks of strings keep the two charts (n^2 * chunk * M floats) small.
     chunk = max(1, _CHART_FLOATS // (n * n * self.num_nonterminals))
-    pieces = [symbols_BxN[i:i + chunk] for i in range(0, b, chunk)]
+    pieces = [weights_BxNxV[i:i + chunk] for i in range(0, b, chunk)]
     if len(pieces) > 1 and _NUM_THREADS > 1:
       # NumPy releases the GIL in its kernels, so chunks run in parallel.
       with concurrent.futures.ThreadPoolExecutor(_NUM_THREADS) as pool:

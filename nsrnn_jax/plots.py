@@ -42,6 +42,7 @@ import glob
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -231,9 +232,9 @@ def validation_curve(workdir: str, key: str = "valid_ce_diff"
                      ) -> tuple[np.ndarray, np.ndarray]:
   """Per-epoch values of `key` for one run.
 
-  Records without `epoch` or `key` (e.g. summaries) are ignored. When an
-  epoch appears more than once (a run resumed from a checkpoint re-logs it),
-  the last record wins.
+  Records without `epoch` or `key` (e.g. summaries) are ignored. Training
+  keeps one record per epoch; a workdir written before it truncated metrics
+  on resume can repeat an epoch: the last record wins, with a warning.
 
   Returns:
     (epochs_E, values_E), sorted by epoch, float64 values.
@@ -242,9 +243,15 @@ def validation_curve(workdir: str, key: str = "valid_ce_diff"
     ValueError: if the run has no such records or its epochs have gaps.
   """
   by_epoch = {}
+  repeated = set()
   for record in read_metrics(workdir):
     if "epoch" in record and record.get(key) is not None:
+      if int(record["epoch"]) in by_epoch:
+        repeated.add(int(record["epoch"]))
       by_epoch[int(record["epoch"])] = float(record[key])
+  if repeated:
+    warnings.warn(f"{workdir!r}: {METRICS_FILE} repeats epochs "
+                  f"{sorted(repeated)}; using the last record of each")
   if not by_epoch:
     raise ValueError(f"{workdir!r}: no record in {METRICS_FILE} has both "
                      f"'epoch' and {key!r}.")
@@ -591,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.group_by)
     result = make_figures(groups, args.out, args.title,
                           tuple(_split(args.formats)))
-  except ValueError as e:
+  except (ValueError, OSError) as e:
     parser.exit(2, f"error: {e}\n")
   print(f"{'model':<8} {'runs':>4} {'epochs':>6} {'final valid diff':>22}")
   for s in result["figure3"]:

@@ -1,8 +1,9 @@
-"""Training and evaluation with the paper's protocol.
+"""The paper's training protocol: config, train state, pure steps, entry point.
 
 `train_and_evaluate(config, workdir)` is the single entry point of the CLI
-(`python -m nsrnn_jax.main`), the tests and the notebooks. The protocol is
-reference-behaviour.md sections 4 and 6:
+(`python -m nsrnn_jax.main`), the tests and the notebooks; the epoch loop
+itself is `loop.run_models` (a single run is its K = 1 case, a grid its
+K > 1 case). The protocol is reference-behaviour.md sections 4 and 6:
 
 * loss = per-token cross-entropy summed over the positions of a string, mean
   over the strings of the batch (this scale matters for clipping);
@@ -28,13 +29,9 @@ models are causal, so padding never changes the masked loss.
 """
 
 import dataclasses
-import functools
 import json
-import os
-import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional
 
-from absl import logging
 import flax
 import jax
 import jax.numpy as jnp
@@ -43,15 +40,14 @@ import numpy as np
 import optax
 
 from nsrnn_jax import checkpointing
-from nsrnn_jax import metrics as metrics_lib
+from nsrnn_jax import data
+from nsrnn_jax import languages
+from nsrnn_jax import parallel
 
 PyTree = Any
 Batch = dict  # {"symbols": int32[B, N], "mask": float32[B, N]}
 
 MODELS = ("lstm", "jm", "gref", "ns")
-# Used only if nsrnn_jax.languages cannot be imported (its TASKS wins).
-_FALLBACK_TASKS = ("marked_reversal", "unmarked_reversal", "padded_reversal",
-                   "dyck", "hardest_cfl")
 COMPILE_STRATEGIES = ("per_length", "bucket")
 DTYPES = ("float32", "float64")
 
@@ -59,14 +55,6 @@ DTYPES = ("float32", "float64")
 # ---------------------------------------------------------------------------
 # Config validation.
 # ---------------------------------------------------------------------------
-
-
-def _tasks() -> Sequence[str]:
-  try:
-    from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
-    return tuple(languages.TASKS)
-  except ImportError:
-    return _FALLBACK_TASKS
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -81,8 +69,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     return config[field]
 
   task = need("task")
-  if task not in _tasks():
-    fail("task", f"is {task!r}; expected one of {', '.join(_tasks())}")
+  if task not in languages.TASKS:
+    fail("task", f"is {task!r}; expected one of {', '.join(languages.TASKS)}")
   model = need("model")
   if model not in MODELS:
     fail("model", f"is {model!r}; expected one of {', '.join(MODELS)}")
@@ -123,6 +111,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if lo > hi:
       fail(f"{prefix}_min_length", f"({lo}) is greater than "
            f"config.{prefix}_max_length ({hi})")
+    if (prefix == "train" or need("run_test")) and not languages.get(
+        task).valid_lengths(lo, hi):
+      fail(f"{prefix}_min_length", f"and config.{prefix}_max_length give "
+           f"[{lo}, {hi}], which holds no string of {task}")
   strategy = need("compile_strategy")
   if strategy not in COMPILE_STRATEGIES:
     fail("compile_strategy", f"is {strategy!r}; expected one of "
@@ -255,7 +247,9 @@ def learning_rate(state: TrainState) -> jax.Array:
   return state.opt_state.hyperparams["learning_rate"]
 
 
-def _set_learning_rate(opt_state, lr):
+def set_learning_rate(opt_state, lr):
+  """The optimizer state with its (injected) learning rate replaced."""
+  lr = jnp.asarray(lr, opt_state.hyperparams["learning_rate"].dtype)
   hyperparams = dict(opt_state.hyperparams)
   hyperparams["learning_rate"] = lr
   return opt_state._replace(hyperparams=hyperparams)
@@ -346,7 +340,7 @@ def end_of_epoch(state: TrainState, valid_metric: jax.Array) -> TrainState:
       epoch=epoch, best_params=best_params, best_metric=best_metric,
       best_epoch=best_epoch, bad_epochs=bad_epochs, plateau_best=plateau_best,
       plateau_bad_epochs=plateau_bad,
-      opt_state=_set_learning_rate(state.opt_state, lr.astype(old_lr.dtype)),
+      opt_state=set_learning_rate(state.opt_state, lr.astype(old_lr.dtype)),
       stopped=stopped)
   return _where_tree(state.stopped, state, new_state)
 
@@ -405,86 +399,8 @@ def eval_step(params, batch: Batch, *, apply_fn):
 
 
 # ---------------------------------------------------------------------------
-# Data: splits from nsrnn_jax.data, padding/buckets.
+# Batches: padding to the compiled length.
 # ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class EvalBatch:
-  """One evaluation batch of strings of one length with their true log-probs."""
-  symbols: np.ndarray  # int32 [B, N]
-  log_prob: Optional[np.ndarray]  # ln G(w), float64 [B]
-  length_log_prob: Optional[float]  # ln G(N)
-
-
-@dataclasses.dataclass
-class Splits:
-  """Host-side data of one run.
-
-  Attributes:
-    train: training batches (int32 [B, N] each).
-    valid: validation batches.
-    test: test batches (one per length), or [] when not needed.
-    valid_num_lengths: N_L of the validation interval.
-    test_num_lengths: N_L of the test interval.
-    alphabet: symbol strings, index = id.
-  """
-  train: list
-  valid: list
-  test: list
-  valid_num_lengths: int
-  test_num_lengths: int
-  alphabet: tuple
-
-
-def _field(obj, name, default=None):
-  if isinstance(obj, Mapping):
-    return obj.get(name, default)
-  return getattr(obj, name, default)
-
-
-def _to_eval_batches(split) -> list:
-  batches = _field(split, "batches", split)
-  out = []
-  for b in batches:
-    if isinstance(b, np.ndarray):
-      out.append(EvalBatch(np.asarray(b, np.int32), None, None))
-    else:
-      lp = _field(b, "log_prob")
-      llp = _field(b, "length_log_prob")
-      out.append(EvalBatch(
-          np.asarray(_field(b, "symbols"), np.int32),
-          None if lp is None else np.asarray(lp, np.float64),
-          None if llp is None else float(np.asarray(llp).reshape(-1)[0])))
-  return out
-
-
-def load_splits(config, need_test: bool = True) -> Splits:
-  """Builds (deterministically) the train/valid/test data of a config."""
-  from nsrnn_jax import data  # pylint: disable=g-import-not-at-top
-  from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
-  lang = languages.get(config.task)
-  raw = data.make_splits(
-      config.task, seed=int(config.data_seed), test_seed=int(config.test_seed),
-      train_batches=int(config.num_train_batches),
-      valid_batches=int(config.num_valid_batches),
-      batch_size=int(config.batch_size),
-      train_min_length=int(config.train_min_length),
-      train_max_length=int(config.train_max_length),
-      # No test strings are sampled (or parsed) when the test is not needed.
-      test_per_length=int(config.test_strings_per_length) if need_test else 0,
-      test_min_length=int(config.test_min_length),
-      test_max_length=int(config.test_max_length))
-  train = [b.symbols for b in _to_eval_batches(_field(raw, "train"))]
-  valid_split = _field(raw, "valid")
-  test_split = _field(raw, "test") if need_test else None
-  return Splits(
-      train=train, valid=_to_eval_batches(valid_split),
-      test=_to_eval_batches(test_split) if test_split is not None else [],
-      valid_num_lengths=int(_field(valid_split, "num_lengths")),
-      test_num_lengths=(int(_field(test_split, "num_lengths"))
-                        if test_split is not None else 0),
-      alphabet=tuple(lang.alphabet))
 
 
 def padded_length(length: int, config) -> int:
@@ -511,211 +427,39 @@ def make_batch(symbols_BxN: np.ndarray, padded_to: Optional[int] = None
   return {"symbols": symbols, "mask": mask}
 
 
-class Placement:
-  """Where batches and the state live: the default device, or a mesh.
-
-  With more than one device the batch is sharded over the mesh's 'data' axis
-  (each process builds the whole batch deterministically and contributes its
-  rows) and the state is replicated; XLA inserts the gradient all-reduce.
-  Evaluation batches whose size does not divide the data axis are padded
-  with masked rows, which contribute nothing.
-  """
-
-  def __init__(self, mesh=None):
-    self.mesh = mesh
-
-  @classmethod
-  def from_devices(cls) -> "Placement":
-    """A mesh over all devices if there are several, else the default."""
-    if jax.device_count() == 1:
-      return cls(None)
-    from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
-    return cls(parallel.make_mesh())
-
-  @property
-  def num_data(self) -> int:
-    if self.mesh is None:
-      return 1
-    from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
-    return parallel.data_axis_size(self.mesh)
-
-  def batch(self, batch: Batch) -> Batch:
-    """Puts a host batch on the device(s), padding rows if needed."""
-    if self.mesh is None:
-      return jax.device_put(batch)
-    from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
-    num = batch["symbols"].shape[0]
-    extra = -num % self.num_data
-    if extra:
-      batch = {k: np.concatenate([v, np.zeros((extra,) + v.shape[1:],
-                                              v.dtype)]) for k, v in
-               batch.items()}
-    rows = parallel.process_slice(num + extra, self.mesh)
-    return parallel.shard_batch({k: v[rows] for k, v in batch.items()},
-                                self.mesh)
-
-  def state(self, tree):
-    """Replicates a pytree (state or params) on every device."""
-    if self.mesh is None:
-      return tree
-    from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
-    return parallel.replicate(tree, self.mesh)
-
-  def host(self, tree):
-    """Fetches a pytree of (possibly global) arrays as numpy."""
-    if self.mesh is None:
-      return jax.tree.map(np.asarray, jax.device_get(tree))
-    from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
-    return parallel.to_host(tree)
-
-
 # ---------------------------------------------------------------------------
-# Evaluation of a split.
+# Entry point.
 # ---------------------------------------------------------------------------
 
 
-def evaluate_batches(eval_fn, params, batches: Sequence[EvalBatch], config,
-                     num_lengths: Optional[int],
-                     placement: Optional[Placement] = None) -> list[dict]:
-  """Model and lower-bound sums per batch (float64, on the host).
-
-  Args:
-    eval_fn: jitted `eval_step` with apply_fn bound: (params, batch) -> sums.
-    params: parameters to evaluate.
-    batches: evaluation batches (with log_prob / length_log_prob).
-    config: for the compile strategy.
-    num_lengths: N_L added to each string's bound (0/None: no ln N_L term).
-    placement: device placement (default: the default device).
-
-  Returns:
-    One dict per batch: length, num_strings, model_nll, bound_nll (None when
-    the batch has no true log-probs), num_tokens, num_correct.
-  """
-  placement = Placement() if placement is None else placement
-  outs = []
-  for b in batches:
-    length = b.symbols.shape[1]
-    batch = make_batch(b.symbols, padded_length(length, config))
-    outs.append((b, eval_fn(params, placement.batch(batch))))
-  results = []
-  for b, sums in outs:  # Fetch after dispatching everything.
-    sums = jax.tree.map(lambda x: np.asarray(x, np.float64),
-                        placement.host(sums))
-    bound = None
-    if b.log_prob is not None:
-      bound = float(np.sum(metrics_lib.lower_bound_neg_log_prob(
-          b.log_prob, b.length_log_prob, num_lengths)))
-    results.append({
-        "length": int(b.symbols.shape[1]),
-        "num_strings": int(b.symbols.shape[0]),
-        "model_nll": float(np.sum(sums["nll"])),
-        "bound_nll": bound,
-        "num_tokens": float(np.sum(sums["num_tokens"])),
-        "num_correct": float(np.sum(sums["num_correct"])),
-    })
-  return results
-
-
-def summarize(results: Sequence[dict]) -> dict:
-  """Perplexities and CE difference of a list of `evaluate_batches` dicts."""
-  nll = sum(r["model_nll"] for r in results)
-  tokens = sum(r["num_tokens"] for r in results)
-  out = {"perplexity": metrics_lib.perplexity(nll, tokens),
-         "cross_entropy": nll / tokens,
-         "accuracy": sum(r["num_correct"] for r in results) / tokens}
-  if all(r["bound_nll"] is not None for r in results):
-    bound = sum(r["bound_nll"] for r in results)
-    out["lower_bound_perplexity"] = metrics_lib.perplexity(bound, tokens)
-    out["ce_diff"] = metrics_lib.ce_difference(nll, bound, tokens)
-  return out
-
-
-def test_table(results: Sequence[dict]) -> dict:
-  """Per-length test table (columns as lists, sorted by length)."""
-  by_length = {}
-  for r in results:
-    by_length.setdefault(r["length"], []).append(r)
-  table = {"lengths": [], "ce_diff": [], "perplexity": [],
-           "lower_bound_perplexity": [], "num_strings": []}
-  for length in sorted(by_length):
-    s = summarize(by_length[length])
-    table["lengths"].append(length)
-    table["ce_diff"].append(s.get("ce_diff", float("nan")))
-    table["perplexity"].append(s["perplexity"])
-    table["lower_bound_perplexity"].append(
-        s.get("lower_bound_perplexity", float("nan")))
-    table["num_strings"].append(sum(r["num_strings"] for r in by_length[length]))
-  return table
-
-
-def run_test(eval_fn, params, splits: Splits, config, workdir: str,
-             write: bool = True, placement: Optional[Placement] = None
-             ) -> tuple[dict, dict, str]:
-  """Evaluates `params` on the test set; writes test_by_length.{json,csv}.
-
-  The per-length lower bound includes ln N_L,test iff
-  config.test_bound_includes_num_lengths (reference-behaviour.md section 6).
-
-  Returns:
-    (table, summary, text) where summary holds the overall test metrics and the mean
-    per-length CE difference over the training-length range and beyond it.
-  """
-  num_lengths = (splits.test_num_lengths
-                 if config.test_bound_includes_num_lengths else None)
-  results = evaluate_batches(eval_fn, params, splits.test, config, num_lengths,
-                             placement)
-  table = test_table(results)
-  overall = summarize(results)
-  summary = {f"test_{k}": v for k, v in overall.items()}
-  lengths = np.asarray(table["lengths"])
-  diffs = np.asarray(table["ce_diff"])
-  inside = lengths <= config.train_max_length
-  if inside.any():
-    summary["test_ce_diff_in_train_range"] = float(np.mean(diffs[inside]))
-  if (~inside).any():
-    summary["test_ce_diff_longer"] = float(np.mean(diffs[~inside]))
-  text = metrics_lib.write_test_table(workdir, table, enabled=write)
-  return table, summary, text
-
-
-# ---------------------------------------------------------------------------
-# Main loop.
-# ---------------------------------------------------------------------------
-
-
-def _is_main_process() -> bool:
-  return jax.process_index() == 0
-
-
-def _config_to_json(config) -> dict:
+def config_to_json(config: ml_collections.ConfigDict) -> dict:
+  """The config as plain JSON values (what config.json stores)."""
   return json.loads(config.to_json_best_effort())
 
 
-# Module-level jitted steps: their caches are shared by every call of
-# train_and_evaluate in one process (tests, notebooks, grids) as long as the
-# static fields (model, optimizer spec, schedule) compare equal.
-_jit_train_step = jax.jit(train_step)
-_jit_end_of_epoch = jax.jit(end_of_epoch)
-_jit_eval_step = jax.jit(eval_step, static_argnames="apply_fn")
-
-
-def _make_eval_fn(apply_fn):
-  return functools.partial(_jit_eval_step, apply_fn=apply_fn)
+# The old name of data.from_config (the splits of a config).
+load_splits = data.from_config
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       splits: Optional[Splits] = None,
+                       splits: Optional[data.Splits] = None,
                        model: Any = None,
                        should_stop: Optional[Callable[[], bool]] = None
                        ) -> dict:
   """Trains with the paper's protocol (resuming from `workdir`) and tests.
 
+  Before anything is written, the config is validated and the workdir
+  checked (`checkpointing.check_workdir`): a file, an unwritable directory or
+  a stored config that differs in a field that changes the run is a
+  one-line ValueError.
+
   Args:
-    config: see configs/default.py; validated first.
-    workdir: output directory (config.json, metrics.jsonl, TensorBoard
-      events, checkpoints/, test_by_length.{json,csv}, results.json).
-      Rerunning on the same workdir resumes from its latest good checkpoint.
-    splits: data to use instead of `load_splits(config)` (tests/notebooks).
+    config: see configs/default.py.
+    workdir: output directory (README "Outputs": config.json, metrics.jsonl,
+      TensorBoard events, checkpoints/, test_by_length.{json,csv},
+      results.json). Rerunning on the same workdir resumes from its latest
+      readable checkpoint.
+    splits: data to use instead of `data.from_config(config)`.
     model: Flax model to use instead of `models.build(config)`.
     should_stop: called after every epoch (once its checkpoint is saved);
       returning True ends this invocation there, like `stop_after_epochs`
@@ -723,141 +467,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Returns:
     The results dict (also saved as results.json when training finished):
-    epochs, best_epoch, best valid metrics, test metrics, "finished".
+    finished, epochs, best_epoch, best valid metrics, test metrics.
   """
+  from nsrnn_jax import loop  # pylint: disable=g-import-not-at-top
   validate_config(config)
-  main = _is_main_process()
-  os.makedirs(workdir, exist_ok=True)
+  config_json = config_to_json(config)
+  checkpointing.check_workdir(workdir, config_json)
   if splits is None:
-    splits = load_splits(config, need_test=bool(config.run_test))
-  # The resolved config also records the alphabet, so that evaluate.py can
-  # rebuild and score the model without the data modules.
-  config_json = _config_to_json(config)
-  config_json["alphabet"] = list(splits.alphabet)
-  config_json["vocab_size"] = len(splits.alphabet)
-  if main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(config_json, f, indent=1, sort_keys=True)
+    splits = data.from_config(config, need_test=bool(config.run_test))
+  loop.check_splits(splits, config, workdir)
+  # The alphabet lets evaluate.py rebuild and score the model without data.
+  config_json.update(alphabet=list(splits.alphabet),
+                     vocab_size=len(splits.alphabet))
   model = build_model(config) if model is None else model
-
-  placement = Placement.from_devices()
-  state = placement.state(
-      create_train_state(config, jax.random.key(config.param_seed), model))
-  shuffle_rng = np.random.RandomState(config.shuffle_seed)
-  order = np.arange(len(splits.train))
-  manager = checkpointing.make_manager(
-      os.path.join(workdir, "checkpoints"),
-      keep=int(config.checkpoints_to_keep))
-  restored = checkpointing.restore_latest(manager, state.arrays())
-  if restored is not None:
-    step, arrays, host = restored
-    state = state.replace(**arrays)
-    shuffle_rng.set_state(checkpointing.rng_state_from_json(host["shuffle_rng"]))
-    order = np.asarray(host["order"], np.int64)
-    logging.info("Resumed from checkpoint at epoch %d.", step)
-
-  train_fn = _jit_train_step
-  eval_fn = _make_eval_fn(model.apply)
-  end_fn = _jit_end_of_epoch
-  # Built and placed once: batches never change, only their order does.
-  train_batches = [placement.batch(make_batch(s, padded_length(s.shape[1],
-                                                               config)))
-                   for s in splits.train]
-  host = placement.host
-
-  epochs_this_run = 0
-  results = {}
-  progress = None
-  with metrics_lib.MetricWriter(workdir, enabled=main) as writer:
-    if main and config.progress_bar:
-      import tqdm  # pylint: disable=g-import-not-at-top
-      progress = tqdm.tqdm(total=int(config.max_epochs),
-                           initial=int(host(state.epoch)), desc="epochs",
-                           unit="epoch", dynamic_ncols=True)
-    while not bool(host(state.stopped)):
-      start = time.perf_counter()
-      shuffle_rng.shuffle(order)
-      losses = []
-      for i in order:
-        state, step_metrics = train_fn(state, train_batches[i])
-        losses.append(step_metrics["loss"])
-      losses = np.asarray(host(losses), np.float64)
-      epoch = int(host(state.epoch)) + 1
-      if not np.all(np.isfinite(losses)):
-        bad = int(np.argmax(~np.isfinite(losses)))
-        metrics_lib.check_finite(losses[bad], f"training loss in epoch {epoch},"
-                                 f" step {bad + 1}")
-      train_time = time.perf_counter() - start
-      valid = summarize(evaluate_batches(eval_fn, state.params, splits.valid,
-                                         config, splits.valid_num_lengths,
-                                         placement))
-      lr_used = float(host(learning_rate(state)))
-      state = end_fn(state, valid["perplexity"])
-      record = {
-          "train_loss": float(np.mean(losses)),
-          "valid_perplexity": valid["perplexity"],
-          "valid_cross_entropy": valid["cross_entropy"],
-          "valid_accuracy": valid["accuracy"],
-          "learning_rate": lr_used,
-          "next_learning_rate": float(host(learning_rate(state))),
-          "best_epoch": int(host(state.best_epoch)),
-          "time": time.perf_counter() - start,
-          "train_time": train_time,
-      }
-      if "ce_diff" in valid:
-        record["valid_ce_diff"] = valid["ce_diff"]
-        record["valid_lower_bound_perplexity"] = valid["lower_bound_perplexity"]
-      # Checkpoint first: an epoch is logged only once it is saved.
-      if epoch % config.checkpoint_every_epochs == 0 or bool(
-          host(state.stopped)):
-        checkpointing.save(manager, epoch, state.arrays(), {
-            "shuffle_rng": checkpointing.rng_state_to_json(
-                shuffle_rng.get_state()),
-            "order": order.tolist(), "epoch": epoch})
-      writer.write_scalars(epoch, record)
-      if progress is not None:
-        progress.update(1)
-        progress.set_postfix(loss=f"{record['train_loss']:.3f}",
-                             ppl=f"{valid['perplexity']:.4f}")
-      epochs_this_run += 1
-      if config.stop_after_epochs and epochs_this_run >= config.stop_after_epochs:
-        break
-      if should_stop is not None and should_stop():
-        break
-    if progress is not None:
-      progress.close()
-    checkpointing.close(manager)
-
-    scalars = host({"stopped": state.stopped, "epoch": state.epoch,
-                    "step": state.step, "best_epoch": state.best_epoch,
-                    "best_metric": state.best_metric,
-                    "lr": learning_rate(state)})
-    results = {
-        "finished": bool(scalars["stopped"]),
-        "epochs": int(scalars["epoch"]),
-        "steps": int(scalars["step"]),
-        "best_epoch": int(scalars["best_epoch"]),
-        "best_valid_perplexity": float(scalars["best_metric"]),
-        "final_learning_rate": float(scalars["lr"]),
-    }
-    if not results["finished"]:
-      logging.info("Stopped after %d epochs this run (stop_after_epochs); "
-                   "rerun to resume.", epochs_this_run)
-      return results
-    best_valid = summarize(evaluate_batches(
-        eval_fn, state.best_params, splits.valid, config,
-        splits.valid_num_lengths, placement))
-    results.update({f"best_valid_{k}": v for k, v in best_valid.items()})
-    if config.run_test and splits.test:
-      _, summary, text = run_test(eval_fn, state.best_params, splits, config,
-                                  workdir, write=main, placement=placement)
-      results.update(summary)
-      if main:
-        print(f"Test cross-entropy difference by length ({workdir}):\n{text}")
-    writer.write_scalars(results["epochs"], {
-        k: v for k, v in results.items() if isinstance(v, float)},
-                         jsonl=False)
-  if main:
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(results, f, indent=1, sort_keys=True)
+  if parallel.is_main_process():
+    checkpointing.write_config(workdir, config_json)
+  (results,) = loop.run_models([loop.Run(config, workdir, splits, workdir)],
+                               model, should_stop=should_stop)
   return results

@@ -1,6 +1,10 @@
-"""Tests of nsrnn_jax.checkpointing: round trip, retention, fallback."""
+"""Tests of nsrnn_jax.checkpointing: round trip, retention, fallback,
+never deleting, read-only opening, workdir checks."""
 
+import json
 import os
+
+import pytest
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +26,11 @@ def _save_steps(directory, steps):
   checkpointing.close(manager)
 
 
-def _restore(directory):
-  manager = checkpointing.make_manager(directory, keep=2)
+def _restore(directory, move_aside=True, read_only=False):
+  manager = checkpointing.make_manager(directory, keep=2, read_only=read_only)
   try:
-    return checkpointing.restore_latest(manager, _state(0.0))
+    return checkpointing.restore_latest(manager, _state(0.0),
+                                        move_aside=move_aside)
   finally:
     checkpointing.close(manager)
 
@@ -53,19 +58,26 @@ def _corrupt(step_dir):
         f.write(b"\x00corrupt")
 
 
-def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog):
-  _save_steps(str(tmp_path), [1, 2])
-  _corrupt(str(tmp_path / "2"))
+def test_corrupt_latest_falls_back_and_is_moved_aside(tmp_path, caplog):
+  ckpt = tmp_path / "checkpoints"
+  _save_steps(str(ckpt), [1, 2])
+  _corrupt(str(ckpt / "2"))
+  # Read-only: falls back, moves nothing.
+  assert _restore(str(ckpt), move_aside=False, read_only=True)[0] == 1
+  assert sorted(os.listdir(ckpt)) == ["1", "2"]
   with caplog.at_level("WARNING"):
-    step, state, host = _restore(str(tmp_path))
+    step, state, host = _restore(str(ckpt))
   assert step == 1 and host["epoch"] == 1
   np.testing.assert_array_equal(state["params"]["w"], np.ones((2, 3)))
-  assert any("step 2" in r.getMessage() and "unreadable" in r.getMessage()
+  assert any("2 (" in r.getMessage() and "Unreadable" in r.getMessage()
              for r in caplog.records)
-  # The unreadable step is removed so that it can be saved again.
-  assert sorted(os.listdir(tmp_path)) == ["1"]
-  _save_steps(str(tmp_path), [2])
-  assert _restore(str(tmp_path))[0] == 2
+  # The unreadable step is moved aside (never deleted), so that it can be
+  # saved again.
+  assert sorted(os.listdir(ckpt)) == ["1"]
+  aside = tmp_path / checkpointing.UNREADABLE_DIR
+  assert os.listdir(aside) == ["2"] and os.listdir(aside / "2" / "state")
+  _save_steps(str(ckpt), [2])
+  assert _restore(str(ckpt))[0] == 2
 
 
 def test_partial_save_is_ignored(tmp_path):
@@ -75,13 +87,43 @@ def test_partial_save_is_ignored(tmp_path):
   assert _restore(str(tmp_path))[0] == 1
 
 
-def test_all_corrupt_gives_none(tmp_path, caplog):
-  _save_steps(str(tmp_path), [1])
+def test_all_corrupt_is_an_error_and_nothing_moves(tmp_path):
+  _save_steps(str(tmp_path), [1, 2])
   _corrupt(str(tmp_path / "1"))
-  with caplog.at_level("WARNING"):
-    assert _restore(str(tmp_path)) is None
-  assert any("No readable checkpoint" in r.getMessage()
-             for r in caplog.records)
+  _corrupt(str(tmp_path / "2"))
+  with pytest.raises(ValueError, match=r"no readable checkpoint .*\(tried 2 "
+                     r"\(.*\); 1 \("):
+    _restore(str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+
+
+def test_read_only_manager_creates_nothing(tmp_path):
+  assert _restore(str(tmp_path / "none"), read_only=True) is None
+  assert not os.path.exists(tmp_path / "none")
+
+
+def test_check_workdir(tmp_path):
+  config = {"hidden_size": 20, "learning_rate": 0.01, "progress_bar": True}
+  checkpointing.check_workdir(str(tmp_path / "new" / "run"), config)
+  assert not os.path.exists(tmp_path / "new")  # checks create nothing
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ValueError, match="is a file, not a directory"):
+    checkpointing.check_workdir(str(tmp_path / "file"), config)
+  with pytest.raises(ValueError, match="cannot be created: .* is a file"):
+    checkpointing.check_workdir(str(tmp_path / "file" / "sub"), config)
+  checkpointing.write_config(str(tmp_path / "run"), config)
+  checkpointing.check_workdir(str(tmp_path / "run"), config)
+  # Fields that only change how the run is executed may differ; fields
+  # missing on either side (added to the defaults later) are not compared.
+  checkpointing.check_workdir(str(tmp_path / "run"), dict(
+      config, progress_bar=False, new_field=1))
+  with pytest.raises(ValueError, match=r"hidden_size \(stored 20, requested "
+                     r"21\); learning_rate \(stored 0.01, requested 0.1\)"):
+    checkpointing.check_workdir(str(tmp_path / "run"), dict(
+        config, hidden_size=21, learning_rate=0.1))
+  # write_config keeps the run's own config.
+  checkpointing.write_config(str(tmp_path / "run"), dict(config, x=1))
+  assert json.loads((tmp_path / "run" / "config.json").read_text()) == config
 
 
 def test_rng_state_json_round_trip():

@@ -157,3 +157,19 @@ def test_cli_unknown_field_one_line_error(tmp_path):
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1
   assert lines[0].startswith("error: unknown config field 'learning_rat'")
+
+
+def test_no_test_module_changes_jax_flags_at_import():
+  # Global flags belong in fixtures (tests/conftest.py), or one module's
+  # setting leaks into every module collected after it.
+  import ast  # pylint: disable=g-import-not-at-top
+  offenders = []
+  for path in glob.glob(os.path.join(REPO, "tests", "*.py")):
+    tree = ast.parse(open(path).read())
+    for node in tree.body:  # module level only
+      call = node.value if isinstance(node, ast.Expr) else None
+      if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+          and call.func.attr == "update"
+          and "config" in ast.unparse(call.func.value)):
+        offenders.append(f"{os.path.basename(path)}:{node.lineno}")
+  assert not offenders

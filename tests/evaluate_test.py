@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 from configs import default
+from nsrnn_jax import data
 from nsrnn_jax import evaluate
+from nsrnn_jax import loop
 from nsrnn_jax import models
+from nsrnn_jax import parallel
 from nsrnn_jax import train
 
-jax.config.update("jax_disable_most_optimizations", True)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,17 +29,17 @@ def _batch(rng, length, num):
   half = rng.integers(0, 2, size=(num, k))
   symbols = np.concatenate([half, np.full((num, 1), 2), half[:, ::-1]], 1)
   llp = k * math.log(60 / 61) + math.log(1 / 61)
-  return train.EvalBatch(symbols.astype(np.int32),
+  return data.Batch(symbols.astype(np.int32),
                          np.full(num, llp - k * math.log(2)), llp)
 
 
 def _splits():
   rng = np.random.default_rng(0)
-  return train.Splits(
-      train=[_batch(rng, 5, 4).symbols for _ in range(6)],
-      valid=[_batch(rng, 5, 4) for _ in range(2)],
-      test=[_batch(rng, n, 5) for n in (5, 7)], valid_num_lengths=1,
-      test_num_lengths=2, alphabet=("0", "1", "#"))
+  return data.Splits(
+      "marked_reversal", ("0", "1", "#"), 0, 0, False,
+      train=data.Split([_batch(rng, 5, 4) for _ in range(6)], 1, 5, 5),
+      valid=data.Split([_batch(rng, 5, 4) for _ in range(2)], 1, 5, 5),
+      test=data.Split([_batch(rng, n, 5) for n in (5, 7)], 2, 5, 7))
 
 
 def _config():
@@ -85,9 +88,10 @@ def test_score_matches_model_log_softmax(loaded):
 def test_best_params_are_restored(workdir, loaded):
   results = json.load(open(os.path.join(workdir, "results.json")))
   splits = _splits()
-  sums = train.evaluate_batches(train._make_eval_fn(loaded.model.apply),  # pylint: disable=protected-access
-                                loaded.params, splits.valid, loaded.config, 1)
-  np.testing.assert_allclose(train.summarize(sums)["perplexity"],
+  params_K = jax.tree.map(lambda x: np.asarray(x)[None], loaded.params)
+  (sums,) = loop.evaluate_split(params_K, loaded.model.apply, [splits.valid],
+                                loaded.config, [1], parallel.make_mesh())
+  np.testing.assert_allclose(loop.summarize(sums)["perplexity"],
                              results["best_valid_perplexity"], rtol=1e-5)
 
 
@@ -99,18 +103,39 @@ def test_unknown_symbol_is_a_clear_error(loaded):
     evaluate.score(loaded, [""])
 
 
-def test_reevaluate_reproduces_test_table(workdir, monkeypatch):
+def _snapshot(directory):
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      out[path] = open(path, "rb").read()
+  return out
+
+
+def test_reevaluate_reproduces_test_table(workdir, tmp_path):
   saved = json.load(open(os.path.join(workdir, "test_by_length.json")))
-  monkeypatch.setattr(train, "load_splits", lambda config, need_test: _splits())
-  result = evaluate.reevaluate(workdir)
+  before = _snapshot(workdir)
+  out = str(tmp_path / "out")
+  result = evaluate.reevaluate(workdir, splits=_splits(), out=out)
   assert result["table"]["lengths"] == saved["lengths"] == [5, 7]
   np.testing.assert_allclose(result["table"]["ce_diff"], saved["ce_diff"],
                              rtol=1e-9)
+  assert json.load(open(os.path.join(out, "test_by_length.json"))) == (
+      result["table"])
+  # With --out elsewhere the workdir is not written at all.
+  assert _snapshot(workdir) == before
+  # An unusable output is an error before any work.
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ValueError, match="output directory .* is a file"):
+    evaluate.reevaluate(workdir, splits=_splits(), out=str(tmp_path / "file"))
 
 
 def test_missing_or_broken_workdir_errors(tmp_path):
   with pytest.raises(ValueError, match="does not exist"):
     evaluate.load_model(str(tmp_path / "nope"))
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ValueError, match="is a file, not a directory"):
+    evaluate.load_model(str(tmp_path / "file"))
   with pytest.raises(ValueError, match="no config.json"):
     evaluate.load_model(str(tmp_path))
   (tmp_path / "config.json").write_text("{not json")

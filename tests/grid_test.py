@@ -11,8 +11,11 @@ import pytest
 
 from configs import default
 from nsrnn_jax import checkpointing
+from nsrnn_jax import data
+from nsrnn_jax import evaluate
 from nsrnn_jax import grid
 from nsrnn_jax import languages
+from nsrnn_jax import loop
 from nsrnn_jax import metrics as metrics_lib
 from nsrnn_jax import train
 
@@ -28,15 +31,18 @@ def tiny_splits(config):
     return np.array([lang.sample(n, rng) for _ in range(config.batch_size)],
                     np.int32)
 
-  train_batches = [batch() for _ in range(config.num_train_batches)]
+  train_batches = [data.Batch(batch())
+                   for _ in range(config.num_train_batches)]
   valid = []
   for _ in range(config.num_valid_batches):
     s = batch()
-    valid.append(train.EvalBatch(
-        s, np.array([lang.log_prob(x) for x in s]),
-        lang.length_log_prob(s.shape[1])))
-  return train.Splits(train_batches, valid, [], len(lengths), 0,
-                      tuple(lang.alphabet))
+    valid.append(data.Batch(s, np.array([lang.log_prob(x) for x in s]),
+                            lang.length_log_prob(s.shape[1])))
+  lo, hi = config.train_min_length, config.train_max_length
+  return data.Splits(config.task, tuple(lang.alphabet), config.data_seed, 0,
+                     False, data.Split(train_batches, len(lengths), lo, hi),
+                     data.Split(valid, len(lengths), lo, hi),
+                     data.Split([], 0, lo, hi))
 
 
 def tiny_grid_config():
@@ -115,14 +121,14 @@ def test_bad_grid_fields(field, value, message):
 def test_stack_batches_pads_each_member_with_a_zero_mask():
   a = np.array([[1, 2, 0]], np.int32)
   b = np.array([[2, 2, 2, 1, 0]], np.int32)
-  batch = grid.stack_batches([a, b])
+  batch = loop.stack_batches([a, b])
   np.testing.assert_array_equal(batch["symbols"],
                                 [[[1, 2, 0, 0, 0]], [[2, 2, 2, 1, 0]]])
   np.testing.assert_array_equal(batch["mask"],
                                 [[[1, 1, 1, 0, 0]], [[1, 1, 1, 1, 1]]])
-  assert grid.stack_batches([a, b], padded_to=7)["symbols"].shape == (2, 1, 7)
+  assert loop.stack_batches([a, b], padded_to=7)["symbols"].shape == (2, 1, 7)
   with pytest.raises(ValueError, match="batch_size"):
-    grid.stack_batches([a, np.zeros((2, 3), np.int32)])
+    loop.stack_batches([a, np.zeros((2, 3), np.int32)])
 
 
 def test_select_best_lowest_mean_then_lowest_std():
@@ -207,21 +213,40 @@ def test_grid_metrics_equal_separate_runs(grid_and_separate_runs):
 def test_grid_params_equal_separate_runs(grid_and_separate_runs):
   config, ms, _, grid_dir, _, single_dirs = grid_and_separate_runs
   template = train.create_train_state(config, jax.random.key(0)).arrays()
-  stacked_template = jax.tree.map(
-      lambda x: np.stack([np.asarray(x)] * len(ms)), template)
-  stacked = _restore(os.path.join(grid_dir, "checkpoints"), stacked_template)
+  steps = []
   for m, single in zip(ms, single_dirs):
+    # Each member has its own checkpoints, like a single run.
+    got = _restore(os.path.join(grid_dir, m.subdir, "checkpoints"), template)
     want = _restore(os.path.join(single, "checkpoints"), template)
-    got = grid.unstack(stacked, m.index)
     for key in ("params", "best_params", "opt_state"):
       for g, w in zip(jax.tree.leaves(got[key]), jax.tree.leaves(want[key])):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
     for key in ("epoch", "step", "best_epoch", "stopped"):
       assert np.asarray(got[key]) == np.asarray(want[key]), key
+    steps.append(int(np.asarray(got["step"])))
   # A member that stopped did not change afterwards: its step count is that
   # of its own epochs (3 steps each) although others trained on.
-  steps = [int(np.asarray(stacked["step"])[m.index]) for m in ms]
   assert steps == [12, 15, 9, 15]
+
+
+def test_grid_members_have_the_single_run_layout(grid_and_separate_runs):
+  _, ms, _, grid_dir, _, single_dirs = grid_and_separate_runs
+  for m, single in zip(ms, single_dirs):
+    member = os.path.join(grid_dir, m.subdir)
+    names = lambda d: sorted("events" if f.startswith("events.out") else f
+                             for f in os.listdir(d))
+    assert names(member) == names(single)
+    with open(os.path.join(member, "config.json")) as f:
+      stored = json.load(f)
+    assert stored["alphabet"] == ["0", "1", "#"] and stored["vocab_size"] == 3
+    assert stored["learning_rate"] == m.learning_rate
+    # evaluate reads a member like a single run (best parameters).
+    loaded = evaluate.load_model(member)
+    want = evaluate.load_model(single)
+    for g, w in zip(jax.tree.leaves(loaded.params),
+                    jax.tree.leaves(want.params)):
+      np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+  assert not os.path.exists(os.path.join(grid_dir, "checkpoints"))
 
 
 def test_grid_results_and_summary_files(grid_and_separate_runs):
@@ -255,10 +280,46 @@ def test_grid_rejects_inconsistent_inputs(tmp_path):
   with pytest.raises(ValueError, match="Got 0 splits for 3 members"):
     grid.run_grid(config, str(tmp_path), splits=[])
   splits = [tiny_splits(m.config) for m in grid.members(config)]
-  splits[1] = dataclasses.replace(splits[1], train=splits[1].train[:2])
+  splits[1] = dataclasses.replace(splits[1], train=data.Split(
+      splits[1].train.batches[:2], 1, 5, 9))
   with pytest.raises(ValueError, match="different numbers of training"):
     grid.run_grid(config, str(tmp_path), splits=splits)
   config.learning_rate = -1.0  # Every member overrides it: still valid.
   config.max_epochs = 0
   with pytest.raises(ValueError, match="max_epochs"):
     grid.run_grid(config, str(tmp_path), splits=splits)
+
+
+def test_grid_written_with_one_stacked_checkpoint_resumes(tmp_path):
+  # Older versions kept one [K, ...] checkpoint under the grid workdir.
+  config = tiny_grid_config()
+  config.max_epochs = 3
+  ms = grid.members(config)
+  splits = [tiny_splits(m.config) for m in ms]
+  full = grid.run_grid(config, str(tmp_path / "full"), splits=splits)
+  old = str(tmp_path / "old")
+  config.stop_after_epochs = 2
+  assert grid.run_grid(config, old, splits=splits) == {"finished": False}
+  template = train.create_train_state(config, jax.random.key(0)).arrays()
+  states, hosts = [], []
+  for m in ms:
+    ckpt = os.path.join(old, m.subdir, "checkpoints")
+    manager = checkpointing.make_manager(ckpt, keep=2)
+    _, arrays, host = checkpointing.restore_latest(manager, template)
+    checkpointing.close(manager)
+    states.append(arrays)
+    hosts.append(host)
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(ckpt)
+  stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
+  manager = checkpointing.make_manager(os.path.join(old, "checkpoints"))
+  checkpointing.save(manager, 2, stacked, {
+      "shuffle_rngs": [h["shuffle_rng"] for h in hosts],
+      "orders": [h["order"] for h in hosts], "epoch": 2})
+  checkpointing.close(manager)
+  config.stop_after_epochs = 0
+  resumed = grid.run_grid(config, old, splits=splits)
+  assert resumed["best"] == full["best"]
+  for a, b in zip(resumed["settings"], full["settings"]):
+    np.testing.assert_allclose(a["values"], b["values"], rtol=1e-6)
+  assert os.path.isdir(os.path.join(old, "checkpoints_stacked", "2"))

@@ -20,9 +20,10 @@ import pytest
 from nsrnn_jax import inspection
 from nsrnn_jax import languages
 from nsrnn_jax import models
+from nsrnn_jax import pcfg
 
 # Compile time dominates these tiny models; XLA's optimisations do not pay.
-jax.config.update("jax_disable_most_optimizations", True)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # ---------------------------------------------------------------------------
 # Helpers (oracles)
@@ -162,10 +163,8 @@ def test_true_next_symbol_toy_ambiguous_grammar_by_derivations():
   # S -> S S / .4 | a / .35 | b / .25. Enumerate derivations top-down: each
   # string of length n has the same number of derivations (Catalan), so the
   # conditional of every position is .35 / .6 for a.
-  t = lambda i: (True, i)
-  grammar = inspection.ChartGrammar(
-      1, 2, 0, ((0, ((False, 0), (False, 0)), 0.4), (0, (t(0),), 0.35),
-                (0, (t(1),), 0.25)))
+  grammar = pcfg.CompiledPCFG(pcfg.PCFG(
+      "S", [("S", ["S", "S"], 0.4), ("S", [0], 0.35), ("S", [1], 0.25)], 2))
   probs = inspection.true_next_symbol_distribution(grammar, [0, 1, 1, 0, 1])
 
   def derivation_weights(n):
@@ -385,8 +384,6 @@ def test_bad_input_is_rejected_with_clear_errors(ns_model):
     inspection.true_next_symbol_distribution(grammar, [0, 3, 0])
   with pytest.raises(ValueError, match="empty"):
     inspection.true_next_symbol_distribution(grammar, [])
-  with pytest.raises(ValueError, match="unary"):
-    inspection.ChartGrammar(2, 1, 0, ((0, ((False, 1),), 1.0),))
   with pytest.raises(ValueError, match="vocabulary"):
     inspection.inspect_string(model, params, [0, 1],
                               inspection.task_grammar("dyck"))

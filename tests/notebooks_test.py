@@ -12,7 +12,6 @@ import json
 import os
 import re
 
-import jax
 import numpy as np
 import pytest
 
@@ -24,8 +23,8 @@ from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import inspection  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
 
-# Compile time dominates these tiny runs; XLA's optimisations do not pay.
-jax.config.update("jax_disable_most_optimizations", True)
+# Compile time dominates these tiny models; XLA's optimisations do not pay.
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(REPO_ROOT, "notebooks")

@@ -206,10 +206,11 @@ def test_check_grads_small(x64):
 
 @pytest.mark.parametrize("q,s,steps,kind", [
     (2, 2, 50, "neginf"), (3, 2, 30, "unnorm"), (2, 3, 12, "norm"),
-    (3, 3, 7, "neginf"),
+    (3, 3, 7, "neginf"), (2, 2, 72, "neginf"), (1, 2, 96, "unnorm"),
 ])
 def test_custom_vjp_equals_autodiff_of_naive_scan(x64, q, s, steps, kind):
-  # steps = 50 uses two static time blocks (see ns_stack._time_blocks).
+  # steps = 50, 72 and 96 use two, three and four static time blocks (see
+  # ns_stack._time_blocks and the test below).
   rng = np.random.default_rng(q * 7 + s * 3 + steps)
   push, repl, pop = _random_actions(rng, 2, steps, q, s, kind)
   c = rng.normal(size=(2, steps + 1, s))
@@ -430,3 +431,10 @@ def test_bad_input_raises_value_error():
   with pytest.raises(ValueError, match="push must have shape"):
     ns_stack.run_coupled(bad_step, {}, jnp.zeros((1, 1)),
                          np.zeros((1, 3, 1), np.float32), 2, 3)
+
+
+
+def test_gradient_cases_cover_three_and_four_time_blocks():
+  # Training at n = 80 runs 79 updates (3 blocks); test lengths >= 97 run 4.
+  blocks = lambda t: len(ns_stack._time_blocks(t))  # pylint: disable=protected-access
+  assert [blocks(t) for t in (50, 72, 79, 96)] == [2, 3, 3, 4]

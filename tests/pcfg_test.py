@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from nsrnn_jax import languages
 from nsrnn_jax import pcfg
 
 
@@ -218,3 +219,21 @@ def test_tiny_probabilities_do_not_underflow():
   want = 83 * math.log(0.001 / 2.0) + math.log(0.5)
   # Weights are renormalised: S -> 0S /.0005, 1S /.4995, 0 /.5.
   assert math.isclose(compiled.log_prob(w), want, rel_tol=1e-12)
+
+
+def test_log_inside_of_wildcards_is_the_length_weight():
+  # All-ones rows sum over every string of length n: ln G(n); one-hot rows
+  # are ln G(w); a prefix plus wildcards is the sum over its completions.
+  lang = languages.get("dyck")
+  g = lang.compiled
+  v = g.num_terminals
+  for n in lang.valid_lengths(2, 8):
+    np.testing.assert_allclose(g.log_inside(np.ones((1, n, v))),
+                               [math.log(g.length_prob(n))], rtol=1e-12)
+  n = lang.valid_lengths(2, 8)[0]
+  strings = np.array(list(itertools.product(range(v), repeat=n)))
+  weights = np.ones((1, n, v))
+  weights[0, 0] = np.eye(v)[strings[0, 0]]
+  want = np.log(np.sum(np.exp(g.log_prob_batch(
+      strings[strings[:, 0] == strings[0, 0]]))))
+  np.testing.assert_allclose(g.log_inside(weights), [want], rtol=1e-12)

@@ -92,7 +92,8 @@ def test_train_series_matches_naive_padding(runs):
 def test_duplicate_epoch_keeps_last_record(tmp_path):
   _write_run(str(tmp_path / "run"), [0.5, 0.4],
              extra_records=[{"epoch": 2, "valid_ce_diff": 0.3}])
-  epochs, values = plots.validation_curve(str(tmp_path / "run"))
+  with pytest.warns(UserWarning, match=r"repeats epochs \[2\]"):
+    epochs, values = plots.validation_curve(str(tmp_path / "run"))
   np.testing.assert_array_equal(epochs, [1, 2])
   np.testing.assert_array_equal(values, [0.5, 0.3])
 

@@ -1,4 +1,5 @@
-"""Tests of nsrnn_jax.train: loss, schedule, steps, end-to-end, resume.
+"""Tests of nsrnn_jax.train and the loop it runs: loss, schedule, steps,
+end-to-end, resume, workdir safety.
 
 The data and (mostly) the model are small stand-ins so the tests do not depend
 on other modules' speed: marked-reversal strings with their exact
@@ -17,9 +18,11 @@ import pytest
 
 from configs import default
 from nsrnn_jax import checkpointing
+from nsrnn_jax import data
+from nsrnn_jax import loop
 from nsrnn_jax import train
 
-jax.config.update("jax_disable_most_optimizations", True)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 # ---------------------------------------------------------------------------
@@ -62,23 +65,23 @@ def marked_reversal_batch(rng, length, num):
   f = 60.0 / 61.0
   length_log_prob = k * math.log(f) + math.log(1.0 - f)
   log_prob = np.full(num, length_log_prob - k * math.log(2.0))
-  return train.EvalBatch(symbols.astype(np.int32), log_prob, length_log_prob)
+  return data.Batch(symbols.astype(np.int32), log_prob, length_log_prob)
 
 
 def tiny_splits(seed=0, lengths=(5, 7), num_train=12, num_valid=3,
                 batch_size=4, test_lengths=(5, 7, 9)):
   rng = np.random.default_rng(seed)
   pick = lambda: int(rng.choice(lengths))
-  train_b = [marked_reversal_batch(rng, pick(), batch_size).symbols
+  train_b = [marked_reversal_batch(rng, pick(), batch_size)
              for _ in range(num_train)]
   valid_b = [marked_reversal_batch(rng, pick(), batch_size)
              for _ in range(num_valid)]
   test_rng = np.random.default_rng(1000 + seed)
   test_b = [marked_reversal_batch(test_rng, n, 6) for n in test_lengths]
-  return train.Splits(train=train_b, valid=valid_b, test=test_b,
-                      valid_num_lengths=len(lengths),
-                      test_num_lengths=len(test_lengths),
-                      alphabet=("0", "1", "#"))
+  split = lambda b, n: data.Split(b, len(n), min(n), max(n))
+  return data.Splits("marked_reversal", ("0", "1", "#"), seed, 1000 + seed,
+                     False, split(train_b, lengths), split(valid_b, lengths),
+                     split(test_b, test_lengths))
 
 
 def tiny_config(**overrides):
@@ -256,7 +259,7 @@ def test_stopped_state_train_step_is_a_no_op():
   model = TINY
   state = train.create_train_state(config, jax.random.key(0), model)
   state = state.replace(stopped=jnp.asarray(True))
-  batch = train.make_batch(tiny_splits().train[0])
+  batch = train.make_batch(tiny_splits().train[0].symbols)
   new_state, m = jax.jit(train.train_step)(state, batch)
   assert np.isfinite(float(m["loss"]))
   for a, b in zip(jax.tree.leaves(state.arrays()),
@@ -264,26 +267,54 @@ def test_stopped_state_train_step_is_a_no_op():
     np.testing.assert_array_equal(a, b)
 
 
-def test_train_step_matches_manual_adam_with_clipping():
-  config = tiny_config(learning_rate=0.01, clip_norm=0.5)
-  model = TINY
-  state = train.create_train_state(config, jax.random.key(0), model)
-  batch = train.make_batch(tiny_splits().train[0])
-  new_state, m = train._jit_train_step(state, batch)  # pylint: disable=protected-access
-  grads = jax.jit(jax.grad(train.loss_fn), static_argnums=1)(
-      state.params, model.apply, batch)
-  norm = math.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2))
-                       for g in jax.tree.leaves(grads)))
-  np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=1e-5)
-  assert norm > 0.5  # so the clip is active
-  # First Adam step: update = -lr * g_hat / (|g_hat| + eps) with bias
-  # correction, i.e. -lr * sign(g) (up to eps) for the clipped gradient.
-  for p0, p1, g in zip(jax.tree.leaves(state.params),
-                       jax.tree.leaves(new_state.params),
-                       jax.tree.leaves(grads)):
-    g = np.asarray(g, np.float64) * 0.5 / norm
-    expected = np.asarray(p0) - 0.01 * g / (np.abs(g) + 1e-8)
-    np.testing.assert_allclose(np.asarray(p1), expected, atol=1e-6)
+def _numpy_adam(params, grad_fn, batches, lr, clip_norm, b1=0.9, b2=0.999,
+                eps=1e-8):
+  """Hand-written clip-by-global-norm + Adam in float64 (clip_norm=None: off)."""
+  p = [np.asarray(x, np.float64) for x in params]
+  m = [np.zeros_like(x) for x in p]
+  v = [np.zeros_like(x) for x in p]
+  for t, batch in enumerate(batches, start=1):
+    g = [np.asarray(x, np.float64) for x in grad_fn(p, batch)]
+    norm = math.sqrt(sum(float(np.sum(x ** 2)) for x in g))
+    if clip_norm is not None and norm > clip_norm:
+      g = [x * clip_norm / norm for x in g]
+    m = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, g)]
+    v = [b2 * vi + (1 - b2) * gi ** 2 for vi, gi in zip(v, g)]
+    p = [pi - lr * (mi / (1 - b1 ** t)) / (np.sqrt(vi / (1 - b2 ** t)) + eps)
+         for pi, mi, vi in zip(p, m, v)]
+  return p
+
+
+def test_train_step_matches_hand_written_clipped_adam():
+  # After the first step Adam's update depends on the ratio of successive
+  # gradients, so clipping (active at every step here: the gradient norm is
+  # well above 0.5) changes the parameters; a missing clip fails the test.
+  config = tiny_config(learning_rate=0.05, clip_norm=0.5)
+  state = train.create_train_state(config, jax.random.key(0), TINY)
+  splits = tiny_splits()
+  batches = [train.make_batch(splits.train[i].symbols) for i in (0, 1, 2, 3)]
+  treedef = jax.tree.structure(state.params)
+  grad = jax.jit(jax.grad(train.loss_fn), static_argnums=1)
+
+  def grad_fn(leaves, batch):
+    params = jax.tree.unflatten(treedef, [jnp.asarray(x, jnp.float32)
+                                          for x in leaves])
+    return jax.tree.leaves(grad(params, TINY.apply, batch))
+
+  step = jax.jit(train.train_step)
+  norms = []
+  for batch in batches:
+    state, m = step(state, batch)
+    norms.append(float(m["grad_norm"]))
+  assert min(norms) > 1.0  # the clip is active at every step
+  start = jax.tree.leaves(train.create_train_state(
+      config, jax.random.key(0), TINY).params)
+  clipped = _numpy_adam(start, grad_fn, batches, 0.05, 0.5)
+  unclipped = _numpy_adam(start, grad_fn, batches, 0.05, None)
+  got = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.params)]
+  gap = max(float(np.max(np.abs(c - u))) for c, u in zip(clipped, unclipped))
+  err = max(float(np.max(np.abs(g - c))) for g, c in zip(got, clipped))
+  assert err < 1e-4 < gap, (err, gap)
 
 
 # ---------------------------------------------------------------------------
@@ -388,13 +419,117 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     resumed = train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
                                        splits=splits, model=TINY)
-  assert any("unreadable" in r.getMessage() for r in caplog.records)
+  assert any("Unreadable" in r.getMessage() for r in caplog.records)
   assert resumed == full
+  # Moved aside, not deleted.
+  aside = os.path.join(workdir, checkpointing.UNREADABLE_DIR)
+  assert os.listdir(aside) == ["3"]
+  assert os.listdir(os.path.join(aside, "3", "state"))
+
+
+def _snapshot(directory):
+  """Every file under `directory` with its bytes."""
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, directory)] = f.read()
+  return out
+
+
+def test_config_change_is_an_error_and_touches_nothing(tmp_path):
+  workdir = str(tmp_path)
+  train.train_and_evaluate(tiny_config(max_epochs=2), workdir,
+                           splits=tiny_splits(), model=TINY)
+  before = _snapshot(workdir)
+  with pytest.raises(ValueError, match=r"different config: clip_norm \(stored "
+                     r"5.0, requested 1.0\); hidden_size \(stored 20, "
+                     r"requested 21\)\. Use a new --workdir"):
+    train.train_and_evaluate(tiny_config(max_epochs=2, hidden_size=21,
+                                         clip_norm=1.0), workdir,
+                             splits=tiny_splits(), model=TINY)
+  assert _snapshot(workdir) == before
+  # Fields that do not change the run may differ.
+  again = train.train_and_evaluate(
+      tiny_config(max_epochs=2, progress_bar=True, checkpoints_to_keep=3),
+      workdir, splits=tiny_splits(), model=TINY)
+  assert again["finished"] and again["epochs"] == 2
+
+
+def test_no_readable_checkpoint_is_an_error_not_a_restart(tmp_path):
+  workdir = str(tmp_path)
+  train.train_and_evaluate(tiny_config(max_epochs=2), workdir,
+                           splits=tiny_splits(), model=TINY)
+  ckpt = os.path.join(workdir, "checkpoints")
+  for root, _, files in os.walk(ckpt):
+    for name in files:
+      if root.endswith("state") or "ocdbt" in root:
+        with open(os.path.join(root, name), "wb") as f:
+          f.write(b"garbage")
+  before = _snapshot(workdir)
+  with pytest.raises(ValueError, match="no readable checkpoint"):
+    train.train_and_evaluate(tiny_config(max_epochs=2), workdir,
+                             splits=tiny_splits(), model=TINY)
+  assert _snapshot(workdir) == before
+
+
+def test_resume_truncates_metrics_and_keeps_one_tensorboard_history(
+    tmp_path):
+  splits = tiny_splits()
+  full = train.train_and_evaluate(tiny_config(max_epochs=4),
+                                  str(tmp_path / "full"), splits=splits,
+                                  model=TINY)
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(tiny_config(max_epochs=4), workdir, splits=splits,
+                           model=TINY)
+  # A kill after epoch 4's record but before its checkpoint was finalised.
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))
+  os.remove(os.path.join(workdir, "results.json"))
+  resumed = train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
+                                     splits=splits, model=TINY)
+  assert resumed == full
+  records = [json.loads(l) for l in open(os.path.join(workdir,
+                                                      "metrics.jsonl"))]
+  want = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
+  assert [r["epoch"] for r in records] == [1, 2, 3, 4]
+  for r, w in zip(records, want):
+    assert r["train_loss"] == w["train_loss"]
+  events = [f for f in os.listdir(workdir) if f.startswith("events.out")]
+  assert len(events) == 1
+  # A fresh run in a directory with a stale metrics file starts it anew.
+  stale = str(tmp_path / "stale")
+  os.makedirs(stale)
+  with open(os.path.join(stale, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"epoch": 7, "train_loss": 1.0}) + "\n")
+  train.train_and_evaluate(tiny_config(max_epochs=1), stale, splits=splits,
+                           model=TINY)
+  assert [json.loads(l)["epoch"] for l in open(
+      os.path.join(stale, "metrics.jsonl"))] == [1]
+
+
+def test_should_stop_saves_and_resumes_exactly(tmp_path):
+  splits = tiny_splits()
+  config = tiny_config(max_epochs=4, checkpoint_every_epochs=3)
+  full = train.train_and_evaluate(config, str(tmp_path / "full"),
+                                  splits=splits, model=TINY)
+  workdir = str(tmp_path / "run")
+  part = train.train_and_evaluate(config, workdir, splits=splits, model=TINY,
+                                  should_stop=lambda: True)
+  assert not part["finished"] and part["epochs"] == 1
+  # Epoch 1 is not a checkpoint epoch, but stopping saved it.
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["1"]
+  assert not os.path.exists(os.path.join(workdir, "results.json"))
+  assert train.train_and_evaluate(config, workdir, splits=splits,
+                                  model=TINY) == full
 
 
 def test_non_finite_loss_raises(tmp_path):
   config = tiny_config(max_epochs=2)
-  with pytest.raises(FloatingPointError, match="non-finite training loss"):
+  with pytest.raises(FloatingPointError,
+                     match=r"non-finite training loss .* in epoch 1, step 1 "
+                     f"of run {tmp_path}"):
     train.train_and_evaluate(config, str(tmp_path),
                              splits=tiny_splits(lengths=(5,)),
                              model=NaNLM())

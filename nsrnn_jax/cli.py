@@ -1,0 +1,83 @@
+"""What every command line of the package shares (main, grid, evaluate, data).
+
+* Bad input is one line on stderr, "error: ...", and exit status 2, never a
+  traceback: flags that do not parse (an unknown or ill-typed --config.<field>,
+  a config file that does not exist or fails to load) and the ValueError,
+  OSError and FloatingPointError raised by the library (their messages name
+  the field, file or run). `--verbosity=1` or more shows the traceback.
+* Library logging (Orbax, absl, JAX) is at WARNING unless --verbosity asks
+  for more; the commands print their own concise status lines.
+* A config file loads from any working directory: the directory above the
+  config's folder (the repository root for configs/*.py) is put on sys.path,
+  so that `from configs import default` inside it works.
+"""
+
+import os
+import sys
+from typing import Callable, NoReturn, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+
+
+def fail(error) -> NoReturn:
+  """Prints `error` as one line on stderr and exits with status 2."""
+  message = " ".join(str(error).split()) or type(error).__name__
+  if "Failed loading config file" in message and "[Errno" in message:
+    # ml_collections wraps the OSError of a missing config file in prose.
+    message = "cannot load --config: " + message[message.index("[Errno"):]
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _config_roots(argv: Sequence[str]) -> list[str]:
+  paths = []
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      paths.append(arg.split("=", 1)[1])
+    elif arg == "--config" and i + 1 < len(argv):
+      paths.append(argv[i + 1])
+  return [os.path.dirname(os.path.dirname(os.path.abspath(p.split(":")[0])))
+          for p in paths]
+
+
+def _innermost(error: BaseException) -> str:
+  """The innermost message of an ml_collections error (args nest)."""
+  message = error
+  while isinstance(message, BaseException) and message.args:
+    message = message.args[0]
+  return str(message)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """absl flags parser whose errors are one line (exit 2)."""
+  for root in _config_roots(argv):
+    if root not in sys.path:
+      sys.path.append(root)
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:
+    # ml_collections raises these for --config.<name> with an unknown name.
+    fail(f"unknown config field {_innermost(e)} (fields: configs/default.py)")
+  except (flags.Error, ImportError, OSError, TypeError, ValueError,
+          SyntaxError) as e:
+    fail(e)
+
+
+def run(main: Callable[[Sequence[str]], None]) -> None:
+  """app.run(main) with the conventions of the module docstring."""
+
+  def wrapped(argv):
+    if not flags.FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+      fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+      main(argv)
+    except (ValueError, OSError, FloatingPointError) as e:
+      if flags.FLAGS.verbosity >= 1:
+        raise
+      fail(e)
+
+  app.run(wrapped, flags_parser=parse_flags)

@@ -1,0 +1,546 @@
+"""The epoch loop: K >= 1 models trained at once; a single run is K = 1.
+
+`run_models(runs, model)` is the only training loop of the package:
+`train.train_and_evaluate` calls it with one run, `grid.run_grid` with the
+K = |learning rates| x restarts members of a grid. The K `train.TrainState`s
+are stacked along a leading model axis and `train`'s pure functions
+(`train_step`, `eval_step`, `end_of_epoch`) are vmapped over it. Each model
+keeps its own learning rate (in its optimizer state), plateau schedule,
+early-stopping counter and best parameters; a model that has stopped no
+longer changes (the steps mask the update with `state.stopped`).
+
+Every run has its own directory with the same files, whether it trains alone
+or in a grid (README "Outputs"): config.json, metrics.jsonl (one record per
+epoch), TensorBoard events, checkpoints/ (that run's state alone),
+test_by_length.{json,csv} and results.json. Resuming restores each run from
+its own checkpoints and truncates its metrics past the restored epoch.
+
+Because the K models draw batches of different lengths at the same step,
+each step's K batches are right-padded to the longest of them (or its
+`length_buckets` bound) with a zero mask; all models are causal, so the
+masked loss is exact. On a mesh the K axis is sharded over 'model' and each
+batch over 'data' (parallel.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from nsrnn_jax import checkpointing
+from nsrnn_jax import data
+from nsrnn_jax import metrics as metrics_lib
+from nsrnn_jax import parallel
+from nsrnn_jax import train
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One model of the loop.
+
+  Attributes:
+    config: the run's full config (learning rate and seeds included).
+    workdir: its run directory.
+    splits: its data.
+    name: how messages name it (the workdir, or lr_<lr>/restart_<r>).
+  """
+  config: ml_collections.ConfigDict
+  workdir: str
+  splits: data.Splits
+  name: str
+
+
+# ---------------------------------------------------------------------------
+# Stacking, padding and the vmapped steps.
+# ---------------------------------------------------------------------------
+
+
+def stack_states(states: Sequence[train.TrainState]) -> train.TrainState:
+  """Stacks K TrainStates along a new leading axis.
+
+  Only the array fields are stacked; the static fields (apply_fn, optimizer,
+  schedule) come from the first state, so they must agree across models (the
+  learning rate lives in the optimizer *state*, so one optimizer serves all).
+  """
+  arrays = [s.arrays() for s in states]
+  return states[0].replace(**jax.tree.map(lambda *xs: jnp.stack(xs), *arrays))
+
+
+def stack_batches(symbols_list: Sequence[np.ndarray],
+                  padded_to: Optional[int] = None) -> train.Batch:
+  """K batches of (possibly) different lengths -> one [K, B, N] batch.
+
+  Each is right-padded to the longest (or to `padded_to`) with mask 0.
+  """
+  sizes = {np.shape(s)[0] for s in symbols_list}
+  if len(sizes) != 1:
+    raise ValueError(f"the runs' batches differ in size: {sorted(sizes)}; "
+                     "every run must use the same batch_size")
+  longest = max(np.shape(s)[1] for s in symbols_list)
+  padded_to = longest if padded_to is None else max(padded_to, longest)
+  batches = [train.make_batch(s, padded_to) for s in symbols_list]
+  return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
+
+
+def _eval_models(params_K, batch_K, apply_fn):
+  return jax.vmap(functools.partial(train.eval_step, apply_fn=apply_fn))(
+      params_K, batch_K)
+
+
+class Steps(NamedTuple):
+  """The vmapped, jitted train and epoch-end steps of one mesh."""
+  train: Callable[..., Any]
+  end_of_epoch: Callable[..., Any]
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_steps(mesh) -> Steps:
+  """The steps for `mesh`, cached: one jit cache per mesh for the process.
+
+  Their caches are shared by every call in one process (tests, notebooks,
+  grids) as long as the static fields compare equal, and each compiles once
+  per padded length (tests/loop_test.py). The state's output sharding is
+  pinned to its input sharding, or a size-1 'model' axis would come back
+  replicated and cost one more compilation.
+  """
+  state_sharding = parallel.model_sharding(mesh)
+  return Steps(
+      train=jax.jit(jax.vmap(train.train_step), donate_argnums=0,
+                    out_shardings=state_sharding),
+      end_of_epoch=jax.jit(jax.vmap(train.end_of_epoch), donate_argnums=0,
+                           out_shardings=state_sharding))
+
+
+eval_models = jax.jit(_eval_models, static_argnames="apply_fn")
+
+
+# ---------------------------------------------------------------------------
+# Evaluation (also used by evaluate.py).
+# ---------------------------------------------------------------------------
+
+
+def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
+                   num_lengths_K: Sequence[Optional[int]], mesh
+                   ) -> list[list[dict]]:
+  """Model and lower-bound sums per batch and model (float64, on the host).
+
+  Args:
+    params_K: stacked parameters of the K models.
+    apply_fn: the model's apply function.
+    splits_K: each model's split (same number of batches and batch size).
+    config: for the compile strategy.
+    num_lengths_K: N_L added to each string's bound (None: no ln N_L term).
+    mesh: the ('model', 'data') mesh the params live on.
+
+  Returns:
+    Per model, one dict per batch: length, num_strings, model_nll, bound_nll
+    (None when the batch has no true log-probs), num_tokens, num_correct.
+  """
+  num = {len(s) for s in splits_K}
+  if len(num) != 1:
+    raise ValueError(f"the runs' splits differ in number of batches "
+                     f"({sorted(num)})")
+  (num,) = num
+  pending = []
+  for j in range(num):
+    symbols = [s[j].symbols for s in splits_K]
+    longest = max(x.shape[1] for x in symbols)
+    batch = stack_batches(symbols, train.padded_length(longest, config))
+    pending.append(eval_models(params_K, parallel.put_model_batch(batch, mesh),
+                               apply_fn=apply_fn))
+  sums = parallel.to_host(pending)  # Fetch after dispatching everything.
+  results = [[] for _ in splits_K]
+  for j in range(num):
+    for k, split in enumerate(splits_K):
+      b = split[j]
+      n = b.symbols.shape[0]
+      bound = None
+      if b.log_prob is not None:
+        bound = float(np.sum(metrics_lib.lower_bound_neg_log_prob(
+            b.log_prob, b.length_log_prob, num_lengths_K[k])))
+      s = {key: np.asarray(v[k], np.float64)[:n] for key, v in sums[j].items()}
+      results[k].append({
+          "length": int(b.symbols.shape[1]), "num_strings": int(n),
+          "model_nll": float(np.sum(s["nll"])), "bound_nll": bound,
+          "num_tokens": float(np.sum(s["num_tokens"])),
+          "num_correct": float(np.sum(s["num_correct"]))})
+  return results
+
+
+def summarize(results: Sequence[dict]) -> dict:
+  """Perplexities and CE difference of one model's `evaluate_split` dicts."""
+  nll = sum(r["model_nll"] for r in results)
+  tokens = sum(r["num_tokens"] for r in results)
+  out = {"perplexity": metrics_lib.perplexity(nll, tokens),
+         "cross_entropy": nll / tokens,
+         "accuracy": sum(r["num_correct"] for r in results) / tokens}
+  if all(r["bound_nll"] is not None for r in results):
+    bound = sum(r["bound_nll"] for r in results)
+    out["lower_bound_perplexity"] = metrics_lib.perplexity(bound, tokens)
+    out["ce_diff"] = metrics_lib.ce_difference(nll, bound, tokens)
+  return out
+
+
+def test_outputs(results: Sequence[dict], config) -> tuple[dict, dict]:
+  """(per-length table, summary) of one model's test `evaluate_split` dicts.
+
+  The summary holds the overall test metrics (prefixed test_) and the mean
+  per-length CE difference over the training-length range and beyond it.
+  """
+  by_length = {}
+  for r in results:
+    by_length.setdefault(r["length"], []).append(r)
+  table = {"lengths": [], "ce_diff": [], "perplexity": [],
+           "lower_bound_perplexity": [], "num_strings": []}
+  for length in sorted(by_length):
+    s = summarize(by_length[length])
+    table["lengths"].append(length)
+    table["ce_diff"].append(s.get("ce_diff", float("nan")))
+    table["perplexity"].append(s["perplexity"])
+    table["lower_bound_perplexity"].append(
+        s.get("lower_bound_perplexity", float("nan")))
+    table["num_strings"].append(sum(r["num_strings"] for r in by_length[length]))
+  summary = {f"test_{k}": v for k, v in summarize(results).items()}
+  lengths = np.asarray(table["lengths"])
+  diffs = np.asarray(table["ce_diff"])
+  inside = lengths <= config.train_max_length
+  if inside.any():
+    summary["test_ce_diff_in_train_range"] = float(np.mean(diffs[inside]))
+  if (~inside).any():
+    summary["test_ce_diff_longer"] = float(np.mean(diffs[~inside]))
+  return table, summary
+
+
+def check_splits(splits: data.Splits, config, name: str) -> None:
+  """Raises a one-line ValueError for data the loop cannot use."""
+  for split in ("train", "valid"):
+    if not splits.split(split).batches:
+      raise ValueError(f"run {name} has no {split} batches")
+  if config.run_test and not splits.test.batches:
+    raise ValueError(f"config.run_test is set but run {name} has no test "
+                     "strings")
+
+
+def test_num_lengths(split: data.Split, config) -> Optional[int]:
+  """N_L of the per-length test bound (reference-behaviour.md section 6)."""
+  return split.num_lengths if config.test_bound_includes_num_lengths else None
+
+
+# ---------------------------------------------------------------------------
+# Output.
+# ---------------------------------------------------------------------------
+
+
+class _Console:
+  """Status lines on stderr (process 0), kept apart from the progress bar."""
+
+  def __init__(self, enabled: bool, bar: bool, total: int, initial: int):
+    self.enabled = enabled
+    self.bar = None
+    if enabled and bar:
+      import tqdm  # pylint: disable=g-import-not-at-top
+      self.bar = tqdm.tqdm(total=total, initial=initial, desc="epochs",
+                           unit="epoch", dynamic_ncols=True, leave=False,
+                           file=sys.stderr)
+
+  def print(self, line: str) -> None:
+    if not self.enabled:
+      return
+    if self.bar is not None:
+      self.bar.write(line, file=sys.stderr)
+    else:
+      print(line, file=sys.stderr, flush=True)
+
+  def update(self) -> None:
+    if self.bar is not None:
+      self.bar.update(1)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+      self.bar = None
+
+
+def _epoch_line(epochs: np.ndarray, records: dict, max_epochs: int,
+                num_running: int, seconds: float) -> str:
+  """One concise line per epoch (one model: its numbers; K: a summary)."""
+  if len(records) == 1:
+    (epoch, r), = records.items()
+    diff = r.get("valid_ce_diff")
+    diff = f"  valid ce_diff {diff:+.4f}" if diff is not None else ""
+    return (f"epoch {epoch:3d}/{max_epochs}  loss {r['train_loss']:.4f}{diff}"
+            f"  ppl {r['valid_perplexity']:.4f}  lr {r['learning_rate']:.3g}"
+            f"  {seconds:.1f}s")
+  key = ("valid_ce_diff" if all("valid_ce_diff" in r for r in records.values())
+         else "valid_perplexity")
+  values = np.asarray([r[key] for r in records.values()])
+  return (f"epoch {int(np.max(epochs)):3d}/{max_epochs}  {num_running} of "
+          f"{len(epochs)} models running  {key} min {np.min(values):.4f} "
+          f"median {np.median(values):.4f}  {seconds:.1f}s")
+
+
+# ---------------------------------------------------------------------------
+# The loop.
+# ---------------------------------------------------------------------------
+
+
+def _initial_state(runs: Sequence[Run], model) -> train.TrainState:
+  """Stacked fresh states; one optimizer spec (run 0's), each run's LR."""
+  states = []
+  for run in runs:
+    s = train.create_train_state(runs[0].config,
+                                 jax.random.key(run.config.param_seed), model)
+    states.append(s.replace(opt_state=train.set_learning_rate(
+        s.opt_state, float(run.config.learning_rate))))
+  return stack_states(states)
+
+
+def _results(state_host: dict, k: int) -> dict:
+  return {"finished": bool(state_host["stopped"][k]),
+          "epochs": int(state_host["epoch"][k]),
+          "steps": int(state_host["step"][k]),
+          "best_epoch": int(state_host["best_epoch"][k]),
+          "best_valid_perplexity": float(state_host["best_metric"][k]),
+          "final_learning_rate": float(state_host["lr"][k])}
+
+
+def run_models(runs: Sequence[Run], model, mesh=None,
+               should_stop: Optional[Callable[[], bool]] = None
+               ) -> list[dict]:
+  """Trains K >= 1 models at once (resuming each from its run directory).
+
+  The run directories must have been checked (`checkpointing.check_workdir`)
+  and their config.json written; `runs[0].config` supplies everything shared
+  (batch size, schedule, compile strategy, stop_after_epochs, progress_bar).
+
+  Args:
+    runs: the K runs (same batch size and number of training batches).
+    model: the Flax model shared by all runs.
+    mesh: the ('model', 'data') mesh; default: all devices on 'data'.
+    should_stop: called after every epoch once its checkpoints are saved;
+      returning True ends this invocation there (rerunning resumes).
+
+  Returns:
+    Each run's results dict (also written to its results.json once all runs
+    have finished): finished, epochs, steps, best_epoch, best valid metrics,
+    test metrics.
+
+  Raises:
+    FloatingPointError: a training loss is not finite (names epoch and run).
+    ValueError: inconsistent runs, or a checkpoint that cannot be read.
+  """
+  config = runs[0].config
+  num_models = len(runs)
+  mesh = parallel.make_mesh() if mesh is None else mesh
+  if num_models % int(mesh.shape[parallel.MODEL_AXIS]):
+    raise ValueError(
+        f"{num_models} models do not divide over the mesh's model axis "
+        f"({mesh.shape[parallel.MODEL_AXIS]}); change grid_model_parallel")
+  parallel.check_batch_size(int(config.batch_size), mesh)
+  num_steps = {len(r.splits.train) for r in runs}
+  if len(num_steps) != 1:
+    raise ValueError(f"the runs have different numbers of training batches: "
+                     f"{sorted(num_steps)}")
+  (num_steps,) = num_steps
+  main = parallel.is_main_process()
+
+  state = _initial_state(runs, model)
+  template = jax.tree.map(lambda x: np.asarray(x[0]), state.arrays())
+  rngs = [np.random.RandomState(r.config.shuffle_seed) for r in runs]
+  orders = [np.arange(num_steps) for _ in runs]
+  managers, writers = [], []
+  console = None
+  try:
+    for run in runs:
+      managers.append(checkpointing.make_manager(
+          checkpointing.checkpoint_dir(run.workdir),
+          keep=int(config.checkpoints_to_keep)))
+    state, resumed = _restore(state, managers, template, rngs, orders, mesh,
+                              move_aside=main)
+    writers = [metrics_lib.MetricWriter(r.workdir, enabled=main,
+                                        resume_epoch=e)
+               for r, e in zip(runs, resumed)]
+    console = _Console(main, bool(config.progress_bar),
+                       int(config.max_epochs), max(resumed))
+    if any(resumed):
+      console.print(
+          f"resumed from epoch {resumed[0]} ({runs[0].name})"
+          if num_models == 1 else f"resumed {sum(e > 0 for e in resumed)} "
+          f"of {num_models} runs from epochs {min(resumed)}-{max(resumed)}")
+    return _train(state, runs, model, mesh, managers, writers, console, rngs,
+                  orders, main, should_stop)
+  finally:
+    for manager in managers:
+      checkpointing.close(manager)
+    for w in writers:
+      w.close()
+    if console is not None:
+      console.close()
+
+
+def _restore(state, managers, template, rngs, orders, mesh, move_aside):
+  """Each run's latest readable checkpoint (or its fresh state), stacked."""
+  arrays_K, resumed = [], []
+  for k, manager in enumerate(managers):
+    restored = checkpointing.restore_latest(manager, template,
+                                            move_aside=move_aside)
+    if restored is None:
+      arrays_K.append(jax.tree.map(lambda x: np.asarray(x[k]),  # pylint: disable=cell-var-from-loop
+                                   state.arrays()))
+      resumed.append(0)
+      continue
+    epoch, arrays, host = restored
+    arrays_K.append(arrays)
+    rngs[k].set_state(checkpointing.rng_state_from_json(host["shuffle_rng"]))
+    orders[k] = np.asarray(host["order"], np.int64)
+    resumed.append(epoch)
+  return state.replace(**parallel.shard_models(
+      jax.tree.map(lambda *xs: np.stack(xs), *arrays_K), mesh)), resumed
+
+
+def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
+           main, should_stop) -> list[dict]:
+  """The epochs, then the final evaluation (see run_models)."""
+  config = runs[0].config
+  num_models = len(runs)
+  num_steps = len(runs[0].splits.train)
+  host = parallel.to_host
+  steps = jitted_steps(mesh)
+  epochs_this_run = 0
+  while True:
+    stopped = np.asarray(host(state.stopped))
+    if stopped.all():
+      break
+    start = time.perf_counter()
+    for k in np.flatnonzero(~stopped):
+      rngs[k].shuffle(orders[k])
+    losses = []
+    for i in range(num_steps):
+      symbols = [r.splits.train[o[i]].symbols for r, o in zip(runs, orders)]
+      longest = max(x.shape[1] for x in symbols)
+      batch = stack_batches(symbols, train.padded_length(longest, config))
+      state, step_metrics = steps.train(
+          state, parallel.put_model_batch(batch, mesh))
+      losses.append(step_metrics["loss"])
+    losses_SxK = np.asarray(host(losses), np.float64)
+    for k in np.flatnonzero(~stopped):
+      bad = np.flatnonzero(~np.isfinite(losses_SxK[:, k]))
+      if bad.size:
+        raise FloatingPointError(
+            f"non-finite training loss ({losses_SxK[bad[0], k]}) in epoch "
+            f"{int(host(state.epoch)[k]) + 1}, step {bad[0] + 1} of run "
+            f"{runs[k].name} (try a smaller learning rate); its last "
+            "checkpoint is kept")
+    train_time = time.perf_counter() - start
+    valid = [summarize(r) for r in evaluate_split(
+        state.params, model.apply, [r.splits.valid for r in runs], config,
+        [r.splits.valid.num_lengths for r in runs], mesh)]
+    lr_used = np.asarray(host(train.learning_rate(state)))
+    ppl = np.asarray([v["perplexity"] for v in valid], np.float32)
+    state = steps.end_of_epoch(state, parallel.shard_models(ppl, mesh))
+    after = host({"epoch": state.epoch, "best_epoch": state.best_epoch,
+                  "lr": train.learning_rate(state),
+                  "stopped": state.stopped})
+    elapsed = time.perf_counter() - start
+    records = {}
+    for k in np.flatnonzero(~stopped):
+      epoch = int(after["epoch"][k])
+      record = {"train_loss": float(np.mean(losses_SxK[:, k])),
+                "valid_perplexity": valid[k]["perplexity"],
+                "valid_cross_entropy": valid[k]["cross_entropy"],
+                "valid_accuracy": valid[k]["accuracy"],
+                "learning_rate": float(lr_used[k]),
+                "next_learning_rate": float(after["lr"][k]),
+                "best_epoch": int(after["best_epoch"][k]),
+                "time": elapsed, "train_time": train_time}
+      if "ce_diff" in valid[k]:
+        record["valid_ce_diff"] = valid[k]["ce_diff"]
+        record["valid_lower_bound_perplexity"] = (
+            valid[k]["lower_bound_perplexity"])
+      records[k] = (epoch, record)
+    epochs_this_run += 1
+    leaving = bool(config.stop_after_epochs) and (
+        epochs_this_run >= int(config.stop_after_epochs))
+    # Save every checkpoint_every_epochs, when a run stops, and before
+    # this invocation ends (nothing trained is lost).
+    due = [k for k in np.flatnonzero(~stopped) if leaving
+           or after["stopped"][k]
+           or after["epoch"][k] % int(config.checkpoint_every_epochs) == 0]
+    _save(managers, due, host(state.arrays()) if due else None,
+          after["epoch"], rngs, orders)
+    # Logged only after the checkpoint is on disk (checkpointing.save waits),
+    # so a kill loses at most the epoch in progress.
+    for k, (epoch, record) in records.items():
+      writers[k].write_scalars(epoch, record)
+    records = {(epoch if num_models == 1 else k): record
+               for k, (epoch, record) in records.items()}
+    console.update()
+    console.print(_epoch_line(after["epoch"], records,
+                              int(config.max_epochs),
+                              int((~after["stopped"]).sum()), elapsed))
+    if not leaving and should_stop is not None and should_stop():
+      unsaved = [k for k in np.flatnonzero(~stopped) if k not in due]
+      _save(managers, unsaved, host(state.arrays()) if unsaved else None,
+            after["epoch"], rngs, orders)
+      leaving = True
+    if leaving:
+      break
+  console.close()
+  final = host({"stopped": state.stopped, "epoch": state.epoch,
+                "step": state.step, "best_epoch": state.best_epoch,
+                "best_metric": state.best_metric,
+                "lr": train.learning_rate(state)})
+  results = [_results(final, k) for k in range(num_models)]
+  if not final["stopped"].all():
+    console.print(f"stopped after {epochs_this_run} epochs, rerun the same "
+                  "command to continue")
+    return results
+  _finish(state, model, runs, mesh, results, writers, main)
+  return results
+
+
+def _save(managers, ks, arrays, epochs, rngs, orders) -> None:
+  """Saves runs `ks` (their slices of the host state `arrays`)."""
+  for k in ks:
+    checkpointing.save(
+        managers[k], int(epochs[k]), jax.tree.map(lambda x: x[k], arrays),  # pylint: disable=cell-var-from-loop
+        {"shuffle_rng": checkpointing.rng_state_to_json(rngs[k].get_state()),
+         "order": orders[k].tolist(), "epoch": int(epochs[k])})
+
+
+def _finish(state, model, runs, mesh, results, writers, main):
+  """Best-parameter validation and test of every run; results.json files."""
+  config = runs[0].config
+  best_valid = evaluate_split(
+      state.best_params, model.apply, [r.splits.valid for r in runs], config,
+      [r.splits.valid.num_lengths for r in runs], mesh)
+  tests = None
+  if config.run_test:
+    tests = evaluate_split(
+        state.best_params, model.apply, [r.splits.test for r in runs], config,
+        [test_num_lengths(r.splits.test, config) for r in runs], mesh)
+  for k, run in enumerate(runs):
+    results[k].update({f"best_valid_{key}": v
+                       for key, v in summarize(best_valid[k]).items()})
+    if tests is not None:
+      table, summary = test_outputs(tests[k], config)
+      results[k].update(summary)
+      text = metrics_lib.write_test_table(run.workdir, table, enabled=main)
+      if main and len(runs) == 1:  # The result goes to stdout.
+        print(f"Test cross-entropy difference by length ({run.workdir}):\n"
+              f"{text}")
+    writers[k].write_scalars(results[k]["epochs"], {
+        key: v for key, v in results[k].items() if isinstance(v, float)},
+                             jsonl=False)
+    if main:
+      checkpointing.write_json(run.workdir, "results.json", results[k])

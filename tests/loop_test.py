@@ -1,0 +1,96 @@
+"""Tests of nsrnn_jax.loop beyond train_test's end-to-end runs: the test
+uses the best epoch's parameters, compilation happens once per shape, and a
+non-finite loss stops every run at once with the run named."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from nsrnn_jax import data
+from nsrnn_jax import grid
+from nsrnn_jax import loop
+from nsrnn_jax import parallel
+from nsrnn_jax import train
+from train_test import NaNLM, TinyLM, TINY, restore_arrays, tiny_config, tiny_splits  # pylint: disable=g-multiple-import
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def test_best_epoch_parameters_are_tested_when_the_last_epoch_is_worse(
+    tmp_path):
+  # With this (too large) learning rate epoch 4 is the best and epoch 5 is
+  # clearly worse (validation perplexity 2.03 vs 2.51).
+  config = tiny_config(max_epochs=5, learning_rate=0.6)
+  splits = tiny_splits()
+  results = train.train_and_evaluate(config, str(tmp_path), splits=splits,
+                                     model=TINY)
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert results["best_epoch"] == 4 and results["epochs"] == 5
+  best, last = records[3], records[4]
+  assert last["valid_perplexity"] > 1.1 * best["valid_perplexity"]
+  assert results["best_valid_perplexity"] == pytest.approx(
+      best["valid_perplexity"], rel=1e-6)
+  # The saved test table is that of the best parameters, not the last.
+  _, arrays, _ = restore_arrays(str(tmp_path), TINY, config)
+  tables = {}
+  for key in ("params", "best_params"):
+    params_K = jax.tree.map(lambda x: np.asarray(x)[None], arrays[key])
+    (results_k,) = loop.evaluate_split(
+        params_K, TINY.apply, [splits.test], config,
+        [splits.test.num_lengths], parallel.make_mesh())
+    tables[key] = loop.test_outputs(results_k, config)[0]["ce_diff"]
+  saved = json.load(open(tmp_path / "test_by_length.json"))["ce_diff"]
+  np.testing.assert_allclose(saved, tables["best_params"], rtol=1e-9)
+  assert np.max(np.abs(np.asarray(saved) - tables["params"])) > 1e-3
+
+
+@pytest.mark.parametrize("strategy,compiles", [("per_length", 2),
+                                               ("bucket", 1)])
+def test_train_step_compiles_once_per_length_or_bucket(tmp_path, strategy,
+                                                       compiles):
+  # A model of its own, so that its cache entries are new to this test.
+  model = TinyLM(hidden_size=3 if strategy == "bucket" else 5)
+  config = tiny_config(max_epochs=3, compile_strategy=strategy)
+  splits = tiny_splits(lengths=(5, 7))  # buckets (8, 12): both in 8
+  steps = loop.jitted_steps(parallel.make_mesh())
+  train_before = steps.train._cache_size()  # pylint: disable=protected-access
+  end_before = steps.end_of_epoch._cache_size()  # pylint: disable=protected-access
+  train.train_and_evaluate(config, str(tmp_path / "a"), splits=splits,
+                           model=model)
+  assert steps.train._cache_size() - train_before == compiles  # pylint: disable=protected-access
+  assert steps.end_of_epoch._cache_size() - end_before == 1  # pylint: disable=protected-access
+  # Resuming compiles nothing new either.
+  train.train_and_evaluate(tiny_config(max_epochs=3, stop_after_epochs=1,
+                                       compile_strategy=strategy),
+                           str(tmp_path / "b"), splits=splits, model=model)
+  train.train_and_evaluate(config, str(tmp_path / "b"), splits=splits,
+                           model=model)
+  assert steps.train._cache_size() - train_before == compiles  # pylint: disable=protected-access
+
+
+def test_non_finite_loss_in_a_grid_fails_fast_naming_the_run(tmp_path):
+  config = tiny_config(max_epochs=2)
+  config.grid_learning_rates = (0.01, 0.02)
+  config.num_restarts = 1
+  splits = [tiny_splits()] * 2
+  with pytest.raises(FloatingPointError, match=r"in epoch 1, step 1 of run "
+                     r"lr_0.01/restart_0"):
+    grid.run_grid(config, str(tmp_path), splits=splits, model=NaNLM())
+
+
+def test_unusable_splits_are_one_line_errors_before_any_write(tmp_path):
+  splits = tiny_splits()
+  no_test = dataclasses.replace(splits, test=data.Split([], 0, 5, 9))
+  with pytest.raises(ValueError, match="config.run_test is set but run .* "
+                     "has no test strings"):
+    train.train_and_evaluate(tiny_config(), str(tmp_path / "run"),
+                             splits=no_test, model=TINY)
+  no_train = dataclasses.replace(splits, train=data.Split([], 0, 5, 7))
+  with pytest.raises(ValueError, match="has no train batches"):
+    train.train_and_evaluate(tiny_config(), str(tmp_path / "run"),
+                             splits=no_train, model=TINY)
+  assert not os.path.exists(tmp_path / "run")

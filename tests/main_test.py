@@ -1,0 +1,130 @@
+"""The command lines' bad-input contract, walked end to end (issue 10).
+
+Every bad input below gives exactly one line on stderr starting "error:",
+exit status 2, no traceback, and leaves the filesystem as it was. Also: a
+config file loads from any working directory.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = os.path.join(REPO, "configs", "quick.py")
+
+
+def _snapshot(root):
+  out = {}
+  for base, dirs, files in os.walk(root):
+    for name in dirs + files:
+      path = os.path.join(base, name)
+      out[path] = None if os.path.isdir(path) else open(path, "rb").read()
+  return out
+
+
+def _cases(tmp):
+  """(name, argv, expected message fragment)."""
+  a_file = os.path.join(tmp, "a_file")
+  trained = os.path.join(tmp, "trained")  # a workdir holding a config.json
+  new = os.path.join(tmp, "new")
+  main = ["-m", "nsrnn_jax.main", f"--config={QUICK}"]
+  cases = [
+      ("missing config file", ["-m", "nsrnn_jax.main",
+                               f"--config={REPO}/configs/nope.py",
+                               f"--workdir={new}"],
+       "cannot load --config: [Errno 2] No such file"),
+      ("ill-typed override", main + ["--config.hidden_size=1.5",
+                                     f"--workdir={new}"],
+       "--config.hidden_size=1.5"),
+      ("unknown field", main + ["--config.hiden_size=2", f"--workdir={new}"],
+       "unknown config field"),
+      ("bad value", main + ["--config.max_epochs=0", f"--workdir={new}"],
+       "config.max_epochs must be >= 1"),
+      ("training interval without strings",
+       main + ["--config.train_min_length=2", "--config.train_max_length=2",
+               f"--workdir={new}"],
+       "[2, 2], which holds no string of marked_reversal"),
+      ("test interval without strings",
+       main + ["--config.test_min_length=4", "--config.test_max_length=4",
+               f"--workdir={new}"],
+       "[4, 4], which holds no string of marked_reversal"),
+      ("workdir is a file", main + [f"--workdir={a_file}"],
+       "is a file, not a directory"),
+      ("workdir below a file", main + [f"--workdir={a_file}/run"],
+       "cannot be created"),
+      ("unwritable workdir", main + ["--workdir=/proc/nsrnn_run"],
+       "is not writable"),
+      ("changed config on a workdir", main + ["--config.hidden_size=21",
+                                              f"--workdir={trained}"],
+       "hidden_size (stored 20, requested 21)"),
+      ("extra argument", main + [f"--workdir={new}", "extra"],
+       "unexpected arguments: extra"),
+      ("data --out is a file", ["-m", "nsrnn_jax.data", "--task=dyck",
+                                f"--out={a_file}"],
+       "--out"),
+      ("data --out unwritable", ["-m", "nsrnn_jax.data", "--task=dyck",
+                                 "--out=/proc/nsrnn_data"],
+       "is not writable"),
+      ("evaluate a file", ["-m", "nsrnn_jax.evaluate", f"--workdir={a_file}"],
+       "is a file, not a directory"),
+      ("evaluate a missing workdir", ["-m", "nsrnn_jax.evaluate",
+                                      f"--workdir={new}"], "does not exist"),
+      ("evaluate into an unusable --out",
+       ["-m", "nsrnn_jax.evaluate", f"--workdir={trained}",
+        f"--out={a_file}"], "output directory"),
+  ]
+  return cases
+
+
+def test_every_bad_input_is_one_line_and_exit_2(tmp_path):
+  tmp = str(tmp_path)
+  with open(os.path.join(tmp, "a_file"), "w") as f:
+    f.write("not a directory")
+  sys.path.insert(0, REPO)
+  try:
+    from configs import quick  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(REPO)
+  config = json.loads(quick.get_config().to_json_best_effort())
+  os.makedirs(os.path.join(tmp, "trained"))
+  with open(os.path.join(tmp, "trained", "config.json"), "w") as f:
+    json.dump(config, f)
+  before = _snapshot(tmp)
+  cases = _cases(tmp)
+  # The CLIs start in parallel: each one's cost is importing JAX.
+  procs = [subprocess.Popen([sys.executable, *argv], cwd=tmp,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for _, argv, _ in cases]
+  failures = []
+  for (name, _, fragment), proc in zip(cases, procs):
+    _, stderr = proc.communicate(timeout=300)
+    lines = stderr.strip().splitlines()
+    if (proc.returncode != 2 or len(lines) != 1
+        or not lines[0].startswith("error: ") or fragment not in lines[0]):
+      failures.append(f"{name}: rc={proc.returncode} stderr={stderr[-500:]!r}")
+  assert not failures, "\n".join(failures)
+  assert _snapshot(tmp) == before  # Nothing created or overwritten.
+
+
+@pytest.fixture
+def package_only(tmp_path):
+  """A PYTHONPATH holding nsrnn_jax but not the repository's configs/."""
+  path = tmp_path / "site"
+  path.mkdir()
+  os.symlink(os.path.join(REPO, "nsrnn_jax"), path / "nsrnn_jax")
+  return str(path)
+
+
+def test_config_file_loads_from_any_working_directory(tmp_path, package_only):
+  # `from configs import default` inside the config works from elsewhere.
+  env = dict(os.environ, PYTHONPATH=package_only)
+  proc = subprocess.run(
+      [sys.executable, "-m", "nsrnn_jax.main", f"--config={QUICK}",
+       f"--workdir={tmp_path}/run", "--config.max_epochs=0"],
+      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+  # The config loaded (and was validated): the override is what fails.
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip() == "error: config.max_epochs must be >= 1 (got 0)"
