@@ -725,6 +725,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     The results dict (also saved as results.json when training finished):
     epochs, best_epoch, best valid metrics, test metrics, "finished".
   """
+  from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+  print(parallel.describe_runtime(config.get("matmul_precision", "highest")))
   validate_config(config)
   main = _is_main_process()
   os.makedirs(workdir, exist_ok=True)

@@ -8,6 +8,7 @@ modules in the same process are unaffected.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -430,3 +431,89 @@ def test_bad_input_raises_value_error():
   with pytest.raises(ValueError, match="push must have shape"):
     ns_stack.run_coupled(bad_step, {}, jnp.zeros((1, 1)),
                          np.zeros((1, 3, 1), np.float32), 2, 3)
+
+
+# ---------------------------------------------------------------------------
+# Matmul precision reaches every contraction (forward and custom backward).
+# ---------------------------------------------------------------------------
+
+
+def _dot_precisions(text):
+  """The precision attribute of every stablehlo.dot_general in `text`."""
+  lines = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+  out = []
+  for l in lines:
+    m = re.search(r"precision = \[(\w+), (\w+)\]", l)
+    out.append(m.groups() if m else ("DEFAULT", "DEFAULT"))
+  return out
+
+
+def _grad_text(precision, steps, q=2, s=2):
+  rng = np.random.default_rng(0)
+  push, repl, pop = (jnp.asarray(a, jnp.float32)
+                     for a in _random_actions(rng, 2, steps, q, s, "norm"))
+
+  def loss(pu, re_, po):
+    readings, log_mass = ns_stack.run(pu, re_, po, precision=precision)
+    return jnp.sum(readings * jnp.arange(s)) + jnp.sum(log_mass)
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+      push, repl, pop).as_text()
+
+
+@pytest.mark.parametrize("precision,attr", [
+    ("highest", "HIGHEST"), ("high", "HIGH"), ("default", "DEFAULT")])
+@pytest.mark.parametrize("steps", [5, 50])
+def test_precision_reaches_every_contraction(precision, attr, steps):
+  # Per time block: 3 forward contractions (replace, M, pop) and 6 backward
+  # ones (left pop, M̄, replace ×2, pop ×2), plus one hoisted E contraction.
+  blocks = len(ns_stack._time_blocks(steps))  # pylint: disable=protected-access
+  dots = _dot_precisions(_grad_text(precision, steps))
+  assert len(dots) == 9 * blocks + 1
+  assert set(dots) == {(attr, attr)}
+
+
+def test_explicit_precision_beats_the_global_default():
+  # What a GPU / TPU does by default (reduced passes) must not leak in.
+  with jax.default_matmul_precision("bfloat16"):
+    dots = _dot_precisions(_grad_text("highest", 5))
+    assert set(dots) == {("HIGHEST", "HIGHEST")}
+    # "default" defers to JAX's setting, here bfloat16 = DEFAULT passes.
+    assert set(_dot_precisions(_grad_text("default", 5))) == {
+        ("DEFAULT", "DEFAULT")}
+  with jax.default_matmul_precision("float32"):
+    assert set(_dot_precisions(_grad_text("default", 5))) == {
+        ("HIGHEST", "HIGHEST")}
+
+
+def test_run_coupled_precision_reaches_the_stack():
+  rng = np.random.default_rng(3)
+  q, s, b, t = 2, 2, 2, 5
+  base = _tanh_controller(q, s)
+  step_fn = lambda p, h, x, rd: base(p, h, jax.nn.one_hot(x, _V), rd)
+  params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32),
+                                  _controller_params(rng, q, s))
+  xs = jnp.asarray(rng.integers(0, _V, (b, t)), jnp.int32)
+
+  def loss(p, precision):
+    outs, readings, _ = ns_stack.run_coupled(
+        step_fn, p, jnp.zeros((b, _H)), xs, q, s, precision=precision)
+    return jnp.sum(outs) + jnp.sum(readings * jnp.arange(s))
+
+  for precision, attr in (("highest", "HIGHEST"), ("high", "HIGH")):
+    with jax.default_matmul_precision("bfloat16"):
+      text = jax.jit(jax.grad(loss), static_argnums=1).lower(
+          params, precision).as_text()
+    dots = _dot_precisions(text)
+    # The controller's own matmuls (plain @ here) stay DEFAULT; the stack's
+    # 10 contractions carry the requested precision.
+    assert dots.count((attr, attr)) == 10
+    assert set(dots) == {(attr, attr), ("DEFAULT", "DEFAULT")}
+
+
+def test_bad_precision_is_a_one_line_value_error():
+  push, repl, pop = (jnp.asarray(a, jnp.float32) for a in _random_actions(
+      np.random.default_rng(0), 1, 3, 2, 2, "norm"))
+  with pytest.raises(ValueError, match="matmul_precision must be one of") as e:
+    ns_stack.run(push, repl, pop, precision="tf32")
+  assert "\n" not in str(e.value)
