@@ -158,6 +158,15 @@ def check_precision(precision):
   return precision
 
 
+def check_unroll(unroll):
+  """Validates a scan unroll factor (a positive int); returns it."""
+  if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) \
+      or unroll < 1:
+    raise ValueError(f"unroll (scan unroll factor) must be a positive "
+                     f"integer, got {unroll!r}")
+  return int(unroll)
+
+
 def lax_precision(precision):
   """The `precision=` argument of jnp / lax contractions for a name."""
   check_precision(precision)
@@ -455,7 +464,7 @@ def _backward_step(state, e_all, gamma_t, w_table, col0, j, push, repl, pop,
 
 
 def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
-                    ctrl_init, precision):
+                    ctrl_init, precision, unroll=1):
   """One reverse scan j = T..1 over the final tables.
 
   Args:
@@ -467,6 +476,7 @@ def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
       controller's reverse step (identity for `run`).
     ctrl_init: initial controller backward carry.
     precision: matmul precision name.
+    unroll: `lax.scan` unroll factor of the reverse scans (values unchanged).
 
   Returns:
     (final ctrl carry, (push_hat, repl_hat, pop_hat) time-major).
@@ -514,7 +524,7 @@ def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
           pop_TB[j0 - 1:j1 - 1])
     e_part = e_all[:, :, :j1, :, j0:]
     sub, blk_hats = lax.scan(functools.partial(body, part, e_part, gamma_t, j0),
-                             sub, xs, reverse=True)
+                             sub, xs, reverse=True, unroll=unroll)
     w_sub, w_next_s, prev_s, ah_s, ctrl = sub
     pad = lambda a, full, axis: lax.dynamic_update_slice_in_dim(
         jnp.zeros_like(full), a, 0, axis)
@@ -590,7 +600,7 @@ def _unslice_state(full, part):
       full.log_alpha.at[:, :n].set(part.log_alpha))
 
 
-def _forward_tables(push, repl, pop, precision):
+def _forward_tables(push, repl, pop, precision, unroll=1):
   """Runs all T updates (blocked lax.scans); returns the final StackState."""
   b, t, q, s = push.shape[:4]
   state = init_state(b, t, q, s, push.dtype)
@@ -604,24 +614,24 @@ def _forward_tables(push, repl, pop, precision):
     xs = (jnp.arange(j0, j1), jnp.swapaxes(push[:, j0 - 1:j1 - 1], 0, 1),
           jnp.swapaxes(repl[:, j0 - 1:j1 - 1], 0, 1),
           jnp.swapaxes(pop[:, j0 - 1:j1 - 1], 0, 1))
-    part, _ = lax.scan(body, _slice_state(state, j1), xs)
+    part, _ = lax.scan(body, _slice_state(state, j1), xs, unroll=unroll)
     state = _unslice_state(state, part)
   return state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _log_alpha_table(push, repl, pop, precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _log_alpha_table(push, repl, pop, precision, unroll):
   """log α_j for j = 0..T, [B, T+1, Q, S], with the O(T²)-memory gradient."""
-  return _forward_tables(push, repl, pop, precision).log_alpha
+  return _forward_tables(push, repl, pop, precision, unroll).log_alpha
 
 
-def _log_alpha_fwd(push, repl, pop, precision):
+def _log_alpha_fwd(push, repl, pop, precision, unroll):
   """Forward: residuals are the final tables only (O(T²))."""
-  state = _forward_tables(push, repl, pop, precision)
+  state = _forward_tables(push, repl, pop, precision, unroll)
   return state.log_alpha, (state, push, repl, pop)
 
 
-def _log_alpha_bwd(precision, res, la_ct):
+def _log_alpha_bwd(precision, unroll, res, la_ct):
   """Backward: one reverse sweep over the final tables."""
   state, push, repl, pop = res
   t_major = [jnp.swapaxes(a, 0, 1) for a in (push, repl, pop)]
@@ -630,14 +640,14 @@ def _log_alpha_bwd(precision, res, la_ct):
     return lax.dynamic_index_in_dim(la_ct, j, axis=1, keepdims=False)
 
   _, hats = _backward_sweep(state, *t_major, la_ct_fn,
-                            lambda j, c, *_: c, (), precision)
+                            lambda j, c, *_: c, (), precision, unroll)
   return tuple(jnp.swapaxes(h, 0, 1) for h in hats)
 
 
 _log_alpha_table.defvjp(_log_alpha_fwd, _log_alpha_bwd)
 
 
-def run(push, repl, pop, precision="highest"):
+def run(push, repl, pop, precision="highest", unroll=1):
   """Runs the nondeterministic stack over T updates given all actions.
 
   Args:
@@ -646,6 +656,9 @@ def run(push, repl, pop, precision="highest"):
     pop: [B, T, Q, S, Q] log-weights pop_j[q, x, r].
     precision: matmul precision of every contraction, forward and backward
       (`MATMUL_PRECISIONS`; "highest" = full float32 on GPUs / TPUs too).
+    unroll: `lax.scan` unroll factor of the forward and backward sweeps
+      (same values; fewer loop iterations, larger programs; for
+      launch-bound accelerators).
 
   Returns:
     readings_BxT1xS: τ after 0..T updates (τ_0 = one-hot on ⊥ = symbol 0).
@@ -656,13 +669,14 @@ def run(push, repl, pop, precision="highest"):
   push, repl, pop = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
                      for a in (push, repl, pop))
   _check_actions(push, repl, pop)
-  return _run_jit(push, repl, pop, check_precision(precision))
+  return _run_jit(push, repl, pop, check_precision(precision),
+                  check_unroll(unroll))
 
 
-@functools.partial(jax.jit, static_argnames="precision")
-def _run_jit(push, repl, pop, precision):
+@functools.partial(jax.jit, static_argnames=("precision", "unroll"))
+def _run_jit(push, repl, pop, precision, unroll=1):
   """Jitted body of `run` (inputs already validated)."""
-  return readout(_log_alpha_table(push, repl, pop, precision))
+  return readout(_log_alpha_table(push, repl, pop, precision, unroll))
 
 
 # ---------------------------------------------------------------------------
@@ -693,7 +707,7 @@ def _split_float(tree):
 
 
 def _coupled_forward(step_fn, q, s, params, init_carry, xs_T, dtype,
-                     precision):
+                     precision, unroll=1):
   """Coupled forward scan; returns outs_T, carries_T (h_{t−1}), state."""
   num_steps = jax.tree_util.tree_leaves(xs_T)[0].shape[0]
   b = jax.tree_util.tree_leaves(xs_T)[0].shape[1]
@@ -713,7 +727,7 @@ def _coupled_forward(step_fn, q, s, params, init_carry, xs_T, dtype,
     xs_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
     (ctrl, part, reading), y = lax.scan(
         body, (carry[0], _slice_state(state, j1), carry[1]),
-        (jnp.arange(j0, j1), xs_blk))
+        (jnp.arange(j0, j1), xs_blk), unroll=unroll)
     state = _unslice_state(state, part)
     carry = (ctrl, reading)
     ys.append(y)
@@ -722,23 +736,25 @@ def _coupled_forward(step_fn, q, s, params, init_carry, xs_T, dtype,
   return outs, carries, acts_T, state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 6, 7))
-def _coupled(step_fn, q, s, params, init_carry, xs_T, dtype, precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 6, 7, 8))
+def _coupled(step_fn, q, s, params, init_carry, xs_T, dtype, precision,
+             unroll):
   """Coupled recurrence; returns (outs_T, log α table) with a custom VJP."""
   outs, _, _, state = _coupled_forward(step_fn, q, s, params, init_carry,
-                                       xs_T, dtype, precision)
+                                       xs_T, dtype, precision, unroll)
   return outs, state.log_alpha
 
 
-def _coupled_fwd(step_fn, q, s, params, init_carry, xs_T, dtype, precision):
+def _coupled_fwd(step_fn, q, s, params, init_carry, xs_T, dtype, precision,
+                 unroll):
   """Forward of `_coupled`, saving tables, carries and actions."""
   outs, carries, acts_T, state = _coupled_forward(
-      step_fn, q, s, params, init_carry, xs_T, dtype, precision)
+      step_fn, q, s, params, init_carry, xs_T, dtype, precision, unroll)
   # Residuals: final tables plus O(T) controller carries and actions.
   return (outs, state.log_alpha), (params, xs_T, carries, acts_T, state)
 
 
-def _coupled_bwd(step_fn, q, s, dtype, precision, res, cts):
+def _coupled_bwd(step_fn, q, s, dtype, precision, unroll, res, cts):
   """Reverse sweep interleaving DP step j and the controller VJP of step j."""
   params, xs_T, carries, acts_T, state = res
   outs_ct, la_ct = cts
@@ -792,7 +808,7 @@ def _coupled_bwd(step_fn, q, s, dtype, precision, res, cts):
     return (p_bar, dc, dr, x_bar)
 
   (p_bar, c_bar, _, x_bar), _ = _backward_sweep(
-      state, *acts_T, la_ct_fn, ctrl_fn, ctrl_init, precision)
+      state, *acts_T, la_ct_fn, ctrl_fn, ctrl_init, precision, unroll)
   it = iter(x_bar)
   x_ct = [next(it) if fl else np.zeros(jnp.shape(l), jax.dtypes.float0)
           for l, fl in zip(x_leaves, x_float)]
@@ -803,7 +819,7 @@ _coupled.defvjp(_coupled_fwd, _coupled_bwd)
 
 
 def run_coupled(step_fn, params, init_carry, xs, num_states, num_symbols,
-                precision="highest"):
+                precision="highest", unroll=1):
   """Runs a controller and the stack together, t = 1..T.
 
   Controller step t sees the reading after t−1 updates (reading 0 is one-hot
@@ -821,6 +837,8 @@ def run_coupled(step_fn, params, init_carry, xs, num_states, num_symbols,
     precision: matmul precision of the stack DP's contractions, forward and
       backward (`MATMUL_PRECISIONS`). The controller's own matmuls are
       step_fn's business (see models.ns_controller_step).
+    unroll: `lax.scan` unroll factor of the forward and backward sweeps
+      (same values; for launch-bound accelerators).
 
   Returns:
     outs: pytree of out_t stacked batch-major, leaves [B, T, ...].
@@ -858,7 +876,8 @@ def run_coupled(step_fn, params, init_carry, xs, num_states, num_symbols,
                             int(num_symbols), jnp.dtype(dtype))
   outs_T, log_alpha = _coupled(step_fn, int(num_states), int(num_symbols),
                                params, init_carry, xs_T, jnp.dtype(dtype),
-                               check_precision(precision))
+                               check_precision(precision),
+                               check_unroll(unroll))
   outs = jax.tree_util.tree_map(lambda o: jnp.swapaxes(o, 0, 1), outs_T)
   readings, log_mass = readout(log_alpha)
   return outs, readings, log_mass

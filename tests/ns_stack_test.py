@@ -517,3 +517,57 @@ def test_bad_precision_is_a_one_line_value_error():
   with pytest.raises(ValueError, match="matmul_precision must be one of") as e:
     ns_stack.run(push, repl, pop, precision="tf32")
   assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------
+# Scan unrolling (for launch-bound accelerators) changes no value.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unroll", [3])
+def test_unrolled_run_equals_unroll_1(x64, unroll):
+  rng = np.random.default_rng(21)
+  push, repl, pop = (jnp.asarray(a) for a in _random_actions(
+      rng, 2, 50, 2, 2, "neginf"))
+  c = jnp.asarray(rng.normal(size=(2, 51, 2)))
+
+  def loss(u):
+    def f(pu, re_, po):
+      readings, log_mass = ns_stack.run(pu, re_, po, unroll=u)
+      return jnp.sum(c * readings) + 0.1 * jnp.sum(
+          jnp.where(jnp.isfinite(log_mass), log_mass, 0))
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+  (v1, g1), (vu, gu) = loss(1)(push, repl, pop), loss(unroll)(push, repl, pop)
+  np.testing.assert_allclose(vu, v1, rtol=1e-13)
+  for a, b in zip(gu, g1):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_unrolled_run_coupled_equals_unroll_1(x64):
+  rng = np.random.default_rng(5)
+  q, s, b, t = 2, 2, 2, 30
+  step_fn = _tanh_controller(q, s)
+  params = _controller_params(rng, q, s)
+  xs = rng.normal(size=(b, t, _V))
+
+  def loss(u):
+    def f(p):
+      outs, readings, _ = ns_stack.run_coupled(
+          step_fn, p, jnp.zeros((b, _H)), xs, q, s, unroll=u)
+      return jnp.sum(outs) + jnp.sum(readings ** 2)
+    return jax.jit(jax.value_and_grad(f))
+
+  (v1, g1), (v3, g3) = loss(1)(params), loss(3)(params)
+  np.testing.assert_allclose(v3, v1, rtol=1e-13)
+  for a, b_ in zip(jax.tree_util.tree_leaves(g3),
+                   jax.tree_util.tree_leaves(g1)):
+    np.testing.assert_allclose(a, b_, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("unroll", [0, -1, 1.5, True])
+def test_bad_unroll_is_a_value_error(unroll):
+  push, repl, pop = (jnp.asarray(a, jnp.float32) for a in _random_actions(
+      np.random.default_rng(0), 1, 3, 2, 2, "norm"))
+  with pytest.raises(ValueError, match="unroll"):
+    ns_stack.run(push, repl, pop, unroll=unroll)
