@@ -93,7 +93,7 @@ def _child(args):
     forward = ns_stack._forward_tables  # pylint: disable=protected-access
 
     def fn(pu, re, po):
-      return ns_stack.readout(forward(pu, re, po).log_alpha)
+      return ns_stack.readout(forward(pu, re, po, "highest").log_alpha)
   else:
     fn = ns_stack._reference_jit  # pylint: disable=protected-access
 
