@@ -124,6 +124,16 @@ def _child(args):
   print("RESULT " + json.dumps(out))
 
 
+def _machine():
+  """Machine description (from a child process: JAX stays out of this one)."""
+  code = ("import json, sys; sys.path.insert(0, %r); import machine; "
+          "i = machine.machine_info(); i['device'] = machine.device_label(i); "
+          "print(json.dumps(i))" % os.path.join(_ROOT, "benchmarks"))
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, check=True)
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _spawn(variant, q, s, n, batch, reps):
   cmd = [sys.executable, os.path.abspath(__file__), "--child",
          "--variant", variant, "--q", str(q), "--s", str(s), "--n", str(n),
@@ -165,6 +175,7 @@ def main():
     configs, lengths = [(2, 2), (3, 3)], [40, 80, 100, 200, 400]
     extra = [("autodiff", 2, 2, n) for n in (40, 80, 100)]
     extra += [("logspace", 2, 2, n) for n in (40, 80)]
+  machine = _machine()
   rows = []
   baselines = {}
   jobs = [("custom", q, s, n) for q, s in configs for n in lengths] + extra
@@ -204,7 +215,8 @@ def main():
   with open(args.out, "w") as f:
     json.dump({"rows": rows, "ratios": ratios,
                "alternatives_measured_during_development": _ALTERNATIVES,
-               "cpu_count": os.cpu_count(),
+               "cpu_count": os.cpu_count(), "machine": machine,
+               "device": machine["device"],
                "note": "float32, B=10, random normalised actions; timings "
                        "are medians on shared, noisy CPUs"}, f, indent=1)
   print(f"wrote {args.out}")
