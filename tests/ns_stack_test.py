@@ -571,3 +571,28 @@ def test_bad_unroll_is_a_value_error(unroll):
       np.random.default_rng(0), 1, 3, 2, 2, "norm"))
   with pytest.raises(ValueError, match="unroll"):
     ns_stack.run(push, repl, pop, unroll=unroll)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU codegen")
+def test_full_precision_compiles_to_the_same_cpu_program():
+  # Full float32 costs nothing on CPUs: XLA:CPU emits the same program, the
+  # precision annotation aside.
+  rng = np.random.default_rng(0)
+  push, repl, pop = (jnp.asarray(a, jnp.float32)
+                     for a in _random_actions(rng, 2, 5, 2, 2, "norm"))
+
+  def compiled(precision):
+    def loss(pu, re_, po):
+      readings, log_mass = ns_stack.run(pu, re_, po, precision=precision)
+      return jnp.sum(readings) + jnp.sum(log_mass)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        push, repl, pop).compile().as_text()
+    # Instructions only, without source locations and the precision.
+    lines = [l for l in text.splitlines() if " = " in l or l.endswith("{")]
+    text = "\n".join(lines[1:])
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    return re.sub(r",? ?operand_precision=\{[a-z,]*\}", "", text)
+
+  highest = compiled("highest")
+  assert highest.count(" dot(") >= 10  # the comparison has substance
+  assert compiled("default") == highest
