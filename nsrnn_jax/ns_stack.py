@@ -68,6 +68,15 @@ the final table, its transpose, W and E, i.e. O(B·T²·Q²·S²). The real
 adjoint ĝ/g of an entry is clamped at exp(log(float max) − 20) so entries
 flushed to ~0 cannot create inf·0.
 
+Precision and unrolling
+-----------------------
+Every contraction (forward and backward) takes an explicit matmul
+precision, "highest" by default: JAX's own default on recent GPUs and TPUs
+uses TF32 / bf16 passes, which broke float32 tests there. On CPUs XLA emits
+the same program either way (tested). `unroll` unrolls the forward and
+backward `lax.scan`s (same values; meant for launch-bound accelerators; on
+CPU it only made steps slower).
+
 XLA:CPU notes (measured): table-sized contractions whose free / summed small
 axis is the state r run fastest as dot_generals on flat [B·Y, rows, cols]
 views; an in-place column update of a carried table must happen before the
