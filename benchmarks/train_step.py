@@ -9,7 +9,8 @@ For the NS-RNN it also reports the step time over a FLOP limit: the pop
 term's 2·B·Q³S²·n³ FLOP (forward + backward, issue 11) at this machine's
 jitted 1024³ float32 matmul rate, measured in the same run (interleaved with
 the steps, best rate kept). All variants of one model are compiled first and
-then timed in alternation, so their ratios come from the same conditions.
+then timed in alternation (order reversed every round), so their ratios
+come from the same conditions.
 
 Variants (each adds rows; the plain row is always measured):
   --unroll=2,4          ns_stack scan unroll factors (NS models)
@@ -180,10 +181,11 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
     variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
                             length, precision, num_devices=cpu_devices))
   gflops, cpu_gflops = [], []
-  for _ in range(repeats):
+  for i in range(repeats):
     gflops.append(machine.matmul_gflops())
     cpu_gflops.append(machine.matmul_gflops(clock="cpu"))
-    for v in variants:
+    # Alternate the order, so that no variant always runs first.
+    for v in (variants if i % 2 == 0 else variants[::-1]):
       v.time_once()
   rate, cpu_rate = max(gflops), max(cpu_gflops)
   backend = jax.default_backend()
