@@ -59,12 +59,16 @@ def ns_config(batch_size=BATCH):
   return c
 
 
-def _median_time(fn, repeats):
-  times = []
+def _median_time(fn, repeats, cpu=None):
+  """Median wall time of fn(); with a list `cpu`, appends its CPU time."""
+  times, cpu_times = [], []
   for _ in range(repeats):
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
+    cpu_times.append(time.process_time() - cpu_start)
+  if cpu is not None:
+    cpu.append(float(np.median(cpu_times)))
   return float(np.median(times))
 
 
@@ -89,12 +93,14 @@ def bench_model_axis(ks, lengths, steps, repeats):
   # One model stepping at each length (the sequential runs' cost per step).
   single = train.create_train_state(config, jax.random.key(0))
   step1 = jax.jit(train.train_step)
-  t_single = {}
+  t_single, cpu_single = {}, {}
   for n in lengths:
     batch = train.make_batch(symbols[n])
     jax.block_until_ready(step1(single, batch)[1]["loss"])  # Compile.
+    cpu = []
     t_single[n] = _median_time(
-        lambda batch=batch: step1(single, batch)[1]["loss"], repeats)
+        lambda batch=batch: step1(single, batch)[1]["loss"], repeats, cpu)
+    cpu_single[n] = cpu[0]
   rows = []
   for k in ks:
     draws = draw_lengths(lengths, k, steps, seed=k)
@@ -114,9 +120,12 @@ def bench_model_axis(ks, lengths, steps, repeats):
         s, m = step_k(s, b)
       return m["loss"]
 
-    t_k = _median_time(run_k, repeats) / steps
+    cpu = []
+    t_k = _median_time(run_k, repeats, cpu) / steps
+    cpu_k = cpu[0] / steps
     # K runs one after another, each model at its own length every step.
     t_seq = sum(t_single[n] for draw in draws for n in draw) / steps
+    cpu_seq = sum(cpu_single[n] for draw in draws for n in draw) / steps
     vmapped = k * BATCH / t_k
     sequential = k * BATCH / t_seq
     rows.append({"K": k, "lengths_drawn": draws,
@@ -124,7 +133,11 @@ def bench_model_axis(ks, lengths, steps, repeats):
                  "step_time_sequential_s": t_seq,
                  "strings_per_s_vmapped": vmapped,
                  "strings_per_s_sequential": sequential,
-                 "speedup": vmapped / sequential})
+                 "speedup": vmapped / sequential,
+                 # Process CPU time: steadier than wall time on shared cores.
+                 "cpu_step_time_vmapped_s": cpu_k,
+                 "cpu_step_time_sequential_s": cpu_seq,
+                 "speedup_cpu_time": cpu_seq / cpu_k})
   return rows, {str(n): t for n, t in t_single.items()}
 
 
