@@ -222,13 +222,16 @@ def benchmarks_block():
 
 
 def compile_block():
-  d = _load("train_step_cpu.json")
+  name = "compile_study_cpu.json"
+  d = _load(name)
   studies = (d or {}).get("compile_study", [])
   if not studies:
-    return "No compile study in `train_step_cpu.json` yet.\n"
+    return f"No compile study in `{name}` yet.\n"
+  clock = studies[0].get("clock", "wall clock")
   lines = ["Measured with `benchmarks/train_step.py --compile_study` "
-           f"(`train_step_cpu.json`, {_device(d)}; marked reversal, 20 "
-           "training lengths 41-79, "
+           f"(`{name}`, {_device(d)}, load average "
+           f"{d['machine']['load_average_1_5_15'][0]:.0f}; {clock}; marked "
+           "reversal, 20 training lengths 41-79, "
            f"{studies[0]['steps_per_epoch']} steps per epoch, step times "
            "interpolated between the measured lengths "
            f"{', '.join(studies[0]['measured'])}):", "",

@@ -147,10 +147,11 @@ class Variant:
     saved = models.ns_stack
     models.ns_stack = stack or ns_stack
     try:
-      start = time.perf_counter()
+      start, cpu_start = time.perf_counter(), time.process_time()
       _, m = self.step(state, batch)
       jax.block_until_ready(m["loss"])
       self.compile_s = time.perf_counter() - start
+      self.compile_cpu_s = time.process_time() - cpu_start
     finally:
       models.ns_stack = saved
     self.times, self.cpu_times = [], []
@@ -222,7 +223,13 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
 
 def compile_study(name, lengths, buckets, repeats, precision, epochs=100,
                   steps_per_epoch=1000):
-  """Measures compile/step time per length; totals for both strategies."""
+  """Measures compile/step time per length; totals for both strategies.
+
+  Times are process CPU times (compile: the first call; step: median of
+  `repeats`): on shared, loaded cores wall times vary several-fold, CPU
+  times much less. On an idle machine the step's wall time is lower (XLA
+  uses both cores for parts of it).
+  """
   measured = {}
   needed = sorted(set(lengths) | {b for b in buckets
                                   if min(lengths) <= b <= max(buckets)})
@@ -230,7 +237,7 @@ def compile_study(name, lengths, buckets, repeats, precision, epochs=100,
     v = Variant(name, f"length {n}", n, precision)
     for _ in range(repeats):
       v.time_once()
-    measured[n] = (v.compile_s, statistics.median(v.times))
+    measured[n] = (v.compile_cpu_s, statistics.median(v.cpu_times))
     print(f"  {name} length {n:3d}: compile {v.compile_s:6.2f} s, step "
           f"{measured[n][1] * 1e3:8.2f} ms", flush=True)
   # Interpolate the step time over all training lengths from the measured
@@ -245,7 +252,8 @@ def compile_study(name, lengths, buckets, repeats, precision, epochs=100,
       [step_at(bucket_of(n)) for n in train_lengths])
   used_buckets = sorted({bucket_of(n) for n in train_lengths})
   result = {
-      "model": name, "measured": {str(k): v for k, v in measured.items()},
+      "model": name, "clock": "process CPU time",
+      "measured": {str(k): v for k, v in measured.items()},
       "compile_mean_s": compile_mean, "steps_per_epoch": steps_per_epoch,
       "per_length": {"compiles": len(train_lengths),
                      "compile_total_s": compile_mean * len(train_lengths),
