@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session for issue 11: the whole test suite with default environment
-# variables, then the GPU benchmarks at full float32, all within ~8 minutes.
+# variables, then the GPU benchmarks at full float32, all within ~8 minutes
+# (phase limits: install ~20 s, tests 220 s, benchmarks 110 + 40 + 40 + 60 s).
 #
 # Run from the repository root on a machine with one NVIDIA GPU and $OUT set:
 #
@@ -51,7 +52,7 @@ $PY -c "from nsrnn_jax import parallel; print(parallel.describe_runtime())" \
   2>&1 | tee -a "$OUT/env.txt" "$OUT/bench.log"
 
 phase "test suite (default environment variables)"
-env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS timeout 240 \
+env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS timeout 220 \
   $PY -m pytest -q -p no:cacheprovider --durations=15 tests > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?" | tee -a "$OUT/tests.log" "$OUT/bench.log"
 tail -n 3 "$OUT/tests.log" >> "$OUT/bench.log"
@@ -74,7 +75,7 @@ XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CU
 echo "exit $?" >> "$OUT/bench.log"
 
 phase "scale: K = 1, 20 vmapped NS-RNNs, per-model lengths 60/80"
-timeout 75 $PY benchmarks/scale.py --ks=1,20 --lengths=60,80 --steps=4 \
+timeout 60 $PY benchmarks/scale.py --ks=1,20 --lengths=60,80 --steps=4 \
   --repeats=3 --skip_devices --out "$OUT/scale_gpu.json" \
   >> "$OUT/bench.log" 2>&1
 echo "exit $?" >> "$OUT/bench.log"
