@@ -84,7 +84,7 @@ def draw_lengths(lengths, k, steps, seed=0):
   return [[int(x) for x in rng.choice(lengths, size=k)] for _ in range(steps)]
 
 
-def bench_model_axis(ks, lengths, steps, repeats):
+def bench_model_axis(ks, lengths, steps, repeats, save=None):
   """Strings/s of K vmapped models vs K sequential single-model runs."""
   config = ns_config()
   rng = np.random.default_rng(1)
@@ -138,7 +138,9 @@ def bench_model_axis(ks, lengths, steps, repeats):
                  "cpu_step_time_vmapped_s": cpu_k,
                  "cpu_step_time_sequential_s": cpu_seq,
                  "speedup_cpu_time": cpu_seq / cpu_k})
-  return rows, {str(n): t for n, t in t_single.items()}
+    if save is not None:
+      save(rows, t_single)
+  return rows, t_single
 
 
 def bench_devices_child(length, steps, repeats):
@@ -201,8 +203,24 @@ def main():
   lengths = ([int(n) for n in args.lengths.split(",")] if args.lengths else
              sorted({args.length // 2, 3 * args.length // 4, args.length}))
   info = machine.machine_info()
+  path = args.out or os.path.join(REPO, "benchmarks", "results",
+                                  f"scale_{info['backend']}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+
+  def save(model_rows, t_single, device_rows=()):
+    # Saved after every K, so a run stopped by a time limit keeps its rows.
+    info["load_average_at_end"] = list(os.getloadavg())
+    with open(path, "w") as f:
+      json.dump({"machine": info, "device": machine.device_label(info),
+                 "lengths": lengths, "length": args.length, "batch": BATCH,
+                 "steps": args.steps, "repeats": args.repeats,
+                 "single_step_s_by_length": {
+                     str(n): t for n, t in t_single.items()},
+                 "model_axis": model_rows, "devices": list(device_rows)},
+                f, indent=1)
+
   model_rows, t_single = bench_model_axis(ks, lengths, args.steps,
-                                          args.repeats)
+                                          args.repeats, save)
   print(f"NS-RNN Q=S=2, batch {BATCH}, lengths drawn from {lengths}, "
         f"{machine.device_label(info)}")
   print(f"{'K':>3} {'vmapped s/step':>15} {'vmapped str/s':>14} "
@@ -219,16 +237,7 @@ def main():
     for r in device_rows:
       print(f"{r['devices']:>7} {r['step_time_s']:>9.4f} "
             f"{r['strings_per_s']:>10.1f}")
-  path = args.out or os.path.join(REPO, "benchmarks", "results",
-                                  f"scale_{info['backend']}.json")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  info["load_average_at_end"] = list(os.getloadavg())
-  with open(path, "w") as f:
-    json.dump({"machine": info, "device": machine.device_label(info),
-               "lengths": lengths, "length": args.length, "batch": BATCH,
-               "steps": args.steps, "repeats": args.repeats,
-               "single_step_s_by_length": t_single,
-               "model_axis": model_rows, "devices": device_rows}, f, indent=1)
+  save(model_rows, t_single, device_rows)
   print(f"saved {path}")
 
 

@@ -326,21 +326,33 @@ def main():
     out["baseline_ref"] = subprocess.run(
         ["git", "-C", REPO, "rev-parse", args.baseline_ref],
         capture_output=True, text=True, check=True).stdout.strip()
-  if names:
-    out["steps"] = [row for name in names for row in bench_model(
-        name, args.length, args.repeats, args.precision, unrolls, baseline,
-        args.cpu_devices)]
-  if args.compile_study:
-    out["compile_study"] = [compile_study(
-        name, [int(x) for x in args.study_lengths.split(",")],
-        [int(x) for x in args.buckets.split(",")], args.repeats,
-        args.precision) for name in args.study_model.split(",")]
-  out["machine"]["load_average_at_end"] = list(os.getloadavg())
   path = args.out or os.path.join(REPO, "benchmarks", "results",
                                   f"train_step_{info['backend']}.json")
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
+
+  def save():
+    # Saved after every model, so a run stopped by a time limit keeps what
+    # it measured.
+    out["machine"]["load_average_at_end"] = list(os.getloadavg())
+    with open(path, "w") as f:
+      json.dump(out, f, indent=1)
+
+  if names:
+    out["steps"] = []
+    for name in names:
+      out["steps"] += bench_model(name, args.length, args.repeats,
+                                  args.precision, unrolls, baseline,
+                                  args.cpu_devices)
+      save()
+  if args.compile_study:
+    out["compile_study"] = []
+    for name in args.study_model.split(","):
+      out["compile_study"].append(compile_study(
+          name, [int(x) for x in args.study_lengths.split(",")],
+          [int(x) for x in args.buckets.split(",")], args.repeats,
+          args.precision))
+      save()
+  save()
   print(f"saved {path}")
 
 
