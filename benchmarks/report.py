@@ -211,8 +211,10 @@ def data_table():
   d = _load("data.json")
   if d is None:
     return []
+  load = (f", load average {d['load_average_1_5_15'][0]:.0f}"
+          if "load_average_1_5_15" in d else "")
   lines = [f"Data generation, paper sizes (`data.py` → `data.json`, "
-           f"{_device(d)}): whole splits with every string's exact lower "
+           f"{_device(d)}{load}): whole splits with every string's exact lower "
            "bound:", "", "| task | make_splits (wall) | CPU time |",
            "|---|---|---|"]
   for r in d["rows"]:
