@@ -74,6 +74,18 @@ def run_task(task: str, scale: float) -> dict:
   }
 
 
+def _cpu_model():
+  """Host CPU model (this benchmark is pure NumPy: no JAX device)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.lower().startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tasks", default=",".join(languages.TASKS))
@@ -94,7 +106,9 @@ def main() -> None:
   out_dir = os.path.join(os.path.dirname(__file__), "results")
   os.makedirs(out_dir, exist_ok=True)
   out = {"scale": args.scale, "cpu_count": os.cpu_count(),
-         "machine": platform.platform(), "rows": rows}
+         "machine": platform.platform(), "cpu_model": _cpu_model(),
+         "device": f"cpu: {_cpu_model()} ({os.cpu_count()} cores)",
+         "load_average_1_5_15": list(os.getloadavg()), "rows": rows}
   with open(os.path.join(out_dir, "data.json"), "w") as f:
     json.dump(out, f, indent=2)
   print(f"saved {os.path.join(out_dir, 'data.json')}")

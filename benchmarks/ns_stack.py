@@ -93,7 +93,7 @@ def _child(args):
     forward = ns_stack._forward_tables  # pylint: disable=protected-access
 
     def fn(pu, re, po):
-      return ns_stack.readout(forward(pu, re, po).log_alpha)
+      return ns_stack.readout(forward(pu, re, po, "highest").log_alpha)
   else:
     fn = ns_stack._reference_jit  # pylint: disable=protected-access
 
@@ -122,6 +122,16 @@ def _child(args):
          "peak_rss_mib": resource.getrusage(
              resource.RUSAGE_SELF).ru_maxrss / 1024}
   print("RESULT " + json.dumps(out))
+
+
+def _machine():
+  """Machine description (from a child process: JAX stays out of this one)."""
+  code = ("import json, sys; sys.path.insert(0, %r); import machine; "
+          "i = machine.machine_info(); i['device'] = machine.device_label(i); "
+          "print(json.dumps(i))" % os.path.join(_ROOT, "benchmarks"))
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, check=True)
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _spawn(variant, q, s, n, batch, reps):
@@ -165,6 +175,7 @@ def main():
     configs, lengths = [(2, 2), (3, 3)], [40, 80, 100, 200, 400]
     extra = [("autodiff", 2, 2, n) for n in (40, 80, 100)]
     extra += [("logspace", 2, 2, n) for n in (40, 80)]
+  machine = _machine()
   rows = []
   baselines = {}
   jobs = [("custom", q, s, n) for q, s in configs for n in lengths] + extra
@@ -204,7 +215,8 @@ def main():
   with open(args.out, "w") as f:
     json.dump({"rows": rows, "ratios": ratios,
                "alternatives_measured_during_development": _ALTERNATIVES,
-               "cpu_count": os.cpu_count(),
+               "cpu_count": os.cpu_count(), "machine": machine,
+               "device": machine["device"],
                "note": "float32, B=10, random normalised actions; timings "
                        "are medians on shared, noisy CPUs"}, f, indent=1)
   print(f"wrote {args.out}")

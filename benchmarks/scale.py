@@ -5,7 +5,11 @@ NS-RNN (Q = S = 2, 20 hidden units, batch 10):
 
 1. K = 1, 5, 20 models vmapped in one program (grid.py's model axis) versus
    K sequential runs (K separate single-model steps, the way independent runs
-   share a machine: their throughput is that of one model).
+   share a machine: their throughput is that of one model). As in grid.py,
+   each model draws its own string length at every step (from --lengths)
+   and the K batches of a step are right-padded to the longest of them; the
+   sequential runs step each model at its own length. Compilation (one per
+   distinct padded length) is excluded from the timings.
 2. 1, 2, 4, 8 simulated CPU devices on the 'data' axis (a subprocess with
    --xla_force_host_platform_device_count=8; global batch 8 x devices... see
    DEVICE_BATCH). On a 2-core CPU the simulated devices share the same cores,
@@ -14,9 +18,10 @@ NS-RNN (Q = S = 2, 20 hidden units, batch 10):
 Timings are medians of repeated runs after compilation; other jobs may share
 the CPU, so compare ratios within one run.
 
-  python benchmarks/scale.py [--length=40] [--steps=5] [--quick]
+  python benchmarks/scale.py [--length=80] [--lengths=40,60,80] [--steps=4]
 
-Prints a table and writes benchmarks/results/scale.json.
+Prints a table and writes benchmarks/results/scale_<backend>.json (with the
+machine / device description).
 """
 
 import argparse
@@ -28,12 +33,14 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import machine
 from configs import default
 from nsrnn_jax import grid
 from nsrnn_jax import parallel
@@ -52,12 +59,16 @@ def ns_config(batch_size=BATCH):
   return c
 
 
-def _median_time(fn, repeats):
-  times = []
+def _median_time(fn, repeats, cpu=None):
+  """Median wall time of fn(); with a list `cpu`, appends its CPU time."""
+  times, cpu_times = [], []
   for _ in range(repeats):
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
+    cpu_times.append(time.process_time() - cpu_start)
+  if cpu is not None:
+    cpu.append(float(np.median(cpu_times)))
   return float(np.median(times))
 
 
@@ -67,30 +78,41 @@ def _batches(num, length, batch, seed=0):
           for _ in range(num)]
 
 
-def bench_model_axis(ks, length, steps, repeats):
+def draw_lengths(lengths, k, steps, seed=0):
+  """[steps][k] string lengths, each model drawing its own at every step."""
+  rng = np.random.default_rng(seed)
+  return [[int(x) for x in rng.choice(lengths, size=k)] for _ in range(steps)]
+
+
+def bench_model_axis(ks, lengths, steps, repeats, save=None):
   """Strings/s of K vmapped models vs K sequential single-model runs."""
   config = ns_config()
-  batches = _batches(steps, length, BATCH)
+  rng = np.random.default_rng(1)
+  symbols = {n: rng.integers(0, 3, (BATCH, n), dtype=np.int32)
+             for n in lengths}
+  # One model stepping at each length (the sequential runs' cost per step).
   single = train.create_train_state(config, jax.random.key(0))
   step1 = jax.jit(train.train_step)
-  state = single
-  state, _ = step1(state, batches[0])  # Compile.
-
-  def run_single():
-    s = state
-    for b in batches:
-      s, m = step1(s, b)
-    return m["loss"]
-
-  t_single = _median_time(run_single, repeats) / steps
+  t_single, cpu_single = {}, {}
+  for n in lengths:
+    batch = train.make_batch(symbols[n])
+    jax.block_until_ready(step1(single, batch)[1]["loss"])  # Compile.
+    cpu = []
+    t_single[n] = _median_time(
+        lambda batch=batch: step1(single, batch)[1]["loss"], repeats, cpu)
+    cpu_single[n] = cpu[0]
   rows = []
   for k in ks:
+    draws = draw_lengths(lengths, k, steps, seed=k)
     states = [train.create_train_state(config, jax.random.key(i))
               for i in range(k)]
     state_k = grid.stack_states(states)
     step_k = jax.jit(jax.vmap(train.train_step))
-    stacked = [grid.stack_batches([b["symbols"]] * k) for b in batches]
-    state_k, _ = step_k(state_k, stacked[0])  # Compile.
+    # Each step's K batches padded to the longest of them, as grid.py does.
+    stacked = [grid.stack_batches([symbols[n] for n in draw])
+               for draw in draws]
+    for b in {b["symbols"].shape[-1]: b for b in stacked}.values():
+      jax.block_until_ready(step_k(state_k, b)[1]["loss"])  # Compile.
 
     def run_k(state_k=state_k, step_k=step_k, stacked=stacked):
       s = state_k
@@ -98,15 +120,27 @@ def bench_model_axis(ks, length, steps, repeats):
         s, m = step_k(s, b)
       return m["loss"]
 
-    t_k = _median_time(run_k, repeats) / steps
+    cpu = []
+    t_k = _median_time(run_k, repeats, cpu) / steps
+    cpu_k = cpu[0] / steps
+    # K runs one after another, each model at its own length every step.
+    t_seq = sum(t_single[n] for draw in draws for n in draw) / steps
+    cpu_seq = sum(cpu_single[n] for draw in draws for n in draw) / steps
     vmapped = k * BATCH / t_k
-    sequential = BATCH / t_single  # K runs one after another.
-    rows.append({"K": k, "step_time_vmapped_s": t_k,
-                 "step_time_single_s": t_single,
+    sequential = k * BATCH / t_seq
+    rows.append({"K": k, "lengths_drawn": draws,
+                 "step_time_vmapped_s": t_k,
+                 "step_time_sequential_s": t_seq,
                  "strings_per_s_vmapped": vmapped,
                  "strings_per_s_sequential": sequential,
-                 "speedup": vmapped / sequential})
-  return rows
+                 "speedup": vmapped / sequential,
+                 # Process CPU time: steadier than wall time on shared cores.
+                 "cpu_step_time_vmapped_s": cpu_k,
+                 "cpu_step_time_sequential_s": cpu_seq,
+                 "speedup_cpu_time": cpu_seq / cpu_k})
+    if save is not None:
+      save(rows, t_single)
+  return rows, t_single
 
 
 def bench_devices_child(length, steps, repeats):
@@ -149,20 +183,46 @@ def bench_devices(length, steps, repeats):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--length", type=int, default=40)
+  parser.add_argument("--length", type=int, default=80,
+                      help="the longest length (and the devices' length)")
+  parser.add_argument("--lengths", default=None,
+                      help="comma-separated lengths the models draw from "
+                           "(default: length/2, 3*length/4, length)")
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--ks", default="1,5,20")
   parser.add_argument("--devices_child", action="store_true")
   parser.add_argument("--skip_devices", action="store_true")
+  parser.add_argument("--out", default=None,
+                      help="default results/scale_<backend>.json")
   args = parser.parse_args()
   if args.devices_child:
     bench_devices_child(args.length, args.steps, args.repeats)
     return
   ks = [int(k) for k in args.ks.split(",")]
-  model_rows = bench_model_axis(ks, args.length, args.steps, args.repeats)
-  print(f"NS-RNN Q=S=2, batch {BATCH}, length {args.length}, "
-        f"{jax.device_count()} device(s), {os.cpu_count()} CPU(s)")
+  lengths = ([int(n) for n in args.lengths.split(",")] if args.lengths else
+             sorted({args.length // 2, 3 * args.length // 4, args.length}))
+  info = machine.machine_info()
+  path = args.out or os.path.join(REPO, "benchmarks", "results",
+                                  f"scale_{info['backend']}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+
+  def save(model_rows, t_single, device_rows=()):
+    # Saved after every K, so a run stopped by a time limit keeps its rows.
+    info["load_average_at_end"] = list(os.getloadavg())
+    with open(path, "w") as f:
+      json.dump({"machine": info, "device": machine.device_label(info),
+                 "lengths": lengths, "length": args.length, "batch": BATCH,
+                 "steps": args.steps, "repeats": args.repeats,
+                 "single_step_s_by_length": {
+                     str(n): t for n, t in t_single.items()},
+                 "model_axis": model_rows, "devices": list(device_rows)},
+                f, indent=1)
+
+  model_rows, t_single = bench_model_axis(ks, lengths, args.steps,
+                                          args.repeats, save)
+  print(f"NS-RNN Q=S=2, batch {BATCH}, lengths drawn from {lengths}, "
+        f"{machine.device_label(info)}")
   print(f"{'K':>3} {'vmapped s/step':>15} {'vmapped str/s':>14} "
         f"{'sequential str/s':>17} {'speed-up':>9}")
   for r in model_rows:
@@ -177,13 +237,8 @@ def main():
     for r in device_rows:
       print(f"{r['devices']:>7} {r['step_time_s']:>9.4f} "
             f"{r['strings_per_s']:>10.1f}")
-  out_dir = os.path.join(REPO, "benchmarks", "results")
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "scale.json"), "w") as f:
-    json.dump({"length": args.length, "batch": BATCH, "steps": args.steps,
-               "repeats": args.repeats, "cpu_count": os.cpu_count(),
-               "jax": jax.__version__, "model_axis": model_rows,
-               "devices": device_rows}, f, indent=1)
+  save(model_rows, t_single, device_rows)
+  print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -1,120 +1,247 @@
 """Benchmark: one full training step (forward, loss, backward, clip, Adam).
 
 Batch 10, length 80 (marked reversal, V = 3) for the NS-RNN (Q = S = 2 and
-Q = S = 3), JM and Gref (m = 20) and the LSTM, through
-`train.train_step` (jitted) that training vmaps. Prints a table and saves
-benchmarks/results/train_step.json.
+Q = S = 3), JM and Gref (m = 20) and the LSTM, through the same
+`train.train_step` that training uses, at full float32 matmul precision
+unless --precision says otherwise.
+
+For the NS-RNN it also reports the step time over a FLOP limit: the pop
+term's 2·B·Q³S²·n³ FLOP (forward + backward, issue 11) at this machine's
+jitted 1024³ float32 matmul rate, measured in the same run (interleaved with
+the steps, best rate kept). All variants of one model are compiled first and
+then timed in alternation (order reversed every round), so their ratios
+come from the same conditions.
+
+Variants (each adds rows; the plain row is always measured):
+  --unroll=2,4          ns_stack scan unroll factors (NS models)
+  --baseline_ref=REF    the NS models with nsrnn_jax/ns_stack.py as of git
+                        REF (loaded by path), for before/after ratios
+  --cpu_devices=2       the batch split over N simulated CPU devices (the
+                        data-parallel mesh; re-executes itself with
+                        --xla_force_host_platform_device_count=N)
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
 from these the time of the first epoch and of 100 epochs under
 "per_length" (one executable per length, no padding) and "bucket" (pad to
-config.length_buckets). Timings are noisy on shared cores: compare ratios
-within one run.
+config.length_buckets).
+
+Writes benchmarks/results/train_step_<backend>.json (machine, CPU model and
+load average included); `python benchmarks/report.py` turns the committed
+JSON into README's tables. Figures from elsewhere (the authors' PyTorch) are
+in results/reference_pytorch.json, never here.
 
   python benchmarks/train_step.py [--models=ns22,ns33,jm,gref,lstm]
-      [--length=80] [--repeats=5] [--compile_study --study_model=ns22,jm]
+      [--length=80] [--repeats=5] [--unroll=1] [--baseline_ref=HEAD~3]
+      [--cpu_devices=2] [--compile_study --study_model=ns22,jm]
 """
 
 import argparse
+import functools
+import importlib.util
+import inspect
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import types
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import default  # pylint: disable=g-import-not-at-top
-from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
-from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+import machine
+from configs import default
+from nsrnn_jax import models
+from nsrnn_jax import ns_stack
+from nsrnn_jax import parallel
+from nsrnn_jax import train
 
-_STEP = jax.jit(train.train_step)
-
-# Issue 4 targets (seconds per step on 2 CPU cores) and the authors' PyTorch
-# times on the same kind of CPU (reference figures from the issue).
+BATCH = 10
+# Model settings and the project's targets (issues 4 and 11; targets, not
+# measurements).
 SETTINGS = {
-    "ns22": dict(model="ns", num_states=2, num_stack_symbols=2,
-                 target=0.060, pytorch=8.1),
-    "ns33": dict(model="ns", num_states=3, num_stack_symbols=3,
-                 target=0.250, pytorch=86.0),
-    "jm": dict(model="jm", stack_embedding_size=20, target=0.005,
-               pytorch=0.062),
-    "gref": dict(model="gref", stack_embedding_size=20, target=0.005,
-                 pytorch=0.340),
-    "lstm": dict(model="lstm", target=0.002, pytorch=0.002),
+    "ns22": dict(model="ns", num_states=2, num_stack_symbols=2),
+    "ns33": dict(model="ns", num_states=3, num_stack_symbols=3),
+    "jm": dict(model="jm", stack_embedding_size=20),
+    "gref": dict(model="gref", stack_embedding_size=20),
+    "lstm": dict(model="lstm"),
 }
+TARGETS_S = {
+    "cpu": {"ns22": 0.060, "ns33": 0.250, "jm": 0.005, "gref": 0.005,
+            "lstm": 0.002},
+    "gpu": {"ns22": 0.003, "ns33": 0.004, "jm": 0.0015, "gref": 0.0015,
+            "lstm": 0.0015},
+}
+# CPU target of issue 11: an NS step within this factor of the FLOP limit.
+CPU_LIMIT_RATIO_TARGET = 6.0
 
 
-def _config(name):
+def _config(name, precision):
   config = default.get_config()
   for k, v in SETTINGS[name].items():
-    if k not in ("target", "pytorch"):
-      config[k] = v
+    config[k] = v
+  config.matmul_precision = precision
   return config
 
 
-def _state_and_batch(name, length, batch_size=10, seed=0):
-  config = _config(name)
-  model = models.build(config, vocab_size=3)
-  state = train.create_train_state(config, jax.random.key(seed), model)
+def _symbols(length, batch_size=BATCH, seed=0):
   rng = np.random.default_rng(seed)
-  symbols = rng.integers(0, 3, size=(batch_size, length)).astype(np.int32)
-  return state, symbols
+  return rng.integers(0, 3, size=(batch_size, length)).astype(np.int32)
 
 
-def time_step(state, batch, repeats):
-  """(compile seconds, median step seconds, all step seconds)."""
-  start = time.perf_counter()
-  state, m = _STEP(state, batch)
-  jax.block_until_ready(m["loss"])
-  compile_s = time.perf_counter() - start
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    state, m = _STEP(state, batch)
-    jax.block_until_ready((state.params, m["loss"]))
-    times.append(time.perf_counter() - start)
-  return compile_s, statistics.median(times), times
+def _stack_module(run_coupled):
+  """ns_stack with `run_coupled` replaced (what models.py calls)."""
+  shim = types.SimpleNamespace(**vars(ns_stack))
+  shim.run_coupled = run_coupled
+  return shim
 
 
-def bench_models(names, length, repeats):
+def load_baseline(ref):
+  """nsrnn_jax/ns_stack.py as of git `ref`, imported from a temp file."""
+  source = subprocess.run(
+      ["git", "-C", REPO, "show", f"{ref}:nsrnn_jax/ns_stack.py"],
+      capture_output=True, text=True, check=True).stdout
+  path = os.path.join(tempfile.mkdtemp(), "ns_stack_baseline.py")
+  with open(path, "w") as f:
+    f.write(source)
+  spec = importlib.util.spec_from_file_location("ns_stack_baseline", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  params = inspect.signature(module.run_coupled).parameters
+
+  def run_coupled(*args, **kwargs):
+    # An older ns_stack may not take these; it then runs at its own default.
+    for k in ("precision", "unroll"):
+      if k not in params:
+        kwargs.pop(k, None)
+    return module.run_coupled(*args, **kwargs)
+
+  return run_coupled
+
+
+class Variant:
+  """One compiled train step (a fresh jit, traced with its own ns_stack)."""
+
+  def __init__(self, name, label, length, precision, stack=None,
+               num_devices=None):
+    self.name, self.label = name, label
+    config = _config(name, precision)
+    model = models.build(config, vocab_size=3)
+    state = train.create_train_state(config, jax.random.key(0), model)
+    batch = train.make_batch(_symbols(length))
+    if num_devices is not None:
+      mesh = parallel.make_mesh(num_data=num_devices)
+      state = state.replace(**parallel.replicate(state.arrays(), mesh))
+      batch = parallel.shard_batch(batch, mesh)
+    self.state, self.batch = state, batch
+    # A fresh function object: its own trace, not shared with other variants.
+    self.step = jax.jit(lambda s, b: train.train_step(s, b))
+    saved = models.ns_stack
+    models.ns_stack = stack or ns_stack
+    try:
+      start, cpu_start = time.perf_counter(), time.process_time()
+      _, m = self.step(state, batch)
+      jax.block_until_ready(m["loss"])
+      self.compile_s = time.perf_counter() - start
+      self.compile_cpu_s = time.process_time() - cpu_start
+    finally:
+      models.ns_stack = saved
+    self.times, self.cpu_times = [], []
+
+  def time_once(self):
+    start, cpu_start = time.perf_counter(), time.process_time()
+    s, m = self.step(self.state, self.batch)
+    jax.block_until_ready((s.params, m["loss"]))
+    self.times.append(time.perf_counter() - start)
+    self.cpu_times.append(time.process_time() - cpu_start)
+
+
+def bench_model(name, length, repeats, precision, unrolls, baseline,
+                cpu_devices):
+  """Rows for one model: every variant, timed in alternation."""
+  variants = [Variant(name, "current", length, precision)]
+  is_ns = SETTINGS[name]["model"] == "ns"
+  if is_ns:
+    for u in unrolls:
+      if u != 1:
+        variants.append(Variant(
+            name, f"unroll={u}", length, precision, _stack_module(
+                functools.partial(ns_stack.run_coupled, unroll=u))))
+    if baseline is not None:
+      variants.append(Variant(name, f"baseline {baseline[0]}", length,
+                              precision, _stack_module(baseline[1])))
+  if cpu_devices > 1:
+    variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
+                            length, precision, num_devices=cpu_devices))
+  gflops, cpu_gflops = [], []
+  for i in range(repeats):
+    gflops.append(machine.matmul_gflops())
+    cpu_gflops.append(machine.matmul_gflops(clock="cpu"))
+    # Alternate the order, so that no variant always runs first.
+    for v in (variants if i % 2 == 0 else variants[::-1]):
+      v.time_once()
+  rate, cpu_rate = max(gflops), max(cpu_gflops)
+  backend = jax.default_backend()
   rows = []
-  for name in names:
-    state, symbols = _state_and_batch(name, length)
-    compile_s, step_s, times = time_step(state, train.make_batch(symbols),
-                                         repeats)
-    s = SETTINGS[name]
-    rows.append({"model": name, "length": length, "batch": 10,
-                 "compile_s": compile_s, "step_s": step_s,
-                 "min_step_s": min(times), "target_s": s["target"],
-                 "pytorch_s": s["pytorch"],
-                 "meets_target": min(times) <= s["target"]})
-    print(f"{name:6s} compile {compile_s:7.2f} s   step median "
-          f"{step_s * 1e3:9.2f} ms  min {min(times) * 1e3:9.2f} ms   target "
-          f"{s['target'] * 1e3:7.1f} ms   PyTorch {s['pytorch'] * 1e3:8.0f} ms",
-          flush=True)
+  for v in variants:
+    row = {"model": name, "variant": v.label, "length": length,
+           "batch": BATCH, "precision": precision, "compile_s": v.compile_s,
+           "step_s": statistics.median(v.times), "min_step_s": min(v.times),
+           "times_s": v.times, "matmul_gflops": rate,
+           "cpu_step_s": statistics.median(v.cpu_times),
+           "cpu_times_s": v.cpu_times, "matmul_gflops_cpu_time": cpu_rate,
+           "target_s": TARGETS_S.get(backend, {}).get(name)}
+    if is_ns:
+      q, s = SETTINGS[name]["num_states"], SETTINGS[name]["num_stack_symbols"]
+      limit = machine.ns_flop_limit_s(q, s, length, BATCH, rate)
+      # The CPU-time ratio (step and matmul both in process CPU time) is
+      # the steadier one on shared cores; on an idle machine both agree.
+      cpu_limit = machine.ns_flop_limit_s(q, s, length, BATCH, cpu_rate)
+      row.update(flop_limit_s=limit, limit_ratio=row["min_step_s"] / limit,
+                 limit_ratio_median=row["step_s"] / limit,
+                 limit_ratio_cpu_time=row["cpu_step_s"] / cpu_limit)
+    rows.append(row)
+    ratio = (f"  {row['limit_ratio']:5.1f}x limit ({limit * 1e3:.2f} ms),"
+             f" CPU time {row['limit_ratio_cpu_time']:5.1f}x" if is_ns else "")
+    print(f"{name:5s} {v.label:26s} compile {v.compile_s:6.1f} s  step "
+          f"median {row['step_s'] * 1e3:8.2f} ms  min "
+          f"{row['min_step_s'] * 1e3:8.2f} ms  CPU time "
+          f"{row['cpu_step_s'] * 1e3:8.2f} ms{ratio}", flush=True)
+  for row in rows[1:]:
+    row["min_step_over_current"] = row["min_step_s"] / rows[0]["min_step_s"]
+    row["cpu_step_over_current"] = row["cpu_step_s"] / rows[0]["cpu_step_s"]
   return rows
 
 
-def compile_study(name, lengths, buckets, repeats, epochs=100,
+def compile_study(name, lengths, buckets, repeats, precision, epochs=100,
                   steps_per_epoch=1000):
-  """Measures compile/step time per length; totals for both strategies."""
-  measured = {}
-  state, _ = _state_and_batch(name, 4)
+  """Measures compile/step time per length; totals for both strategies.
+
+  Times are process CPU times (compile: the first call; step: median of
+  `repeats`): on shared, loaded cores wall times vary several-fold, CPU
+  times much less. On an idle machine the step's wall time is lower (XLA
+  uses both cores for parts of it).
+  """
+  measured, compile_wall = {}, {}
   needed = sorted(set(lengths) | {b for b in buckets
-                                  if b >= min(lengths)
-                                  and b <= max(buckets)})
+                                  if min(lengths) <= b <= max(buckets)})
   for n in needed:
-    rng = np.random.default_rng(n)
-    symbols = rng.integers(0, 3, size=(10, n)).astype(np.int32)
-    compile_s, step_s, _ = time_step(state, train.make_batch(symbols),
-                                     repeats)
-    measured[n] = (compile_s, step_s)
-    print(f"  length {n:3d}: compile {compile_s:6.2f} s, step "
-          f"{step_s * 1e3:8.2f} ms", flush=True)
+    v = Variant(name, f"length {n}", n, precision)
+    for _ in range(repeats):
+      v.time_once()
+    measured[n] = (v.compile_cpu_s, statistics.median(v.cpu_times))
+    compile_wall[n] = v.compile_s
+    print(f"  {name} length {n:3d}: compile {v.compile_cpu_s:6.2f} s CPU "
+          f"({v.compile_s:6.2f} s wall), step {measured[n][1] * 1e3:8.2f} ms "
+          f"CPU", flush=True)
   # Interpolate the step time over all training lengths from the measured
   # ones (it is smooth in n); compile time is taken as the mean.
   xs = np.array(sorted(measured))
@@ -127,28 +254,36 @@ def compile_study(name, lengths, buckets, repeats, epochs=100,
       [step_at(bucket_of(n)) for n in train_lengths])
   used_buckets = sorted({bucket_of(n) for n in train_lengths})
   result = {
-      "model": name, "measured": {str(k): v for k, v in measured.items()},
-      "compile_mean_s": compile_mean,
+      "model": name, "clock": "process CPU time",
+      "measured": {str(k): v for k, v in measured.items()},
+      "compile_mean_s": compile_mean, "steps_per_epoch": steps_per_epoch,
+      "compile_wall_s": {str(k): w for k, w in compile_wall.items()},
       "per_length": {"compiles": len(train_lengths),
                      "compile_total_s": compile_mean * len(train_lengths),
-                     "epoch_steps_s": per_epoch_pl},
+                     "epoch_steps_s": float(per_epoch_pl)},
       "bucket": {"buckets": used_buckets, "compiles": len(used_buckets),
                  "compile_total_s": compile_mean * len(used_buckets),
-                 "epoch_steps_s": per_epoch_bk},
+                 "epoch_steps_s": float(per_epoch_bk)},
   }
   for key in ("per_length", "bucket"):
     r = result[key]
     r["first_epoch_s"] = r["compile_total_s"] + r["epoch_steps_s"]
     r[f"{epochs}_epochs_s"] = r["compile_total_s"] + epochs * r["epoch_steps_s"]
-  print(f"compile strategy ({name}, 20 lengths 41..79, {steps_per_epoch} "
-        f"steps/epoch):")
-  for key in ("per_length", "bucket"):
-    r = result[key]
-    print(f"  {key:10s}: {r['compiles']:2d} compiles = "
-          f"{r['compile_total_s']:7.1f} s, steps/epoch {r['epoch_steps_s']:7.1f}"
-          f" s, first epoch {r['first_epoch_s']:7.1f} s, {epochs} epochs "
-          f"{r[f'{epochs}_epochs_s']:8.1f} s")
+    print(f"  {name} {key:10s}: {r['compiles']:2d} compiles = "
+          f"{r['compile_total_s']:7.1f} s, steps/epoch "
+          f"{r['epoch_steps_s']:7.1f} s, {epochs} epochs "
+          f"{r[f'{epochs}_epochs_s']:8.1f} s", flush=True)
   return result
+
+
+def _reexec_with_devices(n):
+  """Runs this script again with N simulated CPU devices; returns its rc."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={n}").strip()
+  env["NSRNN_BENCH_CHILD"] = "1"
+  return subprocess.call([sys.executable, os.path.abspath(__file__)]
+                         + sys.argv[1:], env=env)
 
 
 def main():
@@ -156,29 +291,69 @@ def main():
   parser.add_argument("--models", default="ns22,ns33,jm,gref,lstm")
   parser.add_argument("--length", type=int, default=80)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--precision", default="highest",
+                      choices=ns_stack.MATMUL_PRECISIONS)
+  parser.add_argument("--unroll", default="1",
+                      help="comma-separated ns_stack scan unroll factors")
+  parser.add_argument("--baseline_ref", default=None,
+                      help="git ref of an ns_stack.py to compare against")
+  parser.add_argument("--cpu_devices", type=int, default=1)
   parser.add_argument("--compile_study", action="store_true")
   parser.add_argument("--study_model", default="ns22,jm",
                       help="comma-separated models for --compile_study")
   parser.add_argument("--study_lengths", default="41,61,79")
   parser.add_argument("--buckets", default="50,60,70,80")
-  parser.add_argument("--out", default=os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), "results",
-      "train_step.json"))
+  parser.add_argument("--out", default=None,
+                      help="default results/train_step_<backend>.json")
   args = parser.parse_args()
-  out = {"device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
-         "jax": jax.__version__}
+  if (args.cpu_devices > jax.device_count() and jax.default_backend() == "cpu"
+      and not os.environ.get("NSRNN_BENCH_CHILD")):
+    sys.exit(_reexec_with_devices(args.cpu_devices))
+  info = machine.machine_info()
+  print(parallel.describe_runtime(args.precision))
+  out = {"machine": info, "device": machine.device_label(info),
+         "precision": args.precision,
+         "note": "step_s = median, min_step_s = best of the timed calls "
+                 "(wall clock); cpu_step_s = median process CPU time (all "
+                 "threads); limit_ratio = min_step_s / flop_limit_s; "
+                 "limit_ratio_cpu_time = cpu_step_s / the same limit at the "
+                 "matmul's CPU-time rate"}
   names = [n for n in args.models.split(",") if n]
+  unrolls = [int(u) for u in args.unroll.split(",") if u]
+  baseline = None
+  if args.baseline_ref:
+    baseline = (args.baseline_ref, load_baseline(args.baseline_ref))
+    out["baseline_ref"] = subprocess.run(
+        ["git", "-C", REPO, "rev-parse", args.baseline_ref],
+        capture_output=True, text=True, check=True).stdout.strip()
+  path = args.out or os.path.join(REPO, "benchmarks", "results",
+                                  f"train_step_{info['backend']}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+
+  def save():
+    # Saved after every model, so a run stopped by a time limit keeps what
+    # it measured.
+    out["machine"]["load_average_at_end"] = list(os.getloadavg())
+    with open(path, "w") as f:
+      json.dump(out, f, indent=1)
+
   if names:
-    out["steps"] = bench_models(names, args.length, args.repeats)
+    out["steps"] = []
+    for name in names:
+      out["steps"] += bench_model(name, args.length, args.repeats,
+                                  args.precision, unrolls, baseline,
+                                  args.cpu_devices)
+      save()
   if args.compile_study:
-    out["compile_study"] = [compile_study(
-        name, [int(x) for x in args.study_lengths.split(",")],
-        [int(x) for x in args.buckets.split(",")], args.repeats)
-                            for name in args.study_model.split(",")]
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
-  print(f"saved {args.out}")
+    out["compile_study"] = []
+    for name in args.study_model.split(","):
+      out["compile_study"].append(compile_study(
+          name, [int(x) for x in args.study_lengths.split(",")],
+          [int(x) for x in args.buckets.split(",")], args.repeats,
+          args.precision))
+      save()
+  save()
+  print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,8 @@ def get_config() -> ml_collections.ConfigDict:
   # --- Numerics and compilation ---------------------------------------------
   # Parameter / activation dtype: float32 (paper) or float64 (needs x64).
   config.dtype = "float32"
+  # Matmul precision of every contraction: "highest" (full float32), "high", "default".
+  config.matmul_precision = "highest"
   # How distinct string lengths are compiled: "per_length" (one jit cache
   # entry per length, no padding) or "bucket" (pad to the next bucket
   # boundary with an exact mask). per_length is faster overall for the

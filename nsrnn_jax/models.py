@@ -98,26 +98,36 @@ def xavier_uniform(gain: float = 1.0) -> Callable[..., jax.Array]:
 # ---------------------------------------------------------------------------
 
 
-def affine(params: Params, x_BxI: jax.Array) -> jax.Array:
+def _mm(a, b, precision):
+  """``a @ b`` at a named matmul precision (see ``ns_stack.MATMUL_PRECISIONS``).
+
+  Explicit, so that GPUs / TPUs do not silently drop to TF32 / bf16 passes.
+  """
+  return jnp.matmul(a, b, precision=ns_stack.lax_precision(precision))
+
+
+def affine(params: Params, x_BxI: jax.Array, precision: str = 'highest'
+           ) -> jax.Array:
   """``x @ kernel + bias`` for a ``{'kernel', 'bias'}`` dict."""
-  return x_BxI @ params['kernel'] + params['bias']
+  return _mm(x_BxI, params['kernel'], precision) + params['bias']
 
 
-def lstm_step(params: Params, carry: Carry, x_BxI: jax.Array
-              ) -> tuple[Carry, jax.Array]:
+def lstm_step(params: Params, carry: Carry, x_BxI: jax.Array,
+              precision: str = 'highest') -> tuple[Carry, jax.Array]:
   """One step of PyTorch's LSTM (gate order i, f, g, o; biases b_ih + b_hh).
 
   Args:
     params: ``{'w_ih': [I, 4H], 'w_hh': [H, 4H], 'b_ih': [4H], 'b_hh': [4H]}``.
     carry: ``(h_BxH, c_BxH)``.
     x_BxI: the input vector.
+    precision: matmul precision name (``ns_stack.MATMUL_PRECISIONS``).
 
   Returns:
     ``((h_BxH, c_BxH), h_BxH)`` after the step.
   """
   h_BxH, c_BxH = carry
-  gates_Bx4H = (x_BxI @ params['w_ih'] + params['b_ih']
-                + h_BxH @ params['w_hh'] + params['b_hh'])
+  gates_Bx4H = (_mm(x_BxI, params['w_ih'], precision) + params['b_ih']
+                + _mm(h_BxH, params['w_hh'], precision) + params['b_hh'])
   i_BxH, f_BxH, g_BxH, o_BxH = jnp.split(gates_Bx4H, 4, axis=-1)
   c_BxH = (jax.nn.sigmoid(f_BxH) * c_BxH
            + jax.nn.sigmoid(i_BxH) * jnp.tanh(g_BxH))
@@ -167,7 +177,8 @@ def _exclusive_sum_above(strength_BxT: jax.Array) -> jax.Array:
 
 def gref_update(values_BxTxM: jax.Array, strength_BxT: jax.Array,
                 position: jax.Array, push_strength_B: jax.Array,
-                pop_strength_B: jax.Array, push_BxM: jax.Array
+                pop_strength_B: jax.Array, push_BxM: jax.Array,
+                precision: str = 'highest'
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Grefenstette et al. stratification-stack update followed by the read.
 
@@ -187,6 +198,7 @@ def gref_update(values_BxTxM: jax.Array, strength_BxT: jax.Array,
     push_strength_B: ``d``.
     pop_strength_B: ``u``.
     push_BxM: ``v``.
+    precision: matmul precision name of the read-out contraction.
 
   Returns:
     ``(values_BxTxM, strength_BxT, reading_BxM)`` after the update.
@@ -200,12 +212,14 @@ def gref_update(values_BxTxM: jax.Array, strength_BxT: jax.Array,
       strength_BxT, push_strength_B[:, None], position, axis=1)
   above_BxT = _exclusive_sum_above(strength_BxT)
   weight_BxT = jnp.minimum(strength_BxT, jax.nn.relu(1.0 - above_BxT))
-  reading_BxM = jnp.einsum('bt,btm->bm', weight_BxT, values_BxTxM)
+  reading_BxM = jnp.einsum('bt,btm->bm', weight_BxT, values_BxTxM,
+                           precision=ns_stack.lax_precision(precision))
   return values_BxTxM, strength_BxT, reading_BxM
 
 
 def ns_action_log_probs(action_params: Params, h_BxH: jax.Array,
-                        num_states: int, num_symbols: int
+                        num_states: int, num_symbols: int,
+                        precision: str = 'highest'
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """NS-RNN transition log-weights from the hidden state (section 1.1).
 
@@ -217,7 +231,7 @@ def ns_action_log_probs(action_params: Params, h_BxH: jax.Array,
     ``(push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ)``, log-probabilities.
   """
   q, s = num_states, num_symbols
-  logits_BxA = affine(action_params, h_BxH)
+  logits_BxA = affine(action_params, h_BxH, precision)
   log_p_BxQSxC = jax.nn.log_softmax(
       logits_BxA.reshape(-1, q * s, 2 * q * s + q), axis=-1)
   batch = log_p_BxQSxC.shape[0]
@@ -229,7 +243,8 @@ def ns_action_log_probs(action_params: Params, h_BxH: jax.Array,
 
 def ns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
                        reading_BxS: jax.Array, *, vocab_size: int,
-                       num_states: int, num_symbols: int):
+                       num_states: int, num_symbols: int,
+                       precision: str = 'highest'):
   """The NS-RNN's ``step_fn`` for ``ns_stack.run_coupled``.
 
   Args:
@@ -241,6 +256,7 @@ def ns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
     vocab_size: V.
     num_states: Q.
     num_symbols: S.
+    precision: matmul precision name of the LSTM and action layer.
 
   Returns:
     ``(carry_t, (push, repl, pop), h_BxH)``: the new carry, the log-weights of
@@ -248,9 +264,9 @@ def ns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
   """
   x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxS.dtype)
   x_BxI = jnp.concatenate([x_BxV, reading_BxS], axis=-1)
-  carry, h_BxH = lstm_step(params['controller'], carry, x_BxI)
+  carry, h_BxH = lstm_step(params['controller'], carry, x_BxI, precision)
   actions = ns_action_log_probs(params['action'], h_BxH, num_states,
-                                num_symbols)
+                                num_symbols, precision)
   return carry, actions, h_BxH
 
 
@@ -341,6 +357,8 @@ class LanguageModel(nn.Module):
   vocab_size: int
   hidden_size: int = 20
   dtype: Any = jnp.float32
+  # Matmul precision of every contraction (ns_stack.MATMUL_PRECISIONS).
+  matmul_precision: str = 'highest'
 
   def _reading_size(self) -> int:
     return 0
@@ -392,7 +410,7 @@ class LanguageModel(nn.Module):
     h_BxNxH = jnp.concatenate(
         [jnp.zeros((batch, 1, self.hidden_size), h_BxTxH.dtype), h_BxTxH],
         axis=1)
-    logits_BxNxV = affine(params['output'], h_BxNxH)
+    logits_BxNxV = affine(params['output'], h_BxNxH, self.matmul_precision)
     return logits_BxNxV, h_BxNxH, internals
 
   def __call__(self, symbols_BxN) -> jax.Array:
@@ -424,7 +442,8 @@ class LSTMLM(LanguageModel):
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
 
     def step(carry, x_BxV):
-      return lstm_step(params['controller'], carry, x_BxV)
+      return lstm_step(params['controller'], carry, x_BxV,
+                       self.matmul_precision)
 
     _, h_TxBxH = jax.lax.scan(step, (zeros_BxH, zeros_BxH),
                               jnp.swapaxes(x_BxTxV, 0, 1))
@@ -483,9 +502,12 @@ class JMLM(LanguageModel):
       reading_BxM = stack_BxDxM[:, 0]
       lstm_carry, h_BxH = lstm_step(
           params['controller'], lstm_carry,
-          jnp.concatenate([x_BxV, reading_BxM], axis=-1))
-      actions_Bx3 = jax.nn.softmax(affine(params['action'], h_BxH), axis=-1)
-      push_BxM = jax.nn.sigmoid(affine(params['push'], h_BxH))
+          jnp.concatenate([x_BxV, reading_BxM], axis=-1),
+          self.matmul_precision)
+      actions_Bx3 = jax.nn.softmax(
+          affine(params['action'], h_BxH, self.matmul_precision), axis=-1)
+      push_BxM = jax.nn.sigmoid(
+          affine(params['push'], h_BxH, self.matmul_precision))
       stack_BxDxM = jm_update(stack_BxDxM, actions_Bx3, push_BxM)
       return (lstm_carry, stack_BxDxM), (h_BxH, actions_Bx3, push_BxM,
                                          stack_BxDxM[:, 0])
@@ -545,12 +567,15 @@ class GrefLM(LanguageModel):
       position, x_BxV = inputs
       lstm_carry, h_BxH = lstm_step(
           params['controller'], lstm_carry,
-          jnp.concatenate([x_BxV, reading_BxM], axis=-1))
-      actions_Bx2 = jax.nn.sigmoid(affine(params['action'], h_BxH))
-      push_BxM = jnp.tanh(affine(params['push'], h_BxH))
+          jnp.concatenate([x_BxV, reading_BxM], axis=-1),
+          self.matmul_precision)
+      actions_Bx2 = jax.nn.sigmoid(
+          affine(params['action'], h_BxH, self.matmul_precision))
+      push_BxM = jnp.tanh(affine(params['push'], h_BxH,
+                                 self.matmul_precision))
       values_BxTxM, strength_BxT, reading_BxM = gref_update(
           values_BxTxM, strength_BxT, position, actions_Bx2[:, 0],
-          actions_Bx2[:, 1], push_BxM)
+          actions_Bx2[:, 1], push_BxM, self.matmul_precision)
       return ((lstm_carry, values_BxTxM, strength_BxT, reading_BxM),
               (h_BxH, actions_Bx2, push_BxM, strength_BxT, reading_BxM))
 
@@ -602,15 +627,18 @@ class NSLM(LanguageModel):
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
     step_fn = functools.partial(
         ns_controller_step, vocab_size=self.vocab_size,
-        num_states=self.num_states, num_symbols=self.num_stack_symbols)
+        num_states=self.num_states, num_symbols=self.num_stack_symbols,
+        precision=self.matmul_precision)
     step_params = {'controller': params['controller'],
                    'action': params['action']}
     h_BxTxH, readings, log_mass = ns_stack.run_coupled(
         step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
-        num_states=self.num_states, num_symbols=self.num_stack_symbols)
+        num_states=self.num_states, num_symbols=self.num_stack_symbols,
+        precision=self.matmul_precision)
     push, repl, pop = jax.vmap(
         lambda h: ns_action_log_probs(params['action'], h, self.num_states,
-                                      self.num_stack_symbols),
+                                      self.num_stack_symbols,
+                                      self.matmul_precision),
         in_axes=1, out_axes=1)(h_BxTxH)
     actions = {'push': jnp.exp(push), 'repl': jnp.exp(repl),
                'pop': jnp.exp(pop)}
@@ -632,7 +660,8 @@ def _check_positive_int(name: str, value) -> int:
 
 def get(name: str, vocab_size: int, hidden_size: int = 20,
         num_states: int = 2, num_stack_symbols: int = 2,
-        stack_embedding_size: int = 20, dtype=jnp.float32) -> nn.Module:
+        stack_embedding_size: int = 20, dtype=jnp.float32,
+        matmul_precision: str = 'highest') -> nn.Module:
   """Builds one of the four language models.
 
   Args:
@@ -644,6 +673,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     stack_embedding_size: JM/Gref stack vector size M (jm, gref only).
     dtype: parameter and computation dtype (float32 or float64; float64
       needs ``jax_enable_x64``).
+    matmul_precision: precision of every matmul (``ns_stack.MATMUL_PRECISIONS``;
+      'highest' = full float32 on GPUs / TPUs as on CPUs).
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -672,7 +703,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     raise ValueError('dtype float64 needs jax_enable_x64 (e.g. '
                      '`with jax.enable_x64(True):` or JAX_ENABLE_X64=1)')
   common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
-                dtype=np_dtype.type)
+                dtype=np_dtype.type,
+                matmul_precision=ns_stack.check_precision(matmul_precision))
   if name == 'lstm':
     return LSTMLM(**common)
   if name == 'jm':
@@ -686,8 +718,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
 def build(config, vocab_size: int | None = None) -> nn.Module:
   """Builds the model named by a flat config.
 
-  Reads ``model``, ``hidden_size``, ``num_states``, ``num_stack_symbols`` and
-  ``stack_embedding_size`` (missing size fields take the paper's defaults).
+  Reads ``model``, ``hidden_size``, ``num_states``, ``num_stack_symbols``,
+  ``stack_embedding_size`` and ``matmul_precision`` (missing size fields take the paper's defaults).
   ``vocab_size`` defaults to ``config.vocab_size`` if present, else to the
   vocabulary of ``config.task`` from :mod:`nsrnn_jax.languages`.
   """
@@ -715,7 +747,8 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              num_states=field('num_states', 2),
              num_stack_symbols=field('num_stack_symbols', 2),
              stack_embedding_size=field('stack_embedding_size', 20),
-             dtype=field('dtype', jnp.float32))
+             dtype=field('dtype', jnp.float32),
+             matmul_precision=field('matmul_precision', 'highest'))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

@@ -68,6 +68,15 @@ the final table, its transpose, W and E, i.e. O(B·T²·Q²·S²). The real
 adjoint ĝ/g of an entry is clamped at exp(log(float max) − 20) so entries
 flushed to ~0 cannot create inf·0.
 
+Precision and unrolling
+-----------------------
+Every contraction (forward and backward) takes an explicit matmul
+precision, "highest" by default: JAX's own default on recent GPUs and TPUs
+uses TF32 / bf16 passes, which broke float32 tests there. On CPUs XLA emits
+the same program either way (tested). `unroll` unrolls the forward and
+backward `lax.scan`s (same values; meant for launch-bound accelerators; on
+CPU it only made steps slower).
+
 XLA:CPU notes (measured): table-sized contractions whose free / summed small
 axis is the state r run fastest as dot_generals on flat [B·Y, rows, cols]
 views; an in-place column update of a carried table must happen before the
@@ -96,6 +105,9 @@ from jax import lax
 Array = jax.Array
 
 __all__ = [
+    "MATMUL_PRECISIONS",
+    "check_precision",
+    "lax_precision",
     "init_state",
     "step",
     "readout",
@@ -136,6 +148,39 @@ def _safe_log(x):
   """log(x) for x ≥ 0 with log(0) = −inf and a finite (zero) gradient there."""
   ok = x > 0
   return jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), -jnp.inf)
+
+
+MATMUL_PRECISIONS = ("highest", "high", "default")
+
+
+def check_precision(precision):
+  """Validates a matmul precision name; returns it (a static string).
+
+  "highest" is full float32 (float64 stays float64) on every backend;
+  "high" and "default" let GPUs / TPUs use reduced-precision passes (TF32,
+  bf16x3 / bf16). "default" leaves the choice to JAX (and to
+  JAX_DEFAULT_MATMUL_PRECISION), exactly as a plain matmul would.
+  """
+  if precision not in MATMUL_PRECISIONS:
+    raise ValueError(f"matmul_precision must be one of "
+                     f"{', '.join(MATMUL_PRECISIONS)}; got {precision!r}")
+  return precision
+
+
+def check_unroll(unroll):
+  """Validates a scan unroll factor (a positive int); returns it."""
+  if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) \
+      or unroll < 1:
+    raise ValueError(f"unroll (scan unroll factor) must be a positive "
+                     f"integer, got {unroll!r}")
+  return int(unroll)
+
+
+def lax_precision(precision):
+  """The `precision=` argument of jnp / lax contractions for a name."""
+  check_precision(precision)
+  return None if precision == "default" else lax.Precision[
+      precision.upper()]
 
 
 def readout(log_alpha_BxQxS):
@@ -233,15 +278,17 @@ def _alpha_step(log_alpha, g_col, c_col):
   return jnp.swapaxes(out_byr, 1, 2)
 
 
-def _column(gamma, scale, j, push, repl, pop):
+def _column(gamma, scale, j, push, repl, pop, precision):
   """Column j (mantissa [B,Y,I,Q,X,R] and log-scale [B]) from columns < j."""
+  prec = lax_precision(precision)
   sh = _shifts(scale, j, push, repl, pop)
   num_rows = gamma.shape[2]
   g_prev = lax.dynamic_index_in_dim(gamma, j - 1, axis=5, keepdims=False)
-  r_til = jnp.einsum("bziqxs,bszry->byiqxr", g_prev, sh.repl_e)
-  m_til = jnp.einsum("bzktys,bszr->byktr", g_prev, sh.pop_e)
+  r_til = jnp.einsum("bziqxs,bszry->byiqxr", g_prev, sh.repl_e,
+                     precision=prec)
+  m_til = jnp.einsum("bzktys,bszr->byktr", g_prev, sh.pop_e, precision=prec)
   e = lax.optimization_barrier(m_til * sh.ek[:, None, :, None, None])
-  p_til = jnp.einsum("byiqxkt,byktr->byiqxr", gamma, e)
+  p_til = jnp.einsum("byiqxkt,byktr->byiqxr", gamma, e, precision=prec)
   push_row = jnp.exp(push - sh.sigma[:, None, None, None, None])
   row = (jnp.arange(num_rows) == j - 1).astype(gamma.dtype)
   b = (slice(None),) + (None,) * 5
@@ -254,20 +301,22 @@ def _column(gamma, scale, j, push, repl, pop):
   return u / u_max[b], sh.sigma + jnp.log(u_max)
 
 
-@jax.jit
-def step(state, j, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ):
+@functools.partial(jax.jit, static_argnames="precision")
+def step(state, j, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
+         precision="highest"):
   """Applies update j (1-based, may be traced) to `state`.
 
   Args:
     state: StackState holding updates 1..j−1.
     j: update number, 1 ≤ j ≤ T (int or int32 scalar).
     push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ: update j's log-weights.
+    precision: matmul precision name (`MATMUL_PRECISIONS`), static.
 
   Returns:
     (new_state, reading_BxS, log_mass_B) after update j.
   """
   g_col, c_col = _column(state.gamma, state.scale, j, push_BxQxSxQxS,
-                         repl_BxQxSxQxS, pop_BxQxSxQ)
+                         repl_BxQxSxQxS, pop_BxQxSxQ, precision)
   la_col = _alpha_step(state.log_alpha, g_col, c_col)
   new = StackState(
       lax.dynamic_update_index_in_dim(state.gamma, g_col, j, axis=5),
@@ -282,7 +331,7 @@ def step(state, j, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ):
 # ---------------------------------------------------------------------------
 
 
-def _left_pop_factors(state, pop_TB):
+def _left_pop_factors(state, pop_TB, precision):
   """Left pop factors E_{j',k} of every update j' at every column k, at once.
 
   E_{j',k}[t,y,r] = ek_{j'}(k) · Σ_{s,z} G_{k,j'−1}[t,y,s,z] pop_e_{j'}[s,z,r]
@@ -309,12 +358,12 @@ def _left_pop_factors(state, pop_TB):
   g_shift = jnp.concatenate([jnp.zeros_like(gamma[:, :, :, :, :, :1]),
                              gamma[:, :, :, :, :, :-1]], axis=5)
   e_all = jnp.einsum("bzktyns,nbszr->byktnr", g_shift,
-                     pop_e_N)
+                     pop_e_N, precision=lax_precision(precision))
   return e_all * jnp.swapaxes(ek, 1, 2)[:, None, :, None, :, None]
 
 
 def _backward_step(state, e_all, gamma_t, w_table, col0, j, push, repl, pop,
-                   prev_hat, a_hat):
+                   prev_hat, a_hat, precision):
   """Reverse of update j on the final tables.
 
   The adjoint table is never formed. The left pop factor's contribution to
@@ -337,12 +386,14 @@ def _backward_step(state, e_all, gamma_t, w_table, col0, j, push, repl, pop,
     push, repl, pop: update j's log-weights.
     prev_hat: log-adjoint added to column j by update j+1, [B,Y,R,I,Q,X].
     a_hat: complete log-adjoint of log α_j, [B, Q(r), S(y)].
+    precision: matmul precision name.
 
   Returns:
     (W_j [B,Y,R,I,Q,X], prev_hat for column j−1, la_hat for log α rows < j,
      push_hat, repl_hat, pop_hat).
   """
   gamma, scale, log_alpha = state
+  prec = lax_precision(precision)
   bsz, ny, ni, nq, nx, _, nr = gamma.shape
   nj = col0 + e_all.shape[4]
   dtype = gamma.dtype
@@ -361,7 +412,7 @@ def _backward_step(state, e_all, gamma_t, w_table, col0, j, push, repl, pop,
   e_col = lax.dynamic_index_in_dim(e_all, j, axis=2, keepdims=False)
   left = lax.dot_general(
       e_col.reshape(bsz * ny, nr, (nj - col0) * nr), w_table,
-      (((2,), (1,)), ((0,), (0,))))
+      (((2,), (1,)), ((0,), (0,))), precision=prec)
   gh_col = g_new * left.reshape(g_new.shape) + prev_hat
 
   # No column-sized log below: XLA:CPU runs a fused log → exp elementwise
@@ -403,22 +454,26 @@ def _backward_step(state, e_all, gamma_t, w_table, col0, j, push, repl, pop,
   w_p = adjoint(sh.log_p)
 
   # Replace (g_prev is column j−1: its Y axis is z, its R axis s).
-  repl_hat = sh.repl_e * jnp.einsum("bzsiqx,byriqx->bszry", g_prev, w_r)
-  prev_out = g_prev * jnp.einsum("byriqx,bszry->bzsiqx", w_r, sh.repl_e)
+  repl_hat = sh.repl_e * jnp.einsum("bzsiqx,byriqx->bszry", g_prev, w_r,
+                                    precision=prec)
+  prev_out = g_prev * jnp.einsum("byriqx,bszry->bzsiqx", w_r, sh.repl_e,
+                                 precision=prec)
 
   # Pop, right factor: M̄_{j,k} = ek · Σ_{i,q,x} G_{i,k} W_j (one matmul).
   m_bar = lax.dot_general(
       gamma_t.reshape(bsz * ny, ni * nr, ni * nq * nx),
-      w_p.reshape(bsz * ny, nr, ni * nq * nx), (((2,), (2,)), ((0,), (0,))))
+      w_p.reshape(bsz * ny, nr, ni * nq * nx), (((2,), (2,)), ((0,), (0,))),
+      precision=prec)
   m_bar = m_bar.reshape(bsz, ny, ni, nr, nr) * sh.ek[:, None, :, None, None]
-  pop_hat = sh.pop_e * jnp.einsum("bzskty,byktr->bszr", g_prev, m_bar)
+  pop_hat = sh.pop_e * jnp.einsum("bzskty,byktr->bszr", g_prev, m_bar,
+                                  precision=prec)
   prev_out = prev_out + g_prev * jnp.einsum("byktr,bszr->bzskty", m_bar,
-                                            sh.pop_e)
+                                            sh.pop_e, precision=prec)
   return w_p, prev_out, la_hat, push_hat, repl_hat, pop_hat
 
 
 def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
-                    ctrl_init):
+                    ctrl_init, precision, unroll=1):
   """One reverse scan j = T..1 over the final tables.
 
   Args:
@@ -429,13 +484,15 @@ def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
     ctrl_fn: (j, ctrl_carry, push_hat, repl_hat, pop_hat) -> ctrl_carry; the
       controller's reverse step (identity for `run`).
     ctrl_init: initial controller backward carry.
+    precision: matmul precision name.
+    unroll: `lax.scan` unroll factor of the reverse scans (values unchanged).
 
   Returns:
     (final ctrl carry, (push_hat, repl_hat, pop_hat) time-major).
   """
   num_steps = push_TB.shape[0]
   bsz, ny, ni, nq, nx, nj, nr = state.gamma.shape
-  e_all = _left_pop_factors(state, pop_TB)
+  e_all = _left_pop_factors(state, pop_TB, precision)
 
   def body(part, e_part, gamma_t, col0, carry, inp):
     w_table, w_next, prev_hat, ah, ctrl = carry
@@ -451,7 +508,7 @@ def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
     a_hat = a_hat + la_ct_fn(j, ctrl)
     w_next, prev_hat, la_hat, push_hat, repl_hat, pop_hat = _backward_step(
         part, e_part, gamma_t, w_table, col0, j, push, repl, pop, prev_hat,
-        a_hat)
+        a_hat, precision)
     ah = ah + la_hat
     ctrl = ctrl_fn(j, ctrl, push_hat, repl_hat, pop_hat)
     return (w_table, w_next, prev_hat, ah, ctrl), (push_hat, repl_hat,
@@ -476,7 +533,7 @@ def _backward_sweep(state, push_TB, repl_TB, pop_TB, la_ct_fn, ctrl_fn,
           pop_TB[j0 - 1:j1 - 1])
     e_part = e_all[:, :, :j1, :, j0:]
     sub, blk_hats = lax.scan(functools.partial(body, part, e_part, gamma_t, j0),
-                             sub, xs, reverse=True)
+                             sub, xs, reverse=True, unroll=unroll)
     w_sub, w_next_s, prev_s, ah_s, ctrl = sub
     pad = lambda a, full, axis: lax.dynamic_update_slice_in_dim(
         jnp.zeros_like(full), a, 0, axis)
@@ -552,38 +609,38 @@ def _unslice_state(full, part):
       full.log_alpha.at[:, :n].set(part.log_alpha))
 
 
-def _forward_tables(push, repl, pop):
+def _forward_tables(push, repl, pop, precision, unroll=1):
   """Runs all T updates (blocked lax.scans); returns the final StackState."""
   b, t, q, s = push.shape[:4]
   state = init_state(b, t, q, s, push.dtype)
 
   def body(st, inp):
     j, pu, re, po = inp
-    st, _, _ = step(st, j, pu, re, po)
+    st, _, _ = step(st, j, pu, re, po, precision=precision)
     return st, None
 
   for j0, j1 in _time_blocks(t):
     xs = (jnp.arange(j0, j1), jnp.swapaxes(push[:, j0 - 1:j1 - 1], 0, 1),
           jnp.swapaxes(repl[:, j0 - 1:j1 - 1], 0, 1),
           jnp.swapaxes(pop[:, j0 - 1:j1 - 1], 0, 1))
-    part, _ = lax.scan(body, _slice_state(state, j1), xs)
+    part, _ = lax.scan(body, _slice_state(state, j1), xs, unroll=unroll)
     state = _unslice_state(state, part)
   return state
 
 
-@jax.custom_vjp
-def _log_alpha_table(push, repl, pop):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _log_alpha_table(push, repl, pop, precision, unroll):
   """log α_j for j = 0..T, [B, T+1, Q, S], with the O(T²)-memory gradient."""
-  return _forward_tables(push, repl, pop).log_alpha
+  return _forward_tables(push, repl, pop, precision, unroll).log_alpha
 
 
-def _log_alpha_fwd(push, repl, pop):
+def _log_alpha_fwd(push, repl, pop, precision, unroll):
   """Forward: residuals are the final tables only (O(T²))."""
-  state = _forward_tables(push, repl, pop)
+  state = _forward_tables(push, repl, pop, precision, unroll)
   return state.log_alpha, (state, push, repl, pop)
 
 
-def _log_alpha_bwd(res, la_ct):
+def _log_alpha_bwd(precision, unroll, res, la_ct):
   """Backward: one reverse sweep over the final tables."""
   state, push, repl, pop = res
   t_major = [jnp.swapaxes(a, 0, 1) for a in (push, repl, pop)]
@@ -592,20 +649,25 @@ def _log_alpha_bwd(res, la_ct):
     return lax.dynamic_index_in_dim(la_ct, j, axis=1, keepdims=False)
 
   _, hats = _backward_sweep(state, *t_major, la_ct_fn,
-                            lambda j, c, *_: c, ())
+                            lambda j, c, *_: c, (), precision, unroll)
   return tuple(jnp.swapaxes(h, 0, 1) for h in hats)
 
 
 _log_alpha_table.defvjp(_log_alpha_fwd, _log_alpha_bwd)
 
 
-def run(push, repl, pop):
+def run(push, repl, pop, precision="highest", unroll=1):
   """Runs the nondeterministic stack over T updates given all actions.
 
   Args:
     push: [B, T, Q, S, Q, S] log-weights push_j[q, x, r, y].
     repl: [B, T, Q, S, Q, S] log-weights repl_j[q, x, r, y].
     pop: [B, T, Q, S, Q] log-weights pop_j[q, x, r].
+    precision: matmul precision of every contraction, forward and backward
+      (`MATMUL_PRECISIONS`; "highest" = full float32 on GPUs / TPUs too).
+    unroll: `lax.scan` unroll factor of the forward and backward sweeps
+      (same values; fewer loop iterations, larger programs; for
+      launch-bound accelerators).
 
   Returns:
     readings_BxT1xS: τ after 0..T updates (τ_0 = one-hot on ⊥ = symbol 0).
@@ -616,13 +678,14 @@ def run(push, repl, pop):
   push, repl, pop = (jnp.asarray(a) if isinstance(a, np.ndarray) else a
                      for a in (push, repl, pop))
   _check_actions(push, repl, pop)
-  return _run_jit(push, repl, pop)
+  return _run_jit(push, repl, pop, check_precision(precision),
+                  check_unroll(unroll))
 
 
-@jax.jit
-def _run_jit(push, repl, pop):
+@functools.partial(jax.jit, static_argnames=("precision", "unroll"))
+def _run_jit(push, repl, pop, precision, unroll=1):
   """Jitted body of `run` (inputs already validated)."""
-  return readout(_log_alpha_table(push, repl, pop))
+  return readout(_log_alpha_table(push, repl, pop, precision, unroll))
 
 
 # ---------------------------------------------------------------------------
@@ -652,7 +715,8 @@ def _split_float(tree):
   return leaves, treedef, is_float
 
 
-def _coupled_forward(step_fn, q, s, params, init_carry, xs_T, dtype):
+def _coupled_forward(step_fn, q, s, params, init_carry, xs_T, dtype,
+                     precision, unroll=1):
   """Coupled forward scan; returns outs_T, carries_T (h_{t−1}), state."""
   num_steps = jax.tree_util.tree_leaves(xs_T)[0].shape[0]
   b = jax.tree_util.tree_leaves(xs_T)[0].shape[1]
@@ -664,7 +728,7 @@ def _coupled_forward(step_fn, q, s, params, init_carry, xs_T, dtype):
     j, x = inp
     new_ctrl, acts, out = step_fn(params, ctrl, x, reading)
     _check_controller_actions(acts, b, q, s, dtype)
-    st, reading_new, _ = step(st, j, *acts)
+    st, reading_new, _ = step(st, j, *acts, precision=precision)
     return (new_ctrl, st, reading_new), (out, ctrl, tuple(acts))
 
   carry, ys = (init_carry, reading0), []
@@ -672,7 +736,7 @@ def _coupled_forward(step_fn, q, s, params, init_carry, xs_T, dtype):
     xs_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
     (ctrl, part, reading), y = lax.scan(
         body, (carry[0], _slice_state(state, j1), carry[1]),
-        (jnp.arange(j0, j1), xs_blk))
+        (jnp.arange(j0, j1), xs_blk), unroll=unroll)
     state = _unslice_state(state, part)
     carry = (ctrl, reading)
     ys.append(y)
@@ -681,23 +745,25 @@ def _coupled_forward(step_fn, q, s, params, init_carry, xs_T, dtype):
   return outs, carries, acts_T, state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 6))
-def _coupled(step_fn, q, s, params, init_carry, xs_T, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 6, 7, 8))
+def _coupled(step_fn, q, s, params, init_carry, xs_T, dtype, precision,
+             unroll):
   """Coupled recurrence; returns (outs_T, log α table) with a custom VJP."""
   outs, _, _, state = _coupled_forward(step_fn, q, s, params, init_carry,
-                                       xs_T, dtype)
+                                       xs_T, dtype, precision, unroll)
   return outs, state.log_alpha
 
 
-def _coupled_fwd(step_fn, q, s, params, init_carry, xs_T, dtype):
+def _coupled_fwd(step_fn, q, s, params, init_carry, xs_T, dtype, precision,
+                 unroll):
   """Forward of `_coupled`, saving tables, carries and actions."""
-  outs, carries, acts_T, state = _coupled_forward(step_fn, q, s, params,
-                                                  init_carry, xs_T, dtype)
+  outs, carries, acts_T, state = _coupled_forward(
+      step_fn, q, s, params, init_carry, xs_T, dtype, precision, unroll)
   # Residuals: final tables plus O(T) controller carries and actions.
   return (outs, state.log_alpha), (params, xs_T, carries, acts_T, state)
 
 
-def _coupled_bwd(step_fn, q, s, dtype, res, cts):
+def _coupled_bwd(step_fn, q, s, dtype, precision, unroll, res, cts):
   """Reverse sweep interleaving DP step j and the controller VJP of step j."""
   params, xs_T, carries, acts_T, state = res
   outs_ct, la_ct = cts
@@ -751,7 +817,7 @@ def _coupled_bwd(step_fn, q, s, dtype, res, cts):
     return (p_bar, dc, dr, x_bar)
 
   (p_bar, c_bar, _, x_bar), _ = _backward_sweep(
-      state, *acts_T, la_ct_fn, ctrl_fn, ctrl_init)
+      state, *acts_T, la_ct_fn, ctrl_fn, ctrl_init, precision, unroll)
   it = iter(x_bar)
   x_ct = [next(it) if fl else np.zeros(jnp.shape(l), jax.dtypes.float0)
           for l, fl in zip(x_leaves, x_float)]
@@ -761,7 +827,8 @@ def _coupled_bwd(step_fn, q, s, dtype, res, cts):
 _coupled.defvjp(_coupled_fwd, _coupled_bwd)
 
 
-def run_coupled(step_fn, params, init_carry, xs, num_states, num_symbols):
+def run_coupled(step_fn, params, init_carry, xs, num_states, num_symbols,
+                precision="highest", unroll=1):
   """Runs a controller and the stack together, t = 1..T.
 
   Controller step t sees the reading after t−1 updates (reading 0 is one-hot
@@ -776,6 +843,11 @@ def run_coupled(step_fn, params, init_carry, xs, num_states, num_symbols):
     xs: pytree of batch-major inputs, leaves [B, T, ...]; float leaves are
       differentiable, integer leaves get float0 cotangents.
     num_states: Q. num_symbols: S.
+    precision: matmul precision of the stack DP's contractions, forward and
+      backward (`MATMUL_PRECISIONS`). The controller's own matmuls are
+      step_fn's business (see models.ns_controller_step).
+    unroll: `lax.scan` unroll factor of the forward and backward sweeps
+      (same values; for launch-bound accelerators).
 
   Returns:
     outs: pytree of out_t stacked batch-major, leaves [B, T, ...].
@@ -812,7 +884,9 @@ def run_coupled(step_fn, params, init_carry, xs, num_states, num_symbols):
   _check_controller_actions(out_shape[1], b, int(num_states),
                             int(num_symbols), jnp.dtype(dtype))
   outs_T, log_alpha = _coupled(step_fn, int(num_states), int(num_symbols),
-                               params, init_carry, xs_T, jnp.dtype(dtype))
+                               params, init_carry, xs_T, jnp.dtype(dtype),
+                               check_precision(precision),
+                               check_unroll(unroll))
   outs = jax.tree_util.tree_map(lambda o: jnp.swapaxes(o, 0, 1), outs_T)
   readings, log_mass = readout(log_alpha)
   return outs, readings, log_mass

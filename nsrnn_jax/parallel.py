@@ -414,3 +414,49 @@ def to_host(tree: PyTree) -> PyTree:
       return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
   return jax.tree.map(get, tree)
+
+
+# ---------------------------------------------------------------------------
+# Runtime description (first line of a job's log).
+# ---------------------------------------------------------------------------
+
+
+def host_cpu_model() -> str:
+  """This host's CPU model name (from /proc/cpuinfo), or a generic name."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.lower().startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  import platform  # pylint: disable=g-import-not-at-top
+  return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def describe_runtime(matmul_precision: str = "highest") -> str:
+  """One line naming the backend, the devices and the matmul precision.
+
+  E.g. ``runtime: backend gpu, process 0/1, 1 device(s): 1x NVIDIA H200;
+  jax 0.11.2; matmul precision highest``. On a CPU backend the host's CPU
+  model and core count are added, so a log says what produced its timings.
+
+  Args:
+    matmul_precision: the config's precision name; validated here (a bad
+      value raises a one-line ValueError naming config.matmul_precision).
+  """
+  from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top
+  if matmul_precision not in ns_stack.MATMUL_PRECISIONS:
+    raise ValueError(
+        f"config.matmul_precision must be one of "
+        f"{', '.join(ns_stack.MATMUL_PRECISIONS)}; got {matmul_precision!r}")
+  kinds = {}
+  for d in jax.devices():
+    kinds[d.device_kind] = kinds.get(d.device_kind, 0) + 1
+  devices = ", ".join(f"{n}x {k}" for k, n in kinds.items())
+  line = (f"runtime: backend {jax.default_backend()}, process "
+          f"{jax.process_index()}/{jax.process_count()}, "
+          f"{jax.device_count()} device(s): {devices}")
+  if jax.default_backend() == "cpu":
+    line += f" [{host_cpu_model()}, {os.cpu_count()} cores]"
+  return line + f"; jax {jax.__version__}; matmul precision {matmul_precision}"

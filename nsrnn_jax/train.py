@@ -30,6 +30,7 @@ models are causal, so padding never changes the masked loss.
 
 import dataclasses
 import json
+import sys
 from typing import Any, Callable, Optional
 
 import flax
@@ -42,6 +43,7 @@ import optax
 from nsrnn_jax import checkpointing
 from nsrnn_jax import data
 from nsrnn_jax import languages
+from nsrnn_jax import ns_stack
 from nsrnn_jax import parallel
 
 PyTree = Any
@@ -130,6 +132,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   dtype = need("dtype")
   if dtype not in DTYPES:
     fail("dtype", f"is {dtype!r}; expected one of {', '.join(DTYPES)}")
+  precision = need("matmul_precision")
+  if precision not in ns_stack.MATMUL_PRECISIONS:
+    fail("matmul_precision", f"is {precision!r}; expected one of "
+         f"{', '.join(ns_stack.MATMUL_PRECISIONS)}")
   if dtype == "float64" and not jax.config.jax_enable_x64:
     fail("dtype", "is float64 but jax_enable_x64 is off (set JAX_ENABLE_X64=1)")
   num_devices = jax.device_count()
@@ -481,6 +487,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                      vocab_size=len(splits.alphabet))
   model = build_model(config) if model is None else model
   if parallel.is_main_process():
+    # The first line of a run (after the checks, so errors stay one line).
+    print(parallel.describe_runtime(config.matmul_precision), file=sys.stderr,
+          flush=True)
     checkpointing.write_config(workdir, config_json)
   (results,) = loop.run_models([loop.Run(config, workdir, splits, workdir)],
                                model, should_stop=should_stop)

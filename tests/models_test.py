@@ -11,6 +11,7 @@ Oracles (none tuned to the implementation):
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -606,3 +607,47 @@ def test_jit_matches_eager():
   eager = model.apply({'params': params}, symbols)
   jitted = jax.jit(model.apply)({'params': params}, symbols)
   np.testing.assert_allclose(jitted, eager, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Matmul precision (full float32 on GPUs / TPUs unless asked otherwise).
+# ---------------------------------------------------------------------------
+
+
+def _dot_precisions(text):
+  """The precision attribute of every stablehlo.dot_general in `text`."""
+  out = []
+  for line in text.splitlines():
+    if 'stablehlo.dot_general' in line:
+      m = re.search(r'precision = \[(\w+), (\w+)\]', line)
+      out.append(m.groups() if m else ('DEFAULT', 'DEFAULT'))
+  return out
+
+
+@pytest.mark.parametrize('name', _ALL)
+@pytest.mark.parametrize('precision,attr', [('highest', 'HIGHEST'),
+                                            ('default', 'DEFAULT')])
+def test_every_matmul_of_the_gradient_carries_the_precision(
+    name, precision, attr):
+  # Under a reduced global default (what GPUs / TPUs use), the model's own
+  # setting decides every contraction: LSTM, stack, action / output layers,
+  # forward and backward (including ns_stack's custom VJP).
+  symbols = jnp.asarray(_SYMBOLS[:, :6])
+  kwargs = {} if precision == 'highest' else {'matmul_precision': precision}
+  model = models.get(name, _VOCAB, **kwargs)
+  params = _init(model, symbols)
+  with jax.default_matmul_precision('bfloat16'):
+    text = jax.jit(jax.grad(_loss(model, symbols))).lower(params).as_text()
+  dots = _dot_precisions(text)
+  assert len(dots) >= 4
+  assert set(dots) == {(attr, attr)}
+
+
+def test_bad_matmul_precision_is_a_one_line_error():
+  with pytest.raises(ValueError, match='matmul_precision') as e:
+    models.get('ns', _VOCAB, matmul_precision='tf32')
+  assert '\n' not in str(e.value)
+  with pytest.raises(ValueError, match='matmul_precision'):
+    models.build({'model': 'lstm', 'matmul_precision': 'fast'}, vocab_size=3)
+  assert models.build({'model': 'lstm', 'matmul_precision': 'high'},
+                      vocab_size=3).matmul_precision == 'high'

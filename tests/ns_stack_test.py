@@ -8,6 +8,7 @@ modules in the same process are unaffected.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -438,3 +439,167 @@ def test_gradient_cases_cover_three_and_four_time_blocks():
   # Training at n = 80 runs 79 updates (3 blocks); test lengths >= 97 run 4.
   blocks = lambda t: len(ns_stack._time_blocks(t))  # pylint: disable=protected-access
   assert [blocks(t) for t in (50, 72, 79, 96)] == [2, 3, 3, 4]
+
+# ---------------------------------------------------------------------------
+# Matmul precision reaches every contraction (forward and custom backward).
+# ---------------------------------------------------------------------------
+
+
+def _dot_precisions(text):
+  """The precision attribute of every stablehlo.dot_general in `text`."""
+  lines = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+  out = []
+  for l in lines:
+    m = re.search(r"precision = \[(\w+), (\w+)\]", l)
+    out.append(m.groups() if m else ("DEFAULT", "DEFAULT"))
+  return out
+
+
+def _grad_text(precision, steps, q=2, s=2):
+  rng = np.random.default_rng(0)
+  push, repl, pop = (jnp.asarray(a, jnp.float32)
+                     for a in _random_actions(rng, 2, steps, q, s, "norm"))
+
+  def loss(pu, re_, po):
+    readings, log_mass = ns_stack.run(pu, re_, po, precision=precision)
+    return jnp.sum(readings * jnp.arange(s)) + jnp.sum(log_mass)
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+      push, repl, pop).as_text()
+
+
+@pytest.mark.parametrize("precision,attr", [
+    ("highest", "HIGHEST"), ("high", "HIGH"), ("default", "DEFAULT")])
+@pytest.mark.parametrize("steps", [5, 50])
+def test_precision_reaches_every_contraction(precision, attr, steps):
+  # Per time block: 3 forward contractions (replace, M, pop) and 6 backward
+  # ones (left pop, M̄, replace ×2, pop ×2), plus one hoisted E contraction.
+  blocks = len(ns_stack._time_blocks(steps))  # pylint: disable=protected-access
+  dots = _dot_precisions(_grad_text(precision, steps))
+  assert len(dots) == 9 * blocks + 1
+  assert set(dots) == {(attr, attr)}
+
+
+def test_explicit_precision_beats_the_global_default():
+  # What a GPU / TPU does by default (reduced passes) must not leak in.
+  with jax.default_matmul_precision("bfloat16"):
+    dots = _dot_precisions(_grad_text("highest", 5))
+    assert set(dots) == {("HIGHEST", "HIGHEST")}
+    # "default" defers to JAX's setting, here bfloat16 = DEFAULT passes.
+    assert set(_dot_precisions(_grad_text("default", 5))) == {
+        ("DEFAULT", "DEFAULT")}
+  with jax.default_matmul_precision("float32"):
+    assert set(_dot_precisions(_grad_text("default", 5))) == {
+        ("HIGHEST", "HIGHEST")}
+
+
+def test_run_coupled_precision_reaches_the_stack():
+  rng = np.random.default_rng(3)
+  q, s, b, t = 2, 2, 2, 5
+  base = _tanh_controller(q, s)
+  step_fn = lambda p, h, x, rd: base(p, h, jax.nn.one_hot(x, _V), rd)
+  params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32),
+                                  _controller_params(rng, q, s))
+  xs = jnp.asarray(rng.integers(0, _V, (b, t)), jnp.int32)
+
+  def loss(p, precision):
+    outs, readings, _ = ns_stack.run_coupled(
+        step_fn, p, jnp.zeros((b, _H)), xs, q, s, precision=precision)
+    return jnp.sum(outs) + jnp.sum(readings * jnp.arange(s))
+
+  for precision, attr in (("highest", "HIGHEST"), ("high", "HIGH")):
+    with jax.default_matmul_precision("bfloat16"):
+      text = jax.jit(jax.grad(loss), static_argnums=1).lower(
+          params, precision).as_text()
+    dots = _dot_precisions(text)
+    # The controller's own matmuls (plain @ here) stay DEFAULT; the stack's
+    # 10 contractions carry the requested precision.
+    assert dots.count((attr, attr)) == 10
+    assert set(dots) == {(attr, attr), ("DEFAULT", "DEFAULT")}
+
+
+def test_bad_precision_is_a_one_line_value_error():
+  push, repl, pop = (jnp.asarray(a, jnp.float32) for a in _random_actions(
+      np.random.default_rng(0), 1, 3, 2, 2, "norm"))
+  with pytest.raises(ValueError, match="matmul_precision must be one of") as e:
+    ns_stack.run(push, repl, pop, precision="tf32")
+  assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------
+# Scan unrolling (for launch-bound accelerators) changes no value.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unroll", [3])
+def test_unrolled_run_equals_unroll_1(x64, unroll):
+  rng = np.random.default_rng(21)
+  push, repl, pop = (jnp.asarray(a) for a in _random_actions(
+      rng, 2, 50, 2, 2, "neginf"))
+  c = jnp.asarray(rng.normal(size=(2, 51, 2)))
+
+  def loss(u):
+    def f(pu, re_, po):
+      readings, log_mass = ns_stack.run(pu, re_, po, unroll=u)
+      return jnp.sum(c * readings) + 0.1 * jnp.sum(
+          jnp.where(jnp.isfinite(log_mass), log_mass, 0))
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+  (v1, g1), (vu, gu) = loss(1)(push, repl, pop), loss(unroll)(push, repl, pop)
+  np.testing.assert_allclose(vu, v1, rtol=1e-13)
+  for a, b in zip(gu, g1):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_unrolled_run_coupled_equals_unroll_1(x64):
+  rng = np.random.default_rng(5)
+  q, s, b, t = 2, 2, 2, 30
+  step_fn = _tanh_controller(q, s)
+  params = _controller_params(rng, q, s)
+  xs = rng.normal(size=(b, t, _V))
+
+  def loss(u):
+    def f(p):
+      outs, readings, _ = ns_stack.run_coupled(
+          step_fn, p, jnp.zeros((b, _H)), xs, q, s, unroll=u)
+      return jnp.sum(outs) + jnp.sum(readings ** 2)
+    return jax.jit(jax.value_and_grad(f))
+
+  (v1, g1), (v3, g3) = loss(1)(params), loss(3)(params)
+  np.testing.assert_allclose(v3, v1, rtol=1e-13)
+  for a, b_ in zip(jax.tree_util.tree_leaves(g3),
+                   jax.tree_util.tree_leaves(g1)):
+    np.testing.assert_allclose(a, b_, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("unroll", [0, -1, 1.5, True])
+def test_bad_unroll_is_a_value_error(unroll):
+  push, repl, pop = (jnp.asarray(a, jnp.float32) for a in _random_actions(
+      np.random.default_rng(0), 1, 3, 2, 2, "norm"))
+  with pytest.raises(ValueError, match="unroll"):
+    ns_stack.run(push, repl, pop, unroll=unroll)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU codegen")
+def test_full_precision_compiles_to_the_same_cpu_program():
+  # Full float32 costs nothing on CPUs: XLA:CPU emits the same program, the
+  # precision annotation aside.
+  rng = np.random.default_rng(0)
+  push, repl, pop = (jnp.asarray(a, jnp.float32)
+                     for a in _random_actions(rng, 2, 5, 2, 2, "norm"))
+
+  def compiled(precision):
+    def loss(pu, re_, po):
+      readings, log_mass = ns_stack.run(pu, re_, po, precision=precision)
+      return jnp.sum(readings) + jnp.sum(log_mass)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        push, repl, pop).compile().as_text()
+    # Instructions only, without source locations and the precision.
+    lines = [l for l in text.splitlines() if " = " in l or l.endswith("{")]
+    text = "\n".join(lines[1:])
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    return re.sub(r",? ?operand_precision=\{[a-z,]*\}", "", text)
+
+  highest = compiled("highest")
+  assert highest.count(" dot(") >= 10  # the comparison has substance
+  assert compiled("default") == highest

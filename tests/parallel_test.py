@@ -217,3 +217,16 @@ def test_two_process_checkpoint_restores_in_one_process(two_process_run):
   for got, want in zip(jax.tree.leaves(arrays["params"]),
                        jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_describe_runtime_names_backend_devices_and_precision():
+  line = parallel.describe_runtime("highest")
+  assert "\n" not in line
+  assert line.startswith(f"runtime: backend {jax.default_backend()}")
+  assert f"{jax.device_count()} device(s): " in line
+  assert jax.devices()[0].device_kind in line
+  assert line.endswith("matmul precision highest")
+  assert parallel.describe_runtime("default").endswith(
+      "matmul precision default")
+  with pytest.raises(ValueError, match="config.matmul_precision"):
+    parallel.describe_runtime("tf32")

@@ -1,0 +1,295 @@
+"""Writes README's benchmark tables from the committed JSON results.
+
+Every number in README's "Benchmarks" and "Compilation across lengths"
+tables comes from a file under benchmarks/results/ (named beside it); the
+authors' PyTorch figures come from results/reference_pytorch.json, which
+holds figures measured elsewhere, and sit in their own labelled column.
+
+  python benchmarks/report.py           # rewrites the README blocks
+  python benchmarks/report.py --check   # exit 1 if README is out of date
+
+The blocks lie between `<!-- report:NAME:begin -->` and
+`<!-- report:NAME:end -->` markers; tests/benchmarks_report_test.py checks
+that README equals what this script generates.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+README = os.path.join(REPO, "README.md")
+
+MODEL_LABELS = {"ns22": "NS-RNN Q=S=2", "ns33": "NS-RNN Q=S=3",
+                "jm": "JM m=20", "gref": "Gref m=20", "lstm": "LSTM"}
+
+
+def _load(name):
+  path = os.path.join(RESULTS, name)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _ms(seconds):
+  if seconds is None:
+    return ""
+  ms = seconds * 1e3
+  if ms >= 100:
+    return f"{ms:,.0f} ms"
+  if ms >= 10:
+    return f"{ms:.1f} ms"
+  return f"{ms:.2f} ms"
+
+
+def _s(seconds):
+  return f"{seconds:,.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+
+
+def _device(d):
+  """Device label of a results file (older files did not record it)."""
+  if d is None:
+    return "not measured"
+  if "device" in d and ":" in str(d["device"]):
+    return d["device"]
+  return "2-core CPU (model not recorded)"
+
+
+def _steps(d):
+  """{model: plain (current) row} of a train_step results file."""
+  if d is None:
+    return {}
+  return {r["model"]: r for r in d.get("steps", [])
+          if r.get("variant", "current") == "current"}
+
+
+def train_step_table():
+  """Train step per model: CPU (with FLOP-limit ratio), GPU, targets."""
+  cpu = _load("train_step_cpu.json")
+  gpu = _load("train_step_gpu.json")
+  old_gpu = _load("gpu_h200.json")
+  ref = _load("reference_pytorch.json") or {}
+  ref_steps = ref.get("train_step_s", {})
+  ref_cpu = next((v for k, v in ref_steps.items() if "CPU" in k), {})
+  ref_gpu = next((v for k, v in ref_steps.items() if "H200" in k), {})
+  cpu_rows, gpu_rows = _steps(cpu), _steps(gpu)
+  old_gpu_rows = _steps(old_gpu and old_gpu.get("train_step"))
+  lines = []
+  sources = []
+  if cpu:
+    sources.append(f"CPU: `train_step_cpu.json` ({_device(cpu)}, load "
+                   f"average {cpu['machine']['load_average_1_5_15'][0]:.1f} "
+                   f"at start, precision {cpu['precision']})")
+  if gpu:
+    sources.append(f"GPU: `train_step_gpu.json` ({_device(gpu)}, precision "
+                   f"{gpu['precision']})")
+  elif old_gpu:
+    sources.append("GPU: `gpu_h200.json` (NVIDIA H200, jax 0.11.2, JAX's "
+                   "default = reduced matmul precision, before issue 11)")
+  lines.append("Train step (forward, loss, backward, clip, Adam), batch 10, "
+               "n = 80. CPU: best wall time / median process CPU time of the "
+               "timed steps (medians of wall time on loaded shared cores "
+               "mean little); GPU: median (best). Sources: "
+               + "; ".join(sources) + ".")
+  lines.append("")
+  lines.append("| model | ours, CPU (best wall / CPU time) | CPU step / FLOP "
+               "limit (target ≤ 6×) "
+               "| ours, GPU | "
+               "target CPU / GPU | authors' PyTorch CPU / H200 (not measured "
+               "here: `reference_pytorch.json`) |")
+  lines.append("|---|---|---|---|---|---|")
+  targets = {"ns22": ("60 ms", "3 ms"), "ns33": ("250 ms", "4 ms"),
+             "jm": ("5 ms", "1.5 ms"), "gref": ("5 ms", "1.5 ms"),
+             "lstm": ("2 ms", "1.5 ms")}
+  for name, label in MODEL_LABELS.items():
+    c = cpu_rows.get(name)
+    g = gpu_rows.get(name) or old_gpu_rows.get(name)
+    cpu_cell = ""
+    if c:
+      cpu_cell = (f"{_ms(c['min_step_s'])} / {_ms(c['cpu_step_s'])}"
+                  if "cpu_step_s" in c else
+                  f"{_ms(c['step_s'])} ({_ms(c['min_step_s'])})")
+    ratio = (f"{c['limit_ratio']:.1f}× wall, "
+             f"{c['limit_ratio_cpu_time']:.1f}× CPU time (limit "
+             f"{_ms(c['flop_limit_s'])} at {c['matmul_gflops']:.0f} GFLOP/s)"
+             if c and "limit_ratio_cpu_time" in c else "")
+    gpu_cell = (f"{_ms(g['step_s'])} ({_ms(g['min_step_s'])})" if g else "")
+    pt = " / ".join("–" if x is None else _s(x) if x >= 1 else _ms(x)
+                    for x in (ref_cpu.get(name), ref_gpu.get(name)))
+    lines.append(f"| {label} | {cpu_cell} | {ratio} | {gpu_cell} | "
+                 f"{' / '.join(targets[name])} | {pt} |")
+  variants = [r for r in (cpu or {}).get("steps", [])
+              if r.get("variant", "current") != "current"]
+  if variants:
+    lines.append("")
+    lines.append("Variants measured in the same CPU run, interleaved with "
+                 "the plain step (ratios to the plain step; below 1 = "
+                 "faster; `baseline <ref>` = ns_stack.py as of that commit):")
+    lines.append("")
+    lines.append("| model | variant | best step | ratio (best wall) | "
+                 "ratio (median CPU time) |")
+    lines.append("|---|---|---|---|---|")
+    for r in variants:
+      cpu_ratio = (f"{r['cpu_step_over_current']:.2f}"
+                   if "cpu_step_over_current" in r else "")
+      lines.append(f"| {MODEL_LABELS[r['model']]} | {r['variant']} | "
+                   f"{_ms(r['min_step_s'])} | "
+                   f"{r['min_step_over_current']:.2f} | {cpu_ratio} |")
+  return lines
+
+
+def stack_table():
+  """The stack DP alone (benchmarks/ns_stack.py)."""
+  d = _load("ns_stack.json")
+  gpu = _load("gpu_h200.json")
+  if d is None:
+    return []
+  rows = {(r["variant"], r["Q"], r["n"]): r for r in d["rows"]
+          if "error" not in r}
+  grows = {(r["variant"], r["Q"], r["n"]): r
+           for r in (gpu or {}).get("ns_stack_rows", [])}
+  lines = ["Stack DP alone, batch 10, float32 (`ns_stack.py` → "
+           f"`ns_stack.json`, {_device(d)}; GPU: `gpu_h200.json`, H200, "
+           "default precision):", "",
+           "| variant | Q=S | n | fwd | fwd+bwd | XLA temp | H200 fwd / "
+           "fwd+bwd |", "|---|---|---|---|---|---|---|"]
+  names = {"custom": "custom VJP, O(n²) memory",
+           "autodiff": "plain autodiff of the scan, O(n³) memory",
+           "logspace": "naive log-space DP"}
+  for key in sorted(rows, key=lambda k: (list(names).index(k[0]), k[1],
+                                         k[2])):
+    r = rows[key]
+    if key[2] not in (80, 200, 400):
+      continue
+    g = grows.get(key)
+    gcell = f"{_ms(g['fwd_s'])} / {_ms(g['fwd_bwd_s'])}" if g else ""
+    lines.append(f"| {names[key[0]]} | {key[1]} | {key[2]} | "
+                 f"{_ms(r['fwd_s'])} | {_ms(r['fwd_bwd_s'])} | "
+                 f"{r['xla_temp_mib']:,.0f} MiB | {gcell} |")
+  for name, r in sorted(d.get("ratios", {}).items()):
+    lines.append("")
+    lines.append(f"Memory growth {name}, peak(n=400) / peak(n=200): XLA temp "
+                 f"{r['xla_temp_400_over_200']:.2f}, net RSS "
+                 f"{r['net_rss_400_over_200']:.2f} (quadratic: 4, cubic: 8).")
+  return lines
+
+
+def scale_table():
+  """K vmapped models vs K sequential runs (benchmarks/scale.py)."""
+  lines = []
+  for name in ("scale_cpu.json", "scale_gpu.json", "scale_gpu_h200.json"):
+    d = _load(name)
+    if d is None:
+      continue
+    if name == "scale_gpu_h200.json" and _load("scale_gpu.json"):
+      continue
+    how = ("per-model lengths from " + str(d["lengths"]) + ", padded to the "
+           "longest per step" if "lengths" in d else
+           f"all models at length {d['length']}")
+    if not lines:
+      lines += ["K NS-RNNs (Q=S=2, batch 10) vmapped in one program vs the "
+                "same K trained one after another (`scale.py`):", "",
+                "| source | device | lengths | K | vmapped strings/s | "
+                "sequential strings/s | speed-up (wall) | speed-up (CPU "
+                "time) |",
+                "|---|---|---|---|---|---|---|---|"]
+    for r in d["model_axis"]:
+      lines.append(f"| `{name}` | {_device(d)} | {how} | {r['K']} | "
+                   f"{r['strings_per_s_vmapped']:,.0f} | "
+                   f"{r['strings_per_s_sequential']:,.0f} | "
+                   f"{r['speedup']:.2f}× | "
+                   + (f"{r['speedup_cpu_time']:.2f}× |"
+                      if "speedup_cpu_time" in r else " |"))
+  return lines
+
+
+def data_table():
+  d = _load("data.json")
+  if d is None:
+    return []
+  load = (f", load average {d['load_average_1_5_15'][0]:.0f}"
+          if "load_average_1_5_15" in d else "")
+  lines = [f"Data generation, paper sizes (`data.py` → `data.json`, "
+           f"{_device(d)}{load}): whole splits with every string's exact lower "
+           "bound:", "", "| task | make_splits (wall) | CPU time |",
+           "|---|---|---|"]
+  for r in d["rows"]:
+    cpu = _s(r["make_splits_cpu_s"]) if "make_splits_cpu_s" in r else ""
+    lines.append(f"| {r['task']} | {_s(r['make_splits_s'])} | {cpu} |")
+  return lines
+
+
+def benchmarks_block():
+  out = []
+  for part in (train_step_table(), stack_table(), scale_table(),
+               data_table()):
+    if part:
+      out += part + [""]
+  return "\n".join(out).rstrip() + "\n"
+
+
+def compile_block():
+  name = "compile_study_cpu.json"
+  d = _load(name)
+  studies = (d or {}).get("compile_study", [])
+  if not studies:
+    return f"No compile study in `{name}` yet.\n"
+  clock = studies[0].get("clock", "wall clock")
+  lines = ["Measured with `benchmarks/train_step.py --compile_study` "
+           f"(`{name}`, {_device(d)}, load average "
+           f"{d['machine']['load_average_1_5_15'][0]:.0f}; {clock}; marked "
+           "reversal, 20 training lengths 41-79, "
+           f"{studies[0]['steps_per_epoch']} steps per epoch, step times "
+           "interpolated between the measured lengths "
+           f"{', '.join(studies[0]['measured'])}):", "",
+           "| model | strategy | compiles | compile total | steps per epoch "
+           "| 100 epochs |", "|---|---|---|---|---|---|"]
+  for st in studies:
+    for key in ("per_length", "bucket"):
+      r = st[key]
+      lines.append(f"| {MODEL_LABELS.get(st['model'], st['model'])} | {key} "
+                   f"| {r['compiles']} | {_s(r['compile_total_s'])} | "
+                   f"{_s(r['epoch_steps_s'])} | {_s(r['100_epochs_s'])} |")
+  return "\n".join(lines) + "\n"
+
+
+BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block}
+
+
+def render(readme_text):
+  """README text with every report block regenerated."""
+  for name, fn in BLOCKS.items():
+    pattern = re.compile(
+        rf"(<!-- report:{name}:begin -->\n).*?(<!-- report:{name}:end -->)",
+        re.S)
+    if not pattern.search(readme_text):
+      raise ValueError(f"README has no report:{name} markers")
+    readme_text = pattern.sub(
+        lambda m, fn=fn: m.group(1) + fn() + m.group(2), readme_text)
+  return readme_text
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--check", action="store_true")
+  args = parser.parse_args()
+  with open(README) as f:
+    text = f.read()
+  new = render(text)
+  if args.check:
+    if new != text:
+      print("README benchmark tables are out of date: run "
+            "python benchmarks/report.py", file=sys.stderr)
+      sys.exit(1)
+    return
+  with open(README, "w") as f:
+    f.write(new)
+  print(f"rewrote {README}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,67 @@
+"""README's benchmark tables equal what benchmarks/report.py generates.
+
+The tables must come from the committed JSON under benchmarks/results/, so
+a README edited by hand (or JSON committed without rerunning the report)
+fails here.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def report():
+  spec = importlib.util.spec_from_file_location(
+      "benchmarks_report", os.path.join(REPO, "benchmarks", "report.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_readme_tables_are_generated_from_results(report):
+  with open(os.path.join(REPO, "README.md")) as f:
+    text = f.read()
+  assert report.render(text) == text, (
+      "README benchmark tables are stale: run python benchmarks/report.py")
+
+
+def test_render_replaces_only_the_marked_blocks(report):
+  text = ("intro\n<!-- report:benchmarks:begin -->\nold\n"
+          "<!-- report:benchmarks:end -->\nmiddle\n"
+          "<!-- report:compile:begin -->\n<!-- report:compile:end -->\nend\n")
+  out = report.render(text)
+  assert out.startswith("intro\n<!-- report:benchmarks:begin -->\n")
+  assert "\nold\n" not in out
+  assert "\nmiddle\n" in out and out.endswith(
+      "<!-- report:compile:end -->\nend\n")
+  assert report.render(out) == out
+  with pytest.raises(ValueError, match="report:compile"):
+    report.render("no markers <!-- report:benchmarks:begin -->\n"
+                  "<!-- report:benchmarks:end -->")
+
+
+def test_reference_figures_stay_out_of_measured_results():
+  # Figures measured elsewhere live only in reference_pytorch.json.
+  results = os.path.join(REPO, "benchmarks", "results")
+  for name in os.listdir(results):
+    if not name.endswith(".json") or name == "reference_pytorch.json":
+      continue
+    with open(os.path.join(results, name)) as f:
+      data = json.load(f)
+    assert not [k for k in _keys(data) if "pytorch" in k.lower()], name
+
+
+def _keys(tree):
+  """Every dict key in a JSON tree."""
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield k
+      yield from _keys(v)
+  elif isinstance(tree, list):
+    for v in tree:
+      yield from _keys(v)
