@@ -56,7 +56,10 @@ frozen one the zero row makes update 1 push-only and keeps ⊥ from being
 uncovered (c_0 = 0) — the same code gives both semantics.
 
 Storage: a square table on a common time axis (rows and columns share it),
-G[b, i, k, q, x, t, y] = H_{i,k}[q,x,t,y]; index = time + 1 (time −1 .. T).
+G[b, y, i, q, x, k, t] = H_{i,k}[q,x,t,y]; index = time + 1 (time −1 .. T).
+With the top symbol y leading and the column (k, t) trailing, the pop term
+is one batched matmul over (b, y) contracting (k, t), with no transposes of
+the table.
 `limited_stack` runs the same step on a D × D sliding window.
 
 Gradient: `run` and `run_coupled` have a custom VJP whose forward keeps only
@@ -229,13 +232,13 @@ def initial_table(batch_size, num_points, num_states, num_symbols, bottom,
     dtype: float dtype.
 
   Returns:
-    G [B, N, N, Q, S, Q, S].
+    G [B, Y, N (row i), Q, X, N (column k), T (state t)].
   """
   _check_bottom(bottom)
-  g = jnp.zeros((batch_size, num_points, num_points, num_states, num_symbols,
-                 num_states, num_symbols), dtype)
+  g = jnp.zeros((batch_size, num_symbols, num_points, num_states, num_symbols,
+                 num_points, num_states), dtype)
   if bottom == FIXED and corner >= 1:
-    g = g.at[:, corner - 1, corner, 0, 0, 0, 0].set(1)
+    g = g.at[:, 0, corner - 1, 0, 0, corner, 0].set(1)
   return g
 
 
@@ -245,12 +248,13 @@ def _finite_max(x, axis):
   return lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
 
 
-def update(g_BxNxNxQxSxQxS, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
+def update(g_BxYxNxQxXxNxT, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
            pop_BxQxSxQ):
   """One update j on a share table.
 
   Args:
-    g_BxNxNxQxSxQxS: shares on a common time axis; axis index ``p`` holds
+    g_BxYxNxQxXxNxT: shares (layout of `initial_table`) on a common time
+      axis; axis index ``p`` holds
       time j−1. Only columns ≤ p are read (later columns, present in the
       final table during the backward sweep, are masked), and every row the
       table holds is a row the stack keeps at update j.
@@ -260,8 +264,8 @@ def update(g_BxNxNxQxSxQxS, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ: update j's log-weights.
 
   Returns:
-    (col_BxNxQxSxQxS, a_hat_BxQxS, inc_B): column j on the same row axis
-    (row p is the push row, time j−1); the normalised log α̂_j; and
+    (col_BxYxNxQxXxR, a_hat_BxQxS, inc_B): column j on the same row axis
+    (row p is the push row, time j−1), indexed [b, y, i, q, x, r]; the normalised log α̂_j; and
     inc = log Σα_j − (the constant of a_prev), so that with a normalised
     a_prev, log Σα_j = log Σα_{j−1} + inc. Dead (all-zero) α_j gives
     α̂_j = −inf and inc = −inf.
@@ -272,18 +276,20 @@ def update(g_BxNxNxQxSxQxS, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   relative precision. m is a constant for differentiation (the result does
   not depend on it).
   """
-  g = g_BxNxNxQxSxQxS
+  g = g_BxYxNxQxXxNxT
   dtype = g.dtype
   flush = _flush(dtype)
-  n = g.shape[1]
+  n = g.shape[2]
   idx = jnp.arange(n)
   left = idx < p                                   # columns k ≤ j−2
-  prev = lax.dynamic_index_in_dim(g, p, axis=2, keepdims=False)  # b i q x s z
-  colsum = jnp.sum(g, axis=(1, 3, 4))              # b k t y
-  c_left = jnp.where(left[None, :, None, None], colsum, 0)
-  c_prev = lax.dynamic_index_in_dim(colsum, p, axis=1, keepdims=False)
+  # prev[b, z, i, q, x, s] = H_{i,j−1}[q,x,s,z].
+  prev = lax.dynamic_index_in_dim(g, p, axis=5, keepdims=False)
+  colsum = jnp.sum(g, axis=(2, 3, 4))              # b y k t
+  c_left = jnp.where(left[None, None, :, None], colsum, 0)
+  c_prev = jnp.swapaxes(
+      lax.dynamic_index_in_dim(colsum, p, axis=2, keepdims=False), 1, 2)
   # W[y,s,z] = Σ_{k,t} c_k[t,y] H_{k,j−1}[t,y,s,z]  (rows of prev = times k).
-  w = jnp.einsum("bkty,bktysz->bysz", c_left, prev)
+  w = jnp.einsum("bykt,bzktys->bysz", c_left, prev)
   a_prev = a_prev_BxQxS
   ok_r = c_prev > flush
   a_rep = jnp.where(ok_r, a_prev + _safe_log(jnp.where(ok_r, c_prev, 1)),
@@ -321,16 +327,16 @@ def update(g_BxNxNxQxSxQxS, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   x = a_prev[..., None, None] + re - a_j[:, None, None]
   k_rep = _exp_share(x, ok_r[..., None, None] & ok_j[:, None, None]
                      & jnp.isfinite(x), dtype)                  # b s z r y
-  col = jnp.einsum("biqxsz,bszry->biqxry", prev, k_rep)
+  col = jnp.einsum("bziqxs,bszry->byiqxr", prev, k_rep)
   # Pop rows: M̃_k[t,y,r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r].
   x = (a_prev[:, None, :, :, None] + po[:, None]
        - jnp.swapaxes(a_j, 1, 2)[:, :, None, None, :])          # b y s z r
   k_pop = _exp_share(x, ok_w[..., None] & jnp.isfinite(x), dtype)
-  mt = jnp.einsum("bktysz,byszr->bktyr", prev, k_pop)
+  mt = jnp.einsum("bzktys,byszr->byktr", prev, k_pop)
   mt = jnp.where((c_left > flush)[..., None], mt, 0)
-  col = col + jnp.einsum("bikqxty,bktyr->biqxry", g, mt)
-  row_p = (idx == p).astype(dtype)[None, :, None, None, None, None]
-  col = col + row_p * push_row[:, None]
+  col = col + jnp.einsum("byiqxkt,byktr->byiqxr", g, mt)
+  row_p = (idx == p).astype(dtype)[None, None, :, None, None, None]
+  col = col + row_p * jnp.transpose(push_row, (0, 4, 1, 2, 3))[:, :, None]
   log_z = _lse(a_j.reshape(b, -1), axis=1)                        # b
   alive = jnp.isfinite(log_z)
   a_hat = jnp.where(alive[:, None, None],
@@ -360,7 +366,7 @@ def _forward(push, repl, pop, bottom):
     j, pu, re, po = inp
     a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
     col, a_hat, inc = update(g, j, a_prev, pu, re, po)  # time j−1 at index j
-    g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
+    g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=5)
     la = lax.dynamic_update_index_in_dim(la, a_hat, j, axis=1)
     lm_prev = lax.dynamic_index_in_dim(lm, j - 1, axis=1, keepdims=False)
     lm = lax.dynamic_update_index_in_dim(lm, lm_prev + inc, j, axis=1)
@@ -398,7 +404,7 @@ def _tables_bwd(bottom, res, cts):
     g_bar, la_bar = carry
     j, pu, re, po, i_ct = inp
     a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
-    col_ct = lax.dynamic_index_in_dim(g_bar, j + 1, axis=2, keepdims=False)
+    col_ct = lax.dynamic_index_in_dim(g_bar, j + 1, axis=5, keepdims=False)
     a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
     _, vjp = jax.vjp(lambda gg, ap, a, b_, c: update(gg, j, ap, a, b_, c),
                      g, a_prev, pu, re, po)
@@ -480,7 +486,7 @@ def _coupled_forward(step_fn, q, s, bottom, reading, params, init_carry, xs):
     j, x = inp
     new_ctrl, out, col, a_hat, inc = _coupled_step(step_fn, reading, params,
                                                    ctrl, x, g, la, j)
-    g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
+    g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=5)
     la = lax.dynamic_update_index_in_dim(la, a_hat, j, axis=1)
     lm_prev = lax.dynamic_index_in_dim(lm, j - 1, axis=1, keepdims=False)
     lm = lax.dynamic_update_index_in_dim(lm, lm_prev + inc, j, axis=1)
@@ -530,7 +536,7 @@ def _coupled_bwd(step_fn, q, s, bottom, reading, res, cts):
       return _coupled_step(step_fn, reading, p, c, x, gg, lla, j)
 
     _, vjp = jax.vjp(f, params, ctrl_prev, la, g)
-    col_ct = lax.dynamic_index_in_dim(g_bar, j + 1, axis=2, keepdims=False)
+    col_ct = lax.dynamic_index_in_dim(g_bar, j + 1, axis=5, keepdims=False)
     a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
     dp, dc, dla, dg = vjp((c_bar, out_ct, col_ct, a_ct, i_ct))
     p_bar = jax.tree_util.tree_map(jnp.add, p_bar, dp)
