@@ -525,7 +525,7 @@ def _coupled_bwd(step_fn, q, s, bottom, reading, res, cts):
   inc_ct = _increment_cotangents(lm_ct)
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
   t = jax.tree_util.tree_leaves(xs)[0].shape[1]
-  outs_ct_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), outs_ct)
+  outs_ct_T = outs_ct  # _coupled's outs are time-major
   zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
 
   def body(carry, inp):
