@@ -682,12 +682,13 @@ def _split_mass(log_alpha):
 PUSH, REPLACE, POP = "push", "replace", "pop"
 
 
-def viterbi(push, repl, pop, bottom=FIXED):
+def viterbi(push, repl, pop, bottom=FIXED, window=None):
   """Best PDA run per batch element under the given bottom semantics.
 
   Args:
     push, repl, pop: log-weights as for `run` (evaluated eagerly).
     bottom: "fixed" or "frozen".
+    window: None (unlimited) or D ≥ 1 (runs of the memory-limited stack).
 
   Returns:
     B pairs (actions, log_weight); actions lists T tuples (step, kind,
@@ -697,8 +698,12 @@ def viterbi(push, repl, pop, bottom=FIXED):
   _check_bottom(bottom)
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
   b, t, _, _ = _check_actions(push, repl, pop)
+  if window is not None and (isinstance(window, bool)
+                             or not isinstance(window, int) or window < 1):
+    raise ValueError(f"window must be None or an integer D >= 1, got "
+                     f"{window!r}")
   lg, la = jax.jit(functools.partial(_log_space_tables, bottom=bottom,
-                                     window=None, reduce=_max))(
+                                     window=window, reduce=_max))(
                                          push, repl, pop)
   lg, la = np.asarray(lg, np.float64), np.asarray(la, np.float64)
   pu, re, po = (np.asarray(a, np.float64) for a in (push, repl, pop))
