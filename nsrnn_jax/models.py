@@ -1,4 +1,4 @@
-"""Flax Linen language models: LSTM, JM, Gref and the NS-RNN.
+"""Flax Linen language models: LSTM, JM, Gref, the NS-RNN and the RNS-RNN.
 
 Every model maps whole strings to next-symbol logits with the time indexing of
 the authors' code (reference-behaviour.md section 0):
