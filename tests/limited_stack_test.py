@@ -26,6 +26,16 @@ def x64():
     yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  # These tests compile many tiny programs; XLA's optimisations do not pay.
+  # Set per module (and restored), never at import time.
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
 def _actions(rng, batch, steps, q, s, scale=3.0, neginf=0.0):
   shapes = [(batch, steps, q, s, q, s)] * 2 + [(batch, steps, q, s, q)]
   out = [scale * rng.normal(size=sh) for sh in shapes]
@@ -131,7 +141,7 @@ def _controller(q, s):
 
 
 def test_truncated_bptt(x64):
-  q, s, b, t, window = 2, 2, 2, 7, 3
+  q, s, b, t, window = 2, 2, 2, 5, 2
   rng = np.random.default_rng(3)
   step_fn = _controller(q, s)
   params = {"wx": rng.normal(size=(_V, _H)),
@@ -170,21 +180,19 @@ def test_truncated_bptt(x64):
     return f
 
   whole = chunked(params, 0)
-  for chunk in (3,):  # 3 chunks, the last one padded by 2 steps.
+  for chunk in (2,):  # 3 chunks, the last one padded by 1 step.
     for g, w, n in zip(chunked(params, chunk), whole,
                        jax.jit(naive, static_argnums=1)(params, chunk)):
       np.testing.assert_allclose(g, w, atol=1e-12)
       np.testing.assert_allclose(g, n, atol=1e-12)
-  grads = {}
-  for chunk in (0, 3):
-    got = jax.jit(jax.grad(loss(chunked, chunk)))(params)
-    want = jax.jit(jax.grad(loss(naive, chunk)))(params)
-    for g, w in zip(jax.tree_util.tree_leaves(got),
-                    jax.tree_util.tree_leaves(want)):
-      np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
-    grads[chunk] = got
+  got = jax.jit(jax.grad(loss(chunked, 2)))(params)
+  want = jax.jit(jax.grad(loss(naive, 2)))(params)
+  for g, w in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
   # Truncation changes the gradient (it is not a no-op).
-  assert np.abs(grads[0]["wh"] - grads[3]["wh"]).max() > 1e-6
+  untruncated = jax.jit(jax.grad(loss(chunked, 0)))(params)
+  assert np.abs(untruncated["wh"] - got["wh"]).max() > 1e-6
 
 
 def test_viterbi_with_window_is_best_windowed_run(x64):

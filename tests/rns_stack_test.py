@@ -29,6 +29,16 @@ def x64():
     yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  # These tests compile many tiny programs; XLA's optimisations do not pay.
+  # Set per module (and restored), never at import time.
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
 def _actions(rng, batch, steps, q, s, kind):
   """'norm' (row log-softmax), 'unnorm' (N(0,1)·3), 'huge' (N(0,1)·10 + 50),
   'neginf' (unnormalised with −inf entries)."""
