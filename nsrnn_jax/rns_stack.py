@@ -78,7 +78,7 @@ Q states, S stack symbols, Y/X/Z symbols in roles, R destination state.
 """
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
