@@ -231,8 +231,10 @@ def _check_nasty(steps, q, s):
       rho, _ = rns_stack.readout(hat)
       assert np.all(np.isfinite(log_mass))
       np.testing.assert_allclose(rho, want_rho, rtol=0, atol=atol)
+      # log Σα is a running sum of T per-update increments (up to 5e6 here):
+      # its rounding grows like T·eps; the readings do not depend on it.
       np.testing.assert_allclose(log_mass, want_mass,
-                                 rtol=10 * float(jnp.finfo(dtype).eps))
+                                 rtol=steps * float(jnp.finfo(dtype).eps))
       if dtype == "float32":
         loss = lambda *a: jnp.sum(rns_stack.readout(rns_stack.run(*a)[0])[0]
                                   [..., 1] ** 2)
@@ -248,7 +250,7 @@ def test_nasty_inputs_are_exact_float32_and_float64():
 
 @pytest.mark.benchmark
 @pytest.mark.skipif(not os.environ.get("NSRNN_LONG_TESTS"),
-                    reason="T = 500 log-space reference takes minutes; "
+                    reason="T = 500 log-space reference: 30 s to minutes; "
                     "set NSRNN_LONG_TESTS=1")
 def test_nasty_inputs_at_500():
   _check_nasty(500, 1, 2)
