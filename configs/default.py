@@ -22,8 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Formal language: marked_reversal, unmarked_reversal, padded_reversal, dyck
   # or hardest_cfl (languages.TASKS).
   config.task = "marked_reversal"
-  # Language model: lstm (no stack), jm (Joulin-Mikolov), gref (Grefenstette)
-  # or ns (nondeterministic stack RNN).
+  # Language model: lstm (no stack), jm (Joulin-Mikolov), gref (Grefenstette),
+  # ns (nondeterministic stack RNN) or rns (renormalising NS-RNN + variants).
   config.model = "ns"
   # Hidden units of the LSTM controller (paper: 20 for every model).
   config.hidden_size = 20
@@ -37,6 +37,23 @@ def get_config() -> ml_collections.ConfigDict:
   # JM/Gref: the grid searched for m in the paper (documentation; the grid
   # search itself is a launcher over --config.stack_embedding_size).
   config.stack_embedding_size_grid = (2, 20, 40)
+  # Stack variant of model "rns" (ignored by the other models; the CoNLL 2020
+  # ns model is always normalised, symbol reading, frozen bottom, unlimited).
+  # rns-vrns-reference.md. Log-softmax the action weights per (q, x) row
+  # (NS, NS+S) instead of using them unnormalised (RNS: NS+U, NS+S+U).
+  config.stack_normalize = False
+  # Reading fed to the controller: "state" (Q*S, over (state, top); RNS) or
+  # "symbol" (S, over the top symbol; CoNLL 2020).
+  config.stack_reading = "state"
+  # Bottom symbol: "fixed" (ICLR 2023 fix: the bottom can be replaced and
+  # uncovered) or "frozen" (CoNLL 2020 / ICLR 2022 behaviour).
+  config.stack_bottom = "fixed"
+  # Memory-limited stack window D (0 = unlimited; D >= 1 keeps gamma only
+  # within D of the diagonal, linear time in the string length).
+  config.stack_window = 0
+  # Truncated BPTT chunk length in controller steps for a limited stack (0 =
+  # no truncation); state crosses chunk boundaries, gradients do not.
+  config.truncation_length = 0
 
   # --- Optimiser --------------------------------------------------------------
   # Initial Adam learning rate (grid value; see learning_rate_grid).

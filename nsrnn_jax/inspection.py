@@ -56,6 +56,7 @@ weighted strings, X grammar nonterminals, L1 = N + 1 span lengths.
 Public API: `inspect_string` (everything for one string, as an
 `Inspection`), `plot_actions`, `plot_readings`, `plot_next_symbol`, and the
 pieces `trace`, `action_probabilities`, `stack_posteriors`, `viterbi_run`,
+`rns_viterbi_run` (RNS-RNN: unnormalised weights, either bottom, window),
 `true_next_symbol_distribution`, `task_grammar`, `tiny_training_config`.
 """
 
@@ -351,6 +352,60 @@ def viterbi_run(push, repl, pop) -> ViterbiRun:
   return ViterbiRun(float(sum(op.log_weight for op in ops)), tuple(ops))
 
 
+def rns_viterbi_run(log_push, log_repl, log_pop, bottom: str = "fixed",
+                    window: int | None = None) -> ViterbiRun:
+  """The highest-weight PDA run of one string for the RNS-RNN (model 'rns').
+
+  Like `viterbi_run`, but for any finite log-weights (the RNS-RNN's actions
+  are unnormalised), either bottom semantics ("fixed": the ICLR 2023 fix,
+  "frozen": CoNLL 2020 / ICLR 2022) and the memory-limited stack (window D).
+  Uses `rns_stack.viterbi` (max-plus recurrence in float64) and checks the
+  run on an explicit stack with `rns_stack.replay_run`. StackOp.log_weight
+  is the transition's log-weight; ViterbiRun.log_prob their sum (a log
+  weight, not a log probability, when the actions are unnormalised).
+
+  Args:
+    log_push, log_repl, log_pop: one string's action log-weights [T, Q, S,
+      Q, S], [T, Q, S, Q, S], [T, Q, S, Q] (e.g. a trace's
+      `action_log_weights`).
+    bottom: "fixed" or "frozen".
+    window: None (unlimited) or D >= 1.
+
+  Returns:
+    A ViterbiRun with one StackOp per update.
+
+  Raises:
+    ValueError: for malformed weights, or if no run has finite weight.
+  """
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  log_push, log_repl, log_pop = (np.asarray(a, np.float64)
+                                 for a in (log_push, log_repl, log_pop))
+  if log_push.ndim != 5:
+    raise ValueError(f"log_push must be [T, Q, S, Q, S] (one string), got "
+                     f"shape {log_push.shape}.")
+  num_t = log_push.shape[0]
+  if num_t == 0:
+    return ViterbiRun(0.0, ())
+  ((actions, log_weight),) = rns_stack.viterbi(
+      log_push[None], log_repl[None], log_pop[None], bottom, window)
+  if not np.isfinite(log_weight) or len(actions) != num_t:
+    raise ValueError("no PDA run has finite weight.")
+  stacks, _ = rns_stack.replay_run(actions, bottom=bottom)
+  ops = []
+  for j, kind, q, r, y in actions:
+    x = stacks[j - 1][-1]
+    if kind == "push":
+      weight, symbol = log_push[j - 1, q, x, r, y], y
+    elif kind == "replace":
+      weight, symbol = log_repl[j - 1, q, x, r, y], y
+    else:
+      weight, symbol = log_pop[j - 1, q, x, r], None
+    ops.append(StackOp(int(j), kind, int(q), int(x), int(r),
+                       None if symbol is None else int(symbol),
+                       float(weight), tuple(int(a) for a in stacks[j])))
+  return ViterbiRun(float(sum(op.log_weight for op in ops)), tuple(ops))
+
+
 # ---------------------------------------------------------------------------
 # Grammars of the tasks
 # ---------------------------------------------------------------------------
@@ -446,7 +501,10 @@ class Inspection:
     true_probs_NxV: the sampler's exact p(w_{t+1} | w_1..w_t, N), or None.
     readings_SxN: tau_0..tau_{N-1} as traced by the model (NS-RNN only).
     actions: `action_probabilities` output (NS-RNN only).
-    viterbi: the most probable PDA run (NS-RNN only).
+    viterbi: the most probable PDA run (NS-RNN and RNS-RNN).
+    state_readings_QSxN: the RNS-RNN's readings over (state r, top y), row
+      r * S + y (model 'rns' only; readings_SxN then holds their marginal
+      over the top symbol).
   """
   symbols: np.ndarray
   alphabet: tuple[str, ...] | None
@@ -455,6 +513,7 @@ class Inspection:
   readings_SxN: np.ndarray | None = None
   actions: Mapping[str, np.ndarray] | None = None
   viterbi: ViterbiRun | None = None
+  state_readings_QSxN: np.ndarray | None = None
 
   @property
   def model_nll_N(self) -> np.ndarray:
@@ -563,8 +622,19 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
   true_probs_NxV = None
   if grammar is not None:
     true_probs_NxV = true_next_symbol_distribution(grammar, symbols_N)
-  readings_SxN = actions = viterbi = None
-  if isinstance(traced.get("actions"), Mapping) and "pop" in traced["actions"]:
+  readings_SxN = actions = viterbi = state_readings = None
+  if "action_log_weights" in traced:
+    # RNS-RNN: readings over (state, top); Viterbi under its own semantics.
+    acts = traced["action_log_weights"]
+    q, s = acts["pop"].shape[1:3]
+    state_readings = np.asarray(traced["state_readings"]).T
+    readings_SxN = state_readings.reshape(q, s, -1).sum(axis=0)
+    if len(symbols_N) > 1:
+      viterbi = rns_viterbi_run(acts["push"], acts["repl"], acts["pop"],
+                                bottom=model.bottom,
+                                window=int(model.window) or None)
+  elif isinstance(traced.get("actions"), Mapping) and "pop" in traced[
+      "actions"]:
     acts = traced["actions"]
     readings_SxN = np.asarray(traced["readings"]).T
     if len(symbols_N) > 1:
@@ -572,7 +642,7 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
       viterbi = viterbi_run(acts["push"], acts["repl"], acts["pop"])
   return Inspection(symbols_N, None if alphabet is None else tuple(alphabet),
                     model_probs_NxV, true_probs_NxV, readings_SxN, actions,
-                    viterbi)
+                    viterbi, state_readings)
 
 
 # ---------------------------------------------------------------------------

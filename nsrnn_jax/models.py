@@ -1,4 +1,4 @@
-"""Flax Linen language models: LSTM, JM, Gref and the NS-RNN.
+"""Flax Linen language models: LSTM, JM, Gref, the NS-RNN and the RNS-RNN.
 
 Every model maps whole strings to next-symbol logits with the time indexing of
 the authors' code (reference-behaviour.md section 0):
@@ -56,9 +56,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsrnn_jax import limited_stack
 from nsrnn_jax import ns_stack
+from nsrnn_jax import rns_stack
 
-MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns')
+MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns')
 
 Params = Mapping[str, Any]
 Carry = tuple[jax.Array, jax.Array]
@@ -267,6 +269,23 @@ def ns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
   carry, h_BxH = lstm_step(params['controller'], carry, x_BxI, precision)
   actions = ns_action_log_probs(params['action'], h_BxH, num_states,
                                 num_symbols, precision)
+  return carry, actions, h_BxH
+
+
+def rns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
+                        reading_BxR: jax.Array, *, vocab_size: int,
+                        num_states: int, num_symbols: int, normalize: bool):
+  """The RNS-RNN's ``step_fn`` for ``rns_stack.run_coupled``.
+
+  Same as :func:`ns_controller_step` except that the reading has size Q·S
+  (state reading) or S, and the action logits are used as log-weights
+  directly unless ``normalize`` (rns-vrns-reference.md section 1.1).
+  """
+  x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxR.dtype)
+  x_BxI = jnp.concatenate([x_BxV, reading_BxR], axis=-1)
+  carry, h_BxH = lstm_step(params['controller'], carry, x_BxI)
+  actions = rns_stack.split_action_logits(
+      affine(params['action'], h_BxH), num_states, num_symbols, normalize)
   return carry, actions, h_BxH
 
 
@@ -646,6 +665,82 @@ class NSLM(LanguageModel):
                      'log_mass': log_mass}
 
 
+class RNSLM(LanguageModel):
+  """LSTM + the generalised nondeterministic stack (RNS-RNN and variants).
+
+  rns-vrns-reference.md sections 1-2: ``normalize=False`` and
+  ``reading='state'`` is the RNS-RNN (NS+S+U); ``bottom='fixed'`` is the
+  ICLR 2023 bottom-symbol fix ('frozen' = CoNLL 2020 / ICLR 2022);
+  ``window`` D >= 1 selects the memory-limited stack, trained with
+  truncated BPTT in chunks of ``truncation_length`` steps (0 = whole
+  string). Same time indexing as :class:`NSLM` (no EOS).
+
+  ``trace`` adds ``action_log_weights`` (dict ``push``, ``repl`` [B, T, Q, S,
+  Q, S], ``pop`` [B, T, Q, S, Q]), ``readings`` [B, N, R] (what the
+  controller reads: R = Q·S or S), ``state_readings`` [B, N, Q·S] (flattened
+  (r, y)) and ``log_mass`` [B, N].
+  """
+
+  num_states: int = 2
+  num_stack_symbols: int = 3
+  normalize: bool = False
+  reading: str = rns_stack.STATE
+  bottom: str = rns_stack.FIXED
+  window: int = 0
+  truncation_length: int = 0
+
+  def _reading_size(self) -> int:
+    q, s = self.num_states, self.num_stack_symbols
+    return q * s if self.reading == rns_stack.STATE else s
+
+  def _stack_params(self):
+    return {'action': self.action()}
+
+  def setup(self):
+    super().setup()
+    q, s = self.num_states, self.num_stack_symbols
+    self.action = AffineParams(self.hidden_size, q * s * (2 * q * s + q),
+                               uniform_init(), uniform_init(),
+                               dtype=self.dtype)
+
+  def _no_step_internals(self, batch):
+    q, s, dt = self.num_states, self.num_stack_symbols, self.dtype
+    state = jnp.zeros((batch, 1, q * s), dt).at[:, 0, 0].set(1)
+    return {'action_log_weights': {
+                'push': jnp.zeros((batch, 0, q, s, q, s), dt),
+                'repl': jnp.zeros((batch, 0, q, s, q, s), dt),
+                'pop': jnp.zeros((batch, 0, q, s, q), dt)},
+            'readings': jnp.zeros((batch, 1, self._reading_size()),
+                                  dt).at[:, 0, 0].set(1),
+            'state_readings': state,
+            'log_mass': jnp.zeros((batch, 1), dt)}
+
+  def _run(self, params, inputs_BxT):
+    batch = inputs_BxT.shape[0]
+    q, s = self.num_states, self.num_stack_symbols
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    step_fn = functools.partial(
+        rns_controller_step, vocab_size=self.vocab_size, num_states=q,
+        num_symbols=s, normalize=self.normalize)
+    step_params = {'controller': params['controller'],
+                   'action': params['action']}
+    if self.window:
+      h_BxTxH, la, log_mass = limited_stack.run_coupled(
+          step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
+          self.window, self.bottom, self.reading, self.truncation_length)
+    else:
+      h_BxTxH, la, log_mass = rns_stack.run_coupled(
+          step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
+          self.bottom, self.reading)
+    push, repl, pop = rns_stack.split_action_logits(
+        affine(params['action'], h_BxTxH), q, s, self.normalize)
+    return h_BxTxH, {
+        'action_log_weights': {'push': push, 'repl': repl, 'pop': pop},
+        'readings': rns_stack.readout(la, self.reading)[0],
+        'state_readings': rns_stack.readout(la, rns_stack.STATE)[0],
+        'log_mass': log_mass}
+
+
 # ---------------------------------------------------------------------------
 # Construction and scoring.
 # ---------------------------------------------------------------------------
@@ -661,16 +756,22 @@ def _check_positive_int(name: str, value) -> int:
 def get(name: str, vocab_size: int, hidden_size: int = 20,
         num_states: int = 2, num_stack_symbols: int = 2,
         stack_embedding_size: int = 20, dtype=jnp.float32,
-        matmul_precision: str = 'highest') -> nn.Module:
-  """Builds one of the four language models.
+        matmul_precision: str = 'highest',
+        stack_normalize: bool = False, stack_reading: str = 'state',
+        stack_bottom: str = 'fixed', stack_window: int = 0,
+        truncation_length: int = 0) -> nn.Module:
+  """Builds one of the language models.
 
   Args:
-    name: one of ``MODEL_NAMES`` ('lstm', 'jm', 'gref', 'ns').
+    name: one of ``MODEL_NAMES`` ('lstm', 'jm', 'gref', 'ns', 'rns').
     vocab_size: V.
     hidden_size: LSTM hidden units H (20 in the paper).
     num_states: NS-RNN PDA states Q (ns only).
     num_stack_symbols: NS-RNN stack symbols S including bottom (ns only).
     stack_embedding_size: JM/Gref stack vector size M (jm, gref only).
+    stack_normalize, stack_reading, stack_bottom, stack_window,
+      truncation_length: the stack variant (rns only; see
+      ``rns_stack.validate_stack_config``).
     dtype: parameter and computation dtype (float32 or float64; float64
       needs ``jax_enable_x64``).
     matmul_precision: precision of every matmul (``ns_stack.MATMUL_PRECISIONS``;
@@ -711,6 +812,15 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     return JMLM(stack_embedding_size=stack_embedding_size, **common)
   if name == 'gref':
     return GrefLM(stack_embedding_size=stack_embedding_size, **common)
+  if name == 'rns':
+    rns_stack.validate_stack_config(dict(
+        stack_normalize=stack_normalize, stack_reading=stack_reading,
+        stack_bottom=stack_bottom, stack_window=stack_window,
+        truncation_length=truncation_length))
+    return RNSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
+                 normalize=bool(stack_normalize), reading=stack_reading,
+                 bottom=stack_bottom, window=int(stack_window),
+                 truncation_length=int(truncation_length), **common)
   return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
               **common)
 
@@ -748,7 +858,12 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              num_stack_symbols=field('num_stack_symbols', 2),
              stack_embedding_size=field('stack_embedding_size', 20),
              dtype=field('dtype', jnp.float32),
-             matmul_precision=field('matmul_precision', 'highest'))
+             matmul_precision=field('matmul_precision', 'highest'),
+             stack_normalize=field('stack_normalize', False),
+             stack_reading=field('stack_reading', 'state'),
+             stack_bottom=field('stack_bottom', 'fixed'),
+             stack_window=field('stack_window', 0),
+             truncation_length=field('truncation_length', 0))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

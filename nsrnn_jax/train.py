@@ -49,7 +49,7 @@ from nsrnn_jax import parallel
 PyTree = Any
 Batch = dict  # {"symbols": int32[B, N], "mask": float32[B, N]}
 
-MODELS = ("lstm", "jm", "gref", "ns")
+MODELS = ("lstm", "jm", "gref", "ns", "rns")
 COMPILE_STRATEGIES = ("per_length", "bucket")
 DTYPES = ("float32", "float64")
 
@@ -129,6 +129,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if buckets[-1] < longest:
       fail("length_buckets", f"must reach the longest string ({longest}); "
            f"largest bucket is {buckets[-1]}")
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  rns_stack.validate_stack_config(config)
   dtype = need("dtype")
   if dtype not in DTYPES:
     fail("dtype", f"is {dtype!r}; expected one of {', '.join(DTYPES)}")

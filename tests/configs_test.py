@@ -173,3 +173,41 @@ def test_no_test_module_changes_jax_flags_at_import():
           and "config" in ast.unparse(call.func.value)):
         offenders.append(f"{os.path.basename(path)}:{node.lineno}")
   assert not offenders
+
+
+# The ICLR 2022 (Q, S) of the RNS-RNN per task (rns-vrns-reference.md §4.2).
+RNS_QS = {"marked_reversal": (2, 3), "unmarked_reversal": (2, 3),
+          "dyck": (2, 3), "padded_reversal": (3, 3), "hardest_cfl": (3, 3)}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_rns_configs(task):
+  config = _load(f"{task}_rns")
+  train.validate_config(config)
+  assert (config.task, config.model) == (task, "rns")
+  assert (config.num_states, config.num_stack_symbols) == RNS_QS[task]
+  assert (config.stack_normalize, config.stack_reading, config.stack_bottom,
+          config.stack_window) == (False, "state", "fixed", 0)
+  assert config.learning_rate in config.learning_rate_grid
+  doc = importlib.import_module(f"configs.{task}_rns").__doc__
+  assert f"--config=configs/{task}_rns.py" in doc
+
+
+def test_quick_rns_config():
+  config = _load("quick_rns")
+  train.validate_config(config)
+  assert config.model == "rns" and config.max_epochs == 45  # quick.py's
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("stack_window", -1, "config.stack_window"),
+    ("stack_bottom", "sticky", "config.stack_bottom"),
+    ("stack_reading", "vector", "config.stack_reading"),
+    ("truncation_length", 8, "config.truncation_length needs"),
+])
+def test_bad_stack_variant_is_a_one_line_error(field, value, message):
+  config = _load("quick_rns")
+  config[field] = value
+  with pytest.raises(ValueError, match=message) as info:
+    train.validate_config(config)
+  assert "\n" not in str(info.value)

@@ -393,3 +393,35 @@ def test_bad_input_is_rejected_with_clear_errors(ns_model):
   assert insp.actions is None and insp.viterbi is None
   with pytest.raises(ValueError, match="NS-RNN"):
     inspection.plot_actions(insp)
+
+
+# ---------------------------------------------------------------------------
+# The RNS-RNN (model 'rns'): state readings and Viterbi
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bottom,window", [("fixed", 0), ("frozen", 3)])
+def test_inspect_rns_string(bottom, window):
+  import pda_oracle  # pylint: disable=g-import-not-at-top
+  model = models.get("rns", vocab_size=3, hidden_size=8, num_states=2,
+                     num_stack_symbols=2, stack_bottom=bottom,
+                     stack_window=window)
+  params = dict(models.init_params(model, jax.random.key(1)))
+  params["action"] = {k: v * 30.0 for k, v in params["action"].items()}
+  lang = languages.get("marked_reversal")
+  symbols = lang.encode("01#10")
+  insp = inspection.inspect_string(model, params, symbols)
+  traced = inspection.trace(model, params, symbols)
+  acts = [traced["action_log_weights"][k] for k in ("push", "repl", "pop")]
+  # State readings: the brute-force PDA's (state, top) distribution.
+  want, _ = pda_oracle.state_readings(*acts, bottom=bottom,
+                                      window=window or None)
+  np.testing.assert_allclose(insp.state_readings_QSxN.T, want, atol=2e-5)
+  np.testing.assert_allclose(insp.readings_SxN,
+                             want.reshape(5, 2, 2).sum(1).T, atol=2e-5)
+  # Viterbi: the best run of the oracle, valid under the model's bottom.
+  best = max(pda_oracle.configurations(*acts, "max", bottom,
+                                       window or None)[-1].values())
+  assert insp.viterbi.log_prob == pytest.approx(best, abs=1e-9)
+  assert len(insp.viterbi.ops) == 4 and "push" in insp.viterbi.table()
+  assert insp.actions is None

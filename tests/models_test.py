@@ -614,6 +614,11 @@ def test_jit_matches_eager():
 # ---------------------------------------------------------------------------
 
 
+# Models whose stack (and controller) ignore a lower matmul_precision: they
+# always run at 'highest' (the generalised stacks of issues 12 and 13).
+_ALWAYS_HIGHEST = ('rns', 'vrns')
+
+
 def _dot_precisions(text):
   """The precision attribute of every stablehlo.dot_general in `text`."""
   out = []
@@ -632,6 +637,8 @@ def test_every_matmul_of_the_gradient_carries_the_precision(
   # Under a reduced global default (what GPUs / TPUs use), the model's own
   # setting decides every contraction: LSTM, stack, action / output layers,
   # forward and backward (including ns_stack's custom VJP).
+  if name in _ALWAYS_HIGHEST and precision != 'highest':
+    pytest.skip(f'{name} runs every contraction at highest precision')
   symbols = jnp.asarray(_SYMBOLS[:, :6])
   kwargs = {} if precision == 'highest' else {'matmul_precision': precision}
   model = models.get(name, _VOCAB, **kwargs)
@@ -651,3 +658,105 @@ def test_bad_matmul_precision_is_a_one_line_error():
     models.build({'model': 'lstm', 'matmul_precision': 'fast'}, vocab_size=3)
   assert models.build({'model': 'lstm', 'matmul_precision': 'high'},
                       vocab_size=3).matmul_precision == 'high'
+
+
+# ---------------------------------------------------------------------------
+# RNS-RNN (model 'rns') against the brute-force PDA with its variants.
+# ---------------------------------------------------------------------------
+
+
+class _RNSPDAStack:
+  """RNS stack by brute force: each update re-runs the explicit-stack oracle
+  with unnormalised (or row-normalised) weights, the given bottom and
+  window, and reads over (state, top) or top only."""
+
+  def __init__(self, params, q, s, normalize, reading, bottom, window):
+    self.params, self.q, self.s = params, q, s
+    self.normalize, self.reading_kind = normalize, reading
+    self.bottom, self.window = bottom, window or None
+    self.actions = ([], [], [])
+    self.reading = np.eye(q * s if reading == 'state' else s)[0]
+    self.log_mass = 0.0
+
+  def update(self, h):
+    q, s = self.q, self.s
+    logits = _np_affine(self.params['action'], h).reshape(q * s, -1)
+    if self.normalize:
+      logits = np.log(_softmax(logits))
+    acts = (logits[:, :q * s].reshape(q, s, q, s),
+            logits[:, q * s:2 * q * s].reshape(q, s, q, s),
+            logits[:, 2 * q * s:].reshape(q, s, q))
+    for store, a in zip(self.actions, acts):
+      store.append(a)
+    rho, log_alpha = pda_oracle.state_readings(
+        *(np.stack(a) for a in self.actions), bottom=self.bottom,
+        window=self.window)
+    self.reading = (rho[-1] if self.reading_kind == 'state'
+                    else rho[-1].reshape(q, s).sum(0))
+    self.log_mass = np.logaddexp.reduce(log_alpha[-1].ravel())
+
+
+@pytest.mark.parametrize('normalize,reading,bottom,window,trunc', [
+    (False, 'state', 'fixed', 0, 0),
+    (True, 'symbol', 'frozen', 0, 0),
+    (False, 'state', 'frozen', 3, 2),
+])
+def test_rns_matches_pda_composition(normalize, reading, bottom, window,
+                                     trunc):
+  q, s = 2, 2
+  symbols = np.array([[0, 2, 1, 1, 0, 2, 1], [1, 1, 1, 2, 0, 0, 2]],
+                     np.int32)
+  with jax.enable_x64(True):
+    model = models.get('rns', _VOCAB, hidden_size=4, num_states=q,
+                       num_stack_symbols=s, dtype=jnp.float64,
+                       stack_normalize=normalize, stack_reading=reading,
+                       stack_bottom=bottom, stack_window=window,
+                       truncation_length=trunc)
+    params = _randomize(_init(model, symbols), seed=3, scale=1.0)
+    out = _apply(model, params, symbols, method='trace')
+    for b, string in enumerate(symbols):
+      size = q * s if reading == 'state' else s
+      logits, readings, log_masses = _reference_logits(
+          params, string, _VOCAB,
+          lambda p: _RNSPDAStack(p, q, s, normalize, reading, bottom, window),
+          initial_reading=np.eye(size)[0])
+      n = len(string)
+      np.testing.assert_allclose(out['logits'][b], logits, atol=1e-10)
+      np.testing.assert_allclose(out['readings'][b, :n - 1], readings,
+                                 atol=1e-10)
+      np.testing.assert_allclose(out['log_mass'][b, :n - 1], log_masses,
+                                 rtol=1e-10, atol=1e-12)
+    assert np.ptp(np.asarray(out['readings'][:, 2:])) > 0.05
+    if normalize and reading == 'symbol' and bottom == 'frozen':
+      # The CoNLL 2020 variant of 'rns' is the 'ns' model.
+      ns = models.get('ns', _VOCAB, hidden_size=4, num_states=q,
+                      num_stack_symbols=s, dtype=jnp.float64)
+      np.testing.assert_allclose(_apply(ns, params, symbols), out['logits'],
+                                 atol=1e-12)
+
+
+def test_rns_window_covering_the_string_equals_unlimited():
+  symbols = np.array([[0, 2, 1, 1, 0, 2, 1, 1, 0]], np.int32)
+  with jax.enable_x64(True):
+    get = lambda **kw: models.get('rns', _VOCAB, hidden_size=4,
+                                  dtype=jnp.float64, **kw)
+    unlimited, limited = get(), get(stack_window=9)
+    params = _randomize(_init(unlimited, symbols), seed=5, scale=1.0)
+    grad = lambda m: jax.jit(jax.grad(_loss(m, jnp.asarray(symbols))))(params)
+    np.testing.assert_allclose(_apply(limited, params, symbols),
+                               _apply(unlimited, params, symbols), atol=1e-12)
+    for g, w in zip(jax.tree_util.tree_leaves(grad(limited)),
+                    jax.tree_util.tree_leaves(grad(unlimited))):
+      np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize('kwargs,field', [
+    ({'stack_window': -1}, 'stack_window'),
+    ({'stack_bottom': 'sticky'}, 'stack_bottom'),
+    ({'stack_reading': 'vector'}, 'stack_reading'),
+    ({'truncation_length': 4}, 'truncation_length'),
+    ({'stack_normalize': 1}, 'stack_normalize')])
+def test_rns_invalid_variants_raise(kwargs, field):
+  with pytest.raises(ValueError, match=field) as info:
+    models.get('rns', 3, **kwargs)
+  assert '\n' not in str(info.value)

@@ -1,0 +1,186 @@
+"""The memory-limited nondeterministic stack (window D), run incrementally.
+
+rns-vrns-reference.md §2 (the authors' ``Limited*`` stacks, ICLR 2022/2023):
+γ[i→j] is kept only for j−D ≤ i ≤ j−1. Exactly, this sums the runs of the
+unlimited stack in which an element is on top only during the D time steps
+after its push (⊥ counts as pushed at update 0); with D ≥ T + 1 it equals
+the unlimited stack. Cost per update is O(B·D²·Q³·S²), independent of the
+position in the stream, and the state is O(B·D²·Q²·S²): long strings are
+processed incrementally in linear time.
+
+The update is `rns_stack.update` (posterior shares, exact for any finite
+log-weights, either bottom) applied to a D × D window of the share table on
+the time axis j−D..j−1. After update j the window drops its oldest row and
+column and appends column j (rows j−D+1..j−1) and an empty row for time j.
+Unlike the authors' code, no α window is carried: shares need only α̂_{j−1}.
+
+Training (truncated BPTT): `run_coupled` processes the inputs in chunks of
+``truncation_length`` controller steps with a `lax.scan` over chunks; the
+controller carry and the stack state cross chunk boundaries with their
+values (so chunked = unchunked in the forward pass) but no gradient
+(`lax.stop_gradient`), as the authors' trainer detaches them. Every update,
+including the first of a chunk, trains the action layer (the ICLR 2023
+bookkeeping, rns-vrns-reference.md §2.2). Within a chunk the gradient is
+plain autodiff of the scan: O(B·L·D²·Q²·S²) memory for chunk length L.
+
+Shape legend: B batch, T updates, D window, Q states, S stack symbols,
+Y/X symbols in roles, L chunk length, C chunks.
+"""
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nsrnn_jax import rns_stack
+
+Array = jax.Array
+
+__all__ = ["WindowState", "initial_state", "step", "run", "run_coupled"]
+
+
+class WindowState(NamedTuple):
+  """The carried stack state before update j (a pytree).
+
+  Attributes:
+    g: shares on times j−D..j−1, [B, Y, D, Q, X, D, T] (rns_stack layout).
+    a_hat: normalised log α_{j−1}, [B, Q, S].
+    log_mass: log Σα_{j−1}, [B].
+  """
+  g: Array
+  a_hat: Array
+  log_mass: Array
+
+
+def _check_window(window):
+  if (isinstance(window, bool) or not isinstance(window, int)
+      or window < 1):
+    raise ValueError(f"window must be an integer D >= 1, got {window!r}")
+
+
+def initial_state(batch_size, window, num_states, num_symbols,
+                  bottom=rns_stack.FIXED, dtype=jnp.float32) -> WindowState:
+  """The state before update 1: α_0 = e_{q0,⊥} and, with the fixed bottom,
+  the bottom share H_{−1,0} (time 0 at window index D−1)."""
+  _check_window(window)
+  g = rns_stack.initial_table(batch_size, window, num_states, num_symbols,
+                              bottom, corner=window - 1, dtype=dtype)
+  a_hat = jnp.full((batch_size, num_states, num_symbols), -jnp.inf,
+                   dtype).at[:, 0, 0].set(0)
+  return WindowState(g, a_hat, jnp.zeros((batch_size,), dtype))
+
+
+def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ):
+  """One update; returns (next state, log α̂_j [B,Q,S], log Σα_j [B])."""
+  d = state.g.shape[2]
+  col, a_hat, inc = rns_stack.update(state.g, d - 1, state.a_hat,
+                                     push_BxQxSxQxS, repl_BxQxSxQxS,
+                                     pop_BxQxSxQ)
+  # Columns j−D+1..j, then rows j−D+1..j (time j: no entries yet).
+  g = jnp.concatenate([state.g[:, :, :, :, :, 1:], col[:, :, :, :, :, None]],
+                      axis=5)
+  g = jnp.concatenate([g[:, :, 1:], jnp.zeros_like(g[:, :, :1])], axis=2)
+  log_mass = state.log_mass + inc
+  return WindowState(g, a_hat, log_mass), a_hat, log_mass
+
+
+def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None):
+  """Runs T updates from `state` (default: the initial state).
+
+  Args:
+    push, repl, pop: log-weights [B,T,Q,S,Q,S], [B,T,Q,S,Q,S], [B,T,Q,S,Q].
+    window: D ≥ 1.
+    bottom: "fixed" or "frozen" (used only for the initial state).
+    state: a WindowState to continue from (incremental evaluation).
+
+  Returns:
+    (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state) for times
+    1..T after `state`; log α_j = log_alpha_hat_j + log_mass_j.
+  """
+  _check_window(window)
+  push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
+  b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
+  if state is None:
+    state = initial_state(b, window, q, s, bottom, push.dtype)
+  elif state.g.shape[2] != window:
+    raise ValueError(f"state has window {state.g.shape[2]}, not {window}")
+  return _run_jit(push, repl, pop, state)
+
+
+@jax.jit
+def _run_jit(push, repl, pop, state):
+  def body(st, acts):
+    st, a_hat, lm = step(st, *acts)
+    return st, (a_hat, lm)
+
+  xs = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
+  state, (a_hat, lm) = lax.scan(body, state, xs)
+  return jnp.swapaxes(a_hat, 0, 1), jnp.swapaxes(lm, 0, 1), state
+
+
+def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
+                num_states: int, num_symbols: int, window: int,
+                bottom: str = rns_stack.FIXED,
+                reading: str = rns_stack.STATE,
+                truncation_length: int = 0):
+  """Controller + limited stack, chunked for truncated BPTT.
+
+  Args:
+    step_fn: as for `rns_stack.run_coupled`.
+    params, init_carry: differentiable pytrees.
+    xs: pytree of batch-major inputs [B, T, ...].
+    num_states, num_symbols: Q, S.
+    window: D ≥ 1.
+    bottom, reading: stack variant.
+    truncation_length: chunk length L ≥ 1 (gradients stop at chunk
+      boundaries); 0 = one chunk (no truncation).
+
+  Returns:
+    (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]);
+    forward values do not depend on `truncation_length`.
+  """
+  _check_window(window)
+  rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
+  rns_stack._check_reading(reading)  # pylint: disable=protected-access
+  if (isinstance(truncation_length, bool)
+      or not isinstance(truncation_length, int) or truncation_length < 0):
+    raise ValueError("truncation_length must be 0 (none) or >= 1, got "
+                     f"{truncation_length!r}")
+  leaves = jax.tree_util.tree_leaves(xs)
+  b, t = leaves[0].shape[:2]
+  chunk = truncation_length or t
+  num_chunks = -(-t // chunk)
+  pad = num_chunks * chunk - t
+  dtype = rns_stack._float_dtype(params)  # pylint: disable=protected-access
+  # Padded steps run after the last real one; nothing reads them.
+  xs_c = jax.tree_util.tree_map(
+      lambda l: jnp.concatenate(
+          [l, jnp.repeat(l[:, -1:], pad, axis=1)], axis=1).reshape(
+              (b, num_chunks, chunk) + l.shape[2:]).swapaxes(0, 1)
+      .swapaxes(1, 2), xs)                       # [C, L, B, ...]
+  state0 = initial_state(b, window, num_states, num_symbols, bottom, dtype)
+
+  def one_step(carry, x):
+    ctrl, st = carry
+    rho, _ = rns_stack.readout(st.a_hat, reading)
+    ctrl, acts, out = step_fn(params, ctrl, x, rho)
+    st, a_hat, lm = step(st, *acts)
+    return (ctrl, st), (out, a_hat, lm)
+
+  def one_chunk(carry, xs_chunk):
+    # Values cross the boundary, gradients do not (truncated BPTT).
+    carry = lax.stop_gradient(carry)
+    return lax.scan(one_step, carry, xs_chunk)
+
+  _, (outs, a_hat, lm) = lax.scan(one_chunk, (init_carry, state0), xs_c)
+  unchunk = lambda a: a.reshape((num_chunks * chunk,) + a.shape[2:])[:t]
+  outs = jax.tree_util.tree_map(lambda a: jnp.swapaxes(unchunk(a), 0, 1),
+                                outs)
+  a_hat = jnp.concatenate([state0.a_hat[:, None],
+                           jnp.swapaxes(unchunk(a_hat), 0, 1)], axis=1)
+  lm = jnp.concatenate([state0.log_mass[:, None],
+                        jnp.swapaxes(unchunk(lm), 0, 1)], axis=1)
+  return outs, a_hat, lm
+
+

@@ -1,0 +1,223 @@
+"""Tests for nsrnn_jax.limited_stack (window D, incremental, truncated BPTT).
+
+Oracles: `pda_oracle` with a window (explicit stacks whose elements carry
+their push time; a run dies when its top is older than D steps), the
+unlimited `rns_stack.run` (D ≥ T + 1), `rns_stack.run_log_space` with a
+window (plain log-space autodiff), and a hand-written Python loop of
+chunks with `stop_gradient` at the boundaries.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pda_oracle
+from nsrnn_jax import limited_stack
+from nsrnn_jax import rns_stack
+
+
+@pytest.fixture
+def x64():
+  with jax.enable_x64(True):
+    yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  # These tests compile many tiny programs; XLA's optimisations do not pay.
+  # Set per module (and restored), never at import time.
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
+def _actions(rng, batch, steps, q, s, scale=3.0, neginf=0.0):
+  shapes = [(batch, steps, q, s, q, s)] * 2 + [(batch, steps, q, s, q)]
+  out = [scale * rng.normal(size=sh) for sh in shapes]
+  return [np.where(rng.random(a.shape) < neginf, -np.inf, a) for a in out]
+
+
+def _log_alpha(hat, mass):
+  return np.asarray(hat) + np.asarray(mass)[..., None, None]
+
+
+def _assert_log_close(got, want, atol):
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+  fin = np.isfinite(want)
+  np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("bottom,q,s,steps", [("fixed", 2, 2, 6),
+                                              ("frozen", 1, 3, 5)])
+def test_matches_windowed_enumeration(x64, bottom, q, s, steps):
+  rng = np.random.default_rng(7 * q + s + steps)
+  push, repl, pop = (np.concatenate(a) for a in zip(
+      _actions(rng, 1, steps, q, s), _actions(rng, 1, steps, q, s, 10.0,
+                                              0.25)))
+  for window in (1, 2, 3):
+    hat, mass, _ = limited_stack.run(push, repl, pop, window, bottom)
+    got = _log_alpha(hat, mass)
+    for b in range(2):
+      want = pda_oracle.alpha(push[b], repl[b], pop[b], bottom=bottom,
+                              window=window)[1:]
+      _assert_log_close(got[b], want, 1e-9)
+    ref = _log_alpha(*rns_stack.run_log_space(push, repl, pop, bottom,
+                                              window))[:, 1:]
+    _assert_log_close(ref, got, 1e-9)
+
+
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+def test_window_at_least_n_equals_unlimited(x64, bottom):
+  rng = np.random.default_rng(1)
+  push, repl, pop = _actions(rng, 2, 8, 2, 2, 10.0, 0.2)
+  hat_u, mass_u = rns_stack.run(push, repl, pop, bottom)
+  for window in (9, 12):
+    hat, mass, _ = limited_stack.run(push, repl, pop, window, bottom)
+    _assert_log_close(np.asarray(hat), np.asarray(hat_u[:, 1:]), 1e-12)
+    np.testing.assert_allclose(mass, mass_u[:, 1:], rtol=1e-14)
+  # A smaller window really does drop runs.
+  hat, _, _ = limited_stack.run(push, repl, pop, 3, bottom)
+  assert np.abs(np.nan_to_num(np.asarray(hat - hat_u[:, 1:]))).max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype,atol", [("float64", 1e-12),
+                                        ("float32", 3e-6)])
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+def test_worked_example_whole_and_chunked(dtype, atol, bottom):
+  # rns-vrns-reference.md §6: D = 3, U = 6, sin(row·C + col + j) logits.
+  with jax.enable_x64(dtype == "float64"):
+    q = s = 2
+    c = 2 * q * s + q
+    row, col = np.meshgrid(np.arange(q * s), np.arange(c), indexing="ij")
+    logits = np.stack([np.sin(row * c + col + j) for j in range(1, 7)])
+    acts = rns_stack.split_action_logits(
+        jnp.asarray(logits.reshape(1, 6, -1), jnp.dtype(dtype)), q, s, False)
+    hat, mass, _ = limited_stack.run(*acts, 3, bottom)
+    acts64 = [np.asarray(a, np.float64)[0] for a in acts]
+    want_rho, want_la = pda_oracle.state_readings(*acts64, bottom=bottom,
+                                                  window=3)
+    rho, _ = rns_stack.readout(hat)
+    np.testing.assert_allclose(rho[0], want_rho[1:], rtol=0, atol=atol)
+    want_mass = np.logaddexp.reduce(want_la.reshape(7, -1), axis=1)[1:]
+    np.testing.assert_allclose(mass[0], want_mass, rtol=atol)
+    for split in ((3, 3), (1, 4, 1)):
+      state, parts = None, []
+      for lo, hi in zip(np.cumsum((0,) + split)[:-1], np.cumsum(split)):
+        h, m, state = limited_stack.run(*[a[:, lo:hi] for a in acts], 3,
+                                        bottom, state=state)
+        parts.append(_log_alpha(h, m))
+      np.testing.assert_allclose(np.concatenate(parts, 1),
+                                 _log_alpha(hat, mass), rtol=0,
+                                 atol=10 * atol)
+
+
+def test_long_string_float32_is_finite():
+  # Unnormalised, huge weights over 2000 updates in a D = 5 window.
+  rng = np.random.default_rng(2)
+  push, repl, pop = (jnp.asarray(a, jnp.float32)
+                     for a in _actions(rng, 1, 2000, 2, 2, 10.0))
+  push = push + 50
+  hat, mass, _ = limited_stack.run(push, repl, pop, 5)
+  rho, _ = rns_stack.readout(hat)
+  assert np.all(np.isfinite(mass)) and float(mass[0, -1]) > 1e5
+  np.testing.assert_allclose(np.sum(rho, -1), 1.0, atol=1e-5)
+
+
+_H, _V = 4, 3
+
+
+def _controller(q, s):
+  def step_fn(p, h, x, rho):
+    h = jnp.tanh(jax.nn.one_hot(x, _V, dtype=rho.dtype) @ p["wx"]
+                 + rho @ p["wr"] + h @ p["wh"])
+    return h, rns_stack.split_action_logits(h @ p["wa"] * 3, q, s,
+                                            False), h @ p["wo"]
+  return step_fn
+
+
+def test_truncated_bptt(x64):
+  q, s, b, t, window = 2, 2, 2, 5, 2
+  rng = np.random.default_rng(3)
+  step_fn = _controller(q, s)
+  params = {"wx": rng.normal(size=(_V, _H)),
+            "wr": rng.normal(size=(q * s, _H)),
+            "wh": 0.5 * rng.normal(size=(_H, _H)),
+            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
+            "wo": rng.normal(size=(_H, _V))}
+  h0 = jnp.zeros((b, _H))
+  xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
+  c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, q * s))
+
+  def chunked(p, chunk):
+    return limited_stack.run_coupled(step_fn, p, h0, xs, q, s, window,
+                                     truncation_length=chunk)
+
+  def naive(p, chunk):
+    # A Python loop over steps; detach (h, state) every `chunk` steps.
+    h = h0
+    st = limited_stack.initial_state(b, window, q, s, "fixed", jnp.float64)
+    outs, hats, masses = [], [st.a_hat], [st.log_mass]
+    for j in range(t):
+      if chunk and j % chunk == 0:
+        h, st = lax.stop_gradient((h, st))
+      h, acts, out = step_fn(p, h, xs[:, j], rns_stack.readout(st.a_hat)[0])
+      st, a_hat, lm = limited_stack.step(st, *acts)
+      outs.append(out)
+      hats.append(a_hat)
+      masses.append(lm)
+    return jnp.stack(outs, 1), jnp.stack(hats, 1), jnp.stack(masses, 1)
+
+  def loss(fn, chunk):
+    def f(p):
+      outs, hat, lm = fn(p, chunk)
+      return (jnp.sum(c1 * outs) + jnp.sum(c2 * rns_stack.readout(hat)[0])
+              + 0.01 * jnp.sum(lm))
+    return f
+
+  whole = chunked(params, 0)
+  for chunk in (2,):  # 3 chunks, the last one padded by 1 step.
+    for g, w, n in zip(chunked(params, chunk), whole,
+                       jax.jit(naive, static_argnums=1)(params, chunk)):
+      np.testing.assert_allclose(g, w, atol=1e-12)
+      np.testing.assert_allclose(g, n, atol=1e-12)
+  got = jax.jit(jax.grad(loss(chunked, 2)))(params)
+  want = jax.jit(jax.grad(loss(naive, 2)))(params)
+  for g, w in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
+  # Truncation changes the gradient (it is not a no-op).
+  untruncated = jax.jit(jax.grad(loss(chunked, 0)))(params)
+  assert np.abs(untruncated["wh"] - got["wh"]).max() > 1e-6
+
+
+def test_viterbi_with_window_is_best_windowed_run(x64):
+  rng = np.random.default_rng(4)
+  push, repl, pop = _actions(rng, 1, 5, 2, 2)
+  for bottom in ("fixed", "frozen"):
+    ((actions, weight),) = rns_stack.viterbi(push, repl, pop, bottom,
+                                             window=2)
+    best = max(pda_oracle.configurations(push[0], repl[0], pop[0], "max",
+                                         bottom, 2)[-1].values())
+    assert math.isclose(weight, best, abs_tol=1e-9)
+    _, replayed = rns_stack.replay_run(actions, push[0], repl[0], pop[0],
+                                       bottom)
+    assert math.isclose(replayed, best, abs_tol=1e-9)
+
+
+def test_bad_window_raises_value_error():
+  push = np.zeros((1, 3, 2, 2, 2, 2), np.float32)
+  pop = np.zeros((1, 3, 2, 2, 2), np.float32)
+  for bad in (0, -2, 2.5, True):
+    with pytest.raises(ValueError, match="window must be"):
+      limited_stack.run(push, push, pop, bad)
+  state = limited_stack.initial_state(1, 4, 2, 2)
+  with pytest.raises(ValueError, match="state has window"):
+    limited_stack.run(push, push, pop, 3, state=state)
+  with pytest.raises(ValueError, match="truncation_length"):
+    limited_stack.run_coupled(lambda *a: a, {}, (), np.zeros((1, 3), int),
+                              2, 2, 3, truncation_length=-1)

@@ -1,0 +1,434 @@
+"""Tests for nsrnn_jax.rns_stack (generalised NS stack: RNS, bottom fix).
+
+Oracles: `pda_oracle` (explicit stacks, frozen or fixed bottom, any finite
+log-weights), `log_space_reference` (float64 NumPy transcription of the
+note's recurrences), plain autodiff of `rns_stack.run_log_space`, finite
+differences, and `ns_stack.run` for the CoNLL 2020 variant. float64 only
+inside tests that enable it (`x64` fixture).
+"""
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax import test_util as jtu
+
+import log_space_reference
+import pda_oracle
+from nsrnn_jax import ns_stack
+from nsrnn_jax import rns_stack
+
+
+@pytest.fixture
+def x64():
+  with jax.enable_x64(True):
+    yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  # These tests compile many tiny programs; XLA's optimisations do not pay.
+  # Set per module (and restored), never at import time.
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
+def _actions(rng, batch, steps, q, s, kind):
+  """'norm' (row log-softmax), 'unnorm' (N(0,1)·3), 'huge' (N(0,1)·10 + 50),
+  'neginf' (unnormalised with −inf entries)."""
+  shapes = [(batch, steps, q, s, q, s)] * 2 + [(batch, steps, q, s, q)]
+  push, repl, pop = (rng.normal(size=sh) for sh in shapes)
+  if kind == "norm":
+    logits = np.concatenate([push.reshape(batch, steps, q * s, -1),
+                             repl.reshape(batch, steps, q * s, -1),
+                             pop.reshape(batch, steps, q * s, -1)], -1)
+    return tuple(np.asarray(a) for a in rns_stack.split_action_logits(
+        jnp.asarray(logits.reshape(batch, steps, -1)), q, s, True))
+  if kind == "unnorm":
+    return 3 * push, 3 * repl, 3 * pop
+  if kind == "huge":
+    return 10 * push + 50, 10 * repl + 50, 10 * pop + 50
+  assert kind == "neginf"
+  mask = lambda a, p: np.where(rng.random(a.shape) < p, -np.inf, 3 * a)
+  return mask(push, 0.15), mask(repl, 0.3), mask(pop, 0.3)
+
+
+def _log_alpha(out):
+  hat, mass = (np.asarray(a) for a in out)
+  return hat + mass[..., None, None]
+
+
+def _assert_log_close(got, want, atol):
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+  fin = np.isfinite(want)
+  np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+
+
+# ---------------------------------------------------------------------------
+# Forward values against the brute-force PDA.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+@pytest.mark.parametrize("q,s,steps", [(1, 2, 6), (2, 2, 5), (2, 3, 4),
+                                       (3, 1, 5), (1, 1, 6)])
+def test_matches_explicit_stack_enumeration(x64, bottom, q, s, steps):
+  rng = np.random.default_rng(100 * q + 10 * s + steps)
+  kinds = ("norm", "unnorm", "huge", "neginf")
+  acts = [_actions(rng, 1, steps, q, s, k) for k in kinds]
+  push, repl, pop = (np.concatenate(a, 0) for a in zip(*acts))
+  out = rns_stack.run(push, repl, pop, bottom)
+  got = _log_alpha(out)
+  ref = _log_alpha(rns_stack.run_log_space(push, repl, pop, bottom))
+  for b in range(len(kinds)):
+    want = pda_oracle.alpha(push[b], repl[b], pop[b], bottom=bottom)
+    _assert_log_close(got[b], want, 1e-9)
+    _assert_log_close(ref[b], want, 1e-9)
+    want_r, _ = pda_oracle.state_readings(push[b], repl[b], pop[b], bottom)
+    reading, _ = rns_stack.readout(out[0][b], "state")
+    np.testing.assert_allclose(reading, want_r, rtol=0, atol=1e-12)
+
+
+def test_bottom_semantics_differ_at_update_one(x64):
+  # Fixed bottom: update 1 = push or replace ⊥; frozen: push only.
+  rng = np.random.default_rng(0)
+  push, repl, pop = _actions(rng, 1, 2, 2, 2, "unnorm")
+  _, frozen = rns_stack.run(push, repl, pop, "frozen")
+  _, fixed = rns_stack.run(push, repl, pop, "fixed")
+  lse = lambda a: np.log(np.exp(a).sum())
+  np.testing.assert_allclose(frozen[0, 1], lse(push[0, 0, 0, 0]), atol=1e-12)
+  np.testing.assert_allclose(
+      fixed[0, 1], np.logaddexp(lse(push[0, 0, 0, 0]), lse(repl[0, 0, 0, 0])),
+      atol=1e-12)
+
+
+def test_log_space_reference_module_matches_oracle(x64):
+  rng = np.random.default_rng(9)
+  for bottom in ("fixed", "frozen"):
+    push, repl, pop = _actions(rng, 1, 5, 2, 2, "neginf")
+    want = pda_oracle.alpha(push[0], repl[0], pop[0], bottom=bottom)
+    got = log_space_reference.log_alpha(push[0], repl[0], pop[0], bottom)
+    _assert_log_close(got, want, 1e-10)
+
+
+# ---------------------------------------------------------------------------
+# The note's §6 worked-example inputs.
+# ---------------------------------------------------------------------------
+
+
+def _worked_example_logits(updates, q=2, s=2):
+  """Flat logit at (row, col) of update j (1-based) = sin(row·C + col + j)."""
+  c = 2 * q * s + q
+  row, col = np.meshgrid(np.arange(q * s), np.arange(c), indexing="ij")
+  return np.stack([np.sin(row * c + col + j) for j in range(1, updates + 1)]
+                  )[None].reshape(1, updates, -1)
+
+
+def _worked_example(updates, normalize, dtype):
+  logits = jnp.asarray(_worked_example_logits(updates), dtype)
+  return rns_stack.split_action_logits(logits, 2, 2, normalize)
+
+
+@pytest.mark.parametrize("dtype,atol", [("float64", 1e-12),
+                                        ("float32", 2e-6)])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+def test_worked_example_unlimited(dtype, atol, normalize, bottom):
+  with jax.enable_x64(dtype == "float64"):
+    acts = _worked_example(4, normalize, jnp.dtype(dtype))
+    hat, log_mass = rns_stack.run(*acts, bottom=bottom)
+    assert hat.dtype == jnp.dtype(dtype)
+    rho, _ = rns_stack.readout(hat, "state")
+    acts64 = [np.asarray(a, np.float64)[0] for a in acts]
+    want_rho, want_la = pda_oracle.state_readings(*acts64, bottom=bottom)
+    want_mass = np.logaddexp.reduce(want_la.reshape(5, -1), axis=1)
+    np.testing.assert_allclose(rho[0], want_rho, rtol=0, atol=atol)
+    np.testing.assert_allclose(log_mass[0], want_mass, rtol=atol, atol=atol)
+    np.testing.assert_array_equal(np.asarray(rho[0, 0]), np.eye(4)[0])
+
+
+def test_worked_example_invariants(x64):
+  rho = {}
+  for normalize in (False, True):
+    for bottom in ("fixed", "frozen"):
+      hat, _ = rns_stack.run(*_worked_example(4, normalize, jnp.float64),
+                             bottom=bottom)
+      rho[normalize, bottom] = np.asarray(rns_stack.readout(hat)[0][0])
+  # ρ_1 is the same for NS+S and RNS, under either bottom (rns-vrns §6).
+  for bottom in ("fixed", "frozen"):
+    np.testing.assert_allclose(rho[True, bottom][1], rho[False, bottom][1],
+                               atol=1e-14)
+    assert np.abs(rho[True, bottom][2] - rho[False, bottom][2]).max() > 1e-3
+  # ... and the bottoms differ later.
+  assert np.abs(rho[False, "fixed"][2] - rho[False, "frozen"][2]).max() > 1e-3
+  # Adding a constant to all logits of one update leaves readings unchanged.
+  logits = _worked_example_logits(4)
+  logits[:, 2] += 123.0
+  hat, _ = rns_stack.run(*rns_stack.split_action_logits(
+      jnp.asarray(logits), 2, 2, False))
+  np.testing.assert_allclose(rns_stack.readout(hat)[0][0],
+                             rho[False, "fixed"], atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# The CoNLL 2020 variant equals ns_stack.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,atol", [("float64", 1e-12),
+                                        ("float32", 5e-6)])
+def test_conll_variant_equals_ns_stack(dtype, atol):
+  with jax.enable_x64(dtype == "float64"):
+    rng = np.random.default_rng(4)
+    acts = [jnp.asarray(a, jnp.dtype(dtype))
+            for a in _actions(rng, 2, 12, 2, 3, "norm")]
+    want_r, want_lm = ns_stack.run(*acts)
+    hat, log_mass = rns_stack.run(*acts, bottom="frozen")
+    got_r, _ = rns_stack.readout(hat, "symbol")
+    np.testing.assert_allclose(got_r, want_r, rtol=0, atol=atol)
+    np.testing.assert_allclose(log_mass, want_lm, rtol=atol, atol=atol)
+    # Worked example through both: identical readings.
+    acts = _worked_example(4, True, jnp.dtype(dtype))
+    np.testing.assert_allclose(
+        rns_stack.readout(rns_stack.run(*acts, bottom="frozen")[0],
+                          "symbol")[0], ns_stack.run(*acts)[0], atol=atol)
+
+
+# ---------------------------------------------------------------------------
+# Nasty inputs at long T (the issue's failure cases).
+# ---------------------------------------------------------------------------
+
+
+def _nasty(rng, steps, q, s):
+  shapes = [(1, steps, q, s, q, s)] * 2 + [(1, steps, q, s, q)]
+  huge = [10 * rng.normal(size=sh) + 50 for sh in shapes]
+  flat = [np.full(sh, -1e4) for sh in shapes]
+  mixed = [np.where(rng.random(sh) < 0.3, -np.inf, 10 * rng.normal(size=sh))
+           for sh in shapes]
+  return [np.concatenate(a, 0) for a in zip(huge, flat, mixed)]
+
+
+def _check_nasty(steps, q, s):
+  rng = np.random.default_rng(steps)
+  push, repl, pop = _nasty(rng, steps, q, s)
+  want = [log_space_reference.log_alpha(push[b], repl[b], pop[b])
+          for b in range(3)]
+  want_mass = np.stack([np.logaddexp.reduce(w.reshape(len(w), -1), 1)
+                        for w in want])
+  want_rho = np.stack([np.exp(w.reshape(len(w), -1) - m[:, None])
+                       for w, m in zip(want, want_mass)])
+  assert np.all(np.isfinite(want_mass))
+  for dtype, atol in (("float32", 2e-5), ("float64", 1e-9)):
+    with jax.enable_x64(dtype == "float64"):
+      acts = [jnp.asarray(a, jnp.dtype(dtype)) for a in (push, repl, pop)]
+      hat, log_mass = rns_stack.run(*acts)
+      rho, _ = rns_stack.readout(hat)
+      assert np.all(np.isfinite(log_mass))
+      np.testing.assert_allclose(rho, want_rho, rtol=0, atol=atol)
+      # log Σα is a running sum of T per-update increments (up to 5e6 here):
+      # its rounding grows like T·eps; the readings do not depend on it.
+      np.testing.assert_allclose(log_mass, want_mass,
+                                 rtol=steps * float(jnp.finfo(dtype).eps))
+      if dtype == "float32":
+        loss = lambda *a: jnp.sum(rns_stack.readout(rns_stack.run(*a)[0])[0]
+                                  [..., 1] ** 2)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*acts)
+        for g in grads:
+          assert np.all(np.isfinite(g))
+
+
+def test_nasty_inputs_are_exact_float32_and_float64():
+  # ns_stack.run gives -inf log_mass at t ≈ 40 and NaN gradients here.
+  _check_nasty(80, 1, 2)
+
+
+@pytest.mark.benchmark
+@pytest.mark.skipif(not os.environ.get("NSRNN_LONG_TESTS"),
+                    reason="T = 500 log-space reference: 30 s to minutes; "
+                    "set NSRNN_LONG_TESTS=1")
+def test_nasty_inputs_at_500():
+  _check_nasty(500, 1, 2)
+
+
+# ---------------------------------------------------------------------------
+# Gradients.
+# ---------------------------------------------------------------------------
+
+
+def _loss(fn, c, e, bottom):
+  def loss(push, repl, pop):
+    hat, log_mass = fn(push, repl, pop, bottom)
+    rho, _ = rns_stack.readout(hat)
+    safe = jnp.where(jnp.isfinite(log_mass), log_mass, 0)
+    return (jnp.sum(c * rho) + 0.3 * jnp.sum(rho ** 2)
+            + 0.1 * jnp.sum(e * safe))
+  return loss
+
+
+def _plain(push, repl, pop, bottom):
+  return rns_stack._split_mass(rns_stack._log_space_tables(  # pylint: disable=protected-access
+      push, repl, pop, bottom, None, rns_stack._lse)[1])  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("bottom,q,s,steps", [("fixed", 2, 2, 8),
+                                              ("frozen", 1, 3, 7)])
+def test_custom_vjp_equals_autodiff_of_log_space(x64, bottom, q, s, steps):
+  rng = np.random.default_rng(q + 3 * s + steps)
+  kinds = ("neginf", "huge", "unnorm")
+  push, repl, pop = (np.concatenate(a, 0) for a in zip(
+      *[_actions(rng, 1, steps, q, s, k) for k in kinds]))
+  c = rng.normal(size=(3, steps + 1, q * s))
+  e = rng.normal(size=(3, steps + 1))
+  got = jax.jit(jax.grad(_loss(rns_stack.run, c, e, bottom),
+                         argnums=(0, 1, 2)))(push, repl, pop)
+  want = jax.jit(jax.grad(_loss(_plain, c, e, bottom),
+                          argnums=(0, 1, 2)))(push, repl, pop)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
+
+
+def test_finite_differences(x64):
+  rng = np.random.default_rng(5)
+  push, repl, pop = _actions(rng, 1, 4, 2, 2, "unnorm")
+  c = rng.normal(size=(1, 5, 4))
+  e = rng.normal(size=(1, 5))
+  jtu.check_grads(jax.jit(_loss(rns_stack.run, c, e, "fixed")),
+                  (push, repl, pop),
+                  order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+_H, _V = 5, 3
+
+
+def _tanh_controller(q, s, reading):
+  size = q * s if reading == "state" else s
+
+  def step_fn(p, h, x, rho):
+    assert rho.shape[-1] == size
+    h = jnp.tanh(jax.nn.one_hot(x, _V, dtype=rho.dtype) @ p["wx"]
+                 + rho @ p["wr"] + h @ p["wh"] + p["b"])
+    acts = rns_stack.split_action_logits(h @ p["wa"] * 4.0, q, s, False)
+    return h, acts, h @ p["wo"]
+
+  return step_fn, size
+
+
+@pytest.mark.parametrize("bottom,reading", [("fixed", "state")])
+def test_run_coupled_equals_plain_scan(x64, bottom, reading):
+  q, s, b, t = 2, 2, 2, 6
+  rng = np.random.default_rng(7)
+  step_fn, size = _tanh_controller(q, s, reading)
+  params = {"wx": rng.normal(size=(_V, _H)), "wr": rng.normal(size=(size, _H)),
+            "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
+            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
+            "wo": rng.normal(size=(_H, _V))}
+  h0 = 0.1 * rng.normal(size=(b, _H))
+  xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
+  c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, q * s))
+
+  def plain(p, h):
+    # Plain autodiff through the log-space transcription, one step at a time.
+    def body(carry, x):
+      h, acts_so_far, j = carry
+      hat, _ = _plain(*[a[:, :] for a in acts_so_far], bottom)
+      rho, _ = rns_stack.readout(lax.dynamic_index_in_dim(hat, j, 1, False),
+                                 reading)
+      h, acts, out = step_fn(p, h, x, rho)
+      acts_so_far = tuple(lax.dynamic_update_index_in_dim(a, n, j, 1)
+                          for a, n in zip(acts_so_far, acts))
+      return (h, acts_so_far, j + 1), out
+    zeros = (jnp.full((b, t, q, s, q, s), -jnp.inf),
+             jnp.full((b, t, q, s, q, s), -jnp.inf),
+             jnp.full((b, t, q, s, q), -jnp.inf))
+    (_, acts, _), outs = lax.scan(body, (h, zeros, 0), xs.swapaxes(0, 1))
+    hat, lm = _plain(*acts, bottom)
+    return outs.swapaxes(0, 1), hat, lm
+
+  def coupled(p, h):
+    return rns_stack.run_coupled(step_fn, p, h, xs, q, s, bottom, reading)
+
+  def loss(fn):
+    def f(p, h):
+      outs, hat, lm = fn(p, h)
+      return (jnp.sum(c1 * outs) + jnp.sum(c2 * rns_stack.readout(hat)[0])
+              + 0.01 * jnp.sum(lm))
+    return f
+
+  for g, w in zip(jax.jit(coupled)(params, h0), jax.jit(plain)(params, h0)):
+    np.testing.assert_allclose(g, w, atol=1e-10)
+  got = jax.jit(jax.grad(loss(coupled), argnums=(0, 1)))(params, h0)
+  want = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(params, h0)
+  for g, w in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------
+# Viterbi.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+@pytest.mark.parametrize("q,s,steps,kind", [(2, 2, 5, "unnorm"),
+                                            (1, 3, 5, "neginf"),
+                                            (2, 2, 4, "huge")])
+def test_viterbi_is_the_best_enumerated_run(x64, bottom, q, s, steps, kind):
+  rng = np.random.default_rng(q + 10 * s + 100 * steps)
+  push, repl, pop = _actions(rng, 2, steps, q, s, kind)
+  for b, (actions, weight) in enumerate(
+      rns_stack.viterbi(push, repl, pop, bottom)):
+    runs = pda_oracle.enumerate_runs(push[b], repl[b], pop[b], bottom)
+    best = max(w for _, w, _ in runs)
+    assert math.isclose(weight, best, rel_tol=1e-12, abs_tol=1e-9)
+    stacks, replayed = rns_stack.replay_run(actions, push[b], repl[b],
+                                            pop[b], bottom)
+    assert math.isclose(replayed, best, rel_tol=1e-12, abs_tol=1e-9)
+    match = [st for acts, _, st in runs if acts == actions]
+    assert match and match[0] == stacks
+
+
+def test_replay_enforces_the_bottom():
+  run = [(1, "replace", 0, 0, 1)]
+  assert rns_stack.replay_run(run, bottom="fixed")[0] == [(0,), (1,)]
+  with pytest.raises(ValueError, match="frozen bottom"):
+    rns_stack.replay_run(run, bottom="frozen")
+  run = [(1, "push", 0, 0, 1), (2, "pop", 0, 0, 1)]
+  assert rns_stack.replay_run(run, bottom="fixed")[0][-1] == (0,)
+  with pytest.raises(ValueError, match="pops below"):
+    rns_stack.replay_run(run, bottom="frozen")
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------
+
+
+def test_bad_input_raises_value_error():
+  push = np.zeros((1, 3, 2, 2, 2, 2), np.float32)
+  pop = np.zeros((1, 3, 2, 2, 2), np.float32)
+  with pytest.raises(ValueError, match="bottom must be"):
+    rns_stack.run(push, push, pop, "sticky")
+  with pytest.raises(ValueError, match="repl must have"):
+    rns_stack.run(push, push[:, :2], pop)
+  with pytest.raises(ValueError, match="pop must be"):
+    rns_stack.run(push, push, pop[..., :1])
+  with pytest.raises(ValueError, match="NaN"):
+    rns_stack.run(push, np.full_like(push, np.nan), pop)
+  with pytest.raises(ValueError, match="float log-weights"):
+    rns_stack.run(push.astype(np.int32), push.astype(np.int32),
+                  pop.astype(np.int32))
+  with pytest.raises(ValueError, match="reading must be"):
+    rns_stack.readout(jnp.zeros((2, 2)), "both")
+  with pytest.raises(ValueError, match="stack_window"):
+    rns_stack.validate_stack_config({"stack_window": -1})
+  with pytest.raises(ValueError, match="truncation_length needs"):
+    rns_stack.validate_stack_config({"truncation_length": 5})
+  with pytest.raises(ValueError, match="stack_normalize"):
+    rns_stack.validate_stack_config({"stack_normalize": "yes"})
