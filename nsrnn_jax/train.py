@@ -64,7 +64,7 @@ DTYPES = ("float32", "float64")
 def _tasks() -> Sequence[str]:
   try:
     from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
-    return tuple(languages.TASKS)
+    return tuple(languages.ALL_TASKS)
   except ImportError:
     return _FALLBACK_TASKS
 
