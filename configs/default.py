@@ -22,8 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Formal language: marked_reversal, unmarked_reversal, padded_reversal, dyck
   # or hardest_cfl (languages.TASKS).
   config.task = "marked_reversal"
-  # Language model: lstm (no stack), jm (Joulin-Mikolov), gref (Grefenstette)
-  # or ns (nondeterministic stack RNN).
+  # Language model: lstm (no stack), jm (Joulin-Mikolov), gref (Grefenstette),
+  # ns (nondeterministic stack RNN) or vrns (vector NS stack, ICLR 2023).
   config.model = "ns"
   # Hidden units of the LSTM controller (paper: 20 for every model).
   config.hidden_size = 20
@@ -37,6 +37,14 @@ def get_config() -> ml_collections.ConfigDict:
   # JM/Gref: the grid searched for m in the paper (documentation; the grid
   # search itself is a launcher over --config.stack_embedding_size).
   config.stack_embedding_size_grid = (2, 20, 40)
+  # VRNS: size m of the vector carried by each stack element.
+  config.stack_vector_size = 3
+  # VRNS: bottom vector v_⊥: learned (sigmoid of a parameter), one or zero.
+  config.stack_bottom_vector = "learned"
+  # VRNS: reproduce the authors' code, which puts v_⊥ in every (state,
+  # symbol) of the initial reading (phantom start configurations); False is
+  # the run-consistent bottom (rns-vrns-reference.md §3.3).
+  config.broadcast_bottom_vector = False
 
   # --- Optimiser --------------------------------------------------------------
   # Initial Adam learning rate (grid value; see learning_rate_grid).

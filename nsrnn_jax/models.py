@@ -58,7 +58,7 @@ import numpy as np
 
 from nsrnn_jax import ns_stack
 
-MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns')
+MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'vrns')  # vrns: vrns_model.py
 
 Params = Mapping[str, Any]
 Carry = tuple[jax.Array, jax.Array]
@@ -632,8 +632,10 @@ def _check_positive_int(name: str, value) -> int:
 
 def get(name: str, vocab_size: int, hidden_size: int = 20,
         num_states: int = 2, num_stack_symbols: int = 2,
-        stack_embedding_size: int = 20, dtype=jnp.float32) -> nn.Module:
-  """Builds one of the four language models.
+        stack_embedding_size: int = 20, dtype=jnp.float32,
+        stack_vector_size: int = 3, stack_bottom_vector: str = 'learned',
+        broadcast_bottom_vector: bool = False) -> nn.Module:
+  """Builds one of the language models.
 
   Args:
     name: one of ``MODEL_NAMES`` ('lstm', 'jm', 'gref', 'ns').
@@ -644,6 +646,10 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     stack_embedding_size: JM/Gref stack vector size M (jm, gref only).
     dtype: parameter and computation dtype (float32 or float64; float64
       needs ``jax_enable_x64``).
+    stack_vector_size: VRNS stack-vector size m (vrns only).
+    stack_bottom_vector: VRNS bottom vector: 'learned', 'one' or 'zero'.
+    broadcast_bottom_vector: VRNS: the authors' broadcast bottom vector
+      (``vrns_stack`` docstring) instead of the run-consistent one.
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -679,6 +685,13 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     return JMLM(stack_embedding_size=stack_embedding_size, **common)
   if name == 'gref':
     return GrefLM(stack_embedding_size=stack_embedding_size, **common)
+  if name == 'vrns':
+    from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
+    return vrns_model.make(
+        num_states=num_states, num_stack_symbols=num_stack_symbols,
+        stack_vector_size=stack_vector_size,
+        stack_bottom_vector=stack_bottom_vector,
+        broadcast_bottom_vector=broadcast_bottom_vector, **common)
   return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
               **common)
 
@@ -715,7 +728,10 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              num_states=field('num_states', 2),
              num_stack_symbols=field('num_stack_symbols', 2),
              stack_embedding_size=field('stack_embedding_size', 20),
-             dtype=field('dtype', jnp.float32))
+             dtype=field('dtype', jnp.float32),
+             stack_vector_size=field('stack_vector_size', 3),
+             stack_bottom_vector=field('stack_bottom_vector', 'learned'),
+             broadcast_bottom_vector=field('broadcast_bottom_vector', False))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from nsrnn_jax import metrics as metrics_lib
 PyTree = Any
 Batch = dict  # {"symbols": int32[B, N], "mask": float32[B, N]}
 
-MODELS = ("lstm", "jm", "gref", "ns")
+MODELS = ("lstm", "jm", "gref", "ns", "vrns")
 # Used only if nsrnn_jax.languages cannot be imported (its TASKS wins).
 _FALLBACK_TASKS = ("marked_reversal", "unmarked_reversal", "padded_reversal",
                    "dyck", "hardest_cfl")
@@ -86,6 +86,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   model = need("model")
   if model not in MODELS:
     fail("model", f"is {model!r}; expected one of {', '.join(MODELS)}")
+  if model == "vrns":
+    from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
+    vrns_model.validate_config(config)
   for field in ("hidden_size", "num_states", "num_stack_symbols",
                 "stack_embedding_size", "batch_size", "num_train_batches",
                 "num_valid_batches", "max_epochs", "test_strings_per_length",

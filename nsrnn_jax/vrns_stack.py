@@ -64,11 +64,12 @@ O(T³).
 Cost per update j: O(B·T²·Q³·S²·m) (pop, over the full square of rows and
 intermediate times) + O(B·T·Q³·S³·m) (replace).
 
-Table layout (I = J = T + 1 times 0..T; entries with i ≥ j stay −inf):
-  log_gamma [B, I, J, Q, S, Q, S]       [b, i, j, q, x, r, y] = log γ[i→j]
-  log_zeta  [B, I, J, Q, S, Q, S, M]    log ζ[i→j][q,x→r,y] (m-vector)
-  log_alpha [B, J, Q, S], log_bottom [B, J, Q, S]              α_j, b_j
-  log_eta   [B, J, Q, S, M], log_bottom_vec [B, J, Q, S, M]    η_j, c_j
+Table layout (I = J = T + 1 times 0..T; entries with i ≥ j stay −inf). The
+scalar and vector weights share one trailing axis of 1 + M components
+(component 0 = the scalar), so one set of contractions updates both:
+  log_table   [B, I, J, Q, S, Q, S, 1+M]  [b, i, j, q, x, r, y] = γ[i→j] | ζ[i→j]
+  log_forward [B, J, Q, S, 1+M]           α_j | η_j
+  log_bottom  [B, J, Q, S, 1+M]           b_j | c_j
 
 Shape legend: B batch, T updates, Q states, S stack symbols (0 = ⊥), M
 stack-vector size m, I/K row (source) times, J column (destination) time,
@@ -127,13 +128,35 @@ def _add(a, b):
 
 
 class VectorStackState(NamedTuple):
-  """The append-only tables of the DP (see the module docstring)."""
-  log_gamma: Array   # [B, I, J, Q, S, Q, S]
-  log_zeta: Array    # [B, I, J, Q, S, Q, S, M]
-  log_alpha: Array   # [B, J, Q, S]
-  log_bottom: Array  # [B, J, Q, S]
-  log_eta: Array     # [B, J, Q, S, M]
-  log_bottom_vec: Array  # [B, J, Q, S, M]
+  """The append-only tables of the DP (see the module docstring).
+
+  The last axis holds 1 + M components: component 0 is the scalar weight
+  (γ, α, b) and components 1..M the vector weight (ζ, η, c), so that one
+  set of contractions updates both.
+  """
+  log_table: Array    # [B, I, J, Q, S, Q, S, 1+M]  γ[i→j] | ζ[i→j]
+  log_forward: Array  # [B, J, Q, S, 1+M]           α_j | η_j
+  log_bottom: Array   # [B, J, Q, S, 1+M]           b_j | c_j
+
+  @property
+  def log_gamma(self):
+    """log γ [B, I, J, Q, S, Q, S]."""
+    return self.log_table[..., 0]
+
+  @property
+  def log_zeta(self):
+    """log ζ [B, I, J, Q, S, Q, S, M]."""
+    return self.log_table[..., 1:]
+
+  @property
+  def log_alpha(self):
+    """log α [B, J, Q, S]."""
+    return self.log_forward[..., 0]
+
+  @property
+  def log_eta(self):
+    """log η [B, J, Q, S, M]."""
+    return self.log_forward[..., 1:]
 
 
 def init_state(log_bottom_vector_BxM, num_steps, num_states, num_symbols,
@@ -141,8 +164,8 @@ def init_state(log_bottom_vector_BxM, num_steps, num_states, num_symbols,
   """Tables for `num_steps` updates with time 0 filled in.
 
   Args:
-    log_bottom_vector_BxM: log v_⊥, [B, M] (or [M], broadcast over B).
-      −inf entries (v_⊥ = 0) are allowed.
+    log_bottom_vector_BxM: log v_⊥, [B, M] (or [M] for batch 1). −inf
+      entries (v_⊥ = 0) are allowed.
     num_steps: T.
     num_states: Q.
     num_symbols: S.
@@ -157,29 +180,23 @@ def init_state(log_bottom_vector_BxM, num_steps, num_states, num_symbols,
   dt = log_v.dtype
   ninf = -jnp.inf
   one_hot_QxS = jnp.full((q, s), ninf, dt).at[0, 0].set(0.0)
-  alpha = jnp.full((b, t1, q, s), ninf, dt).at[:, 0].set(one_hot_QxS)
+  a0 = jnp.broadcast_to(one_hot_QxS[None, :, :, None], (b, q, s, 1))
   if broadcast_bottom:
     c0 = jnp.broadcast_to(log_v[:, None, None, :], (b, q, s, m))
   else:
     c0 = one_hot_QxS[None, :, :, None] + log_v[:, None, None, :]
-  bottom_vec = jnp.full((b, t1, q, s, m), ninf, dt).at[:, 0].set(c0)
+  first = jnp.concatenate([a0, c0], axis=-1)
+  forward = jnp.full((b, t1, q, s, 1 + m), ninf, dt).at[:, 0].set(first)
   return VectorStackState(
-      log_gamma=jnp.full((b, t1, t1, q, s, q, s), ninf, dt),
-      log_zeta=jnp.full((b, t1, t1, q, s, q, s, m), ninf, dt),
-      log_alpha=alpha,
-      log_bottom=alpha,
-      log_eta=bottom_vec,
-      log_bottom_vec=bottom_vec)
+      log_table=jnp.full((b, t1, t1, q, s, q, s, 1 + m), ninf, dt),
+      log_forward=forward, log_bottom=forward)
 
 
 class _Column(NamedTuple):
   """What update j adds: column j of every table."""
-  gamma: Array   # [B, I, Q, S, Q, S]
-  zeta: Array    # [B, I, Q, S, Q, S, M]
-  alpha: Array   # [B, Q, S]
-  bottom: Array  # [B, Q, S]
-  eta: Array     # [B, Q, S, M]
-  bottom_vec: Array  # [B, Q, S, M]
+  table: Array    # [B, I, Q, S, Q, S, 1+M]
+  forward: Array  # [B, Q, S, 1+M]
+  bottom: Array   # [B, Q, S, 1+M]
 
 
 def _column(state, j, push, repl, pop, log_vec):
@@ -190,64 +207,50 @@ def _column(state, j, push, repl, pop, log_vec):
   is −inf for k ≥ j−1, so γ′_j[k] is too, and the new column is masked to
   rows i < j before α_i (i ≥ j) multiplies it.
   """
-  g_prev = state.log_gamma[:, :, j - 1]        # [B,I,Q,S,Q,S] γ[i→j−1]
-  z_prev = state.log_zeta[:, :, j - 1]         # [B,I,Q,S,Q,S,M]
-  # Replace: Σ_{s,z} γ[i→j−1][q,x→s,z] R[s,z,r,y].
-  r_b = repl[:, None, None, None]              # [B,1,1,1,S',Z,R,Y]
-  repl_g = _lse(g_prev[..., None, None] + r_b, (4, 5))
-  repl_z = _lse(z_prev[..., None, None, :] + r_b[..., None], (4, 5))
+  prev = state.log_table[:, :, j - 1]          # [B,I,Q,X,S,Z,C] (C = 1+M)
+  # Replace: Σ_{s,z} γ|ζ[i→j−1][q,x→s,z] R[s,z,r,y].
+  r_b = repl[:, None, None, None, ..., None]   # [B,1,1,1,S,Z,R,Y,1]
+  repl_all = _lse(prev[:, :, :, :, :, :, None, None, :] + r_b, (4, 5))
   # γ′_j[k][t,y,r] = Σ_{s,z} γ[k→j−1][t,y→s,z] O[s,z,r]   [B,K,T,Y,R]
-  gp = _lse(g_prev[..., None] + pop[:, None, None, None], (4, 5))
-  # Pop: Σ_{k,t} γ[i→k][q,x→t,y] γ′_j[k][t,y,r]  -> [B,I,Q,X,R,Y]
-  gp_b = jnp.transpose(gp, (0, 1, 2, 4, 3))[:, None, :, None, None]
-  # gp_b: [B,1,K,1,1,T,R,Y]; table: [B,I,K,Q,X,T,Y] -> [B,I,K,Q,X,T,1,Y]
-  pop_g = _lse(state.log_gamma[:, :, :, :, :, :, None, :] + gp_b, (2, 5))
-  pop_z = _lse(state.log_zeta[:, :, :, :, :, :, None, :, :] + gp_b[..., None],
-               (2, 5))
-  # Bottom rows: b_k[t,y] and c_k[t,y,:] in place of row i.
-  bot_repl = _lse(state.log_bottom[:, j - 1][..., None, None] + repl, (1, 2))
-  botv_repl = _lse(state.log_bottom_vec[:, j - 1][:, :, :, None, None, :]
-                   + repl[..., None], (1, 2))
-  # [B,K,T,Y] + gp [B,K,T,Y,R] -> sum k,t -> [B,Y,R]
+  gp = _lse(prev[..., 0, None] + pop[:, None, None, None], (4, 5))
+  # Pop: Σ_{k,t} γ|ζ[i→k][q,x→t,y] γ′_j[k][t,y,r]   -> [B,I,Q,X,R,Y,C]
+  gp_b = jnp.transpose(gp, (0, 1, 2, 4, 3))[:, None, :, None, None, ...,
+                                             None]  # [B,1,K,1,1,T,R,Y,1]
+  pop_all = _lse(state.log_table[:, :, :, :, :, :, None, :, :] + gp_b, (2, 5))
+  # Bottom rows b_k | c_k in place of row i.
+  bot_repl = _lse(state.log_bottom[:, j - 1][:, :, :, None, None, :]
+                  + repl[..., None], (1, 2))
   bot_pop = jnp.swapaxes(
-      _lse(state.log_bottom[..., None] + gp, (1, 2)), 1, 2)
-  botv_pop = jnp.swapaxes(
-      _lse(state.log_bottom_vec[:, :, :, :, None, :] + gp[..., None], (1, 2)),
+      _lse(state.log_bottom[:, :, :, :, None, :] + gp[..., None], (1, 2)),
       1, 2)
   bottom = _add(bot_repl, bot_pop)
-  bottom_vec = _add(botv_repl, botv_pop)
-  rows = jnp.arange(state.log_gamma.shape[1])
-  is_push = (rows == j - 1)[None, :, None, None, None, None]
-  below = (rows < j - 1)[None, :, None, None, None, None]
-  ninf = jnp.array(-jnp.inf, g_prev.dtype)
-  gamma = jnp.where(is_push, push[:, None],
-                    jnp.where(below, _add(repl_g, pop_g), ninf))
-  pushed_z = push[:, None, ..., None] + log_vec[:, None, None, None, None,
-                                                None, :]
-  zeta = jnp.where(is_push[..., None], pushed_z,
-                   jnp.where(below[..., None], _add(repl_z, pop_z), ninf))
-  # α_j = b_j + Σ_{i,q,x} α_i[q,x] γ[i→j][q,x,r,y]; η_j likewise with ζ.
-  a_b = state.log_alpha[..., None, None]       # [B,I,Q,X,1,1]
-  alpha = _add(bottom, _lse(a_b + gamma, (1, 2, 3)))
-  eta = _add(bottom_vec, _lse(a_b[..., None] + zeta, (1, 2, 3)))
-  return _Column(gamma, zeta, alpha, bottom, eta, bottom_vec)
+  rows = jnp.arange(state.log_table.shape[1])
+  shape = (1, -1, 1, 1, 1, 1, 1)
+  is_push = (rows == j - 1).reshape(shape)
+  below = (rows < j - 1).reshape(shape)
+  log_vec1 = jnp.concatenate([jnp.zeros_like(log_vec[:, :1]), log_vec], -1)
+  pushed = push[:, None, ..., None] + log_vec1[:, None, None, None, None,
+                                               None, :]
+  ninf = jnp.array(-jnp.inf, prev.dtype)
+  table = jnp.where(is_push, pushed,
+                    jnp.where(below, _add(repl_all, pop_all), ninf))
+  # α_j | η_j = b_j | c_j + Σ_{i,q,x} α_i[q,x] γ|ζ[i→j][q,x,r,y].
+  a_b = state.log_forward[..., 0][..., None, None, None]  # [B,I,Q,X,1,1,1]
+  forward = _add(bottom, _lse(a_b + table, (1, 2, 3)))
+  return _Column(table, forward, bottom)
 
 
 def _write(state, j, col):
   return VectorStackState(
-      log_gamma=state.log_gamma.at[:, :, j].set(col.gamma),
-      log_zeta=state.log_zeta.at[:, :, j].set(col.zeta),
-      log_alpha=state.log_alpha.at[:, j].set(col.alpha),
-      log_bottom=state.log_bottom.at[:, j].set(col.bottom),
-      log_eta=state.log_eta.at[:, j].set(col.eta),
-      log_bottom_vec=state.log_bottom_vec.at[:, j].set(col.bottom_vec))
+      log_table=state.log_table.at[:, :, j].set(col.table),
+      log_forward=state.log_forward.at[:, j].set(col.forward),
+      log_bottom=state.log_bottom.at[:, j].set(col.bottom))
 
 
 def _read_column(state, j):
   """Column j of every table (the cotangent of update j's outputs)."""
-  return _Column(state.log_gamma[:, :, j], state.log_zeta[:, :, j],
-                 state.log_alpha[:, j], state.log_bottom[:, j],
-                 state.log_eta[:, j], state.log_bottom_vec[:, j])
+  return _Column(state.log_table[:, :, j], state.log_forward[:, j],
+                 state.log_bottom[:, j])
 
 
 def step(state, j, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
@@ -375,15 +378,12 @@ def _coupled_bwd(step_fn, res, cts):
       reverse=True)
   # Only time 0 of the initial tables reaches the result (later columns are
   # overwritten), so only its cotangent flows back (to v_⊥).
-  times = jnp.arange(final.log_alpha.shape[1])
+  times = jnp.arange(final.log_forward.shape[1]) == 0
+  keep = times.reshape((1, -1, 1, 1, 1))
   init_ct = VectorStackState(
-      log_gamma=jnp.zeros_like(state_ct.log_gamma),
-      log_zeta=jnp.zeros_like(state_ct.log_zeta),
-      **{name: jnp.where(
-          (times == 0).reshape((1, -1) + (1,) * (getattr(state_ct, name).ndim
-                                                 - 2)),
-          getattr(state_ct, name), 0.0)
-         for name in ("log_alpha", "log_bottom", "log_eta", "log_bottom_vec")})
+      log_table=jnp.zeros_like(state_ct.log_table),
+      log_forward=jnp.where(keep, state_ct.log_forward, 0.0),
+      log_bottom=jnp.where(keep, state_ct.log_bottom, 0.0))
   it_f = iter(xf_cts)
   xs_ct = treedef.unflatten([
       next(it_f) if fl else np.zeros(l.shape, jax.dtypes.float0)
