@@ -175,6 +175,13 @@ class UniformTask:
     # Geometric content length: P(n) = (1 - p) p^(n-1), n >= 1.
     self._continue = 1.0 - 1.0 / self.mean_content_length
 
+  @property
+  def normal_grammar(self):
+    """Not available: these languages are not context-free."""
+    raise ValueError(f"task {self.name!r} is not context-free and has no "
+                     "grammar (e.g. for inspection's true next-symbol "
+                     "distributions)")
+
   # -- lengths ----------------------------------------------------------------
 
   def content_length(self, length: int) -> Optional[int]:

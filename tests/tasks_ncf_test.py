@@ -228,6 +228,8 @@ def test_bad_parameters_give_one_line_errors():
     lang.log_prob_batch(np.array([[0, 3, 0]]))
   assert lang.log_prob(lang.encode("0#1")) == -np.inf
   assert lang.log_prob(lang.encode("###")) == -np.inf  # # is not content
+  with pytest.raises(ValueError, match="not context-free"):
+    lang.normal_grammar  # pylint: disable=pointless-statement
 
 
 def test_registry():
