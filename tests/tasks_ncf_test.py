@@ -245,7 +245,7 @@ def test_registry():
 def _config_names():
   names = [f"{t}_{m}" for t in tasks_ncf.NCF_TASKS for m in ("lstm", "jm")]
   names += [f"capacity_{f}_{m}" for f in tasks_ncf.CAPACITY_FAMILIES
-            for m in ("lstm", "jm")]
+            for m in ("lstm", "jm", "vrns")]
   return names
 
 
