@@ -23,7 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   # or hardest_cfl (languages.TASKS).
   config.task = "marked_reversal"
   # Language model: lstm (no stack), jm (Joulin-Mikolov), gref (Grefenstette),
-  # ns (nondeterministic stack RNN) or rns (renormalising NS-RNN + variants).
+  # ns (nondeterministic stack RNN), rns (renormalising NS-RNN + variants) or
+  # vrns (vector NS stack, ICLR 2023).
   config.model = "ns"
   # Hidden units of the LSTM controller (paper: 20 for every model).
   config.hidden_size = 20
@@ -54,6 +55,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Truncated BPTT chunk length in controller steps for a limited stack (0 =
   # no truncation); state crosses chunk boundaries, gradients do not.
   config.truncation_length = 0
+  # VRNS: size m of the vector carried by each stack element.
+  config.stack_vector_size = 3
+  # VRNS: bottom vector v_⊥: learned (sigmoid of a parameter), one or zero.
+  config.stack_bottom_vector = "learned"
+  # VRNS: reproduce the authors' code, which puts v_⊥ in every (state,
+  # symbol) of the initial reading (phantom start configurations); False is
+  # the run-consistent bottom (rns-vrns-reference.md §3.3).
+  config.broadcast_bottom_vector = False
 
   # --- Optimiser --------------------------------------------------------------
   # Initial Adam learning rate (grid value; see learning_rate_grid).

@@ -202,7 +202,7 @@ def make_splits(task: str, *, seed: int, test_seed: int = 0,
   """Builds the train/valid/test splits of a task in memory.
 
   Args:
-    task: one of `languages.TASKS`.
+    task: one of `languages.ALL_TASKS`.
     seed: seed of the train/valid generator.
     test_seed: seed of the test generator (0 in the paper).
     train_batches: number of training batches.
@@ -425,7 +425,7 @@ def _main(argv: Sequence[str]) -> None:
 
 def _define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_enum("task", None, list(languages.TASKS), "Task name.")
+  flags.DEFINE_enum("task", None, list(languages.ALL_TASKS), "Task name.")
   flags.DEFINE_string("out", None, "Output directory.")
   flags.DEFINE_integer("seed", 1, "Seed of the train/valid generator.")
   flags.DEFINE_integer("test_seed", 0, "Seed of the test generator.")

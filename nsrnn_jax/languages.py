@@ -38,9 +38,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from nsrnn_jax import pcfg
+from nsrnn_jax import tasks_ncf
 
 TASKS = ("marked_reversal", "unmarked_reversal", "padded_reversal", "dyck",
          "hardest_cfl")
+# The CoNLL 2020 tasks plus the later papers' tasks (`nsrnn_jax.tasks_ncf`:
+# non-context-free tasks, alphabet-size variants `<family>_k<K>`).
+ALL_TASKS = TASKS + tasks_ncf.TASKS
 
 _f = pcfg.mean_to_continue_prob
 
@@ -233,16 +237,24 @@ def get(name: str, *, preserve_start: bool = False) -> Language:
   """The task called `name` (cached; tables grow lazily).
 
   Args:
-    name: one of `TASKS`.
+    name: one of `ALL_TASKS` (or `<family>_k<K>`, see `tasks_ncf`).
     preserve_start: distribution-preserving epsilon/unary removal instead of
       the authors' (default) behaviour.
 
+  Returns:
+    A `Language`, or a `tasks_ncf.UniformTask` (same interface) for the
+    non-context-free tasks.
+
   Raises:
-    ValueError: for an unknown name (the message lists the valid tasks).
+    ValueError: for an unknown name (the message lists the valid tasks) or
+      bad task parameters (e.g. an alphabet size < 2).
   """
   if name not in _SPECS:
+    later = tasks_ncf.get(name, preserve_start=preserve_start)
+    if later is not None:
+      return later
     raise ValueError(f"unknown task {name!r}; valid tasks are: "
-                     f"{', '.join(TASKS)}")
+                     f"{', '.join(ALL_TASKS)}")
   alphabet, make_grammar = _SPECS[name]
   return Language(name, alphabet, make_grammar(),
                   preserve_start=preserve_start)

@@ -60,7 +60,7 @@ from nsrnn_jax import limited_stack
 from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
 
-MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns')
+MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
 
 Params = Mapping[str, Any]
 Carry = tuple[jax.Array, jax.Array]
@@ -759,7 +759,9 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         matmul_precision: str = 'highest',
         stack_normalize: bool = False, stack_reading: str = 'state',
         stack_bottom: str = 'fixed', stack_window: int = 0,
-        truncation_length: int = 0) -> nn.Module:
+        truncation_length: int = 0,
+        stack_vector_size: int = 3, stack_bottom_vector: str = 'learned',
+        broadcast_bottom_vector: bool = False) -> nn.Module:
   """Builds one of the language models.
 
   Args:
@@ -776,6 +778,10 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
       needs ``jax_enable_x64``).
     matmul_precision: precision of every matmul (``ns_stack.MATMUL_PRECISIONS``;
       'highest' = full float32 on GPUs / TPUs as on CPUs).
+    stack_vector_size: VRNS stack-vector size m (vrns only).
+    stack_bottom_vector: VRNS bottom vector: 'learned', 'one' or 'zero'.
+    broadcast_bottom_vector: VRNS: the authors' broadcast bottom vector
+      (``vrns_stack`` docstring) instead of the run-consistent one.
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -821,6 +827,13 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
                  normalize=bool(stack_normalize), reading=stack_reading,
                  bottom=stack_bottom, window=int(stack_window),
                  truncation_length=int(truncation_length), **common)
+  if name == 'vrns':
+    from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
+    return vrns_model.make(
+        num_states=num_states, num_stack_symbols=num_stack_symbols,
+        stack_vector_size=stack_vector_size,
+        stack_bottom_vector=stack_bottom_vector,
+        broadcast_bottom_vector=broadcast_bottom_vector, **common)
   return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
               **common)
 
@@ -863,7 +876,10 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              stack_reading=field('stack_reading', 'state'),
              stack_bottom=field('stack_bottom', 'fixed'),
              stack_window=field('stack_window', 0),
-             truncation_length=field('truncation_length', 0))
+             truncation_length=field('truncation_length', 0),
+             stack_vector_size=field('stack_vector_size', 3),
+             stack_bottom_vector=field('stack_bottom_vector', 'learned'),
+             broadcast_bottom_vector=field('broadcast_bottom_vector', False))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from nsrnn_jax import parallel
 PyTree = Any
 Batch = dict  # {"symbols": int32[B, N], "mask": float32[B, N]}
 
-MODELS = ("lstm", "jm", "gref", "ns", "rns")
+MODELS = ("lstm", "jm", "gref", "ns", "rns", "vrns")
 COMPILE_STRATEGIES = ("per_length", "bucket")
 DTYPES = ("float32", "float64")
 
@@ -59,6 +59,7 @@ DTYPES = ("float32", "float64")
 # ---------------------------------------------------------------------------
 
 
+MODELS = ("lstm", "jm", "gref", "ns", "rns", "vrns")
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Checks a config; raises a one-line ValueError naming the bad field."""
 
@@ -76,6 +77,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   model = need("model")
   if model not in MODELS:
     fail("model", f"is {model!r}; expected one of {', '.join(MODELS)}")
+  if model == "vrns":
+    from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
+    vrns_model.validate_config(config)
   for field in ("hidden_size", "num_states", "num_stack_symbols",
                 "stack_embedding_size", "batch_size", "num_train_batches",
                 "num_valid_batches", "max_epochs", "test_strings_per_length",

@@ -1,0 +1,31 @@
+"""Unmarked copy with different alphabets (ww'), JM-10: the ICLR 2023 non-context-free task.
+
+Run (one of the 10 random-LR runs of the protocol):
+
+  python -m nsrnn_jax.main --config=configs/unmarked_copy_different_alphabets_jm.py --workdir=runs/unmarked_copy_different_alphabets_jm
+
+Protocol (DuSell & Chiang 2023; rns-vrns-reference.md §4.3): LR drawn
+log-uniformly from [5e-4, 1e-2] per run (--config.learning_rate), 10 runs,
+the best by validation CE difference is reported; everything else as in
+configs/default.py. The authors also append and predict EOS, which this
+config does not (without EOS the CE difference can be slightly negative).
+
+Expected: not yet measured.
+"""
+
+from configs import default
+
+
+def get_config():
+  """Returns the unmarked_copy_different_alphabets x jm configuration."""
+  config = default.get_config()
+  config.task = "unmarked_copy_different_alphabets"
+  config.model = "jm"
+  # JM-10 of the paper (one stack, m = 10).
+  config.stack_embedding_size = 10
+  config.learning_rate = 0.005  # one draw; see the protocol above
+  # Baselines compile in seconds and step in milliseconds: padding to
+  # length buckets (exact masking) saves ~4x compile time for <10% more
+  # step time (benchmarks/train_step.py --compile_study).
+  config.compile_strategy = "bucket"
+  return config

@@ -1,0 +1,198 @@
+"""The VRNS-RNN language model: an LSTM controller with the vector NS stack.
+
+`models.get('vrns', ...)` / `models.build(config)` with `config.model =
+'vrns'` build `VRNSLM`. Controller interface as the other models
+(`nsrnn_jax.models` docstring: no BOS/EOS, h_0 = 0, update t uses actions
+from h_t, one update per controller step) with the later papers' stack
+(rns-vrns-reference.md §3):
+
+  * action log-weights: the raw affine output W_a h_t + b_a (unnormalised,
+    no softmax), rows q·S + x, columns [push r·S+y | replace | pop r];
+  * pushed vector v_t = σ(W_v h_t + b_v) ∈ (0, 1)^M;
+  * bottom vector v_⊥: 'learned' (σ(b_⊥), b_⊥ ~ U[−0.1, 0.1], the authors'
+    effective initialisation), 'one' (all ones) or 'zero' (all zeros);
+  * reading ρ_t (Q·S·M, order (r, y, k)) fed with x_{t+1}; ρ_0 is
+    e_{0,⊥} ⊗ v_⊥ (or v_⊥ everywhere with the broadcast bottom).
+
+Parameters: controller, output, action (H x Q·S·(2QS+Q)), push_vector
+(H x M), and bottom_vector [M] when learned; all stack layers U[−0.1, 0.1].
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nsrnn_jax import models
+from nsrnn_jax import vrns_stack
+
+BOTTOM_VECTORS = ("learned", "one", "zero")
+
+
+def vrns_action_log_weights(action_params, h_BxH, num_states, num_symbols):
+  """Unnormalised log-weights (push, repl, pop) from the hidden state."""
+  q, s = num_states, num_symbols
+  logits = models.affine(action_params, h_BxH).reshape(-1, q * s,
+                                                       2 * q * s + q)
+  b = logits.shape[0]
+  push = logits[..., :q * s].reshape(b, q, s, q, s)
+  repl = logits[..., q * s:2 * q * s].reshape(b, q, s, q, s)
+  pop = logits[..., 2 * q * s:].reshape(b, q, s, q)
+  return push, repl, pop
+
+
+def vrns_controller_step(params, carry, x_B, reading_BxR, *, vocab_size,
+                         num_states, num_symbols):
+  """`step_fn` of `vrns_stack.run_coupled` (pure; params passed in).
+
+  Returns:
+    (carry_t, (push, repl, pop, log_vector), h_t).
+  """
+  x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxR.dtype)
+  carry, h_BxH = models.lstm_step(
+      params['controller'], carry, jnp.concatenate([x_BxV, reading_BxR], -1))
+  push, repl, pop = vrns_action_log_weights(params['action'], h_BxH,
+                                            num_states, num_symbols)
+  log_vec = jax.nn.log_sigmoid(models.affine(params['push_vector'], h_BxH))
+  return carry, (push, repl, pop, log_vec), h_BxH
+
+
+def log_bottom_vector(params, kind: str, size: int, dtype):
+  """log v_⊥ [M] for a bottom-vector option."""
+  if kind == 'learned':
+    return jax.nn.log_sigmoid(params['bottom_vector'])
+  if kind == 'one':
+    return jnp.zeros((size,), dtype)
+  return jnp.full((size,), -jnp.inf, dtype)
+
+
+class VRNSLM(models.LanguageModel):
+  """LSTM + vector nondeterministic stack (`vrns_stack`).
+
+  `trace` adds `actions` (weights exp(log-weight): `push`, `repl` [B, T, Q,
+  S, Q, S], `pop` [B, T, Q, S, Q]), `push_vectors` [B, T, M], `readings`
+  [B, N, Q, S, M] (ρ_0 .. ρ_T), `log_mass` [B, N] and `bottom_vector` [M].
+  """
+
+  num_states: int = 2
+  num_stack_symbols: int = 3
+  stack_vector_size: int = 3
+  stack_bottom_vector: str = 'learned'
+  broadcast_bottom_vector: bool = False
+
+  def _reading_size(self) -> int:
+    return self.num_states * self.num_stack_symbols * self.stack_vector_size
+
+  def _stack_params(self):
+    out = {'action': self.action(), 'push_vector': self.push_vector()}
+    if self.stack_bottom_vector == 'learned':
+      out['bottom_vector'] = self.bottom_vector
+    return out
+
+  def setup(self):
+    super().setup()
+    q, s = self.num_states, self.num_stack_symbols
+    self.action = models.AffineParams(
+        self.hidden_size, q * s * (2 * q * s + q), models.uniform_init(),
+        models.uniform_init(), dtype=self.dtype)
+    self.push_vector = models.AffineParams(
+        self.hidden_size, self.stack_vector_size, models.uniform_init(),
+        models.uniform_init(), dtype=self.dtype)
+    if self.stack_bottom_vector == 'learned':
+      # b_⊥ ~ U[−0.1, 0.1]: the authors' trainer re-initialises it so.
+      self.bottom_vector = self.param(
+          'bottom_vector', models.uniform_init(), (self.stack_vector_size,),
+          self.dtype)
+
+  def _log_bottom(self, params):
+    return log_bottom_vector(params, self.stack_bottom_vector,
+                             self.stack_vector_size, self.dtype)
+
+  def _no_step_internals(self, batch):
+    q, s, m, dt = (self.num_states, self.num_stack_symbols,
+                   self.stack_vector_size, self.dtype)
+    params = self._params()
+    state = vrns_stack.init_state(
+        jnp.broadcast_to(self._log_bottom(params), (batch, m)), 0, q, s,
+        self.broadcast_bottom_vector)
+    rho, log_mass = vrns_stack.readings(state)
+    return {'actions': {'push': jnp.zeros((batch, 0, q, s, q, s), dt),
+                        'repl': jnp.zeros((batch, 0, q, s, q, s), dt),
+                        'pop': jnp.zeros((batch, 0, q, s, q), dt)},
+            'push_vectors': jnp.zeros((batch, 0, m), dt),
+            'readings': rho, 'log_mass': log_mass,
+            'bottom_vector': jnp.exp(self._log_bottom(params))}
+
+  def _run(self, params, inputs_BxT):
+    batch = inputs_BxT.shape[0]
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    step_fn = functools.partial(
+        vrns_controller_step, vocab_size=self.vocab_size,
+        num_states=self.num_states, num_symbols=self.num_stack_symbols)
+    step_params = {'controller': params['controller'],
+                   'action': params['action'],
+                   'push_vector': params['push_vector']}
+    log_bottom = self._log_bottom(params)
+    h_BxTxH, rho, log_mass = vrns_stack.run_coupled(
+        step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
+        jnp.broadcast_to(log_bottom, (batch, self.stack_vector_size)),
+        self.num_states, self.num_stack_symbols,
+        self.broadcast_bottom_vector)
+    push, repl, pop = jax.vmap(
+        lambda h: vrns_action_log_weights(params['action'], h,
+                                          self.num_states,
+                                          self.num_stack_symbols),
+        in_axes=1, out_axes=1)(h_BxTxH)
+    vectors = jax.nn.sigmoid(models.affine(params['push_vector'], h_BxTxH))
+    return h_BxTxH, {
+        'actions': {'push': jnp.exp(push), 'repl': jnp.exp(repl),
+                    'pop': jnp.exp(pop)},
+        'push_vectors': vectors, 'readings': rho, 'log_mass': log_mass,
+        'bottom_vector': jnp.exp(log_bottom)}
+
+
+def check_options(stack_vector_size, stack_bottom_vector,
+                  broadcast_bottom_vector, prefix: str = '') -> None:
+  """One-line ValueErrors for bad VRNS options (`prefix` names the fields)."""
+  m = stack_vector_size
+  if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+    raise ValueError(f'{prefix}stack_vector_size must be an integer >= 1 '
+                     f'(got {m!r})')
+  if stack_bottom_vector not in BOTTOM_VECTORS:
+    raise ValueError(f'{prefix}stack_bottom_vector is '
+                     f'{stack_bottom_vector!r}; expected one of '
+                     f'{", ".join(BOTTOM_VECTORS)}')
+  if not isinstance(broadcast_bottom_vector, (bool, np.bool_)):
+    raise ValueError(f'{prefix}broadcast_bottom_vector must be a bool (got '
+                     f'{broadcast_bottom_vector!r})')
+
+
+def validate_config(config) -> None:
+  """Checks a config's VRNS fields (only when config.model == 'vrns')."""
+  if config.get('model') != 'vrns':
+    return
+  for field in ('stack_vector_size', 'stack_bottom_vector',
+                'broadcast_bottom_vector'):
+    if field not in config:
+      raise ValueError(f'config.{field} is missing (start from '
+                       'configs/default.py)')
+  check_options(config.stack_vector_size, config.stack_bottom_vector,
+                config.broadcast_bottom_vector, prefix='config.')
+
+
+def make(vocab_size: int, hidden_size: int, num_states: int,
+         num_stack_symbols: int, stack_vector_size: int = 3,
+         stack_bottom_vector: str = 'learned',
+         broadcast_bottom_vector: bool = False, dtype: Any = jnp.float32,
+         matmul_precision: str = 'highest'):
+  """A validated `VRNSLM` (called by `models.get`)."""
+  check_options(stack_vector_size, stack_bottom_vector,
+                broadcast_bottom_vector)
+  return VRNSLM(vocab_size=vocab_size, hidden_size=hidden_size,
+                num_states=num_states, num_stack_symbols=num_stack_symbols,
+                stack_vector_size=int(stack_vector_size),
+                stack_bottom_vector=stack_bottom_vector,
+                broadcast_bottom_vector=bool(broadcast_bottom_vector),
+                dtype=dtype, matmul_precision=matmul_precision)

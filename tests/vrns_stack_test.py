@@ -1,0 +1,281 @@
+"""Tests for nsrnn_jax.vrns_stack against explicit PDA runs (float64)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from nsrnn_jax import vrns_stack
+
+try:  # tests/ as a package (rootdir on sys.path) or as a plain directory.
+  from tests import vrns_oracle  # pylint: disable=g-import-not-at-top
+except ImportError:
+  import vrns_oracle  # pylint: disable=g-import-not-at-top
+
+
+# One compiled function per input shape and flag, shared by the tests.
+_run = jax.jit(vrns_stack.run, static_argnames="broadcast_bottom")
+
+
+@pytest.fixture
+def x64():
+  with jax.enable_x64(True):
+    yield
+
+
+def _log_sigmoid(x):
+  return -np.log1p(np.exp(-x))
+
+
+def _random_inputs(rng, b, t, q, s, m, scale=2.0, neg_inf=True):
+  push = rng.normal(size=(b, t, q, s, q, s)) * scale
+  repl = rng.normal(size=(b, t, q, s, q, s)) * scale
+  pop = rng.normal(size=(b, t, q, s, q)) * scale
+  if neg_inf:  # impossible actions, including a whole update's pops
+    push[0, 0, 0, 0, -1, -1] = -np.inf
+    repl[-1, t // 2, 0, 0] = -np.inf
+    pop[0, -1] = -np.inf
+  log_vectors = _log_sigmoid(rng.normal(size=(b, t, m)))
+  log_bottom = _log_sigmoid(rng.normal(size=(b, m)))
+  return push, repl, pop, log_vectors, log_bottom
+
+
+def _oracle(push, repl, pop, log_vectors, log_bottom, broadcast):
+  return vrns_oracle.vector_readings(np.exp(push), np.exp(repl), np.exp(pop),
+                                     np.exp(log_vectors), np.exp(log_bottom),
+                                     broadcast)
+
+
+@pytest.mark.parametrize("q,s,m,t,broadcast", [
+    (2, 2, 3, 4, False), (2, 2, 3, 4, True), (1, 3, 2, 5, False),
+    (3, 2, 1, 4, True), (2, 3, 2, 3, False)])
+def test_matches_explicit_runs(x64, q, s, m, t, broadcast):
+  rng = np.random.default_rng(q * 100 + s * 10 + t)
+  inputs = _random_inputs(rng, 2, t, q, s, m)
+  rho, log_mass = _run(*inputs, broadcast_bottom=broadcast)
+  assert rho.shape == (2, t + 1, q, s, m) and log_mass.shape == (2, t + 1)
+  for b in range(2):
+    want, want_mass = _oracle(*(x[b] for x in inputs), broadcast)
+    np.testing.assert_allclose(rho[b], want, rtol=1e-11, atol=1e-14)
+    np.testing.assert_allclose(log_mass[b], want_mass, rtol=1e-11, atol=1e-12)
+
+
+def test_masked_bottom_is_an_expectation(x64):
+  # Run-consistent readings are a convex combination of vectors: with all
+  # vectors equal to one, the m components are the state readings and sum
+  # to one; the authors' broadcast adds phantom starts, so it exceeds one.
+  rng = np.random.default_rng(2)
+  push, repl, pop, _, _ = _random_inputs(rng, 1, 4, 2, 2, 1, neg_inf=False)
+  ones_v, ones_b = np.zeros((1, 4, 1)), np.zeros((1, 1))
+  rho, _ = _run(push, repl, pop, ones_v, ones_b)
+  np.testing.assert_allclose(rho.sum((2, 3, 4)), 1.0, rtol=1e-12)
+  rho_b, _ = _run(push, repl, pop, ones_v, ones_b, broadcast_bottom=True)
+  assert np.all(rho_b.sum((2, 3, 4))[:, 1:] > 1.0 + 1e-6)
+  np.testing.assert_allclose(rho_b[0, 0, :, :, 0], 1.0)  # v_⊥ everywhere
+
+
+@pytest.mark.parametrize("t", [3, 5])
+def test_m1_constant_vectors_reduce_to_rns_state_readings(x64, t):
+  rng = np.random.default_rng(t)
+  push, repl, pop, _, _ = _random_inputs(rng, 1, t, 2, 3, 1, neg_inf=False)
+  rho, _ = _run(push, repl, pop, np.zeros((1, t, 1)), np.zeros((1, 1)))
+  want = vrns_oracle.state_readings(np.exp(push[0]), np.exp(repl[0]),
+                                    np.exp(pop[0]))
+  np.testing.assert_allclose(rho[0, ..., 0], want, rtol=1e-11, atol=1e-14)
+  # Update 1 of the bottom fix: push or replace ⊥ (not push-only).
+  p, r = np.exp(push[0, 0, 0, 0]), np.exp(repl[0, 0, 0, 0])
+  np.testing.assert_allclose(rho[0, 1, ..., 0], (p + r) / (p + r).sum(),
+                             rtol=1e-12)
+
+
+def _worked_example(dtype):
+  push, repl, pop, log_vectors, bottom_param = (
+      vrns_oracle.worked_example_inputs())
+  log_bottom = _log_sigmoid(bottom_param)
+  args = [jnp.asarray(x[None], dtype) for x in (push, repl, pop, log_vectors)]
+  return args, jnp.asarray(log_bottom, dtype), (push, repl, pop, log_vectors,
+                                                 log_bottom)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_worked_example_float64_and_float32(broadcast):
+  with jax.enable_x64(True):
+    args, log_bottom, raw = _worked_example(jnp.float64)
+    want, want_mass = _oracle(*raw, broadcast)
+    rho, log_mass = _run(*args, log_bottom, broadcast_bottom=broadcast)
+    np.testing.assert_allclose(rho[0], want, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(log_mass[0], want_mass, rtol=1e-12)
+  args, log_bottom, _ = _worked_example(jnp.float32)
+  rho32, log_mass32 = _run(*args, log_bottom, broadcast_bottom=broadcast)
+  assert rho32.dtype == jnp.float32
+  np.testing.assert_allclose(rho32[0], want, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(log_mass32[0], want_mass, rtol=2e-5, atol=1e-5)
+
+
+def test_invariant_to_a_constant_per_update(x64):
+  rng = np.random.default_rng(4)
+  push, repl, pop, lv, lb = _random_inputs(rng, 1, 5, 2, 2, 2)
+  rho, log_mass = _run(push, repl, pop, lv, lb)
+  shift = np.array([0.0, 30.0, -25.0, 7.0, 100.0])[None, :]
+  rho2, log_mass2 = _run(
+      push + shift[..., None, None, None, None],
+      repl + shift[..., None, None, None, None],
+      pop + shift[..., None, None, None], lv, lb)
+  np.testing.assert_allclose(rho2, rho, rtol=1e-11, atol=1e-14)
+  np.testing.assert_allclose(log_mass2 - log_mass,
+                             np.concatenate([[0], np.cumsum(shift[0])])[None],
+                             rtol=1e-11, atol=1e-9)
+
+
+def test_large_unnormalised_weights_float32_match_float64():
+  rng = np.random.default_rng(5)
+  t = 30
+  push, repl, pop, lv, lb = _random_inputs(rng, 1, t, 2, 2, 2, scale=10.0)
+  push, repl, pop = push + 50, repl + 50, pop + 50
+  with jax.enable_x64(True):
+    rho64, mass64 = _run(push, repl, pop, lv, lb)
+    rho64, mass64 = np.asarray(rho64), np.asarray(mass64)
+  args = [jnp.asarray(x, jnp.float32) for x in (push, repl, pop, lv, lb)]
+  rho32, mass32 = _run(*args)
+  assert np.all(np.isfinite(rho32)) and np.all(np.isfinite(mass32))
+  assert mass64[0, -1] > 1500  # far beyond float32's exp range
+  np.testing.assert_allclose(rho32, rho64, atol=2e-4)
+  np.testing.assert_allclose(mass32, mass64, rtol=1e-5)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(vrns_stack.run(*a)[0] ** 2),
+                           argnums=(0, 1, 2, 3, 4)))(*args)
+  assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+def _loss(fn, weights, broadcast):
+  w_rho, w_mass = weights
+
+  def f(*args):
+    rho, log_mass = fn(*args, broadcast_bottom=broadcast)
+    return jnp.sum(rho * w_rho) + jnp.sum(log_mass * w_mass)
+  return f
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_gradients_equal_autodiff_and_finite_differences(x64, broadcast):
+  rng = np.random.default_rng(6)
+  b, t, q, s, m = 2, 4, 2, 2, 2
+  inputs = _random_inputs(rng, b, t, q, s, m)
+  weights = (rng.normal(size=(b, t + 1, q, s, m)),
+             rng.normal(size=(b, t + 1)))
+  argnums = tuple(range(5))
+  f = jax.jit(_loss(vrns_stack.run, weights, broadcast))
+  grad_f = jax.jit(jax.grad(f, argnums))
+  got = grad_f(*inputs)
+  want = jax.jit(jax.grad(_loss(vrns_stack.run_autodiff, weights, broadcast),
+                          argnums))(*inputs)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+  # −inf inputs get zero gradient.
+  assert got[0][0, 0, 0, 0, -1, -1] == 0 and np.all(got[2][0, -1] == 0)
+  # Central finite differences on finite inputs, in random directions.
+  finite = _random_inputs(rng, b, t, q, s, m, neg_inf=False)
+  grads = grad_f(*finite)
+  for _ in range(2):
+    dirs = [rng.normal(size=x.shape) for x in finite]
+    eps = 1e-5
+    plus = f(*[x + eps * d for x, d in zip(finite, dirs)])
+    minus = f(*[x - eps * d for x, d in zip(finite, dirs)])
+    fd = (plus - minus) / (2 * eps)
+    analytic = sum(np.sum(g * d) for g, d in zip(grads, dirs))
+    np.testing.assert_allclose(fd, analytic, rtol=1e-6)
+
+
+def _toy_controller(params, carry, x_t, reading):
+  """A tiny differentiable controller: actions depend on the reading."""
+  h = jnp.tanh(carry @ params["w_h"] + reading @ params["w_r"] + x_t)
+  q, s, m = 2, 2, 2
+  n = q * s * q * s
+  push = (h @ params["a"][:, :n]).reshape(-1, q, s, q, s)
+  repl = (h @ params["a"][:, n:2 * n]).reshape(-1, q, s, q, s)
+  pop = (h @ params["a"][:, 2 * n:2 * n + q * s * q]).reshape(-1, q, s, q)
+  log_vec = jax.nn.log_sigmoid(h @ params["v"])
+  del m
+  return h, (push, repl, pop, log_vec), h.sum(-1)
+
+
+def _coupled_autodiff(params, carry, xs, log_bottom):
+  b, t = xs.shape[:2]
+  state = vrns_stack.init_state(jnp.broadcast_to(log_bottom, (b, 2)), t, 2, 2)
+
+  def body(c, inp):
+    cy, st = c
+    j, x_t = inp
+    reading, _ = vrns_stack.readings(st, j - 1)
+    cy, acts, out = _toy_controller(params, cy, x_t, reading)
+    return (cy, vrns_stack.step(st, j, *acts)), out
+
+  (_, state), outs = lax.scan(body, (carry, state),
+                              (jnp.arange(1, t + 1), jnp.swapaxes(xs, 0, 1)))
+  rho, log_mass = vrns_stack.readings(state)
+  return jnp.swapaxes(outs, 0, 1), rho, log_mass
+
+
+def test_run_coupled_equals_plain_autodiff(x64):
+  rng = np.random.default_rng(7)
+  h, b, t = 3, 2, 5
+  params = {"w_h": rng.normal(size=(h, h)), "w_r": rng.normal(size=(8, h)),
+            "a": rng.normal(size=(h, 40)) * 2, "v": rng.normal(size=(h, 2))}
+  carry = rng.normal(size=(b, h))
+  xs = rng.normal(size=(b, t, h))
+  log_bottom = _log_sigmoid(rng.normal(size=(2,)))
+  w = [rng.normal(size=(b, t)), rng.normal(size=(b, t + 1, 2, 2, 2)),
+       rng.normal(size=(b, t + 1))]
+
+  def loss(fn):
+    def f(p, c, x, lb):
+      outs = fn(p, c, x, lb)
+      return sum(jnp.sum(o * wi) for o, wi in zip(outs, w))
+    return f
+
+  def custom(p, c, x, lb):
+    return vrns_stack.run_coupled(_toy_controller, p, c, x, lb, 2, 2)
+
+  np.testing.assert_allclose(
+      jax.jit(loss(custom))(params, carry, xs, log_bottom),
+      jax.jit(loss(_coupled_autodiff))(params, carry, xs, log_bottom),
+      rtol=1e-12)
+  got = jax.jit(jax.grad(loss(custom), (0, 1, 2, 3)))(params, carry, xs,
+                                                      log_bottom)
+  want = jax.jit(jax.grad(loss(_coupled_autodiff), (0, 1, 2, 3)))(
+      params, carry, xs, log_bottom)
+  for g, wt in zip(jax.tree_util.tree_leaves(got),
+                   jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, wt, rtol=1e-9, atol=1e-12)
+
+
+def _grad_temp_bytes(fn, t):
+  rng = np.random.default_rng(0)
+  shapes = [(1, t, 2, 2, 2, 2), (1, t, 2, 2, 2, 2), (1, t, 2, 2, 2), (1, t, 2),
+            (2,)]
+  args = [jnp.asarray(rng.normal(size=sh), jnp.float32) for sh in shapes]
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)[0]), tuple(range(5))))
+  return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_gradient_memory_is_quadratic():
+  # XLA's temporary buffers of the compiled gradient (no run needed).
+  custom = [_grad_temp_bytes(vrns_stack.run, t) for t in (32, 64)]
+  plain = _grad_temp_bytes(vrns_stack.run_autodiff, 32)
+  assert custom[1] / custom[0] < 4.4  # O(T^2): ~4x for twice the length
+  assert custom[0] * 5 < plain        # autodiff saves the tables per step
+
+
+def test_bad_inputs_give_one_line_errors():
+  rng = np.random.default_rng(0)
+  push, repl, pop, lv, lb = _random_inputs(rng, 1, 3, 2, 2, 2)
+  for args, match in [
+      ((push, repl[..., :1], pop, lv, lb), "repl has shape"),
+      ((push, repl, pop, lv[..., :0], lb), "log_vectors must be"),
+      ((push[0], repl, pop, lv, lb), "push must be"),
+      ((push, repl, pop, lv, np.zeros((3, 2))), "log_bottom_vector must be"),
+  ]:
+    with pytest.raises(ValueError, match=match) as info:
+      vrns_stack.run(*args)
+    assert "\n" not in str(info.value)
