@@ -72,8 +72,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     return config[field]
 
   task = need("task")
-  if task not in languages.TASKS:
-    fail("task", f"is {task!r}; expected one of {', '.join(languages.TASKS)}")
+  if task not in languages.ALL_TASKS:
+    fail("task", f"is {task!r}; expected one of "
+         f"{', '.join(languages.ALL_TASKS)}")
   model = need("model")
   if model not in MODELS:
     fail("model", f"is {model!r}; expected one of {', '.join(MODELS)}")
