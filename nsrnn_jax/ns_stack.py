@@ -150,6 +150,10 @@ def _safe_log(x):
   return jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), -jnp.inf)
 
 
+# Public names of the guarded primitives (used by rns_stack).
+logsumexp_guarded = _lse
+safe_log = _safe_log
+
 MATMUL_PRECISIONS = ("highest", "high", "default")
 
 

@@ -85,7 +85,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from nsrnn_jax.ns_stack import _lse, _safe_log  # guarded primitives (read-only)
+from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
+from nsrnn_jax.ns_stack import safe_log as _safe_log
 
 # Every contraction runs at full float32 (float64 stays float64) on every
 # backend: JAX's default on GPUs / TPUs is reduced precision (TF32 / bf16
