@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nsrnn_jax import data  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
 
 
 def run_task(task: str, scale: float) -> dict:
@@ -74,18 +75,6 @@ def run_task(task: str, scale: float) -> dict:
   }
 
 
-def _cpu_model():
-  """Host CPU model (this benchmark is pure NumPy: no JAX device)."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.lower().startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tasks", default=",".join(languages.TASKS))
@@ -106,8 +95,8 @@ def main() -> None:
   out_dir = os.path.join(os.path.dirname(__file__), "results")
   os.makedirs(out_dir, exist_ok=True)
   out = {"scale": args.scale, "cpu_count": os.cpu_count(),
-         "machine": platform.platform(), "cpu_model": _cpu_model(),
-         "device": f"cpu: {_cpu_model()} ({os.cpu_count()} cores)",
+         "machine": platform.platform(), "cpu_model": parallel.host_cpu_model(),
+         "device": f"cpu: {parallel.host_cpu_model()} ({os.cpu_count()} cores)",
          "load_average_1_5_15": list(os.getloadavg()), "rows": rows}
   with open(os.path.join(out_dir, "data.json"), "w") as f:
     json.dump(out, f, indent=2)

@@ -14,17 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def cpu_model():
-  """The host CPU's model name (from /proc/cpuinfo where there is one)."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.lower().startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
+from nsrnn_jax import parallel
 
 
 def machine_info():
@@ -34,7 +24,7 @@ def machine_info():
       "backend": jax.default_backend(),
       "device_kind": devices[0].device_kind,
       "device_count": len(devices),
-      "cpu_model": cpu_model(),
+      "cpu_model": parallel.host_cpu_model(),
       "cpu_count": os.cpu_count(),
       "load_average_1_5_15": list(os.getloadavg()),
       "platform": platform.platform(),

@@ -481,28 +481,27 @@ def _plot_bands(ax, series_list, x_key: str) -> None:
             ncol=max(1, len(series_list)), frameon=False)
 
 
-def plot_train(series_list: Sequence[Mapping[str, Any]],
-               title: str | None = None) -> matplotlib.figure.Figure:
-  """Figure 3: validation CE difference per epoch (from `train_series`)."""
+def _plot_figure(series_list, x_key: str, x_label: str,
+                 title: str | None) -> matplotlib.figure.Figure:
   fig = _new_figure()
   ax = fig.add_subplot()
-  _plot_bands(ax, series_list, "epochs")
-  ax.set_xlabel("Epoch")
+  _plot_bands(ax, series_list, x_key)
+  ax.set_xlabel(x_label)
   if title:
     ax.set_title(title)
   return fig
+
+
+def plot_train(series_list: Sequence[Mapping[str, Any]],
+               title: str | None = None) -> matplotlib.figure.Figure:
+  """Figure 3: validation CE difference per epoch (from `train_series`)."""
+  return _plot_figure(series_list, "epochs", "Epoch", title)
 
 
 def plot_test(series_list: Sequence[Mapping[str, Any]],
               title: str | None = None) -> matplotlib.figure.Figure:
   """Figure 4: test CE difference by string length (from `test_series`)."""
-  fig = _new_figure()
-  ax = fig.add_subplot()
-  _plot_bands(ax, series_list, "lengths")
-  ax.set_xlabel("Length")
-  if title:
-    ax.set_title(title)
-  return fig
+  return _plot_figure(series_list, "lengths", "Length", title)
 
 
 def default_title(groups: Sequence[RunGroup]) -> str | None:
