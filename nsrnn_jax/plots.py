@@ -372,6 +372,21 @@ def pad_with_last(curves: Sequence[np.ndarray]) -> np.ndarray:
   return padded_RxE
 
 
+def align_by_length(tables: Sequence[tuple[Sequence[int], Sequence[float]]]
+                    ) -> tuple[np.ndarray, np.ndarray]:
+  """Aligns per-restart (lengths, values) tables on the union of lengths.
+
+  Returns:
+    (lengths_L sorted, runs_RxL) with NaN where a restart lacks a length.
+  """
+  lengths_L = np.unique(np.concatenate(
+      [np.asarray(lengths, dtype=np.int64) for lengths, _ in tables]))
+  runs_RxL = np.full((len(tables), len(lengths_L)), np.nan)
+  for r, (lengths, values) in enumerate(tables):
+    runs_RxL[r, np.searchsorted(lengths_L, lengths)] = values
+  return lengths_L, runs_RxL
+
+
 def train_series(group: RunGroup, key: str = "valid_ce_diff"
                  ) -> dict[str, Any]:
   """Figure-3 series of one group: per-epoch mean and std over restarts.
@@ -430,10 +445,7 @@ def test_series(group: RunGroup, key: str = "ce_diff") -> dict[str, Any]:
       missing.append(workdir)
   if not tables:
     raise ValueError(f"No run of {group.label!r} has a {TEST_FILE}.")
-  lengths_L = np.unique(np.concatenate([lengths for lengths, _ in tables]))
-  runs_RxL = np.full((len(tables), len(lengths_L)), np.nan)
-  for r, (lengths, values) in enumerate(tables):
-    runs_RxL[r, np.searchsorted(lengths_L, lengths)] = values
+  lengths_L, runs_RxL = align_by_length(tables)
   count_L = np.sum(~np.isnan(runs_RxL), axis=0)
   mean_L = np.nanmean(runs_RxL, axis=0)
   std_L = np.nanstd(runs_RxL, axis=0)

@@ -850,12 +850,9 @@ def figure_series(cell: Cell) -> Optional[dict]:
          "std": runs_RxE.std(axis=0).tolist(), "test": None}
   tested = [r["test"] for r in cell.runs if r.get("test")]
   if tested:
-    lengths_L = sorted({n for t in tested for n in t["lengths"]})
-    table_RxL = np.full((len(tested), len(lengths_L)), np.nan)
-    for i, t in enumerate(tested):
-      for n, d in zip(t["lengths"], t["ce_diff"]):
-        table_RxL[i, lengths_L.index(n)] = d
-    out["test"] = {"label": LABELS[cell.model], "lengths": lengths_L,
+    lengths_L, table_RxL = plots.align_by_length(
+        [(t["lengths"], t["ce_diff"]) for t in tested])
+    out["test"] = {"label": LABELS[cell.model], "lengths": lengths_L.tolist(),
                    "mean": np.nanmean(table_RxL, axis=0).tolist(),
                    "std": np.nanstd(table_RxL, axis=0).tolist()}
   return out
