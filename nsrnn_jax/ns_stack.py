@@ -598,6 +598,10 @@ def _time_blocks(num_steps):
   return [(j0, j1) for j0, j1 in zip(edges[:-1], edges[1:]) if j1 > j0]
 
 
+# Public name of the time blocking (rns_stack blocks its table the same way).
+time_blocks = _time_blocks
+
+
 def _slice_state(state, n):
   """The tables restricted to rows / columns < n (a static prefix)."""
   g = state.gamma[:, :, :n, :, :, :n]
