@@ -102,8 +102,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nsrnn_jax import ns_stack
+from nsrnn_jax.ns_stack import backtrace
 from nsrnn_jax.ns_stack import check_precision
 from nsrnn_jax.ns_stack import lax_precision
+from nsrnn_jax.ns_stack import replay_with_heights
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
 from nsrnn_jax.ns_stack import safe_log as _safe_log
 from nsrnn_jax.ns_stack import time_blocks as _time_blocks
@@ -865,7 +868,7 @@ def _split_mass(log_alpha):
   return hat, lm
 
 
-PUSH, REPLACE, POP = "push", "replace", "pop"
+PUSH, REPLACE, POP = ns_stack.PUSH, ns_stack.REPLACE, ns_stack.POP
 
 
 def viterbi(push, repl, pop, bottom=FIXED, window=None):
@@ -894,64 +897,8 @@ def viterbi(push, repl, pop, bottom=FIXED, window=None):
   lg, la = np.asarray(lg, np.float64), np.asarray(la, np.float64)
   pu, re, po = (np.asarray(a, np.float64) for a in (push, repl, pop))
   fixed = bottom == FIXED
-  return [_backtrace(lg[n], la[n], pu[n], re[n], po[n], t, fixed)
+  return [backtrace(lg[n], la[n], pu[n], re[n], po[n], t, fixed)
           for n in range(b)]
-
-
-def _argmax(a):
-  return np.unravel_index(int(np.argmax(a)), a.shape)
-
-
-def _backtrace(lg, la, push, repl, pop, t, fixed):
-  """One best run from the max-plus tables (lg rows offset by one)."""
-  if t == 0:
-    return [], 0.0
-  best = la[t].max()
-  if not np.isfinite(best):
-    return [], -np.inf
-  # α_j = max_{i,q,x} α_i ⊗ γ_{i,j}; α_{−1} = e (fixed) enters via row −1.
-  alpha_rows = np.full((t + 2,) + la.shape[1:], -np.inf)
-  alpha_rows[1:] = la
-  if fixed:
-    alpha_rows[0, 0, 0] = 0.0
-  actions, todo = [], []
-  r, y = _argmax(la[t])
-  j = t
-  while j > 0:
-    cand = alpha_rows[:j + 1] + lg[:j + 1, j, :, :, r, y]   # rows −1..j−1
-    i1, q, x = _argmax(cand)
-    i = i1 - 1
-    todo.append((i, j, q, x, r, y))
-    if i == -1:
-      break
-    j, r, y = i, q, x
-  while todo:
-    i, j, q, x, r, y = todo.pop()
-    if j == 0:
-      continue
-    if i == j - 1:
-      actions.append((j, PUSH, q, r, y))
-      continue
-    rep = lg[i + 1, j - 1, q, x] + repl[j - 1, :, :, r, y]
-    best_rep = rep.max()
-    best_pop, pop_terms = -np.inf, None
-    ks = np.arange(max(i + 1, 0), j - 1)
-    if len(ks):
-      pop_terms = (lg[i + 1, ks, q, x, :, y][:, :, None, None]
-                   + lg[ks + 1, j - 1, :, y] + pop[j - 1, :, :, r][None, None])
-      best_pop = pop_terms.max()
-    if best_rep >= best_pop:
-      s_, z = _argmax(rep)
-      actions.append((j, REPLACE, s_, r, y))
-      todo.append((i, j - 1, q, x, s_, z))
-    else:
-      kk, t_, s_, z = _argmax(pop_terms)
-      k = int(ks[kk])
-      actions.append((j, POP, s_, r, z))
-      todo.append((i, k, q, x, t_, y))
-      todo.append((k, j - 1, t_, y, s_, z))
-  actions.sort()
-  return actions, float(best)
 
 
 def replay_run(actions, push=None, repl=None, pop=None, bottom=FIXED):
@@ -965,34 +912,9 @@ def replay_run(actions, push=None, repl=None, pop=None, bottom=FIXED):
   """
   _check_bottom(bottom)
   min_repl, min_pop = (1, 2) if bottom == FIXED else (2, 3)
-  stacks, state, total = [(0,)], 0, 0.0
-  for n, (j, kind, q, r, y) in enumerate(actions):
-    stack = stacks[-1]
-    if j != n + 1:
-      raise ValueError(f"action {n} has step {j}, expected {n + 1}")
-    if q != state:
-      raise ValueError(f"step {j} starts in state {q}, run is in {state}")
-    x = stack[-1]
-    if kind == PUSH:
-      new, w = stack + (y,), None if push is None else push[j - 1][q, x, r, y]
-    elif kind == REPLACE:
-      if len(stack) < min_repl:
-        raise ValueError(f"step {j} replaces the frozen bottom symbol")
-      new = stack[:-1] + (y,)
-      w = None if repl is None else repl[j - 1][q, x, r, y]
-    elif kind == POP:
-      if len(stack) < min_pop:
-        raise ValueError(f"step {j} pops below the allowed height")
-      if y != x:
-        raise ValueError(f"step {j} pops {y} but the top is {x}")
-      new, w = stack[:-1], None if pop is None else pop[j - 1][q, x, r]
-    else:
-      raise ValueError(f"unknown action kind {kind!r} at step {j}")
-    if w is not None:
-      total += float(w)
-    stacks.append(new)
-    state = r
-  return stacks, (None if push is None else total)
+  return replay_with_heights(actions, push, repl, pop, min_repl, min_pop,
+                             "replaces the frozen bottom symbol",
+                             "pops below the allowed height")
 
 
 # ---------------------------------------------------------------------------

@@ -320,15 +320,19 @@ def _tanh_controller(q, s, reading):
   return step_fn, size
 
 
+def _tanh_params(rng, q, s, size):
+  return {"wx": rng.normal(size=(_V, _H)), "wr": rng.normal(size=(size, _H)),
+          "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
+          "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
+          "wo": rng.normal(size=(_H, _V))}
+
+
 @pytest.mark.parametrize("bottom,reading", [("fixed", "state")])
 def test_run_coupled_equals_plain_scan(x64, bottom, reading):
   q, s, b, t = 2, 2, 2, 6
   rng = np.random.default_rng(7)
   step_fn, size = _tanh_controller(q, s, reading)
-  params = {"wx": rng.normal(size=(_V, _H)), "wr": rng.normal(size=(size, _H)),
-            "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
-            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
-            "wo": rng.normal(size=(_H, _V))}
+  params = _tanh_params(rng, q, s, size)
   h0 = 0.1 * rng.normal(size=(b, _H))
   xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
   c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, q * s))
@@ -387,10 +391,7 @@ def test_time_blocks_change_nothing(x64, monkeypatch):
   c = rng.normal(size=(b, t + 1, q * s))
   e = rng.normal(size=(b, t + 1))
   step_fn, size = _tanh_controller(q, s, "state")
-  params = {"wx": rng.normal(size=(_V, _H)), "wr": rng.normal(size=(size, _H)),
-            "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
-            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
-            "wo": rng.normal(size=(_H, _V))}
+  params = _tanh_params(rng, q, s, size)
   h0 = 0.1 * rng.normal(size=(b, _H))
   xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
 
