@@ -16,14 +16,23 @@ n ∈ {100, 250, 500, 1000, 2000} it measures in one process:
   (a scan over chunks, gradients stopped at chunk boundaries);
 * `unlimited`: `rns_stack.run` forward at n ∈ {100, 250} for contrast.
 
+With --vs-ns it instead times the unlimited RNS DP against ns_stack
+(B = 10, Q = S = 2 and 3, n ∈ {80, 250}, float32, normalised actions, the
+RNS DP in its CoNLL 2020 variant so both compute the same readings):
+forward and forward+backward (gradient of Σ c·τ), interleaved calls in one
+process on the same inputs, min and median per function; --baseline REV
+also loads nsrnn_jax/rns_stack.py as of git revision REV into the same
+process (before/after of a change).
+
 Other work shares the CPU cores: compare the per-symbol figures within one
 run. Usage:
 
   python benchmarks/rns_stack.py           # the table above
   python benchmarks/rns_stack.py --quick   # n ∈ {100, 500}
+  python benchmarks/rns_stack.py --vs-ns --baseline 66dc6cd
 
 Prints a table and writes benchmarks/results/rns_stack.json
-(rns_stack_quick.json with --quick).
+(rns_stack_quick.json with --quick, rns_vs_ns.json with --vs-ns).
 """
 
 import argparse

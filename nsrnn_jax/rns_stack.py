@@ -432,7 +432,8 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt):
   g, cs, la, lm = init
   num_pts = g.shape[2]
   extra, ys_all, mts = extra0, [], []
-  for j0, j1 in _time_blocks(t):
+  # T = 0 runs one empty block, so every output keeps its (empty) shape.
+  for j0, j1 in _time_blocks(t) or [(1, 1)]:
     n = j1 + 1
 
     def body(carry, inp):
@@ -504,6 +505,8 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
   w_full = jnp.zeros((bsz * ny, num_steps * nr, npt * nq * nx), dtype)
   col0 = jnp.zeros((bsz, ny, npt, nq, nx, nr), dtype)
   carry = (w_full, col0, col0, jnp.zeros_like(cs), la_ct, extra_init)
+  if not num_steps:           # no update: nothing to differentiate.
+    return extra_init, None
   ys_all = []
   for j0, j1 in reversed(_time_blocks(num_steps)):
     n = j1 + 1
@@ -613,6 +616,8 @@ def _tables_bwd(bottom, precision, res, cts):
   _, d_acts = _backward_blocks(g, cs, la, mt, xs_T, la_ct,
                                _increment_cotangents(lm_ct), local_vjp, (),
                                prec)
+  if d_acts is None:          # T = 0
+    return tuple(jnp.zeros_like(a) for a in (push, repl, pop))
   return tuple(jnp.swapaxes(d, 0, 1) for d in d_acts)
 
 

@@ -374,6 +374,19 @@ def test_run_coupled_equals_plain_scan(x64, bottom, reading):
     np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-8)
 
 
+def test_no_updates():
+  # T = 0: α_0 only; the gradient has the (empty) shapes of the actions.
+  acts = [jnp.zeros((2, 0, 2, 3, 2, 3)), jnp.zeros((2, 0, 2, 3, 2, 3)),
+          jnp.zeros((2, 0, 2, 3, 2))]
+  hat, log_mass = rns_stack.run(*acts)
+  np.testing.assert_array_equal(rns_stack.readout(hat)[0][:, 0],
+                                np.eye(6)[[0, 0]])
+  np.testing.assert_array_equal(log_mass, np.zeros((2, 1)))
+  grads = jax.grad(lambda *a: jnp.sum(rns_stack.run(*a)[1]),
+                   argnums=(0, 1, 2))(*acts)
+  assert [g.shape for g in grads] == [a.shape for a in acts]
+
+
 def _uneven_blocks(num_steps):
   """Several uneven time blocks even for tiny T (the library uses one block
   below T = 48)."""
