@@ -16,21 +16,32 @@ n ∈ {100, 250, 500, 1000, 2000} it measures in one process:
   (a scan over chunks, gradients stopped at chunk boundaries);
 * `unlimited`: `rns_stack.run` forward at n ∈ {100, 250} for contrast.
 
+With --vs-ns it instead times the unlimited RNS DP against ns_stack
+(B = 10, Q = S = 2 and 3, n ∈ {80, 250}, float32, normalised actions, the
+RNS DP in its CoNLL 2020 variant so both compute the same readings):
+forward and forward+backward (gradient of Σ c·τ), interleaved calls in one
+process on the same inputs, min and median per function; --baseline REV
+also loads nsrnn_jax/rns_stack.py as of git revision REV into the same
+process (before/after of a change).
+
 Other work shares the CPU cores: compare the per-symbol figures within one
 run. Usage:
 
   python benchmarks/rns_stack.py           # the table above
   python benchmarks/rns_stack.py --quick   # n ∈ {100, 500}
+  python benchmarks/rns_stack.py --vs-ns --baseline 66dc6cd
 
 Prints a table and writes benchmarks/results/rns_stack.json
-(rns_stack_quick.json with --quick).
+(rns_stack_quick.json with --quick, rns_vs_ns.json with --vs-ns).
 """
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 
@@ -41,6 +52,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 B, Q, S, D, H, V, CHUNK = 4, 2, 3, 20, 20, 3, 35
@@ -101,12 +113,124 @@ def _measure(n, rng):
   return row
 
 
+# ---------------------------------------------------------------------------
+# --vs-ns: the unlimited RNS DP against ns_stack (and a baseline revision).
+# ---------------------------------------------------------------------------
+
+VS_B = 10
+
+
+def _load_revision(rev):
+  """nsrnn_jax/rns_stack.py as of git revision `rev`, as a fresh module."""
+  src = subprocess.check_output(
+      ["git", "-C", _ROOT, "show", f"{rev}:nsrnn_jax/rns_stack.py"])
+  mod = types.ModuleType(f"rns_stack_at_{rev}")
+  mod.__file__ = f"{rev}:nsrnn_jax/rns_stack.py"
+  exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # pylint: disable=exec-used
+  return mod
+
+
+def _versus_fns(n, q, s, baseline):
+  """name -> (forward fn, forward+backward fn) on the same normalised inputs.
+
+  Normalised actions, so ns_stack is exact too; the RNS DP runs its CoNLL
+  variant (frozen bottom, symbol reading), which equals ns_stack.
+  """
+  rng = np.random.default_rng(n + 10 * q + 100 * s)
+  logits = jnp.asarray(rng.normal(size=(VS_B, n, q * s * (2 * q * s + q))),
+                       jnp.float32)
+  acts = rns_stack.split_action_logits(logits, q, s, True)
+  c = jnp.asarray(rng.normal(size=(VS_B, n + 1, s)), jnp.float32)
+
+  def ns_read(push, repl, pop):
+    return ns_stack.run(push, repl, pop)[0]
+
+  def rns_read(mod):
+    return lambda push, repl, pop: mod.readout(
+        mod.run(push, repl, pop, bottom="frozen")[0], "symbol")[0]
+
+  readers = {"ns_stack": ns_read, "rns": rns_read(rns_stack)}
+  if baseline is not None:
+    readers["rns_baseline"] = rns_read(baseline)
+  fns = {}
+  for name, read in readers.items():
+    fwd = jax.jit(read)
+    loss = lambda p, r, o, read=read: jnp.sum(c * read(p, r, o))
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    fns[name] = (fwd, fwd_bwd)
+  return fns, acts
+
+
+def versus_ns(args):
+  """Interleaved timings (one process, same inputs); writes JSON."""
+  baseline = _load_revision(args.baseline) if args.baseline else None
+  pairs = [tuple(int(v) for v in p.split("x")) for p in args.sizes.split(",")]
+  sizes = [(n, q, s) for q, s in pairs for n in args.lengths]
+  out = args.out or os.path.join(_ROOT, "benchmarks", "results",
+                                 "rns_vs_ns.json")
+  rows = []
+  print(f"B={VS_B} float32 normalised actions on "
+        f"{jax.devices()[0].platform}; ms per symbol, min (and median) "
+        f"of {args.repeats} interleaved calls")
+  for n, q, s in sizes:
+    fns, acts = _versus_fns(n, q, s, baseline)
+    for fwd, fwd_bwd in fns.values():   # compile + warm up
+      jax.block_until_ready(fwd(*acts))
+      jax.block_until_ready(fwd_bwd(*acts))
+    times = {(k, m): [] for k in fns for m in ("fwd", "fwd_bwd")}
+    for _ in range(args.repeats):
+      for name, pair in fns.items():
+        for mode, fn in zip(("fwd", "fwd_bwd"), pair):
+          t0 = time.perf_counter()
+          jax.block_until_ready(fn(*acts))
+          times[(name, mode)].append(time.perf_counter() - t0)
+    row = {"n": n, "Q": q, "S": s, "B": VS_B}
+    for (name, mode), ts in times.items():
+      # Min over interleaved calls: the least disturbed by other work on
+      # the shared cores (the medians are kept too).
+      row[f"{name}_{mode}_ms_per_symbol"] = 1e3 * float(np.min(ts)) / n
+      row[f"{name}_{mode}_median_ms_per_symbol"] = (
+          1e3 * float(np.median(ts)) / n)
+    for mode in ("fwd", "fwd_bwd"):
+      ns_ms = row[f"ns_stack_{mode}_ms_per_symbol"]
+      row[f"rns_over_ns_{mode}"] = row[f"rns_{mode}_ms_per_symbol"] / ns_ms
+      if baseline is not None:
+        row[f"baseline_over_rns_{mode}"] = (
+            row[f"rns_baseline_{mode}_ms_per_symbol"]
+            / row[f"rns_{mode}_ms_per_symbol"])
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    with open(out, "w") as f:
+      json.dump({"config": {"B": VS_B, "dtype": "float32",
+                            "baseline_revision": args.baseline,
+                            "repeats": args.repeats,
+                            "loadavg_at_end": os.getloadavg(),
+                            "device": str(jax.devices()[0])},
+                 "rows": rows}, f, indent=1)
+  print(f"wrote {out}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="n in {100, 500} only")
   parser.add_argument("--out", default=None, help="JSON path")
+  parser.add_argument("--vs-ns", action="store_true",
+                      help="unlimited RNS DP vs ns_stack (B=10, Q=S=2 and "
+                      "Q=S=3), forward and forward+backward")
+  parser.add_argument("--baseline", default=None,
+                      help="with --vs-ns: also time rns_stack.py as of this "
+                      "git revision, in the same process")
+  parser.add_argument("--lengths", type=int, nargs="+", default=[80, 250],
+                      help="with --vs-ns: string lengths n")
+  parser.add_argument("--sizes", default="2x2,3x3",
+                      help="with --vs-ns: comma-separated QxS pairs")
+  parser.add_argument("--repeats", type=int, default=5,
+                      help="with --vs-ns: timed calls per function")
   args = parser.parse_args()
+  if args.vs_ns:
+    versus_ns(args)
+    return
   lengths = (100, 500) if args.quick else (100, 250, 500, 1000, 2000)
   out = args.out or os.path.join(
       _ROOT, "benchmarks", "results",

@@ -96,6 +96,10 @@ def get_config() -> ml_collections.ConfigDict:
   # conll2020 code's test.py (curves shift up by ln(N_L,test)/length).
   # Reference-behaviour.md section 6.
   config.test_bound_includes_num_lengths = True
+  # Append EOS (output index V) to every string and predict it from h_n, as
+  # the ICLR 2022/2023 experiments do (rns-vrns-reference.md §4.1): n + 1
+  # targets, perplexities and bounds over |w| + 1 symbols. False = CoNLL 2020.
+  config.predict_eos = False
 
   # --- Schedule (PyTorch ReduceLROnPlateau + early stopping) ----------------
   # Maximum number of epochs.

@@ -106,8 +106,12 @@ def config_differences(stored: Mapping[str, Any],
 
   Only fields present in both are compared: a field added to (or removed
   from) configs/default.py after the run started does not block a resume.
+  Exception: a run stored before `predict_eos` existed predicted no EOS
+  (its model has V outputs), so a missing field counts as False there.
   """
   out = []
+  if "predict_eos" in requested:
+    stored = {"predict_eos": False, **stored}
   for name in sorted(set(stored) & set(requested) - RESUME_SAFE_FIELDS):
     a, b = stored[name], requested[name]
     if json.loads(json.dumps(a)) != json.loads(json.dumps(b)):

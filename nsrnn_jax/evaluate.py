@@ -109,7 +109,8 @@ def score(workdir_or_loaded: Union[str, Loaded],
           strings: Sequence[Union[str, Sequence[str]]]) -> np.ndarray:
   """Natural-log probabilities ln p_model(w) of strings (float64 [len]).
 
-  Strings of equal length are scored in one batch.
+  Strings of equal length are scored in one batch. For a config with
+  predict_eos the score includes ln p_model(EOS | w) (a complete string).
   """
   loaded = (load_model(workdir_or_loaded)
             if isinstance(workdir_or_loaded, str) else workdir_or_loaded)
@@ -126,7 +127,8 @@ def score(workdir_or_loaded: Union[str, Loaded],
   params_K = _stacked(loaded.params)
   for _, ks in sorted(by_length.items()):
     batch_K = jax.tree.map(lambda x: x[None], train.make_batch(
-        np.stack([encoded[k] for k in ks])))
+        np.stack([encoded[k] for k in ks]),
+        eos=train.eos_id(loaded.config, loaded.model)))
     sums = loop.eval_models(params_K, batch_K, apply_fn=loaded.model.apply)
     scores[ks] = -np.asarray(sums["nll"][0], np.float64)
   return scores
@@ -157,7 +159,7 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
   results = loop.evaluate_split(
       _stacked(loaded.params), loaded.model.apply, [splits.test],
       loaded.config, [loop.test_num_lengths(splits.test, loaded.config)],
-      parallel.make_mesh())[0]
+      parallel.make_mesh(), train.eos_id(loaded.config, loaded.model))[0]
   table, summary = loop.test_outputs(results, loaded.config)
   main = parallel.is_main_process()
   if main:

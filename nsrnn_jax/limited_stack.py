@@ -27,6 +27,7 @@ Shape legend: B batch, T updates, D window, Q states, S stack symbols,
 Y/X symbols in roles, L chunk length, C chunks.
 """
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nsrnn_jax import rns_stack
+from nsrnn_jax.ns_stack import check_precision
 
 Array = jax.Array
 
@@ -71,12 +73,17 @@ def initial_state(batch_size, window, num_states, num_symbols,
   return WindowState(g, a_hat, jnp.zeros((batch_size,), dtype))
 
 
-def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ):
-  """One update; returns (next state, log α̂_j [B,Q,S], log Σα_j [B])."""
+def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
+         precision="highest"):
+  """One update; returns (next state, log α̂_j [B,Q,S], log Σα_j [B]).
+
+  `precision` is the matmul precision name of the update's contractions
+  (`ns_stack.MATMUL_PRECISIONS`); their autodiff transposes inherit it.
+  """
   d = state.g.shape[2]
   col, a_hat, inc = rns_stack.update(state.g, d - 1, state.a_hat,
                                      push_BxQxSxQxS, repl_BxQxSxQxS,
-                                     pop_BxQxSxQ)
+                                     pop_BxQxSxQ, precision)
   # Columns j−D+1..j, then rows j−D+1..j (time j: no entries yet).
   g = jnp.concatenate([state.g[:, :, :, :, :, 1:], col[:, :, :, :, :, None]],
                       axis=5)
@@ -85,7 +92,8 @@ def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ):
   return WindowState(g, a_hat, log_mass), a_hat, log_mass
 
 
-def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None):
+def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
+        precision="highest"):
   """Runs T updates from `state` (default: the initial state).
 
   Args:
@@ -93,6 +101,7 @@ def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None):
     window: D ≥ 1.
     bottom: "fixed" or "frozen" (used only for the initial state).
     state: a WindowState to continue from (incremental evaluation).
+    precision: matmul precision name (`ns_stack.MATMUL_PRECISIONS`).
 
   Returns:
     (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state) for times
@@ -105,13 +114,13 @@ def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None):
     state = initial_state(b, window, q, s, bottom, push.dtype)
   elif state.g.shape[2] != window:
     raise ValueError(f"state has window {state.g.shape[2]}, not {window}")
-  return _run_jit(push, repl, pop, state)
+  return _run_jit(push, repl, pop, state, check_precision(precision))
 
 
-@jax.jit
-def _run_jit(push, repl, pop, state):
+@functools.partial(jax.jit, static_argnums=(4,))
+def _run_jit(push, repl, pop, state, precision):
   def body(st, acts):
-    st, a_hat, lm = step(st, *acts)
+    st, a_hat, lm = step(st, *acts, precision=precision)
     return st, (a_hat, lm)
 
   xs = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
@@ -123,7 +132,7 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                 num_states: int, num_symbols: int, window: int,
                 bottom: str = rns_stack.FIXED,
                 reading: str = rns_stack.STATE,
-                truncation_length: int = 0):
+                truncation_length: int = 0, precision: str = "highest"):
   """Controller + limited stack, chunked for truncated BPTT.
 
   Args:
@@ -135,12 +144,14 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     bottom, reading: stack variant.
     truncation_length: chunk length L ≥ 1 (gradients stop at chunk
       boundaries); 0 = one chunk (no truncation).
+    precision: matmul precision name of the stack's contractions.
 
   Returns:
     (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]);
     forward values do not depend on `truncation_length`.
   """
   _check_window(window)
+  check_precision(precision)
   rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
   rns_stack._check_reading(reading)  # pylint: disable=protected-access
   if (isinstance(truncation_length, bool)
@@ -165,7 +176,7 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     ctrl, st = carry
     rho, _ = rns_stack.readout(st.a_hat, reading)
     ctrl, acts, out = step_fn(params, ctrl, x, rho)
-    st, a_hat, lm = step(st, *acts)
+    st, a_hat, lm = step(st, *acts, precision=precision)
     return (ctrl, st), (out, a_hat, lm)
 
   def one_chunk(carry, xs_chunk):

@@ -77,10 +77,12 @@ def stack_states(states: Sequence[train.TrainState]) -> train.TrainState:
 
 
 def stack_batches(symbols_list: Sequence[np.ndarray],
-                  padded_to: Optional[int] = None) -> train.Batch:
+                  padded_to: Optional[int] = None,
+                  eos: Optional[int] = None) -> train.Batch:
   """K batches of (possibly) different lengths -> one [K, B, N] batch.
 
-  Each is right-padded to the longest (or to `padded_to`) with mask 0.
+  Each is right-padded to the longest (or to `padded_to`) with mask 0; with
+  `eos`, each string is followed by EOS (`train.make_batch`).
   """
   sizes = {np.shape(s)[0] for s in symbols_list}
   if len(sizes) != 1:
@@ -88,7 +90,7 @@ def stack_batches(symbols_list: Sequence[np.ndarray],
                      "every run must use the same batch_size")
   longest = max(np.shape(s)[1] for s in symbols_list)
   padded_to = longest if padded_to is None else max(padded_to, longest)
-  batches = [train.make_batch(s, padded_to) for s in symbols_list]
+  batches = [train.make_batch(s, padded_to, eos) for s in symbols_list]
   return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 
 
@@ -130,8 +132,8 @@ eval_models = jax.jit(_eval_models, static_argnames="apply_fn")
 
 
 def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
-                   num_lengths_K: Sequence[Optional[int]], mesh
-                   ) -> list[list[dict]]:
+                   num_lengths_K: Sequence[Optional[int]], mesh,
+                   eos: Optional[int] = None) -> list[list[dict]]:
   """Model and lower-bound sums per batch and model (float64, on the host).
 
   Args:
@@ -141,6 +143,8 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
     config: for the compile strategy.
     num_lengths_K: N_L added to each string's bound (None: no ln N_L term).
     mesh: the ('model', 'data') mesh the params live on.
+    eos: the EOS id (`train.eos_id`) or None; with EOS each string counts
+      |w| + 1 tokens (the bound is still -ln p(w|l) [+ ln N_L] per string).
 
   Returns:
     Per model, one dict per batch: length, num_strings, model_nll, bound_nll
@@ -155,7 +159,7 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
   for j in range(num):
     symbols = [s[j].symbols for s in splits_K]
     longest = max(x.shape[1] for x in symbols)
-    batch = stack_batches(symbols, train.padded_length(longest, config))
+    batch = stack_batches(symbols, train.padded_length(longest, config), eos)
     pending.append(eval_models(params_K, parallel.put_model_batch(batch, mesh),
                                apply_fn=apply_fn))
   sums = parallel.to_host(pending)  # Fetch after dispatching everything.
@@ -417,6 +421,7 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
   host = parallel.to_host
   steps = jitted_steps(mesh)
   epochs_this_run = 0
+  eos = train.eos_id(config, model)
   while True:
     stopped = np.asarray(host(state.stopped))
     if stopped.all():
@@ -428,7 +433,8 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
     for i in range(num_steps):
       symbols = [r.splits.train[o[i]].symbols for r, o in zip(runs, orders)]
       longest = max(x.shape[1] for x in symbols)
-      batch = stack_batches(symbols, train.padded_length(longest, config))
+      batch = stack_batches(symbols, train.padded_length(longest, config),
+                            eos)
       state, step_metrics = steps.train(
           state, parallel.put_model_batch(batch, mesh))
       losses.append(step_metrics["loss"])
@@ -444,7 +450,7 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
     train_time = time.perf_counter() - start
     valid = [summarize(r) for r in evaluate_split(
         state.params, model.apply, [r.splits.valid for r in runs], config,
-        [r.splits.valid.num_lengths for r in runs], mesh)]
+        [r.splits.valid.num_lengths for r in runs], mesh, eos)]
     lr_used = np.asarray(host(train.learning_rate(state)))
     ppl = np.asarray([v["perplexity"] for v in valid], np.float32)
     state = steps.end_of_epoch(state, parallel.shard_models(ppl, mesh))
@@ -521,14 +527,15 @@ def _save(managers, ks, arrays, epochs, rngs, orders) -> None:
 def _finish(state, model, runs, mesh, results, writers, main):
   """Best-parameter validation and test of every run; results.json files."""
   config = runs[0].config
+  eos = train.eos_id(config, model)
   best_valid = evaluate_split(
       state.best_params, model.apply, [r.splits.valid for r in runs], config,
-      [r.splits.valid.num_lengths for r in runs], mesh)
+      [r.splits.valid.num_lengths for r in runs], mesh, eos)
   tests = None
   if config.run_test:
     tests = evaluate_split(
         state.best_params, model.apply, [r.splits.test for r in runs], config,
-        [test_num_lengths(r.splits.test, config) for r in runs], mesh)
+        [test_num_lengths(r.splits.test, config) for r in runs], mesh, eos)
   for k, run in enumerate(runs):
     results[k].update({f"best_valid_{key}": v
                        for key, v in summarize(best_valid[k]).items()})

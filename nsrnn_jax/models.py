@@ -274,18 +274,21 @@ def ns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
 
 def rns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
                         reading_BxR: jax.Array, *, vocab_size: int,
-                        num_states: int, num_symbols: int, normalize: bool):
+                        num_states: int, num_symbols: int, normalize: bool,
+                        precision: str = 'highest'):
   """The RNS-RNN's ``step_fn`` for ``rns_stack.run_coupled``.
 
   Same as :func:`ns_controller_step` except that the reading has size Q·S
   (state reading) or S, and the action logits are used as log-weights
   directly unless ``normalize`` (rns-vrns-reference.md section 1.1).
+  ``precision`` is the matmul precision of the LSTM and action layer.
   """
   x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxR.dtype)
   x_BxI = jnp.concatenate([x_BxV, reading_BxR], axis=-1)
-  carry, h_BxH = lstm_step(params['controller'], carry, x_BxI)
+  carry, h_BxH = lstm_step(params['controller'], carry, x_BxI, precision)
   actions = rns_stack.split_action_logits(
-      affine(params['action'], h_BxH), num_states, num_symbols, normalize)
+      affine(params['action'], h_BxH, precision), num_states, num_symbols,
+      normalize)
   return carry, actions, h_BxH
 
 
@@ -721,19 +724,22 @@ class RNSLM(LanguageModel):
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
     step_fn = functools.partial(
         rns_controller_step, vocab_size=self.vocab_size, num_states=q,
-        num_symbols=s, normalize=self.normalize)
+        num_symbols=s, normalize=self.normalize,
+        precision=self.matmul_precision)
     step_params = {'controller': params['controller'],
                    'action': params['action']}
     if self.window:
       h_BxTxH, la, log_mass = limited_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
-          self.window, self.bottom, self.reading, self.truncation_length)
+          self.window, self.bottom, self.reading, self.truncation_length,
+          precision=self.matmul_precision)
     else:
       h_BxTxH, la, log_mass = rns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
-          self.bottom, self.reading)
+          self.bottom, self.reading, precision=self.matmul_precision)
     push, repl, pop = rns_stack.split_action_logits(
-        affine(params['action'], h_BxTxH), q, s, self.normalize)
+        affine(params['action'], h_BxTxH, self.matmul_precision), q, s,
+        self.normalize)
     return h_BxTxH, {
         'action_log_weights': {'push': push, 'repl': repl, 'pop': pop},
         'readings': rns_stack.readout(la, self.reading)[0],
@@ -844,7 +850,8 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
   Reads ``model``, ``hidden_size``, ``num_states``, ``num_stack_symbols``,
   ``stack_embedding_size`` and ``matmul_precision`` (missing size fields take the paper's defaults).
   ``vocab_size`` defaults to ``config.vocab_size`` if present, else to the
-  vocabulary of ``config.task`` from :mod:`nsrnn_jax.languages`.
+  vocabulary of ``config.task`` from :mod:`nsrnn_jax.languages`; with
+  ``config.predict_eos`` the model gets one more symbol, EOS = V.
   """
   def field(name, default):
     try:
@@ -865,6 +872,10 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
                        '`vocab_size` nor `task`')
     from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
     vocab_size = languages.get(task).vocab_size
+  if field('predict_eos', False):
+    # EOS is output V (and an input slot that is never set: the ICLR 2022
+    # one-hot layout, rns-vrns-reference.md §1.3); train.eos_id.
+    vocab_size += 1
   return get(model, vocab_size,
              hidden_size=field('hidden_size', 20),
              num_states=field('num_states', 2),

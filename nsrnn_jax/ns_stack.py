@@ -116,6 +116,9 @@ __all__ = [
     "run_reference",
     "viterbi",
     "replay_run",
+    "replay_with_heights",
+    "backtrace",
+    "time_blocks",
     "StackState",
 ]
 
@@ -598,6 +601,10 @@ def _time_blocks(num_steps):
   return [(j0, j1) for j0, j1 in zip(edges[:-1], edges[1:]) if j1 > j0]
 
 
+# Public name of the time blocking (rns_stack blocks its table the same way).
+time_blocks = _time_blocks
+
+
 def _slice_state(state, n):
   """The tables restricted to rows / columns < n (a static prefix)."""
   g = state.gamma[:, :, :n, :, :, :n]
@@ -993,8 +1000,10 @@ def viterbi(push, repl, pop):
   lg, la = jax.jit(functools.partial(_reference_tables, reduce=_max_reduce))(
       push, repl, pop)
   lg, la = np.asarray(lg, np.float64), np.asarray(la, np.float64)
+  # backtrace's tables have a bottom row (time −1) first: empty here.
+  lg = np.concatenate([np.full_like(lg[:, :1], -np.inf), lg], axis=1)
   pu, re, po = (np.asarray(a, np.float64) for a in (push, repl, pop))
-  return [_backtrace(lg[n], la[n], pu[n], re[n], po[n], t)
+  return [backtrace(lg[n], la[n], pu[n], re[n], po[n], t, False)
           for n in range(b)]
 
 
@@ -1003,37 +1012,58 @@ def _argmax(a):
   return np.unravel_index(int(np.argmax(a)), a.shape)
 
 
-def _backtrace(lg, la, push, repl, pop, t):
-  """Recovers one best run from the max-plus tables of one batch element."""
+def backtrace(lg, la, push, repl, pop, t, bottom_row):
+  """One best run from max-plus tables (shared with rns_stack.viterbi).
+
+  Args:
+    lg: [T+2, T+1, Q, S, Q, S], lg[i+1, j] = max log γ_{i,j}; row 0 is the
+      bottom row (time −1) of rns_stack's fixed bottom, all −inf otherwise.
+    la: [T+1, Q, S], max log α_j.
+    push, repl, pop: one batch element's log-weights.
+    t: number of updates T.
+    bottom_row: whether row −1 is live (α_{−1} = e_{q0,⊥}, the fixed bottom).
+
+  Returns:
+    (actions, log_weight) as described in `viterbi`.
+  """
   if t == 0:
     return [], 0.0
   best = la[t].max()
   if not np.isfinite(best):
     return [], -np.inf
-  actions = []
+  # α_j = max_{i,q,x} α_i ⊗ γ_{i,j}; α_{−1} = e (fixed) enters via row −1.
+  alpha_rows = np.full((t + 2,) + la.shape[1:], -np.inf)
+  alpha_rows[1:] = la
+  if bottom_row:
+    alpha_rows[0, 0, 0] = 0.0
+  actions, todo = [], []
   r, y = _argmax(la[t])
   j = t
-  # α_j[r,y] = max_{i,q,x} α_i[q,x] + γ_{i,j}[q,x,r,y]: peel γ's off α.
-  todo = []
+  # Peel γ's off α.
   while j > 0:
-    cand = la[:j] + lg[:j, j, :, :, r, y]
-    i, q, x = _argmax(cand)
+    cand = alpha_rows[:j + 1] + lg[:j + 1, j, :, :, r, y]   # rows −1..j−1
+    i1, q, x = _argmax(cand)
+    i = i1 - 1
     todo.append((i, j, q, x, r, y))
+    if i == -1:
+      break
     j, r, y = i, q, x
   while todo:
     i, j, q, x, r, y = todo.pop()
+    if j == 0:
+      continue
     if i == j - 1:
       actions.append((j, PUSH, q, r, y))
       continue
     # Replace candidate vs pop candidates (all in the final max table).
-    rep = lg[i, j - 1, q, x] + repl[j - 1, :, :, r, y]          # [s, z]
+    rep = lg[i + 1, j - 1, q, x] + repl[j - 1, :, :, r, y]         # [s, z]
     best_rep = rep.max()
-    best_pop = -np.inf
-    if i <= j - 3:
-      ks = np.arange(i + 1, j - 1)
+    best_pop, pop_terms = -np.inf, None
+    ks = np.arange(max(i + 1, 0), j - 1)
+    if len(ks):
       # [k, t, s, z]: γ_{i,k}[q,x,t,y] + γ_{k,j−1}[t,y,s,z] + pop[s,z,r].
-      pop_terms = (lg[i, ks, q, x, :, y][:, :, None, None]
-                   + lg[ks, j - 1, :, y] + pop[j - 1, :, :, r][None, None])
+      pop_terms = (lg[i + 1, ks, q, x, :, y][:, :, None, None]
+                   + lg[ks + 1, j - 1, :, y] + pop[j - 1, :, :, r][None, None])
       best_pop = pop_terms.max()
     if best_rep >= best_pop:
       s_, z = _argmax(rep)
@@ -1065,6 +1095,19 @@ def replay_run(actions, push=None, repl=None, pop=None):
     ValueError: if the run is not valid under the frozen-bottom semantics
       (wrong state, replacing ⊥, popping the symbol on ⊥, bad popped symbol).
   """
+  return replay_with_heights(
+      actions, push, repl, pop, min_replace_height=2, min_pop_height=3,
+      replace_error="replaces the bottom symbol",
+      pop_error="pops the symbol directly on the bottom")
+
+
+def replay_with_heights(actions, push, repl, pop, min_replace_height,
+                        min_pop_height, replace_error, pop_error):
+  """`replay_run` with the stack heights replace / pop need (⊥ counts 1).
+
+  Shared with rns_stack.replay_run (fixed bottom: 1 and 2). `replace_error`
+  and `pop_error` end the ValueError for a replace / pop below its height.
+  """
   stacks, state, total = [(0,)], 0, 0.0
   for n, (j, kind, q, r, y) in enumerate(actions):
     stack = stacks[-1]
@@ -1076,13 +1119,13 @@ def replay_run(actions, push=None, repl=None, pop=None):
     if kind == PUSH:
       new, w = stack + (y,), None if push is None else push[j - 1][q, x, r, y]
     elif kind == REPLACE:
-      if len(stack) < 2:
-        raise ValueError(f"step {j} replaces the bottom symbol")
-      new, w = stack[:-1] + (y,), None if repl is None else repl[j - 1][
-          q, x, r, y]
+      if len(stack) < min_replace_height:
+        raise ValueError(f"step {j} {replace_error}")
+      new = stack[:-1] + (y,)
+      w = None if repl is None else repl[j - 1][q, x, r, y]
     elif kind == POP:
-      if len(stack) < 3:
-        raise ValueError(f"step {j} pops the symbol directly on the bottom")
+      if len(stack) < min_pop_height:
+        raise ValueError(f"step {j} {pop_error}")
       if y != x:
         raise ValueError(f"step {j} pops {y} but the top is {x}")
       new, w = stack[:-1], None if pop is None else pop[j - 1][q, x, r]

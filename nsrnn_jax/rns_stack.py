@@ -62,16 +62,33 @@ is one batched matmul over (b, y) contracting (k, t), with no transposes of
 the table.
 `limited_stack` runs the same step on a D × D sliding window.
 
-Gradient: `run` and `run_coupled` have a custom VJP whose forward keeps only
-the final table and log α (O(B·T²·Q²·S²)), and whose backward is one reverse
-sweep that takes `jax.vjp` of update j on the final tables (update j reads
-only columns < j, which never change after they are written;
-ns-stack-gradient.md §3 "vjp-step"). The adjoint table is the only other
-table-sized array, so gradient memory is O(T²), not the O(T³) of autodiff
-through a scan that carries the table.
+Blocking (ns_stack's technique): the updates are split into up to 4 static
+time blocks; block [j0, j1) is one `lax.scan` over the table sliced to the
+time points ≤ j1, the only ones it reads or writes, so the padded table is
+not swept in full at every step. The column sums c_k are carried (written
+with their column) rather than recomputed from the table, so the pop matmul
+G·M̃ is the only table-sized work of an update.
+
+Gradient: `run` and `run_coupled` have a custom VJP whose forward keeps the
+final table, the column sums, log α̂ and every update's M̃ (O(B·T²·Q²·S)),
+and whose backward is one blocked reverse sweep. Update j's column-sized
+part (`_local`, plus the controller step for `run_coupled`) is
+differentiated with `jax.vjp` on the final tables (update j reads only
+columns < j, which never change after they are written; ns-stack-gradient.md
+§3 "vjp-step"). The pop matmul is transposed by hand, as in ns_stack: M̃'s
+cotangent is one matmul with the transposed table, and the table's
+cotangent is never formed — column k's share of it, Σ_{j'} W_{j'} M̃_{j'}[k]
+with W_{j'} the cotangent of column j', is one matmul of a W table of all
+later updates with the stored M̃'s, computed when the sweep reaches column
+k. Gradient memory is O(T²) (table, its transpose, W table, M̃'s), not the
+O(T³) of autodiff through a scan that carries the table.
+
+Precision: every contraction, forward and backward, takes the matmul
+precision name of `ns_stack` ("highest" by default: reduced-precision
+passes on GPUs / TPUs would cost the shares their accuracy).
 
 Cost: O(B·T³·Q³·S²) time (pop, factorised through M̃) + O(B·T²·Q³·S³)
-(replace); every update works on the padded (T+2)² table.
+(replace), with ns_stack's constants (benchmarks/rns_stack.py --vs-ns).
 
 Shape legend: B batch, T updates, N = T + 2 time points of the table axis,
 Q states, S stack symbols, Y/X/Z symbols in roles, R destination state.
@@ -85,14 +102,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nsrnn_jax import ns_stack
+from nsrnn_jax.ns_stack import backtrace
+from nsrnn_jax.ns_stack import check_precision
+from nsrnn_jax.ns_stack import lax_precision
+from nsrnn_jax.ns_stack import replay_with_heights
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
 from nsrnn_jax.ns_stack import safe_log as _safe_log
-
-# Every contraction runs at full float32 (float64 stays float64) on every
-# backend: JAX's default on GPUs / TPUs is reduced precision (TF32 / bf16
-# passes), which the DP's shares cannot afford. Transposes (the custom VJP's
-# jax.vjp) inherit it.
-_PRECISION = lax.Precision.HIGHEST
+from nsrnn_jax.ns_stack import time_blocks as _time_blocks
 
 Array = jax.Array
 
@@ -255,48 +272,31 @@ def _finite_max(x, axis):
   return lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
 
 
-def update(g_BxYxNxQxXxNxT, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
-           pop_BxQxSxQ):
-  """One update j on a share table.
+def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
+           pop_BxQxSxQ, prec):
+  """The column-sized part of update j (everything but the pop matmul).
 
   Args:
-    g_BxYxNxQxXxNxT: shares (layout of `initial_table`) on a common time
-      axis; axis index ``p`` holds
-      time j−1. Only columns ≤ p are read (later columns, present in the
-      final table during the backward sweep, are masked), and every row the
-      table holds is a row the stack keeps at update j.
-    p: axis index of time j−1 (int or traced int).
-    a_prev_BxQxS: log α_{j−1} up to a constant per batch element (the
-      drivers pass the normalised log α̂_{j−1}, logsumexp 0).
-    push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ: update j's log-weights.
+    prev: column j−1, H_{i,j−1}[q,x,s,z] at [b, z, i, q, x, s].
+    cs: column sums c_k[t,y] = Σ_{i,q,x} H_{i,k}[q,x,t,y], [b, y, k, t],
+      on the table's time axis (entries k ≥ p are ignored).
+    p, a_prev_BxQxS, actions: as for `update`.
+    prec: lax precision of the contractions.
 
   Returns:
-    (col_BxYxNxQxXxR, a_hat_BxQxS, inc_B): column j on the same row axis
-    (row p is the push row, time j−1), indexed [b, y, i, q, x, r]; the normalised log α̂_j; and
-    inc = log Σα_j − (the constant of a_prev), so that with a normalised
-    a_prev, log Σα_j = log Σα_{j−1} + inc. Dead (all-zero) α_j gives
-    α̂_j = −inf and inc = −inf.
-
-  Why the shift m: in float32, log-weights like −1e4 or +50·j lose their
-  fractional digits when added to anything; every exponent below is formed
-  from small numbers only (α̂ ≤ 0, actions − m, a_j − m) so shares keep full
-  relative precision. m is a constant for differentiation (the result does
-  not depend on it).
+    (col_local [b,y,i,q,x,r] (replace rows + push row), mt [b,y,k,t,r]
+    (M̃_k; zero for k ≥ p and where c_k flushed), a_hat_BxQxS, inc_B);
+    column j = col_local + Σ_{k,t} G[b,y,i,q,x,k,t] mt[b,y,k,t,r].
   """
-  g = g_BxYxNxQxXxNxT
-  dtype = g.dtype
+  dtype = prev.dtype
   flush = _flush(dtype)
-  n = g.shape[2]
-  idx = jnp.arange(n)
+  idx = jnp.arange(cs.shape[2])
   left = idx < p                                   # columns k ≤ j−2
-  # prev[b, z, i, q, x, s] = H_{i,j−1}[q,x,s,z].
-  prev = lax.dynamic_index_in_dim(g, p, axis=5, keepdims=False)
-  colsum = jnp.sum(g, axis=(2, 3, 4))              # b y k t
-  c_left = jnp.where(left[None, None, :, None], colsum, 0)
+  c_left = jnp.where(left[None, None, :, None], cs, 0)
   c_prev = jnp.swapaxes(
-      lax.dynamic_index_in_dim(colsum, p, axis=2, keepdims=False), 1, 2)
+      lax.dynamic_index_in_dim(cs, p, axis=2, keepdims=False), 1, 2)
   # W[y,s,z] = Σ_{k,t} c_k[t,y] H_{k,j−1}[t,y,s,z]  (rows of prev = times k).
-  w = jnp.einsum("bykt,bzktys->bysz", c_left, prev, precision=_PRECISION)
+  w = jnp.einsum("bykt,bzktys->bysz", c_left, prev, precision=prec)
   a_prev = a_prev_BxQxS
   ok_r = c_prev > flush
   a_rep = jnp.where(ok_r, a_prev + _safe_log(jnp.where(ok_r, c_prev, 1)),
@@ -334,55 +334,236 @@ def update(g_BxYxNxQxXxNxT, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   x = a_prev[..., None, None] + re - a_j[:, None, None]
   k_rep = _exp_share(x, ok_r[..., None, None] & ok_j[:, None, None]
                      & jnp.isfinite(x), dtype)                  # b s z r y
-  col = jnp.einsum("bziqxs,bszry->byiqxr", prev, k_rep, precision=_PRECISION)
+  col = jnp.einsum("bziqxs,bszry->byiqxr", prev, k_rep, precision=prec)
   # Pop rows: M̃_k[t,y,r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r].
   x = (a_prev[:, None, :, :, None] + po[:, None]
        - jnp.swapaxes(a_j, 1, 2)[:, :, None, None, :])          # b y s z r
   k_pop = _exp_share(x, ok_w[..., None] & jnp.isfinite(x), dtype)
-  mt = jnp.einsum("bzktys,byszr->byktr", prev, k_pop, precision=_PRECISION)
+  mt = jnp.einsum("bzktys,byszr->byktr", prev, k_pop, precision=prec)
   mt = jnp.where((c_left > flush)[..., None], mt, 0)
-  col = col + jnp.einsum("byiqxkt,byktr->byiqxr", g, mt, precision=_PRECISION)
-  row_p = (idx == p).astype(dtype)[None, None, :, None, None, None]
-  col = col + row_p * jnp.transpose(push_row, (0, 4, 1, 2, 3))[:, :, None]
+  row_p = (idx == p).astype(dtype)
+  col = col + (row_p[None, None, :, None, None, None]
+               * jnp.transpose(push_row, (0, 4, 1, 2, 3))[:, :, None])
   log_z = _lse(a_j.reshape(b, -1), axis=1)                        # b
   alive = jnp.isfinite(log_z)
   a_hat = jnp.where(alive[:, None, None],
                     a_j - jnp.where(alive, log_z, 0)[:, None, None], -jnp.inf)
-  return col, a_hat, log_z + m
+  return col, mt, a_hat, log_z + m
+
+
+def _pop_matmul(g, mt, prec):
+  """Σ_{k,t} G[b,y,i,q,x,k,t] mt[b,y,k,t,r]: the only table-sized work."""
+  return jnp.einsum("byiqxkt,byktr->byiqxr", g, mt, precision=prec)
+
+
+def update(g_BxYxNxQxXxNxT, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
+           pop_BxQxSxQ, precision="highest"):
+  """One update j on a share table.
+
+  Args:
+    g_BxYxNxQxXxNxT: shares (layout of `initial_table`) on a common time
+      axis; axis index ``p`` holds
+      time j−1. Only columns ≤ p are read (later columns, present in the
+      final table during the backward sweep, are masked), and every row the
+      table holds is a row the stack keeps at update j.
+    p: axis index of time j−1 (int or traced int).
+    a_prev_BxQxS: log α_{j−1} up to a constant per batch element (the
+      drivers pass the normalised log α̂_{j−1}, logsumexp 0).
+    push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ: update j's log-weights.
+    precision: matmul precision name (`ns_stack.MATMUL_PRECISIONS`).
+
+  Returns:
+    (col_BxYxNxQxXxR, a_hat_BxQxS, inc_B): column j on the same row axis
+    (row p is the push row, time j−1), indexed [b, y, i, q, x, r]; the normalised log α̂_j; and
+    inc = log Σα_j − (the constant of a_prev), so that with a normalised
+    a_prev, log Σα_j = log Σα_{j−1} + inc. Dead (all-zero) α_j gives
+    α̂_j = −inf and inc = −inf.
+
+  Why the shift m: in float32, log-weights like −1e4 or +50·j lose their
+  fractional digits when added to anything; every exponent below is formed
+  from small numbers only (α̂ ≤ 0, actions − m, a_j − m) so shares keep full
+  relative precision. m is a constant for differentiation (the result does
+  not depend on it).
+  """
+  g = g_BxYxNxQxXxNxT
+  prec = lax_precision(precision)
+  # prev[b, z, i, q, x, s] = H_{i,j−1}[q,x,s,z].
+  prev = lax.dynamic_index_in_dim(g, p, axis=5, keepdims=False)
+  colsum = jnp.sum(g, axis=(2, 3, 4))              # b y k t
+  col, mt, a_hat, inc = _local(prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS,
+                               repl_BxQxSxQxS, pop_BxQxSxQ, prec)
+  return col + _pop_matmul(g, mt, prec), a_hat, inc
 
 
 # ---------------------------------------------------------------------------
-# Unlimited stack: forward scan and the vjp-step custom VJP.
+# Unlimited stack: blocked forward scans and the hand-split custom VJP.
 # ---------------------------------------------------------------------------
 
 
 def _initial(b, t, q, s, bottom, dtype):
-  """Initial table, normalised log α̂ [B, T+1, Q, S] and log Σα [B, T+1]."""
+  """Initial table, its column sums, log α̂ [B, T+1, Q, S], log Σα [B, T+1]."""
   g = initial_table(b, t + 2, q, s, bottom, corner=1, dtype=dtype)
   la = jnp.full((b, t + 1, q, s), -jnp.inf, dtype).at[:, 0, 0, 0].set(0)
-  return g, la, jnp.zeros((b, t + 1), dtype)
+  return g, jnp.sum(g, axis=(2, 3, 4)), la, jnp.zeros((b, t + 1), dtype)
 
 
-def _forward(push, repl, pop, bottom):
-  """Forward scan; returns the final share table, log α̂ and log Σα."""
-  b, t, q, s = push.shape[:4]
-  g, la, lm = _initial(b, t, q, s, bottom, push.dtype)
+def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt):
+  """Runs updates 1..T in static time blocks (shared by run / run_coupled).
 
-  def body(carry, inp):
-    g, la, lm = carry
-    j, pu, re, po = inp
-    a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
-    col, a_hat, inc = update(g, j, a_prev, pu, re, po)  # time j−1 at index j
-    g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=5)
-    la = lax.dynamic_update_index_in_dim(la, a_hat, j, axis=1)
-    lm_prev = lax.dynamic_index_in_dim(lm, j - 1, axis=1, keepdims=False)
-    lm = lax.dynamic_update_index_in_dim(lm, lm_prev + inc, j, axis=1)
-    return (g, la, lm), None
+  Block [j0, j1) is one `lax.scan` over the table sliced to the time points
+  ≤ j1 (axis indices < j1 + 1), the only ones its updates read or write
+  (ns_stack's blocking). The column sums are carried, not recomputed from
+  the table, so each update touches the table once (the pop matmul).
 
-  xs = (jnp.arange(1, t + 1),) + tuple(jnp.swapaxes(a, 0, 1)
-                                      for a in (push, repl, pop))
-  (g, la, lm), _ = lax.scan(body, (g, la, lm), xs)
-  return g, la, lm
+  Args:
+    t: number of updates T.
+    init: (g, cs, la, lm) from `_initial`.
+    xs_T: time-major per-update inputs (pytree, leading axis T).
+    local_fn: (j, extra, x_j, prev, cs, a_prev) -> (extra, (col_local, mt,
+      a_hat, inc), ys_j): the column-sized part of update j (`_local`,
+      preceded by the controller step for `run_coupled`).
+    extra0: initial extra carry (controller carry, or ()).
+    prec: lax precision.
+    keep_mt: also return every update's M̃ (for the backward sweep).
+
+  Returns:
+    (g, cs, la, lm, extra, ys (time-major), mt_TxBxYxNxTxR or None).
+  """
+  g, cs, la, lm = init
+  num_pts = g.shape[2]
+  extra, ys_all, mts = extra0, [], []
+  # T = 0 runs one empty block, so every output keeps its (empty) shape.
+  for j0, j1 in _time_blocks(t) or [(1, 1)]:
+    n = j1 + 1
+
+    def body(carry, inp):
+      extra, g, cs, la, lm = carry
+      j, x_j = inp
+      a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
+      prev = lax.dynamic_index_in_dim(g, j, axis=5, keepdims=False)
+      extra, (col, mt, a_hat, inc), ys = local_fn(j, extra, x_j, prev, cs,
+                                                  a_prev)
+      col = col + _pop_matmul(g, mt, prec)          # column j, index j + 1
+      g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=5)
+      cs = lax.dynamic_update_index_in_dim(cs, jnp.sum(col, axis=(2, 3, 4)),
+                                           j + 1, axis=2)
+      la = lax.dynamic_update_index_in_dim(la, a_hat, j, axis=1)
+      lm_prev = lax.dynamic_index_in_dim(lm, j - 1, axis=1, keepdims=False)
+      lm = lax.dynamic_update_index_in_dim(lm, lm_prev + inc, j, axis=1)
+      return (extra, g, cs, la, lm), (ys, mt if keep_mt else None)
+
+    x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
+    carry = (extra, g[:, :, :n, :, :, :n], cs[:, :, :n], la, lm)
+    (extra, g_p, cs_p, la, lm), (ys, mt) = lax.scan(
+        body, carry, (jnp.arange(j0, j1), x_blk))
+    g = g.at[:, :, :n, :, :, :n].set(g_p)
+    cs = cs.at[:, :, :n].set(cs_p)
+    ys_all.append(ys)
+    if keep_mt:
+      mts.append(jnp.pad(mt, [(0, 0)] * 3 + [(0, num_pts - n), (0, 0),
+                                             (0, 0)]))
+  ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0), *ys_all)
+  mt = jnp.concatenate(mts, axis=0) if keep_mt else None
+  return g, cs, la, lm, extra, ys, mt
+
+
+def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
+                     extra_init, prec):
+  """One reverse sweep j = T..1 over the final tables (blocked like forward).
+
+  Update j's column-sized part is differentiated with `jax.vjp` (it reads
+  only column j−1, the column sums and α̂_{j−1}, which are final). The pop
+  matmul col += G·M̃_j is transposed by hand: its M̃ cotangent is one
+  matmul with the (transposed) table, and its table cotangent
+  Σ_r W_j[...,r] M̃_j[k,t,r] (W_j = the cotangent of column j) is never
+  formed: column k's share of it is needed only when the sweep reaches
+  the update that wrote column k, as one matmul of the stored W's of all
+  later updates with the forward's M̃_{·}[k] (ns_stack's W-table trick).
+  Memory: the table, its transpose, the W table and M̃ of all updates,
+  O(B·T²·Q²·S²·Q); no adjoint table.
+
+  Args:
+    g, cs, la: final share table, column sums, log α̂.
+    mt_all: M̃ of every update, [T, B, Y, N, T(state), R].
+    xs_T: time-major per-update inputs passed to `local_vjp`.
+    la_ct: cotangent of log α̂ [B, T+1, Q, S]; inc_ct: of the increments,
+      [B, T+1] (entry j for update j).
+    local_vjp: (j, extra, x_j, prev, cs, a_prev, cts) -> (extra, d_prev,
+      d_cs, d_a_prev, ys_j): the VJP of `_forward_blocks`' local_fn with
+      cts = (col_local_ct, mt_ct, a_hat_ct, inc_ct).
+    extra_init: initial backward extra carry.
+    prec: lax precision.
+
+  Returns:
+    (final extra carry, ys (time-major)).
+  """
+  num_steps = mt_all.shape[0]
+  bsz, ny, npt, nq, nx, _, nr = g.shape
+  # e_all[b, y, k, t, j', r] = M̃_{j'+1}[b, y, k, t, r].
+  e_all = jnp.transpose(mt_all, (1, 2, 3, 4, 0, 5))
+  dtype = g.dtype
+  w_full = jnp.zeros((bsz * ny, num_steps * nr, npt * nq * nx), dtype)
+  col0 = jnp.zeros((bsz, ny, npt, nq, nx, nr), dtype)
+  carry = (w_full, col0, col0, jnp.zeros_like(cs), la_ct, extra_init)
+  if not num_steps:           # no update: nothing to differentiate.
+    return extra_init, None
+  ys_all = []
+  for j0, j1 in reversed(_time_blocks(num_steps)):
+    n = j1 + 1
+    g_p = g[:, :, :n, :, :, :n]
+    # Transposed table [b·y, (k, t), (i, q, x)]: M̃'s cotangent is then a
+    # plain (NN) matmul.
+    g_t = jnp.transpose(g_p, (0, 1, 5, 6, 2, 3, 4)).reshape(
+        bsz * ny, n * nr, n * nq * nx)
+    cs_p = cs[:, :, :n]
+    e_p = e_all[:, :, :n, :, j0 - 1:].reshape(bsz, ny, n, nr, -1)
+
+    def body(carry, inp, g_p=g_p, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n):
+      w_tab, w_next, prev_hat, cs_bar, la_bar, extra = carry
+      j, x_j = inp
+      # W_{j+1} is written one step late, before the W table is read, and
+      # fenced, so XLA updates it in place (ns_stack's measured layout).
+      w_tab = lax.optimization_barrier(lax.dynamic_update_slice_in_dim(
+          w_tab, jnp.transpose(w_next, (0, 1, 5, 2, 3, 4)).reshape(
+              bsz * ny, nr, -1),
+          (jnp.minimum(j + 1, num_steps) - j0) * nr, axis=1))
+      k = j + 1                                     # index of column j
+      e_col = lax.dynamic_index_in_dim(e_p, k, axis=2, keepdims=False)
+      left = lax.dot_general(e_col.reshape(bsz * ny, nr, -1), w_tab,
+                             (((2,), (1,)), ((0,), (0,))), precision=prec)
+      left = jnp.transpose(left.reshape(bsz, ny, nr, n, nq, nx),
+                           (0, 1, 3, 4, 5, 2))
+      cs_k = lax.dynamic_index_in_dim(cs_bar, k, axis=2, keepdims=False)
+      col_ct = prev_hat + left + cs_k[:, :, None, None, None, :]
+      mt_ct = lax.dot_general(
+          g_t, jnp.transpose(col_ct, (0, 1, 5, 2, 3, 4)).reshape(
+              bsz * ny, nr, -1), (((2,), (2,)), ((0,), (0,))),
+          precision=prec).reshape(bsz, ny, n, nr, nr)
+      a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
+      i_ct = lax.dynamic_index_in_dim(inc_ct, j, axis=1, keepdims=False)
+      a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
+      prev = lax.dynamic_index_in_dim(g_p, j, axis=5, keepdims=False)
+      extra, d_prev, d_cs, d_a, ys = local_vjp(
+          j, extra, x_j, prev, cs_p, a_prev, (col_ct, mt_ct, a_ct, i_ct))
+      la_bar = lax.dynamic_update_index_in_dim(
+          la_bar, lax.dynamic_index_in_dim(la_bar, j - 1, 1, False) + d_a,
+          j - 1, axis=1)
+      return (w_tab, col_ct, d_prev, cs_bar + d_cs, la_bar, extra), ys
+
+    w_full, w_next, prev_hat, cs_bar, la_bar, extra = carry
+    sub = (w_full[:, (j0 - 1) * nr:, :n * nq * nx], w_next[:, :, :n],
+           prev_hat[:, :, :n], cs_bar[:, :, :n], la_bar, extra)
+    x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
+    sub, ys = lax.scan(body, sub, (jnp.arange(j0, j1), x_blk), reverse=True)
+    w_s, w_next_s, prev_s, cs_s, la_bar, extra = sub
+    carry = (w_full.at[:, (j0 - 1) * nr:, :n * nq * nx].set(w_s),
+             jnp.pad(w_next_s, [(0, 0), (0, 0), (0, npt - n)] + [(0, 0)] * 3),
+             jnp.pad(prev_s, [(0, 0), (0, 0), (0, npt - n)] + [(0, 0)] * 3),
+             cs_bar.at[:, :, :n].set(cs_s), la_bar, extra)
+    ys_all.append(ys)
+  ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0),
+                              *ys_all[::-1])
+  return carry[5], ys
 
 
 def _increment_cotangents(lm_ct):
@@ -390,50 +571,60 @@ def _increment_cotangents(lm_ct):
   return jnp.flip(jnp.cumsum(jnp.flip(lm_ct, 1), axis=1), 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tables(push, repl, pop, bottom):
-  return _forward(push, repl, pop, bottom)[1:]
+def _actions_local(prec):
+  """local_fn of `run`: the per-update inputs are the actions themselves."""
+  def local_fn(j, extra, acts, prev, cs, a_prev):
+    return extra, _local(prev, cs, j, a_prev, *acts, prec), None
+  return local_fn
 
 
-def _tables_fwd(push, repl, pop, bottom):
-  g, la, lm = _forward(push, repl, pop, bottom)
-  return (la, lm), (g, la, push, repl, pop)
+def _forward(push, repl, pop, bottom, precision, keep_mt=False):
+  """Forward; returns (g, cs, log α̂, log Σα, M̃ of every update or None)."""
+  b, t, q, s = push.shape[:4]
+  prec = lax_precision(precision)
+  xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
+  g, cs, la, lm, _, _, mt = _forward_blocks(
+      t, _initial(b, t, q, s, bottom, push.dtype), xs_T, _actions_local(prec),
+      (), prec, keep_mt)
+  return g, cs, la, lm, mt
 
 
-def _tables_bwd(bottom, res, cts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tables(push, repl, pop, bottom, precision):
+  return _forward(push, repl, pop, bottom, precision)[2:4]
+
+
+def _tables_fwd(push, repl, pop, bottom, precision):
+  g, cs, la, lm, mt = _forward(push, repl, pop, bottom, precision, True)
+  return (la, lm), (g, cs, la, mt, push, repl, pop)
+
+
+def _tables_bwd(bottom, precision, res, cts):
   del bottom
-  g, la, push, repl, pop = res
+  g, cs, la, mt, push, repl, pop = res
   la_ct, lm_ct = cts
-  inc_ct = _increment_cotangents(lm_ct)
-  t = push.shape[1]
+  prec = lax_precision(precision)
+  local_fn = _actions_local(prec)
 
-  def body(carry, inp):
-    g_bar, la_bar = carry
-    j, pu, re, po, i_ct = inp
-    a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
-    col_ct = lax.dynamic_index_in_dim(g_bar, j + 1, axis=5, keepdims=False)
-    a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
-    _, vjp = jax.vjp(lambda gg, ap, a, b_, c: update(gg, j, ap, a, b_, c),
-                     g, a_prev, pu, re, po)
-    dg, da, dpu, dre, dpo = vjp((col_ct, a_ct, i_ct))
-    g_bar = g_bar + dg
-    la_bar = lax.dynamic_update_index_in_dim(
-        la_bar, lax.dynamic_index_in_dim(la_bar, j - 1, 1, False) + da,
-        j - 1, axis=1)
-    return (g_bar, la_bar), (dpu, dre, dpo)
+  def local_vjp(j, extra, acts, prev, cs_p, a_prev, cts):
+    f = lambda pv, c, ap, *a: local_fn(j, (), a, pv, c, ap)[1]
+    _, vjp = jax.vjp(f, prev, cs_p, a_prev, *acts)
+    d_prev, d_cs, d_a, *d_acts = vjp(cts)
+    return extra, d_prev, d_cs, d_a, tuple(d_acts)
 
-  xs = ((jnp.arange(1, t + 1),)
-        + tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
-        + (jnp.swapaxes(inc_ct[:, 1:], 0, 1),))
-  _, (dpu, dre, dpo) = lax.scan(body, (jnp.zeros_like(g), la_ct), xs,
-                                reverse=True)
-  return tuple(jnp.swapaxes(d, 0, 1) for d in (dpu, dre, dpo))
+  xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
+  _, d_acts = _backward_blocks(g, cs, la, mt, xs_T, la_ct,
+                               _increment_cotangents(lm_ct), local_vjp, (),
+                               prec)
+  if d_acts is None:          # T = 0
+    return tuple(jnp.zeros_like(a) for a in (push, repl, pop))
+  return tuple(jnp.swapaxes(d, 0, 1) for d in d_acts)
 
 
 _tables.defvjp(_tables_fwd, _tables_bwd)
 
 
-def run(push, repl, pop, bottom=FIXED):
+def run(push, repl, pop, bottom=FIXED, precision="highest"):
   """Normalised log α and log Σα for j = 0..T from action log-weights.
 
   Exact for any finite log-weights (unnormalised, large, −inf), in float32
@@ -443,6 +634,8 @@ def run(push, repl, pop, bottom=FIXED):
     push, repl: [B, T, Q, S, Q, S] log-weights indexed (q, x, r, y).
     pop: [B, T, Q, S, Q] log-weights indexed (q, x, r).
     bottom: "fixed" (default) or "frozen".
+    precision: matmul precision of every contraction, forward and backward
+      (`ns_stack.MATMUL_PRECISIONS`; "highest" = full float32 everywhere).
 
   Returns:
     (log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]) with
@@ -454,12 +647,12 @@ def run(push, repl, pop, bottom=FIXED):
   _check_bottom(bottom)
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
   _check_actions(push, repl, pop)
-  return _run_jit(push, repl, pop, bottom)
+  return _run_jit(push, repl, pop, bottom, check_precision(precision))
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
-def _run_jit(push, repl, pop, bottom):
-  return _tables(push, repl, pop, bottom)
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _run_jit(push, repl, pop, bottom, precision):
+  return _tables(push, repl, pop, bottom, precision)
 
 
 # ---------------------------------------------------------------------------
@@ -467,13 +660,13 @@ def _run_jit(push, repl, pop, bottom):
 # ---------------------------------------------------------------------------
 
 
-def _coupled_step(step_fn, reading, params, ctrl, x, g, la, j):
-  """Controller step j, then update j; (ctrl_j, out_j, col_j, α̂_j, inc_j)."""
-  a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
-  rho, _ = readout(a_prev, reading)
-  ctrl, acts, out = step_fn(params, ctrl, x, rho)
-  col, a_hat, inc = update(g, j, a_prev, *acts)
-  return ctrl, out, col, a_hat, inc
+def _coupled_local(step_fn, reading, params, prec):
+  """local_fn of `run_coupled`: controller step j, then update j's part."""
+  def local_fn(j, ctrl, x, prev, cs, a_prev, params=params):
+    rho, _ = readout(a_prev, reading)
+    new_ctrl, acts, out = step_fn(params, ctrl, x, rho)
+    return new_ctrl, _local(prev, cs, j, a_prev, *acts, prec), (out, ctrl)
+  return local_fn
 
 
 def _float_dtype(tree):
@@ -482,39 +675,32 @@ def _float_dtype(tree):
   return jnp.result_type(*leaves) if leaves else jnp.float32
 
 
-def _coupled_forward(step_fn, q, s, bottom, reading, params, init_carry, xs):
+def _coupled_forward(step_fn, q, s, bottom, reading, precision, params,
+                     init_carry, xs, keep_mt):
   leaves = jax.tree_util.tree_leaves(xs)
   b, t = leaves[0].shape[:2]
-  g, la, lm = _initial(b, t, q, s, bottom, _float_dtype(params))
+  prec = lax_precision(precision)
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
-
-  def body(carry, inp):
-    ctrl, g, la, lm = carry
-    j, x = inp
-    new_ctrl, out, col, a_hat, inc = _coupled_step(step_fn, reading, params,
-                                                   ctrl, x, g, la, j)
-    g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=5)
-    la = lax.dynamic_update_index_in_dim(la, a_hat, j, axis=1)
-    lm_prev = lax.dynamic_index_in_dim(lm, j - 1, axis=1, keepdims=False)
-    lm = lax.dynamic_update_index_in_dim(lm, lm_prev + inc, j, axis=1)
-    return (new_ctrl, g, la, lm), (out, ctrl)
-
-  (_, g, la, lm), (outs, ctrls) = lax.scan(body, (init_carry, g, la, lm),
-                                           (jnp.arange(1, t + 1), xs_T))
-  return outs, la, lm, g, ctrls
+  init = _initial(b, t, q, s, bottom, _float_dtype(params))
+  g, cs, la, lm, _, (outs, ctrls), mt = _forward_blocks(
+      t, init, xs_T, _coupled_local(step_fn, reading, params, prec),
+      init_carry, prec, keep_mt)
+  return outs, la, lm, g, cs, ctrls, mt
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _coupled(step_fn, q, s, bottom, reading, params, init_carry, xs):
-  outs, la, lm, _, _ = _coupled_forward(step_fn, q, s, bottom, reading,
-                                        params, init_carry, xs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _coupled(step_fn, q, s, bottom, reading, precision, params, init_carry,
+             xs):
+  outs, la, lm = _coupled_forward(step_fn, q, s, bottom, reading, precision,
+                                  params, init_carry, xs, False)[:3]
   return outs, la, lm
 
 
-def _coupled_fwd(step_fn, q, s, bottom, reading, params, init_carry, xs):
-  outs, la, lm, g, ctrls = _coupled_forward(step_fn, q, s, bottom, reading,
-                                            params, init_carry, xs)
-  return (outs, la, lm), (params, xs, g, la, ctrls)
+def _coupled_fwd(step_fn, q, s, bottom, reading, precision, params,
+                 init_carry, xs):
+  outs, la, lm, g, cs, ctrls, mt = _coupled_forward(
+      step_fn, q, s, bottom, reading, precision, params, init_carry, xs, True)
+  return (outs, la, lm), (params, xs, g, cs, la, ctrls, mt)
 
 
 def _zero_cotangent(x):
@@ -524,37 +710,35 @@ def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _coupled_bwd(step_fn, q, s, bottom, reading, res, cts):
-  """Reverse sweep: vjp of (controller step j + update j) on final tables."""
+def _coupled_bwd(step_fn, q, s, bottom, reading, precision, res, cts):
+  """Reverse sweep: vjp of (controller step j + update j's local part)."""
   del q, s, bottom
-  params, xs, g, la, ctrls = res
+  params, xs, g, cs, la, ctrls, mt = res
   outs_ct, la_ct, lm_ct = cts
-  inc_ct = _increment_cotangents(lm_ct)
+  prec = lax_precision(precision)
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
-  t = jax.tree_util.tree_leaves(xs)[0].shape[1]
-  outs_ct_T = outs_ct  # _coupled's outs are time-major
   zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
 
-  def body(carry, inp):
-    p_bar, c_bar, g_bar, la_bar = carry
-    j, x, ctrl_prev, out_ct, i_ct = inp
+  def local_vjp(j, extra, inp, prev, cs_p, a_prev, cts):
+    p_bar, c_bar = extra
+    x, ctrl_prev, out_ct = inp
 
-    def f(p, c, lla, gg):
-      return _coupled_step(step_fn, reading, p, c, x, gg, lla, j)
+    def f(p, c, pv, cc, ap):
+      new_ctrl, parts, (out, _) = _coupled_local(step_fn, reading, p, prec)(
+          j, c, x, pv, cc, ap)
+      return new_ctrl, out, parts
 
-    _, vjp = jax.vjp(f, params, ctrl_prev, la, g)
-    col_ct = lax.dynamic_index_in_dim(g_bar, j + 1, axis=5, keepdims=False)
-    a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
-    dp, dc, dla, dg = vjp((c_bar, out_ct, col_ct, a_ct, i_ct))
+    _, vjp = jax.vjp(f, params, ctrl_prev, prev, cs_p, a_prev)
+    dp, dc, d_prev, d_cs, d_a = vjp((c_bar, out_ct, cts))
     p_bar = jax.tree_util.tree_map(jnp.add, p_bar, dp)
-    return (p_bar, dc, g_bar + dg, la_bar + dla), None
+    return (p_bar, dc), d_prev, d_cs, d_a, None
 
   # The carry after the last step feeds nothing: its cotangent is zero.
   ctrl_last = jax.tree_util.tree_map(lambda c: c[-1], ctrls)
-  init = (zeros(params), zeros(ctrl_last), jnp.zeros_like(g), la_ct)
-  xs_scan = (jnp.arange(1, t + 1), xs_T, ctrls, outs_ct_T,
-             jnp.swapaxes(inc_ct[:, 1:], 0, 1))
-  (p_bar, c_bar, _, _), _ = lax.scan(body, init, xs_scan, reverse=True)
+  (p_bar, c_bar), _ = _backward_blocks(
+      g, cs, la, mt, (xs_T, ctrls, outs_ct), la_ct,
+      _increment_cotangents(lm_ct), local_vjp,
+      (zeros(params), zeros(ctrl_last)), prec)
   return p_bar, c_bar, jax.tree_util.tree_map(_zero_cotangent, xs)
 
 
@@ -563,7 +747,7 @@ _coupled.defvjp(_coupled_fwd, _coupled_bwd)
 
 def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                 num_states: int, num_symbols: int, bottom: str = FIXED,
-                reading: str = STATE):
+                reading: str = STATE, precision: str = "highest"):
   """Runs a controller and the stack together, t = 1..T (O(T²) gradient).
 
   Controller step t sees ρ_{t−1} (ρ_0 is one-hot at index 0), then update t
@@ -579,6 +763,8 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     num_states, num_symbols: Q, S.
     bottom: "fixed" or "frozen".
     reading: "state" (Q·S) or "symbol" (S).
+    precision: matmul precision of the stack DP's contractions (as `run`);
+      the controller's own matmuls are step_fn's business.
 
   Returns:
     (outs, log_alpha_hat, log_mass): outs stacked batch-major [B, T, ...],
@@ -593,7 +779,8 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   if not leaves or any(jnp.ndim(l) < 2 for l in leaves):
     raise ValueError("xs must be a pytree of arrays [B, T, ...]")
   outs_T, la, lm = _coupled(step_fn, int(num_states), int(num_symbols),
-                            bottom, reading, params, init_carry, xs)
+                            bottom, reading, check_precision(precision),
+                            params, init_carry, xs)
   outs = jax.tree_util.tree_map(lambda o: jnp.swapaxes(o, 0, 1), outs_T)
   return outs, la, lm
 
@@ -686,7 +873,7 @@ def _split_mass(log_alpha):
   return hat, lm
 
 
-PUSH, REPLACE, POP = "push", "replace", "pop"
+PUSH, REPLACE, POP = ns_stack.PUSH, ns_stack.REPLACE, ns_stack.POP
 
 
 def viterbi(push, repl, pop, bottom=FIXED, window=None):
@@ -715,64 +902,8 @@ def viterbi(push, repl, pop, bottom=FIXED, window=None):
   lg, la = np.asarray(lg, np.float64), np.asarray(la, np.float64)
   pu, re, po = (np.asarray(a, np.float64) for a in (push, repl, pop))
   fixed = bottom == FIXED
-  return [_backtrace(lg[n], la[n], pu[n], re[n], po[n], t, fixed)
+  return [backtrace(lg[n], la[n], pu[n], re[n], po[n], t, fixed)
           for n in range(b)]
-
-
-def _argmax(a):
-  return np.unravel_index(int(np.argmax(a)), a.shape)
-
-
-def _backtrace(lg, la, push, repl, pop, t, fixed):
-  """One best run from the max-plus tables (lg rows offset by one)."""
-  if t == 0:
-    return [], 0.0
-  best = la[t].max()
-  if not np.isfinite(best):
-    return [], -np.inf
-  # α_j = max_{i,q,x} α_i ⊗ γ_{i,j}; α_{−1} = e (fixed) enters via row −1.
-  alpha_rows = np.full((t + 2,) + la.shape[1:], -np.inf)
-  alpha_rows[1:] = la
-  if fixed:
-    alpha_rows[0, 0, 0] = 0.0
-  actions, todo = [], []
-  r, y = _argmax(la[t])
-  j = t
-  while j > 0:
-    cand = alpha_rows[:j + 1] + lg[:j + 1, j, :, :, r, y]   # rows −1..j−1
-    i1, q, x = _argmax(cand)
-    i = i1 - 1
-    todo.append((i, j, q, x, r, y))
-    if i == -1:
-      break
-    j, r, y = i, q, x
-  while todo:
-    i, j, q, x, r, y = todo.pop()
-    if j == 0:
-      continue
-    if i == j - 1:
-      actions.append((j, PUSH, q, r, y))
-      continue
-    rep = lg[i + 1, j - 1, q, x] + repl[j - 1, :, :, r, y]
-    best_rep = rep.max()
-    best_pop, pop_terms = -np.inf, None
-    ks = np.arange(max(i + 1, 0), j - 1)
-    if len(ks):
-      pop_terms = (lg[i + 1, ks, q, x, :, y][:, :, None, None]
-                   + lg[ks + 1, j - 1, :, y] + pop[j - 1, :, :, r][None, None])
-      best_pop = pop_terms.max()
-    if best_rep >= best_pop:
-      s_, z = _argmax(rep)
-      actions.append((j, REPLACE, s_, r, y))
-      todo.append((i, j - 1, q, x, s_, z))
-    else:
-      kk, t_, s_, z = _argmax(pop_terms)
-      k = int(ks[kk])
-      actions.append((j, POP, s_, r, z))
-      todo.append((i, k, q, x, t_, y))
-      todo.append((k, j - 1, t_, y, s_, z))
-  actions.sort()
-  return actions, float(best)
 
 
 def replay_run(actions, push=None, repl=None, pop=None, bottom=FIXED):
@@ -786,34 +917,9 @@ def replay_run(actions, push=None, repl=None, pop=None, bottom=FIXED):
   """
   _check_bottom(bottom)
   min_repl, min_pop = (1, 2) if bottom == FIXED else (2, 3)
-  stacks, state, total = [(0,)], 0, 0.0
-  for n, (j, kind, q, r, y) in enumerate(actions):
-    stack = stacks[-1]
-    if j != n + 1:
-      raise ValueError(f"action {n} has step {j}, expected {n + 1}")
-    if q != state:
-      raise ValueError(f"step {j} starts in state {q}, run is in {state}")
-    x = stack[-1]
-    if kind == PUSH:
-      new, w = stack + (y,), None if push is None else push[j - 1][q, x, r, y]
-    elif kind == REPLACE:
-      if len(stack) < min_repl:
-        raise ValueError(f"step {j} replaces the frozen bottom symbol")
-      new = stack[:-1] + (y,)
-      w = None if repl is None else repl[j - 1][q, x, r, y]
-    elif kind == POP:
-      if len(stack) < min_pop:
-        raise ValueError(f"step {j} pops below the allowed height")
-      if y != x:
-        raise ValueError(f"step {j} pops {y} but the top is {x}")
-      new, w = stack[:-1], None if pop is None else pop[j - 1][q, x, r]
-    else:
-      raise ValueError(f"unknown action kind {kind!r} at step {j}")
-    if w is not None:
-      total += float(w)
-    stacks.append(new)
-    state = r
-  return stacks, (None if push is None else total)
+  return replay_with_heights(actions, push, repl, pop, min_repl, min_pop,
+                             "replaces the frozen bottom symbol",
+                             "pops below the allowed height")
 
 
 # ---------------------------------------------------------------------------

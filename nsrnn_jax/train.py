@@ -136,6 +136,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            f"largest bucket is {buckets[-1]}")
   from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
   rns_stack.validate_stack_config(config)
+  if not isinstance(config.get("predict_eos", False), (bool, np.bool_)):
+    fail("predict_eos", f"must be a bool (got {config.predict_eos!r})")
   dtype = need("dtype")
   if dtype not in DTYPES:
     fail("dtype", f"is {dtype!r}; expected one of {', '.join(DTYPES)}")
@@ -427,17 +429,38 @@ def padded_length(length: int, config) -> int:
                    f"config.length_buckets {tuple(config.length_buckets)}")
 
 
-def make_batch(symbols_BxN: np.ndarray, padded_to: Optional[int] = None
-               ) -> Batch:
-  """{"symbols", "mask"} for strings of one length, zero-padded on the right."""
+def make_batch(symbols_BxN: np.ndarray, padded_to: Optional[int] = None,
+               eos: Optional[int] = None) -> Batch:
+  """{"symbols", "mask"} for strings of one length, zero-padded on the right.
+
+  With `eos` (an id, see `eos_id`), every string is followed by that symbol
+  and the batch is one position longer (`padded_to` + 1): the model then
+  reads w_1..w_n and predicts w_1..w_n, EOS, n + 1 masked targets.
+  """
   symbols_BxN = np.asarray(symbols_BxN, np.int32)
   num, length = symbols_BxN.shape
   padded_to = length if padded_to is None else padded_to
-  symbols = np.zeros((num, padded_to), np.int32)
+  extra = 0 if eos is None else 1
+  symbols = np.zeros((num, padded_to + extra), np.int32)
   symbols[:, :length] = symbols_BxN
-  mask = np.zeros((num, padded_to), np.float32)
-  mask[:, :length] = 1.0
+  if eos is not None:
+    symbols[:, length] = eos
+  mask = np.zeros((num, padded_to + extra), np.float32)
+  mask[:, :length + extra] = 1.0
   return {"symbols": symbols, "mask": mask}
+
+
+def eos_id(config, model) -> Optional[int]:
+  """The EOS id (the model's last output, V) if config.predict_eos, else None.
+
+  `models.build` gives a predict_eos model V + 1 outputs (and V + 1 input
+  slots, the ICLR 2022 layout: the EOS input slot is never set).
+  """
+  try:
+    predict = config.get("predict_eos", False)
+  except AttributeError:
+    predict = getattr(config, "predict_eos", False)
+  return int(model.vocab_size) - 1 if predict else None
 
 
 # ---------------------------------------------------------------------------

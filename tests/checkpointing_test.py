@@ -134,3 +134,16 @@ def test_rng_state_json_round_trip():
   other = np.random.RandomState(0)
   other.set_state(checkpointing.rng_state_from_json(saved))
   np.testing.assert_array_equal(other.permutation(50), expected)
+
+
+def test_a_run_stored_before_predict_eos_resumes_only_without_eos():
+  # Fields missing from a stored config are not compared, except
+  # predict_eos: such a run predicted no EOS (a model with V outputs).
+  stored = {"learning_rate": 0.01}
+  assert checkpointing.config_differences(
+      stored, {"learning_rate": 0.01, "predict_eos": False}) == []
+  diffs = checkpointing.config_differences(
+      stored, {"learning_rate": 0.01, "predict_eos": True})
+  assert diffs == ["predict_eos (stored False, requested True)"]
+  assert checkpointing.config_differences(
+      stored, {"learning_rate": 0.01, "new_field": 3}) == []

@@ -188,6 +188,8 @@ def test_rns_configs(task):
   assert (config.num_states, config.num_stack_symbols) == RNS_QS[task]
   assert (config.stack_normalize, config.stack_reading, config.stack_bottom,
           config.stack_window) == (False, "state", "fixed", 0)
+  # EOS predicted, per-length test bound without ln N_L (both later tags).
+  assert config.predict_eos and not config.test_bound_includes_num_lengths
   assert config.learning_rate in config.learning_rate_grid
   doc = importlib.import_module(f"configs.{task}_rns").__doc__
   assert f"--config=configs/{task}_rns.py" in doc

@@ -94,3 +94,82 @@ def test_unusable_splits_are_one_line_errors_before_any_write(tmp_path):
     train.train_and_evaluate(tiny_config(), str(tmp_path / "run"),
                              splits=no_train, model=TINY)
   assert not os.path.exists(tmp_path / "run")
+
+
+# ---------------------------------------------------------------------------
+# EOS (config.predict_eos): bounds over |w| + 1 symbols.
+# ---------------------------------------------------------------------------
+
+
+def _ideal_eos_model(lengths, vocab):
+  """Brute force: next-symbol log-probabilities (EOS = `vocab`) of the
+  sampling distribution p(w) = p(w | l) / N_L with p(w | l) uniform over
+  all strings of length l over `vocab` symbols (so a string of one length
+  can be the prefix of a longer one and EOS carries information).
+
+  Returns:
+    (apply_fn, strings by length): apply_fn(variables, symbols [B, N]) gives
+    logits [B, N, V + 1] at each position from the prefix before it.
+  """
+  import itertools  # pylint: disable=g-import-not-at-top
+  prob = {w: float(vocab) ** -n / len(lengths) for n in lengths
+          for w in itertools.product(range(vocab), repeat=n)}
+  assert abs(sum(prob.values()) - 1) < 1e-12
+  base, longest = vocab + 2, max(lengths) + 1
+  table = np.full((base ** longest, vocab + 1), -1e4, np.float32)
+  prefixes = {w[:t] for w in prob for t in range(len(w) + 1)}
+  for pre in prefixes:
+    mass = sum(p for w, p in prob.items() if w[:len(pre)] == pre)
+    nxt = [sum(p for w, p in prob.items()
+               if len(w) > len(pre) and w[:len(pre) + 1] == pre + (x,))
+           for x in range(vocab)] + [prob.get(pre, 0.0)]
+    code = sum((s + 1) * base ** i for i, s in enumerate(pre))
+    table[code] = np.log(np.maximum(np.asarray(nxt) / mass, 1e-300)).clip(-1e4)
+  table = jax.numpy.asarray(table)
+
+  def apply_fn(variables, symbols_BxN):
+    del variables
+    n = symbols_BxN.shape[1]
+    digits = (symbols_BxN + 1) * base ** jax.numpy.arange(n)
+    code = jax.numpy.cumsum(digits, axis=1) - digits   # prefix before t
+    return table[jax.numpy.minimum(code, table.shape[0] - 1)]
+
+  strings = {n: np.asarray([w for w in prob if len(w) == n], np.int32)
+             for n in lengths}
+  return apply_fn, strings
+
+
+def test_eos_bound_is_the_cross_entropy_of_the_true_distribution():
+  # With EOS, -ln p(w|l) + ln N_L is exactly the CE (over |w| + 1 symbols)
+  # of the model that predicts the true next symbol or EOS: the brute-force
+  # ideal model scores CE difference 0 through the loop's evaluation.
+  lengths, vocab = (2, 3), 2
+  apply_fn, strings = _ideal_eos_model(lengths, vocab)
+  batches = []
+  for n in lengths:
+    length_log_prob = -0.5 * n
+    log_prob = np.full(len(strings[n]), length_log_prob - n * np.log(2.0))
+    batches.append(data.Batch(strings[n], log_prob, length_log_prob))
+  split = data.Split(batches, len(lengths), min(lengths), max(lengths))
+  config = tiny_config()
+  params_K = {"unused": np.zeros((1, 1), np.float32)}
+  mesh = parallel.make_mesh()
+  with_eos = loop.summarize(loop.evaluate_split(
+      params_K, apply_fn, [split], config, [len(lengths)], mesh, eos=vocab)[0])
+  bound = sum(float(np.sum(-b.log_prob + b.length_log_prob + np.log(2)))
+              for b in batches)
+  tokens = sum(b.symbols.size + len(b) for b in batches)   # |w| + 1 each
+  np.testing.assert_allclose(with_eos["lower_bound_perplexity"],
+                             np.exp(bound / tokens), rtol=1e-12)
+  np.testing.assert_allclose(with_eos["ce_diff"], 0.0, atol=2e-6)
+  # Without EOS (the CoNLL 2020 path) the same model is not charged for
+  # ending a string (ln 2 per length-2 string here), the bound still counts
+  # ln N_L, and the denominators are |w|.
+  without = loop.summarize(loop.evaluate_split(
+      params_K, apply_fn, [split], config, [len(lengths)], mesh)[0])
+  plain_tokens = sum(b.symbols.size for b in batches)
+  np.testing.assert_allclose(without["lower_bound_perplexity"],
+                             np.exp(bound / plain_tokens), rtol=1e-12)
+  np.testing.assert_allclose(without["ce_diff"],
+                             -len(strings[2]) * np.log(2) / plain_tokens,
+                             atol=2e-6)

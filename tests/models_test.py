@@ -615,9 +615,9 @@ def test_jit_matches_eager():
 
 
 # Models whose stack (and controller) ignore a lower matmul_precision: they
-# keep parts at 'highest' (the stacks of issues 12 and 13): the default
+# keep parts at 'highest' (the vector stack of issue 13): the default
 # case is checked for them, a lower setting is not honoured everywhere yet.
-_ALWAYS_HIGHEST = ('rns', 'vrns')
+_ALWAYS_HIGHEST = ('vrns',)
 
 
 def _dot_precisions(text):
@@ -641,15 +641,28 @@ def test_every_matmul_of_the_gradient_carries_the_precision(
   if name in _ALWAYS_HIGHEST and precision != 'highest':
     pytest.skip(f'{name}: a lower matmul_precision is not honoured everywhere '
                 '(parts stay at highest)')
-  symbols = jnp.asarray(_SYMBOLS[:, :6])
   kwargs = {} if precision == 'highest' else {'matmul_precision': precision}
-  model = models.get(name, _VOCAB, **kwargs)
+  _assert_gradient_precision(models.get(name, _VOCAB, **kwargs), attr)
+
+
+def _assert_gradient_precision(model, attr):
+  """Every dot of the lowered gradient program carries precision `attr`."""
+  symbols = jnp.asarray(_SYMBOLS[:, :6])
   params = _init(model, symbols)
   with jax.default_matmul_precision('bfloat16'):
     text = jax.jit(jax.grad(_loss(model, symbols))).lower(params).as_text()
   dots = _dot_precisions(text)
   assert len(dots) >= 4
   assert set(dots) == {(attr, attr)}
+
+
+@pytest.mark.parametrize('precision,attr', [('highest', 'HIGHEST'),
+                                            ('default', 'DEFAULT')])
+def test_memory_limited_rns_carries_the_precision(precision, attr):
+  # The window-D stack (limited_stack, plain autodiff within a chunk).
+  _assert_gradient_precision(
+      models.get('rns', _VOCAB, stack_window=3, truncation_length=4,
+                 matmul_precision=precision), attr)
 
 
 def test_bad_matmul_precision_is_a_one_line_error():

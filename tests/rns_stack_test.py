@@ -320,15 +320,19 @@ def _tanh_controller(q, s, reading):
   return step_fn, size
 
 
+def _tanh_params(rng, q, s, size):
+  return {"wx": rng.normal(size=(_V, _H)), "wr": rng.normal(size=(size, _H)),
+          "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
+          "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
+          "wo": rng.normal(size=(_H, _V))}
+
+
 @pytest.mark.parametrize("bottom,reading", [("fixed", "state")])
 def test_run_coupled_equals_plain_scan(x64, bottom, reading):
   q, s, b, t = 2, 2, 2, 6
   rng = np.random.default_rng(7)
   step_fn, size = _tanh_controller(q, s, reading)
-  params = {"wx": rng.normal(size=(_V, _H)), "wr": rng.normal(size=(size, _H)),
-            "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
-            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
-            "wo": rng.normal(size=(_H, _V))}
+  params = _tanh_params(rng, q, s, size)
   h0 = 0.1 * rng.normal(size=(b, _H))
   xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
   c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, q * s))
@@ -368,6 +372,68 @@ def test_run_coupled_equals_plain_scan(x64, bottom, reading):
   for g, w in zip(jax.tree_util.tree_leaves(got),
                   jax.tree_util.tree_leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-8)
+
+
+def test_no_updates():
+  # T = 0: α_0 only; the gradient has the (empty) shapes of the actions.
+  acts = [jnp.zeros((2, 0, 2, 3, 2, 3)), jnp.zeros((2, 0, 2, 3, 2, 3)),
+          jnp.zeros((2, 0, 2, 3, 2))]
+  hat, log_mass = rns_stack.run(*acts)
+  np.testing.assert_array_equal(rns_stack.readout(hat)[0][:, 0],
+                                np.eye(6)[[0, 0]])
+  np.testing.assert_array_equal(log_mass, np.zeros((2, 1)))
+  grads = jax.grad(lambda *a: jnp.sum(rns_stack.run(*a)[1]),
+                   argnums=(0, 1, 2))(*acts)
+  assert [g.shape for g in grads] == [a.shape for a in acts]
+
+
+def _uneven_blocks(num_steps):
+  """Several uneven time blocks even for tiny T (the library uses one block
+  below T = 48)."""
+  edges = sorted({1, 2, 4, 5, num_steps + 1} & set(range(1, num_steps + 2)))
+  return list(zip(edges[:-1], edges[1:]))
+
+
+def test_time_blocks_change_nothing(x64, monkeypatch):
+  # The blocked scans (table sliced per block, W table and M̃ handed across
+  # block boundaries in the backward) against one block and plain autodiff.
+  q, s, b, t = 2, 2, 3, 7
+  rng = np.random.default_rng(11)
+  push, repl, pop = (np.concatenate(a, 0) for a in zip(
+      *[_actions(rng, 1, t, q, s, k) for k in ("neginf", "huge", "unnorm")]))
+  c = rng.normal(size=(b, t + 1, q * s))
+  e = rng.normal(size=(b, t + 1))
+  step_fn, size = _tanh_controller(q, s, "state")
+  params = _tanh_params(rng, q, s, size)
+  h0 = 0.1 * rng.normal(size=(b, _H))
+  xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
+
+  def coupled_loss(p, h):
+    outs, hat, lm = rns_stack.run_coupled(step_fn, p, h, xs, q, s)
+    return jnp.sum(outs ** 2) + jnp.sum(c * rns_stack.readout(hat)[0]) \
+        + 0.01 * jnp.sum(lm)
+
+  def results():
+    jax.clear_caches()
+    fwd = rns_stack.run(push, repl, pop)
+    grads = jax.jit(jax.grad(_loss(rns_stack.run, c, e, "fixed"),
+                             argnums=(0, 1, 2)))(push, repl, pop)
+    cgrads = jax.jit(jax.grad(coupled_loss, argnums=(0, 1)))(params, h0)
+    return fwd, grads, cgrads
+
+  one_block = results()
+  monkeypatch.setattr(rns_stack, "_time_blocks", _uneven_blocks)
+  assert len(_uneven_blocks(t)) == 4
+  blocked = results()
+  monkeypatch.undo()
+  jax.clear_caches()
+  want = jax.jit(jax.grad(_loss(_plain, c, e, "fixed"),
+                          argnums=(0, 1, 2)))(push, repl, pop)
+  for g, w in zip(blocked[1], want):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
+  for g, w in zip(jax.tree_util.tree_leaves(blocked),
+                  jax.tree_util.tree_leaves(one_block)):
+    _assert_log_close(np.asarray(g), np.asarray(w), 1e-9)
 
 
 # ---------------------------------------------------------------------------

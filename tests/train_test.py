@@ -139,6 +139,69 @@ def test_masked_padding_gives_the_same_loss_and_gradient():
     np.testing.assert_allclose(gp, g, rtol=1e-5, atol=1e-7)
 
 
+def test_make_batch_with_eos():
+  symbols = np.asarray([[0, 1, 2], [2, 2, 0]], np.int32)
+  got = train.make_batch(symbols, padded_to=5, eos=3)
+  np.testing.assert_array_equal(got["symbols"], [[0, 1, 2, 3, 0, 0],
+                                                 [2, 2, 0, 3, 0, 0]])
+  np.testing.assert_array_equal(got["mask"], [[1, 1, 1, 1, 0, 0]] * 2)
+  # The default (CoNLL 2020) path is unchanged.
+  plain = train.make_batch(symbols, padded_to=5)
+  np.testing.assert_array_equal(plain["symbols"], [[0, 1, 2, 0, 0],
+                                                   [2, 2, 0, 0, 0]])
+  np.testing.assert_array_equal(plain["mask"], [[1, 1, 1, 0, 0]] * 2)
+
+
+def test_eos_loss_adds_the_eos_term_at_position_n():
+  # Fixed logits [B, N + 1, V + 1]: the loss is the hand-computed CE of the
+  # n symbols plus -log p(EOS) at position n.
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(2, 5, 4))
+  symbols = rng.integers(0, 3, size=(2, 4)).astype(np.int32)
+  apply_fn = lambda variables, s: jnp.asarray(logits, jnp.float32)
+  loss = train.loss_fn({}, apply_fn, train.make_batch(symbols, eos=3))
+  log_p = logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))
+  targets = np.concatenate([symbols, np.full((2, 1), 3)], axis=1)
+  expected = -np.sum(np.take_along_axis(log_p, targets[..., None], -1)) / 2
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["lstm", "jm", "gref", "ns", "rns", "vrns"])
+def test_predict_eos_for_every_model(name):
+  # models.build gives V + 1 outputs; eval_step's nll is the CE of w_1..w_n
+  # and EOS, each predicted from the symbols before it only (the oracle
+  # feeds a different symbol after w_n: no logit may change).
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  config.task, config.model, config.hidden_size = "marked_reversal", name, 4
+  assert models.build(config).vocab_size == 3
+  config.predict_eos = True
+  model = models.build(config)
+  assert model.vocab_size == 4 and train.eos_id(config, model) == 3
+  symbols = np.asarray([[0, 1, 2, 1, 0], [1, 1, 2, 1, 1]], np.int32)
+  params = models.init_params(model, jax.random.key(1))
+  sums = train.eval_step(params, train.make_batch(symbols, eos=3),
+                         apply_fn=model.apply)
+  other = np.concatenate([symbols, np.zeros((2, 1), np.int32)], axis=1)
+  logits = np.asarray(model.apply({"params": params}, other), np.float64)
+  log_p = logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))
+  targets = np.concatenate([symbols, np.full((2, 1), 3)], axis=1)
+  want = -np.sum(np.take_along_axis(log_p, targets[..., None], -1)[..., 0],
+                 axis=1)
+  np.testing.assert_allclose(sums["nll"], want, rtol=1e-5)
+  np.testing.assert_array_equal(sums["num_tokens"], [6, 6])
+
+
+def test_predict_eos_must_be_a_bool():
+  # E.g. a config.json edited by hand (ConfigDict itself keeps the type).
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  config = ml_collections.ConfigDict({**tiny_config().to_dict(),
+                                      "predict_eos": 1})
+  with pytest.raises(ValueError, match="predict_eos") as e:
+    train.validate_config(config)
+  assert "\n" not in str(e.value)
+
+
 def test_padded_length_buckets():
   config = tiny_config(compile_strategy="bucket")
   assert [train.padded_length(n, config) for n in (2, 8, 9, 12)] == [
@@ -361,6 +424,29 @@ def test_train_and_evaluate_end_to_end(tmp_path):
   assert json.load(open(tmp_path / "config.json"))["alphabet"] == [
       "0", "1", "#"]
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+
+
+def test_train_and_evaluate_with_eos(tmp_path):
+  # The ICLR 2022/2023 protocol: EOS predicted, bounds over |w| + 1 symbols,
+  # per-length test bound without ln N_L.
+  config = tiny_config(max_epochs=1, predict_eos=True,
+                       test_bound_includes_num_lengths=False)
+  splits = tiny_splits()
+  train.train_and_evaluate(config, str(tmp_path), splits=splits,
+                           model=TinyLM(vocab_size=4))
+  record = json.loads(open(tmp_path / "metrics.jsonl").readline())
+  bound = sum(float(np.sum(-b.log_prob + b.length_log_prob + math.log(2)))
+              for b in splits.valid)
+  tokens = sum(b.symbols.size + len(b) for b in splits.valid)
+  np.testing.assert_allclose(record["valid_lower_bound_perplexity"],
+                             math.exp(bound / tokens), rtol=1e-12)
+  table = json.load(open(tmp_path / "test_by_length.json"))
+  for length, ppl, b in zip(table["lengths"],
+                            table["lower_bound_perplexity"], splits.test):
+    assert b.length == length
+    np.testing.assert_allclose(
+        ppl, math.exp(float(np.mean(-b.log_prob + b.length_log_prob))
+                      / (length + 1)), rtol=1e-12)
 
 
 def test_test_bound_flag_shifts_by_log_num_lengths(tmp_path):
