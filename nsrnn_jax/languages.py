@@ -254,7 +254,8 @@ def get(name: str, *, preserve_start: bool = False) -> Language:
     if later is not None:
       return later
     raise ValueError(f"unknown task {name!r}; valid tasks are: "
-                     f"{', '.join(ALL_TASKS)}")
+                     f"{', '.join(ALL_TASKS)} (and <family>_k<K> for any "
+                     "K >= 2, see nsrnn_jax.tasks_ncf)")
   alphabet, make_grammar = _SPECS[name]
   return Language(name, alphabet, make_grammar(),
                   preserve_start=preserve_start)

@@ -211,3 +211,35 @@ def test_bad_stack_variant_is_a_one_line_error(field, value, message):
   with pytest.raises(ValueError, match=message) as info:
     train.validate_config(config)
   assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("task", ["dyck_k7", "marked_reversal_k3",
+                                  "unmarked_reversal_k5", "marked_copy_k3",
+                                  "count_and_copy_k4"])
+def test_validation_accepts_every_task_languages_accepts(task):
+  # Not in languages.ALL_TASKS, but languages.get builds them: validation
+  # must agree (one source of truth).
+  from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+  assert task not in languages.ALL_TASKS
+  languages.get(task)
+  config = default.get_config()
+  config.task = task
+  train.validate_config(config)
+
+
+@pytest.mark.parametrize("task,message", [
+    ("dyck_k1", "config.task is invalid: task 'dyck_k1': alphabet size must "
+     "be >= 2 (got 1)"),
+    ("marked_reversal_k0", "alphabet size must be >= 2 (got 0)"),
+    ("unmarked_copy_k1", "alphabet size must be >= 2 (got 1)"),
+    ("count_3_k4", "count_3 has no alphabet size"),
+    ("palindromes_k3", "unknown task 'palindromes_k3'"),
+    ("dyck_kx", "unknown task 'dyck_kx'"),
+])
+def test_bad_task_is_a_one_line_error(task, message):
+  config = default.get_config()
+  config.task = task
+  with pytest.raises(ValueError) as info:
+    train.validate_config(config)
+  assert message in str(info.value)
+  assert "\n" not in str(info.value)
