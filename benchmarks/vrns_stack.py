@@ -21,6 +21,17 @@ Usage:
   python benchmarks/vrns_stack.py --quick    # n in {20, 40}, 2-3-3 only
 Prints a table and writes benchmarks/results/vrns_stack.json
 (vrns_stack_quick.json with --quick).
+
+Before/after comparison of a change to the VRNS DP (`--compare`): the
+current `vrns_stack.run` against `vrns_stack.py` as of a git revision
+(`--before`, loaded from `git show`), the RNS stack (`rns_stack.run`, the
+ICLR 2022/2023 scalar stack, same unnormalised inputs) and the NS stack, at
+one size (default n = 80, B = 10, Q-S-m = 2-3-3), forward and
+forward+backward, all calls interleaved in one process (median and min of
+--reps calls):
+
+  python benchmarks/vrns_stack.py --compare --before=271ee1f
+writes benchmarks/results/vrns_stack_speed.json.
 """
 
 import argparse
@@ -39,6 +50,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import vrns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -49,16 +61,16 @@ def _inputs(b, t, q, s, m, seed=0):
           jax.nn.log_sigmoid(f(b, t, m)), jax.nn.log_sigmoid(f(m)))
 
 
-def _vrns_fns(b, t, q, s, m):
+def _vrns_fns(b, t, q, s, m, module=vrns_stack):
   args = _inputs(b, t, q, s, m)
   c = jnp.asarray(np.random.default_rng(1).normal(size=(b, t + 1, q, s, m)),
                   jnp.float32)
 
   def loss(*a):
-    rho, log_mass = vrns_stack.run(*a)
+    rho, log_mass = module.run(*a)
     return jnp.sum(c * rho) + 0.1 * jnp.sum(log_mass)
 
-  fwd = jax.jit(vrns_stack.run)
+  fwd = jax.jit(module.run)
   grad = jax.jit(jax.grad(loss, argnums=tuple(range(5))))
   return fwd, grad, args
 
@@ -85,6 +97,96 @@ def _ns_fns(b, t, q, s):
           args)
 
 
+def _rns_fns(b, t, q, s):
+  push, repl, pop = _inputs(b, t, q, s, 1)[:3]
+  c = jnp.asarray(np.random.default_rng(1).normal(size=(b, t + 1, q, s)),
+                  jnp.float32)
+
+  def loss(*a):
+    log_alpha_hat, log_mass = rns_stack.run(*a)
+    return jnp.sum(c * jnp.exp(log_alpha_hat)) + 0.1 * jnp.sum(log_mass)
+
+  return (jax.jit(rns_stack.run), jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+          (push, repl, pop))
+
+
+def _module_at(revision):
+  """nsrnn_jax/vrns_stack.py as of a git revision, imported as a module."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  source = subprocess.run(
+      ["git", "show", f"{revision}:nsrnn_jax/vrns_stack.py"], cwd=_ROOT,
+      check=True, capture_output=True, text=True).stdout
+  path = os.path.join(tempfile.mkdtemp(), f"vrns_stack_{revision}.py")
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(source)
+  spec = importlib.util.spec_from_file_location(f"vrns_before_{revision}",
+                                                path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def compare(args):
+  """Interleaved before/after timings of the VRNS DP plus RNS and NS."""
+  b, n, (q, s, m) = args.batch, args.length, (2, 3, 3)
+  t = n - 1
+  variants = {"vrns": _vrns_fns(b, t, q, s, m)}
+  if args.before:
+    variants["vrns_before"] = _vrns_fns(b, t, q, s, m,
+                                        _module_at(args.before))
+  variants["rns"] = _rns_fns(b, t, q, s)
+  variants["ns"] = _ns_fns(b, t, q, s)
+  calls = [(name, kind, fn, fargs) for name, (fwd, grad, fargs)
+           in variants.items() for kind, fn in (("fwd", fwd), ("fwd_bwd",
+                                                               grad))]
+  compile_s = {}
+  for name, kind, fn, fargs in calls:  # compile + warm up
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*fargs))
+    compile_s[f"{name}/{kind}"] = time.perf_counter() - start
+  times = {f"{name}/{kind}": [] for name, kind, _, _ in calls}
+  for _ in range(args.reps):  # interleaved: load changes hit every variant
+    for name, kind, fn, fargs in calls:
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*fargs))
+      times[f"{name}/{kind}"].append(time.perf_counter() - start)
+  rows = []
+  print(f"B={b} n={n} Q-S-m={q}-{s}-{m}, {args.reps} interleaved calls")
+  print(f"{'variant':>12} {'pass':>8} {'median ms':>10} {'min ms':>9} "
+        f"{'first call s':>13}")
+  for key, ts in times.items():
+    name, kind = key.split("/")
+    row = {"variant": name, "pass": kind, "median_ms": round(
+        float(np.median(ts)) * 1e3, 1), "min_ms": round(min(ts) * 1e3, 1),
+           "first_call_s": round(compile_s[key], 2)}
+    rows.append(row)
+    print(f"{name:>12} {kind:>8} {row['median_ms']:10.1f} "
+          f"{row['min_ms']:9.1f} {row['first_call_s']:13.2f}")
+  ratios = {}
+  for kind in ("fwd", "fwd_bwd"):
+    get = lambda v: float(np.median(times[f"{v}/{kind}"]))  # pylint: disable=cell-var-from-loop
+    if "vrns_before" in variants:
+      ratios[f"before_over_after_{kind}"] = round(get("vrns_before") /
+                                                  get("vrns"), 2)
+    ratios[f"vrns_over_rns_{kind}"] = round(get("vrns") / get("rns"), 2)
+    ratios[f"vrns_over_ns_{kind}"] = round(get("vrns") / get("ns"), 2)
+  print("ratios of medians:", ratios)
+  load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+  out = {"device": jax.devices()[0].device_kind, "platform": platform.node(),
+         "jax": jax.__version__, "dtype": "float32", "batch": b, "n": n,
+         "Q": q, "S": s, "m": m, "before": args.before, "reps": args.reps,
+         "load_average_1min": load,
+         "note": "CPU shared with other jobs; calls interleaved in one "
+                 "process, compare ratios", "rows": rows, "ratios": ratios}
+  path = os.path.join(_ROOT, "benchmarks", "results", "vrns_stack_speed.json")
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(out, f, indent=2)
+    f.write("\n")
+  print(f"wrote {path}")
+
+
 def _time(fn, args, reps):
   jax.block_until_ready(fn(*args))  # compile + warm up
   times = []
@@ -100,7 +202,16 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--batch", type=int, default=10)
   parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--compare", action="store_true",
+                      help="before/after + RNS + NS at one size")
+  parser.add_argument("--before", default=None,
+                      help="git revision of the 'before' vrns_stack.py")
+  parser.add_argument("--length", type=int, default=80,
+                      help="string length n of --compare (T = n - 1)")
   args = parser.parse_args()
+  if args.compare:
+    compare(args)
+    return
   sizes = [(2, 3, 3)] if args.quick else [(1, 1, 3), (2, 1, 3), (2, 3, 3)]
   lengths = (20, 40) if args.quick else (20, 40, 80)
   rows = []

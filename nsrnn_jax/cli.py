@@ -23,7 +23,13 @@ from absl import logging
 
 def fail(error) -> NoReturn:
   """Prints `error` as one line on stderr and exits with status 2."""
-  message = " ".join(str(error).split()) or type(error).__name__
+  text = str(error)
+  if "Error whilst parsing config file" in text and "Traceback" in text:
+    # ml_collections embeds the traceback of an exception raised by the
+    # config file's get_config (e.g. a bad `file.py:arg`); keep its message.
+    last = [l for l in text.splitlines() if l.strip()][-1].strip()
+    text = "cannot load --config: " + last.split(": ", 1)[-1]
+  message = " ".join(text.split()) or type(error).__name__
   if "Failed loading config file" in message and "[Errno" in message:
     # ml_collections wraps the OSError of a missing config file in prose.
     message = "cannot load --config: " + message[message.index("[Errno"):]

@@ -57,6 +57,7 @@ Public API: `inspect_string` (everything for one string, as an
 `Inspection`), `plot_actions`, `plot_readings`, `plot_next_symbol`, and the
 pieces `trace`, `action_probabilities`, `stack_posteriors`, `viterbi_run`,
 `rns_viterbi_run` (RNS-RNN: unnormalised weights, either bottom, window),
+`vector_stack_view`, `vrns_viterbi_run`, `plot_vector_readings` (VRNS-RNN),
 `true_next_symbol_distribution`, `task_grammar`, `tiny_training_config`.
 """
 
@@ -407,6 +408,135 @@ def rns_viterbi_run(log_push, log_repl, log_pop, bottom: str = "fixed",
 
 
 # ---------------------------------------------------------------------------
+# The vector stack (VRNS-RNN)
+# ---------------------------------------------------------------------------
+
+
+def _check_vector_inputs(log_push, log_repl, log_pop, push_vectors,
+                         bottom_vector):
+  log_push, log_repl, log_pop = (np.asarray(a, np.float64)
+                                 for a in (log_push, log_repl, log_pop))
+  if log_push.ndim != 5:
+    raise ValueError(f"log_push must be [T, Q, S, Q, S] (one string), got "
+                     f"shape {log_push.shape}.")
+  num_t, q, s = log_push.shape[:3]
+  if log_repl.shape != log_push.shape or log_pop.shape != (num_t, q, s, q):
+    raise ValueError(f"log_repl / log_pop must be [T, Q, S, Q, S] / [T, Q, "
+                     f"S, Q] = {log_push.shape} / {(num_t, q, s, q)}, got "
+                     f"{log_repl.shape} / {log_pop.shape}.")
+  vectors = np.asarray(push_vectors, np.float64)
+  bottom = np.asarray(bottom_vector, np.float64)
+  if bottom.ndim != 1 or vectors.shape != (num_t, bottom.shape[0]):
+    raise ValueError(f"push_vectors must be [T={num_t}, M] and bottom_vector "
+                     f"[M], got {vectors.shape} and {bottom.shape}.")
+  return log_push, log_repl, log_pop, vectors, bottom
+
+
+def vector_stack_view(log_push, log_repl, log_pop, push_vectors,
+                      bottom_vector, broadcast_bottom: bool = False
+                      ) -> dict[str, np.ndarray]:
+  """What the VRNS-RNN's stack holds after each update of one string.
+
+  Recomputed exactly in float64 (`vrns_stack.run` for the vector reading,
+  `rns_stack.run` with the fixed bottom for the scalar part, which is the
+  VRNS's own γ/α recurrence; rns-vrns-reference.md §1.5, §3.2).
+
+  Args:
+    log_push, log_repl, log_pop: the action log-weights [T, Q, S, Q, S],
+      [T, Q, S, Q, S], [T, Q, S, Q] (a trace's `action_log_weights`).
+    push_vectors: [T, M], the vector v_t pushed by update t (in [0, 1]).
+    bottom_vector: [M], v_⊥.
+    broadcast_bottom: the authors' broadcast bottom vector (the model's
+      `broadcast_bottom_vector`).
+
+  Returns:
+    A dict of arrays, time on the first axis, j = 0..T (T1 = T + 1):
+      state_top_T1xQxS: p_j(r, y) = α_j[r, y] / Σα_j, the distribution of
+        (PDA state, top symbol) under the global run weights.
+      readings_T1xQxSxM: ρ_j[r, y, :] = E[𝟙(state = r, top = y) vec(top)],
+        the reading the controller gets (flattened (r, y, k) in the model).
+      expected_top_T1xM: Σ_{r,y} ρ_j[r, y, :] = E[vec(top)] (with the
+        broadcast bottom: plus the phantom start configurations' share).
+      log_mass_T1: log Σα_j (log-weights, unnormalised).
+      rows_TxQxSx3: per update t (row t − 1) and configuration (q, x), the
+        share of push / replace / pop in the total action weight from
+        (q, x) -- what the controller proposes.
+      marginal_3xT: [op, t − 1] the posterior share, among all runs of t
+        updates, of the runs whose update t is op: push and replace from
+        α_{t−1}, pop the rest of Σα_t (exact; each column sums to 1).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import vrns_stack  # pylint: disable=g-import-not-at-top
+  log_push, log_repl, log_pop, vectors, bottom = _check_vector_inputs(
+      log_push, log_repl, log_pop, push_vectors, bottom_vector)
+  num_t, q, s = log_push.shape[:3]
+  with np.errstate(divide="ignore"):
+    log_v, log_b = np.log(vectors), np.log(bottom)
+  with jax.enable_x64(True):
+    rho, log_mass = vrns_stack.run(
+        log_push[None], log_repl[None], log_pop[None], log_v[None], log_b,
+        broadcast_bottom=bool(broadcast_bottom))
+    log_alpha_hat, log_mass_rns = rns_stack.run(
+        log_push[None], log_repl[None], log_pop[None], "fixed")
+    rho, log_mass, log_alpha_hat, log_mass_rns = (
+        np.asarray(a, np.float64)[0]
+        for a in (rho, log_mass, log_alpha_hat, log_mass_rns))
+  state_top = np.exp(log_alpha_hat)
+  # Local shares of push / replace / pop per (q, x).
+  per_op = np.stack([_logsumexp(log_push.reshape(num_t, q, s, -1), -1),
+                     _logsumexp(log_repl.reshape(num_t, q, s, -1), -1),
+                     _logsumexp(log_pop, -1)], -1)          # [T, Q, S, 3]
+  total = _logsumexp(per_op, -1)[..., None]
+  with np.errstate(invalid="ignore"):
+    rows = np.where(np.isfinite(total), np.exp(per_op - total), 0.0)
+  # Posterior of update t's operation: push and replace act on the top of
+  # every run of t − 1 updates (weights α_{t−1}), pop is the rest of Σα_t.
+  marginal = np.zeros((3, num_t))
+  for t in range(1, num_t + 1):
+    shift = log_mass_rns[t - 1] - log_mass_rns[t]
+    if not np.isfinite(shift):
+      continue
+    w = state_top[t - 1]
+    for op in (0, 1):
+      marginal[op, t - 1] = np.sum(w * np.exp(per_op[t - 1, :, :, op]
+                                              + shift))
+    marginal[2, t - 1] = max(0.0, 1.0 - marginal[0, t - 1]
+                             - marginal[1, t - 1])
+  return {"state_top_T1xQxS": state_top, "readings_T1xQxSxM": rho,
+          "expected_top_T1xM": rho.sum(axis=(1, 2)), "log_mass_T1": log_mass,
+          "rows_TxQxSx3": rows, "marginal_3xT": marginal}
+
+
+def vrns_viterbi_run(log_push, log_repl, log_pop, push_vectors,
+                     bottom_vector) -> tuple[ViterbiRun, np.ndarray]:
+  """The VRNS-RNN's highest-weight discrete PDA run and its top vectors.
+
+  The vectors do not weight runs (they only ride along), so the best run of
+  the vector stack is the RNS-RNN's (fixed bottom, `rns_viterbi_run`).
+  Replaying it with the elements' vectors (v_t for the element pushed by
+  update t, v_⊥ for the bottom; a replace keeps the element's vector) gives
+  the vector on top after each update.
+
+  Returns:
+    (run, top_vectors_T1xM): the ViterbiRun and, for j = 0..T, the vector of
+    the top element after update j along that run.
+  """
+  log_push, log_repl, log_pop, vectors, bottom = _check_vector_inputs(
+      log_push, log_repl, log_pop, push_vectors, bottom_vector)
+  run = rns_viterbi_run(log_push, log_repl, log_pop, bottom="fixed")
+  stack = [bottom]
+  tops = [bottom]
+  for op in run.ops:
+    if op.op == "push":
+      stack.append(vectors[op.time - 1])
+    elif op.op == "pop":
+      stack.pop()
+    tops.append(stack[-1])
+  return run, np.stack(tops)
+
+
+# ---------------------------------------------------------------------------
 # Grammars of the tasks
 # ---------------------------------------------------------------------------
 
@@ -504,7 +634,13 @@ class Inspection:
     viterbi: the most probable PDA run (NS-RNN and RNS-RNN).
     state_readings_QSxN: the RNS-RNN's readings over (state r, top y), row
       r * S + y (model 'rns' only; readings_SxN then holds their marginal
-      over the top symbol).
+      over the top symbol). For model 'vrns': the distribution of (state,
+      top) p_j(r, y) (the VRNS reading is vectors; see vector_view).
+    vector_view: model 'vrns' only: `vector_stack_view` of the traced
+      actions (time on the first axis), plus `traced_readings_T1xQxSxM`
+      (the readings the controller got, as traced, float32) and, for
+      strings of length >= 2, `viterbi_top_vectors_T1xM`
+      (`vrns_viterbi_run`).
   """
   symbols: np.ndarray
   alphabet: tuple[str, ...] | None
@@ -514,6 +650,7 @@ class Inspection:
   actions: Mapping[str, np.ndarray] | None = None
   viterbi: ViterbiRun | None = None
   state_readings_QSxN: np.ndarray | None = None
+  vector_view: Mapping[str, np.ndarray] | None = None
 
   @property
   def model_nll_N(self) -> np.ndarray:
@@ -622,8 +759,25 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
   true_probs_NxV = None
   if grammar is not None:
     true_probs_NxV = true_next_symbol_distribution(grammar, symbols_N)
-  readings_SxN = actions = viterbi = state_readings = None
-  if "action_log_weights" in traced:
+  readings_SxN = actions = viterbi = state_readings = vector_view = None
+  if "bottom_vector" in traced:
+    # VRNS-RNN: vector readings; the scalar part is the RNS stack's (fixed
+    # bottom), so its (state, top) distribution and Viterbi run apply.
+    acts = traced["action_log_weights"]
+    vector_view = vector_stack_view(
+        acts["push"], acts["repl"], acts["pop"], traced["push_vectors"],
+        traced["bottom_vector"], bool(model.broadcast_bottom_vector))
+    vector_view["traced_readings_T1xQxSxM"] = np.asarray(traced["readings"])
+    state_top = vector_view["state_top_T1xQxS"]
+    state_readings = state_top.reshape(state_top.shape[0], -1).T
+    readings_SxN = state_top.sum(axis=1).T
+    if len(symbols_N) > 1:
+      actions = {k: vector_view[k] for k in ("rows_TxQxSx3", "marginal_3xT")}
+      viterbi, tops = vrns_viterbi_run(
+          acts["push"], acts["repl"], acts["pop"], traced["push_vectors"],
+          traced["bottom_vector"])
+      vector_view["viterbi_top_vectors_T1xM"] = tops
+  elif "action_log_weights" in traced:
     # RNS-RNN: readings over (state, top); Viterbi under its own semantics.
     acts = traced["action_log_weights"]
     q, s = acts["pop"].shape[1:3]
@@ -642,7 +796,7 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
       viterbi = viterbi_run(acts["push"], acts["repl"], acts["pop"])
   return Inspection(symbols_N, None if alphabet is None else tuple(alphabet),
                     model_probs_NxV, true_probs_NxV, readings_SxN, actions,
-                    viterbi, state_readings)
+                    viterbi, state_readings, vector_view)
 
 
 # ---------------------------------------------------------------------------
@@ -743,4 +897,38 @@ def plot_next_symbol(insp: Inspection) -> matplotlib.figure.Figure:
   ax.set_ylabel("−ln p (nats)")
   ax.set_xlabel("position t+1 : symbol w_t+1")
   ax.legend(fontsize=8)
+  return fig
+
+
+def plot_vector_readings(insp: Inspection) -> matplotlib.figure.Figure:
+  """VRNS-RNN: heatmaps of the expected top vector E[vec(top)] (m x N), the
+  (state, top) distribution (Q·S x N) and the full reading ρ (Q·S·m x N,
+  rows (q, y, k): what the controller reads)."""
+  if insp.vector_view is None:
+    raise ValueError("no vector readings: inspect a VRNS-RNN.")
+  view = insp.vector_view
+  rho = view["readings_T1xQxSxM"]
+  n, q, s, m = rho.shape
+  names = insp.symbol_names()
+  cols = ["init"] + [f"{t}:{names[t - 1]}" for t in range(1, n)]
+  top = view["expected_top_T1xM"].T
+  full = rho.reshape(n, -1).T
+  # Vectors lie in [0, 1]; the broadcast bottom can push readings past 1.
+  vmax = max(1.0, float(np.max(full, initial=0.0)), float(np.max(top,
+                                                                 initial=0.0)))
+  fig = matplotlib.figure.Figure(
+      figsize=(max(6.0, 0.18 * n + 2), 2.5 + 0.25 * (m + q * s + q * s * m)),
+      layout="constrained")
+  axes = fig.subplots(3, 1, height_ratios=[m + 1, q * s + 1, q * s * m + 1])
+  _heatmap(fig, axes[0], top, [f"k={k}" for k in range(m)], cols,
+           "expected top-of-stack vector E[vec(top)]", vmax=vmax)
+  _heatmap(fig, axes[1], insp.state_readings_QSxN,
+           [f"q{qq},{_stack_symbol_name(y)}" for qq in range(q)
+            for y in range(s)], cols, "p(state, top)")
+  _heatmap(fig, axes[2], full,
+           [f"q{qq},{_stack_symbol_name(y)},{k}" for qq in range(q)
+            for y in range(s) for k in range(m)], cols,
+           "reading ρ_t[q, y, k] = E[1(state=q, top=y) vec(top)_k]",
+           vmax=vmax)
+  axes[2].set_xlabel("after update t : input symbol w_t")
   return fig

@@ -135,8 +135,10 @@ _SPECS: dict[str, tuple[tuple[str, ...], Callable[[], pcfg.PCFG]]] = {
 }
 
 
-class Language:
+class Language(pcfg.SymbolCodec):
   """A formal-language task: a transformed PCFG with sampling and scoring.
+
+  `encode` / `decode` come from `pcfg.SymbolCodec`.
 
   Attributes:
     name: the task name (one of `TASKS`).
@@ -201,33 +203,6 @@ class Language:
     g = self.compiled.length_prob(length)
     return math.log(g) if g > 0 else -math.inf
 
-  def encode(self, text: str | Sequence[str]) -> tuple[int, ...]:
-    """Symbol ids of a string of terminals ("([])" or ["(", "[", ...])."""
-    index = {a: i for i, a in enumerate(self.alphabet)}
-    tokens = list(text) if isinstance(text, str) else list(text)
-    unknown = [t for t in tokens if t not in index]
-    if unknown:
-      raise ValueError(f"symbols {unknown!r} are not in the {self.name} "
-                       f"alphabet {self.alphabet}")
-    return tuple(index[t] for t in tokens)
-
-  def decode(self, symbols: Sequence[int]) -> str:
-    """The terminal strings of the ids, concatenated."""
-    return "".join(self.alphabet[i] for i in self._check(symbols))
-
-  def _check(self, symbols) -> tuple[int, ...]:
-    arr = np.asarray(symbols)
-    if arr.ndim != 1:
-      raise ValueError(f"expected a 1-D sequence of ids, got shape "
-                       f"{arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-      raise ValueError(f"symbol ids must be integers, got {arr.dtype}")
-    bad = [int(s) for s in arr if not 0 <= s < self.vocab_size]
-    if bad:
-      raise ValueError(f"symbol id {bad[0]} is outside the {self.name} "
-                       f"alphabet (ids 0..{self.vocab_size - 1})")
-    return tuple(int(s) for s in arr)
-
   def __repr__(self) -> str:
     return f"Language({self.name!r}, alphabet={self.alphabet})"
 
@@ -254,7 +229,8 @@ def get(name: str, *, preserve_start: bool = False) -> Language:
     if later is not None:
       return later
     raise ValueError(f"unknown task {name!r}; valid tasks are: "
-                     f"{', '.join(ALL_TASKS)}")
+                     f"{', '.join(ALL_TASKS)} (and <family>_k<K> for any "
+                     "K >= 2, see nsrnn_jax.tasks_ncf)")
   alphabet, make_grammar = _SPECS[name]
   return Language(name, alphabet, make_grammar(),
                   preserve_start=preserve_start)

@@ -338,6 +338,65 @@ def _rhs_key(s: Symbol) -> Hashable:
   return ("t", s) if is_terminal(s) else s
 
 
+def check_symbols_BxN(symbols_BxN, num_terminals: int) -> np.ndarray:
+  """Validates a [B, N] array of symbol ids in [0, num_terminals), N >= 1.
+
+  Returns it as int64; one-line ValueErrors otherwise. Shared by every
+  task's batch scorer (`CompiledPCFG`, `tasks_ncf.UniformTask`).
+  """
+  arr = np.asarray(symbols_BxN)
+  if arr.ndim != 2:
+    raise ValueError(f"expected a [B, N] array of symbol ids, got shape "
+                     f"{arr.shape}")
+  if arr.shape[1] < 1:
+    raise ValueError("strings must have length >= 1")
+  if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"symbol ids must be integers, got dtype {arr.dtype}")
+  if arr.size and (arr.min() < 0 or arr.max() >= num_terminals):
+    bad = arr[(arr < 0) | (arr >= num_terminals)][0]
+    raise ValueError(f"symbol id {bad} is outside the alphabet "
+                     f"[0, {num_terminals})")
+  return arr.astype(np.int64)
+
+
+class SymbolCodec:
+  """Text <-> symbol ids for a task with `name`, `alphabet`, `vocab_size`.
+
+  A mixin shared by `languages.Language` and `tasks_ncf.UniformTask`.
+  """
+
+  name: str
+  alphabet: tuple[str, ...]
+  vocab_size: int
+
+  def encode(self, text: str | Sequence[str]) -> tuple[int, ...]:
+    """Symbol ids of a string of symbols ("([])" or ["(", "[", ...])."""
+    index = {a: i for i, a in enumerate(self.alphabet)}
+    tokens = list(text) if isinstance(text, str) else list(text)
+    unknown = [t for t in tokens if t not in index]
+    if unknown:
+      raise ValueError(f"symbols {unknown!r} are not in the {self.name} "
+                       f"alphabet {self.alphabet}")
+    return tuple(index[t] for t in tokens)
+
+  def decode(self, symbols: Sequence[int]) -> str:
+    """The symbol strings of the ids, concatenated."""
+    return "".join(self.alphabet[i] for i in self._check(symbols))
+
+  def _check(self, symbols) -> tuple[int, ...]:
+    arr = np.asarray(symbols)
+    if arr.ndim != 1:
+      raise ValueError(f"expected a 1-D sequence of ids, got shape "
+                       f"{arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"symbol ids must be integers, got {arr.dtype}")
+    bad = [int(s) for s in arr if not 0 <= s < self.vocab_size]
+    if bad:
+      raise ValueError(f"symbol id {bad[0]} is outside the {self.name} "
+                       f"alphabet (ids 0..{self.vocab_size - 1})")
+    return tuple(int(s) for s in arr)
+
+
 class CompiledPCFG:
   """An epsilon/unary-free PCFG, binarised, with length table, sampler, inside.
 
@@ -733,19 +792,7 @@ class CompiledPCFG:
     return float(self.log_prob_batch(arr[None])[0])
 
   def _check_symbols(self, symbols_BxN) -> np.ndarray:
-    arr = np.asarray(symbols_BxN)
-    if arr.ndim != 2:
-      raise ValueError(f"expected a [B, N] array of symbol ids, got shape "
-                       f"{arr.shape}")
-    if arr.shape[1] < 1:
-      raise ValueError("strings must have length >= 1")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-      raise ValueError(f"symbol ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() >= self.num_terminals):
-      bad = arr[(arr < 0) | (arr >= self.num_terminals)][0]
-      raise ValueError(f"symbol id {bad} is outside the alphabet "
-                       f"[0, {self.num_terminals})")
-    return arr.astype(np.int64)
+    return check_symbols_BxN(symbols_BxN, self.num_terminals)
 
 
 def _check_length(length) -> int:

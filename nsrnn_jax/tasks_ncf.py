@@ -124,7 +124,7 @@ def _check_alphabet_size(name: str, k) -> int:
   return int(k)
 
 
-class UniformTask:
+class UniformTask(pcfg.SymbolCodec):
   """A non-context-free task: uniform strings of each valid length.
 
   Same interface as `languages.Language` (minus the grammar attributes):
@@ -238,18 +238,7 @@ class UniformTask:
 
   def log_prob_batch(self, symbols_BxN) -> np.ndarray:
     """ln G(w) (float64 [B]) for strings of one length; -inf outside."""
-    arr = np.asarray(symbols_BxN)
-    if arr.ndim != 2:
-      raise ValueError(f"expected a [B, N] array of symbol ids, got shape "
-                       f"{arr.shape}")
-    if arr.shape[1] < 1:
-      raise ValueError("strings must have length >= 1")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-      raise ValueError(f"symbol ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-      bad = arr[(arr < 0) | (arr >= self.vocab_size)][0]
-      raise ValueError(f"symbol id {bad} is outside the alphabet "
-                       f"[0, {self.vocab_size})")
+    arr = pcfg.check_symbols_BxN(symbols_BxN, self.vocab_size)
     b, length = arr.shape
     n = self.content_length(length)
     if n is None:
@@ -271,34 +260,7 @@ class UniformTask:
       return -math.inf
     return float(self.log_prob_batch(arr[None])[0])
 
-  # -- text ---------------------------------------------------------------------
-
-  def encode(self, text: str | Sequence[str]) -> tuple[int, ...]:
-    """Symbol ids of a string of symbols ("0#0" or ["0", "#", "0"])."""
-    index = {a: i for i, a in enumerate(self.alphabet)}
-    tokens = list(text) if isinstance(text, str) else list(text)
-    unknown = [t for t in tokens if t not in index]
-    if unknown:
-      raise ValueError(f"symbols {unknown!r} are not in the {self.name} "
-                       f"alphabet {self.alphabet}")
-    return tuple(index[t] for t in tokens)
-
-  def decode(self, symbols: Sequence[int]) -> str:
-    """The symbol strings of the ids, concatenated."""
-    return "".join(self.alphabet[i] for i in self._check(symbols))
-
-  def _check(self, symbols) -> tuple[int, ...]:
-    arr = np.asarray(symbols)
-    if arr.ndim != 1:
-      raise ValueError(f"expected a 1-D sequence of ids, got shape "
-                       f"{arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-      raise ValueError(f"symbol ids must be integers, got {arr.dtype}")
-    bad = [int(s) for s in arr if not 0 <= s < self.vocab_size]
-    if bad:
-      raise ValueError(f"symbol id {bad[0]} is outside the {self.name} "
-                       f"alphabet (ids 0..{self.vocab_size - 1})")
-    return tuple(int(s) for s in arr)
+  # -- text (encode / decode come from pcfg.SymbolCodec) --------------------
 
   def __repr__(self) -> str:
     return f"UniformTask({self.name!r}, alphabet={self.alphabet})"

@@ -72,8 +72,10 @@ class VRNSLM(models.LanguageModel):
   """LSTM + vector nondeterministic stack (`vrns_stack`).
 
   `trace` adds `actions` (weights exp(log-weight): `push`, `repl` [B, T, Q,
-  S, Q, S], `pop` [B, T, Q, S, Q]), `push_vectors` [B, T, M], `readings`
-  [B, N, Q, S, M] (ρ_0 .. ρ_T), `log_mass` [B, N] and `bottom_vector` [M].
+  S, Q, S], `pop` [B, T, Q, S, Q]), `action_log_weights` (the same as
+  log-weights, exact where exp over/underflows), `push_vectors` [B, T, M], `readings`
+  [B, N, Q, S, M] (ρ_0 .. ρ_T), `log_mass` [B, N] and `bottom_vector` [B, M]
+  (v_⊥, the same for every string; batch-major like every trace entry).
   """
 
   num_states: int = 2
@@ -118,12 +120,14 @@ class VRNSLM(models.LanguageModel):
         jnp.broadcast_to(self._log_bottom(params), (batch, m)), 0, q, s,
         self.broadcast_bottom_vector)
     rho, log_mass = vrns_stack.readings(state)
-    return {'actions': {'push': jnp.zeros((batch, 0, q, s, q, s), dt),
-                        'repl': jnp.zeros((batch, 0, q, s, q, s), dt),
-                        'pop': jnp.zeros((batch, 0, q, s, q), dt)},
+    none = {'push': jnp.zeros((batch, 0, q, s, q, s), dt),
+            'repl': jnp.zeros((batch, 0, q, s, q, s), dt),
+            'pop': jnp.zeros((batch, 0, q, s, q), dt)}
+    return {'actions': none, 'action_log_weights': none,
             'push_vectors': jnp.zeros((batch, 0, m), dt),
             'readings': rho, 'log_mass': log_mass,
-            'bottom_vector': jnp.exp(self._log_bottom(params))}
+            'bottom_vector': jnp.broadcast_to(
+                jnp.exp(self._log_bottom(params)), (batch, m))}
 
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]
@@ -149,8 +153,10 @@ class VRNSLM(models.LanguageModel):
     return h_BxTxH, {
         'actions': {'push': jnp.exp(push), 'repl': jnp.exp(repl),
                     'pop': jnp.exp(pop)},
+        'action_log_weights': {'push': push, 'repl': repl, 'pop': pop},
         'push_vectors': vectors, 'readings': rho, 'log_mass': log_mass,
-        'bottom_vector': jnp.exp(log_bottom)}
+        'bottom_vector': jnp.broadcast_to(
+            jnp.exp(log_bottom), (batch, self.stack_vector_size))}
 
 
 def check_options(stack_vector_size, stack_bottom_vector,

@@ -213,3 +213,155 @@ def test_bad_stack_variant_is_a_one_line_error(field, value, message):
   with pytest.raises(ValueError, match=message) as info:
     train.validate_config(config)
   assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("task", ["dyck_k7", "marked_reversal_k3",
+                                  "unmarked_reversal_k5", "marked_copy_k3",
+                                  "count_and_copy_k4"])
+def test_validation_accepts_every_task_languages_accepts(task):
+  # Not in languages.ALL_TASKS, but languages.get builds them: validation
+  # must agree (one source of truth).
+  from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+  assert task not in languages.ALL_TASKS
+  languages.get(task)
+  config = default.get_config()
+  config.task = task
+  train.validate_config(config)
+
+
+@pytest.mark.parametrize("task,message", [
+    ("dyck_k1", "config.task is invalid: task 'dyck_k1': alphabet size must "
+     "be >= 2 (got 1)"),
+    ("marked_reversal_k0", "alphabet size must be >= 2 (got 0)"),
+    ("unmarked_copy_k1", "alphabet size must be >= 2 (got 1)"),
+    ("count_3_k4", "count_3 has no alphabet size"),
+    ("palindromes_k3", "unknown task 'palindromes_k3'"),
+    ("dyck_kx", "unknown task 'dyck_kx'"),
+])
+def test_bad_task_is_a_one_line_error(task, message):
+  config = default.get_config()
+  config.task = task
+  with pytest.raises(ValueError) as info:
+    train.validate_config(config)
+  assert message in str(info.value)
+  assert "\n" not in str(info.value)
+
+
+# --- configs/later.py: the later papers' tasks x models ---------------------
+
+# The capacity study's models (rns-vrns-reference.md §4.3), Q-S-m.
+LATER_MODELS = ("lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3",
+                "vrns-2-1-3", "vrns-2-3-3")
+LATER_FIELDS = {
+    "lstm": {"model": "lstm"},
+    "jm-3": {"model": "jm", "stack_embedding_size": 3},
+    "rns-1-3": {"model": "rns", "num_states": 1, "num_stack_symbols": 3},
+    "rns-2-3": {"model": "rns", "num_states": 2, "num_stack_symbols": 3},
+    "vrns-1-1-3": {"model": "vrns", "num_states": 1, "num_stack_symbols": 1,
+                   "stack_vector_size": 3},
+    "vrns-2-1-3": {"model": "vrns", "num_states": 2, "num_stack_symbols": 1,
+                   "stack_vector_size": 3},
+    "vrns-2-3-3": {"model": "vrns", "num_states": 2, "num_stack_symbols": 3,
+                   "stack_vector_size": 3},
+}
+
+
+def _later_tasks():
+  from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
+  return tasks_ncf.NCF_TASKS + tuple(
+      f"{f}_k40" for f in tasks_ncf.CAPACITY_FAMILIES)
+
+
+def _later(arg):
+  return importlib.import_module("configs.later").get_config(arg)
+
+
+@pytest.mark.parametrize("task", _later_tasks())
+@pytest.mark.parametrize("spec", LATER_MODELS)
+def test_later_config_validates_and_initialises(task, spec):
+  import jax  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  config = _later(f"{task},{spec}")
+  train.validate_config(config)
+  assert config.task == task
+  for field, value in LATER_FIELDS[spec].items():
+    assert config[field] == value, field
+  if config.model == "rns":
+    assert (config.stack_normalize, config.stack_reading, config.stack_bottom,
+            config.stack_window) == (False, "state", "fixed", 0)
+  if config.model == "vrns":
+    assert config.stack_bottom_vector == "learned"
+    assert not config.broadcast_bottom_vector
+  # Protocol fields (§4.1, §4.3) are configs/default.py's, unchanged.
+  base = default.get_config()
+  for field in ("batch_size", "num_train_batches", "num_valid_batches",
+                "clip_norm", "max_epochs", "lr_decay_factor",
+                "lr_decay_patience", "early_stopping_patience",
+                "train_min_length", "train_max_length", "test_min_length",
+                "test_max_length", "test_strings_per_length", "hidden_size"):
+    assert config[field] == base[field], field
+  assert 5e-4 <= config.learning_rate <= 1e-2
+  lang = languages.get(task)
+  assert lang.valid_lengths(40, 80) and lang.valid_lengths(40, 100)
+  params = models.init_params(models.build(config), jax.random.PRNGKey(0))
+  assert params["output"]["kernel"].shape == (20, lang.vocab_size)
+
+
+@pytest.mark.parametrize("spec", LATER_MODELS)
+def test_later_models_run_a_short_batch(spec):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  config = _later(f"dyck_k40,{spec}")  # the largest vocabulary here (80)
+  model = models.build(config)
+  params = models.init_params(model, jax.random.PRNGKey(0))
+  symbols = jnp.asarray([[0, 2, 3, 1, 78], [4, 5, 79, 78, 0]], jnp.int32)
+  logits = model.apply({"params": params}, symbols)
+  assert logits.shape == (2, 5, 80)
+  assert np.all(np.isfinite(np.asarray(logits)))
+
+
+@pytest.mark.parametrize("arg,message", [
+    (None, "configs/later.py needs ':<task>,<model>'"),
+    ("marked_copy", "configs/later.py needs ':<task>,<model>'"),
+    ("marked_copy,lstm,jm-3", "configs/later.py needs"),
+    ("marked_cop,lstm", "unknown task 'marked_cop'; valid tasks: count_3,"),
+    ("dyck_k1,lstm", "alphabet size must be >= 2 (got 1)"),
+    ("count_3_k4,lstm", "count_3 has no alphabet size"),
+    ("dyck_k40,gru", "unknown model 'gru'; valid: lstm, jm-<m>, rns-<Q>-<S>, "
+     "vrns-<Q>-<S>-<m>"),
+    ("dyck_k40,rns-2", "unknown model 'rns-2'"),
+    ("dyck_k40,vrns-2-0-3", "unknown model 'vrns-2-0-3'"),
+    ("dyck_k40,jm-0", "unknown model 'jm-0'"),
+])
+def test_later_bad_argument_is_a_one_line_error(arg, message):
+  with pytest.raises(ValueError) as info:
+    _later(arg)
+  assert message in str(info.value)
+  assert "\n" not in str(info.value)
+
+
+def test_later_docstring_gives_the_command():
+  doc = importlib.import_module("configs.later").__doc__
+  assert "--config=configs/later.py:marked_copy,vrns-2-1-3" in doc
+  assert "Expected:" in doc
+
+
+@pytest.mark.parametrize("arg,expected", [
+    # A good argument is parsed and the override applied (then rejected).
+    ("marked_copy,vrns-2-1-3", "error: config.max_epochs must be >= 1"),
+    ("dyck_k40,nope", "error: cannot load --config: configs/later.py: "
+     "unknown model 'nope'"),
+])
+def test_later_cli_argument(tmp_path, arg, expected):
+  proc = subprocess.run(
+      [sys.executable, "-m", "nsrnn_jax.main",
+       f"--config=configs/later.py:{arg}", f"--workdir={tmp_path}",
+       "--config.max_epochs=0"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+  assert "Traceback" not in proc.stderr

@@ -154,3 +154,21 @@ def test_cli(tmp_path):
   bad = subprocess.run(args[:3] + ["--task=bogus", f"--out={out}"], cwd=root,
                        capture_output=True, text=True)
   assert bad.returncode != 0 and "hardest_cfl" in bad.stderr
+
+
+def test_cli_accepts_every_task_languages_accepts(tmp_path):
+  # dyck_k7 is not listed in languages.ALL_TASKS but languages.get builds it.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  base = [sys.executable, "-m", "nsrnn_jax.data", "--train_batches=2",
+          "--valid_batches=1", "--batch_size=2", "--train_min_length=4",
+          "--train_max_length=6", "--test_per_length=1",
+          "--test_min_length=4", "--test_max_length=6"]
+  out = str(tmp_path / "k7")
+  subprocess.run(base + ["--task=dyck_k7", f"--out={out}"], check=True,
+                 cwd=root, capture_output=True)
+  assert data.read_splits(out).alphabet[-2:] == ("{{", "}}")
+  bad = subprocess.run(base + ["--task=dyck_k1", f"--out={tmp_path / 'k1'}"],
+                       cwd=root, capture_output=True, text=True)
+  assert bad.returncode == 2
+  assert bad.stderr.strip().splitlines() == [
+      "error: task 'dyck_k1': alphabet size must be >= 2 (got 1)"]

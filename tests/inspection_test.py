@@ -425,3 +425,173 @@ def test_inspect_rns_string(bottom, window):
   assert insp.viterbi.log_prob == pytest.approx(best, abs=1e-9)
   assert len(insp.viterbi.ops) == 4 and "push" in insp.viterbi.table()
   assert insp.actions is None
+
+
+# ---------------------------------------------------------------------------
+# The VRNS-RNN (model 'vrns'): vector readings, action posteriors, Viterbi
+# ---------------------------------------------------------------------------
+
+
+def _vector_runs(push, repl, pop, vectors, bottom):
+  """Every explicit run of the vector PDA (bottom fix), not merged.
+
+  Yields (weight, ops, stacks) with ops[t-1] the kind of update t and
+  stacks[j] the stack (tuple of (symbol, vector index)) after j updates;
+  vector index 0 is v_⊥, p the vector pushed by update p.
+  """
+  num_t, q, s = push.shape[:3]
+
+  def extend(j, state, stack, weight, ops, stacks):
+    if j > num_t:
+      yield weight, ops, stacks
+      return
+    x, vid = stack[-1]
+    for r in range(q):
+      for y in range(s):
+        nxt = stack + ((y, j),)
+        yield from extend(j + 1, r, nxt, weight * push[j - 1, state, x, r, y],
+                          ops + ("push",), stacks + (nxt,))
+        nxt = stack[:-1] + ((y, vid),)
+        yield from extend(j + 1, r, nxt, weight * repl[j - 1, state, x, r, y],
+                          ops + ("replace",), stacks + (nxt,))
+      if len(stack) >= 2:
+        nxt = stack[:-1]
+        yield from extend(j + 1, r, nxt, weight * pop[j - 1, state, x, r],
+                          ops + ("pop",), stacks + (nxt,))
+
+  start = ((0, 0),)
+  yield from extend(1, 0, start, 1.0, (), (start,))
+
+
+def _vector_inputs(seed, num_t=3, q=2, s=2, m=2):
+  rng = np.random.default_rng(seed)
+  log_push = rng.normal(size=(num_t, q, s, q, s)) * 1.5
+  log_repl = rng.normal(size=(num_t, q, s, q, s)) * 1.5
+  log_pop = rng.normal(size=(num_t, q, s, q)) * 1.5
+  log_repl[1, 0, 0] = -np.inf  # impossible actions are allowed
+  vectors = 1 / (1 + np.exp(-rng.normal(size=(num_t, m))))
+  bottom = 1 / (1 + np.exp(-rng.normal(size=(m,))))
+  return log_push, log_repl, log_pop, vectors, bottom
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_vector_stack_view_matches_explicit_runs(seed):
+  log_push, log_repl, log_pop, vectors, bottom = _vector_inputs(seed)
+  num_t = log_push.shape[0]
+  view = inspection.vector_stack_view(log_push, log_repl, log_pop, vectors,
+                                      bottom)
+  vec = np.concatenate([bottom[None], vectors])
+  runs = list(_vector_runs(np.exp(log_push), np.exp(log_repl),
+                           np.exp(log_pop), vectors, bottom))
+  for j in range(num_t + 1):
+    # Every run of j updates, and per (state, top) its weight and vector.
+    sub = list(_vector_runs(np.exp(log_push[:j]), np.exp(log_repl[:j]),
+                            np.exp(log_pop[:j]), vectors[:j], bottom))
+    z = sum(w for w, _, _ in sub)
+    p, rho = _state_top_and_reading(log_push[:j], log_repl[:j], log_pop[:j],
+                                    vec)
+    assert p.sum() == pytest.approx(z, rel=1e-12)
+    np.testing.assert_allclose(view["state_top_T1xQxS"][j], p / z,
+                               rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(view["readings_T1xQxSxM"][j], rho / z,
+                               rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(view["expected_top_T1xM"][j],
+                               rho.sum((0, 1)) / z, rtol=1e-10)
+    assert view["log_mass_T1"][j] == pytest.approx(np.log(z), abs=1e-10)
+    if j == 0:
+      continue
+    # Posterior of update j's operation among the runs of j updates.
+    share = {op: sum(w for w, ops, _ in sub if ops[-1] == op) / z
+             for op in inspection.OPS}
+    np.testing.assert_allclose(view["marginal_3xT"][:, j - 1],
+                               [share[op] for op in inspection.OPS],
+                               atol=1e-12)
+  # Local action shares per (q, x), written out.
+  t, qq, x = 1, 1, 0
+  weights = [np.exp(log_push[t, qq, x]).sum(), np.exp(log_repl[t, qq, x]).sum(),
+             np.exp(log_pop[t, qq, x]).sum()]
+  np.testing.assert_allclose(view["rows_TxQxSx3"][t, qq, x],
+                             np.array(weights) / sum(weights), rtol=1e-12)
+  # The best run and the vector on its top after each update.
+  best_w, best_ops, best_stacks = max(runs, key=lambda r: r[0])
+  run, tops = inspection.vrns_viterbi_run(log_push, log_repl, log_pop,
+                                          vectors, bottom)
+  assert run.log_prob == pytest.approx(np.log(best_w), abs=1e-10)
+  assert tuple(op.op for op in run.ops) == best_ops
+  np.testing.assert_allclose(tops, [vec[st[-1][1]] for st in best_stacks])
+
+
+def _state_top_and_reading(log_push, log_repl, log_pop, vec):
+  """Unnormalised Σ_runs w 𝟙(state, top) and Σ_runs w 𝟙(state, top) vec(top)
+  by explicit enumeration of (state, stack-with-vector-ids) runs."""
+  num_t, q, s = log_push.shape[:3]
+  m = vec.shape[1]
+  p = np.zeros((q, s))
+  rho = np.zeros((q, s, m))
+
+  def extend(j, state, stack, weight):
+    if j > num_t:
+      y, vid = stack[-1]
+      p[state, y] += weight
+      rho[state, y] += weight * vec[vid]
+      return
+    x, vid = stack[-1]
+    for r in range(q):
+      for y in range(s):
+        extend(j + 1, r, stack + ((y, j),),
+               weight * np.exp(log_push[j - 1, state, x, r, y]))
+        extend(j + 1, r, stack[:-1] + ((y, vid),),
+               weight * np.exp(log_repl[j - 1, state, x, r, y]))
+      if len(stack) >= 2:
+        extend(j + 1, r, stack[:-1],
+               weight * np.exp(log_pop[j - 1, state, x, r]))
+
+  extend(1, 0, ((0, 0),), 1.0)
+  return p, rho
+
+
+def test_inspect_vrns_string():
+  model = models.get("vrns", vocab_size=3, hidden_size=8, num_states=2,
+                     num_stack_symbols=2, stack_vector_size=2)
+  params = dict(models.init_params(model, jax.random.key(2)))
+  params["action"] = {k: v * 20.0 for k, v in params["action"].items()}
+  params["push_vector"] = {k: v * 20.0
+                           for k, v in params["push_vector"].items()}
+  lang = languages.get("marked_reversal")
+  symbols = lang.encode("01#10")
+  insp = inspection.inspect_string(model, params, symbols, alphabet=(
+      lang.alphabet))
+  traced = inspection.trace(model, params, symbols)
+  acts = [traced["action_log_weights"][k] for k in ("push", "repl", "pop")]
+  vec = np.concatenate([traced["bottom_vector"][None],
+                        traced["push_vectors"]])
+  view = insp.vector_view
+  # The float64 recomputation agrees with the enumeration and with what
+  # the controller read (float32).
+  for j in range(5):
+    p, rho = _state_top_and_reading(*(a[:j] for a in acts), vec)
+    z = p.sum()
+    np.testing.assert_allclose(view["readings_T1xQxSxM"][j], rho / z,
+                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(insp.state_readings_QSxN[:, j],
+                               (p / z).ravel(), atol=1e-12)
+  np.testing.assert_allclose(view["traced_readings_T1xQxSxM"],
+                             view["readings_T1xQxSxM"], atol=2e-5)
+  np.testing.assert_allclose(insp.readings_SxN.sum(0), 1.0, atol=1e-12)
+  np.testing.assert_allclose(insp.actions["marginal_3xT"].sum(0), 1.0,
+                             atol=1e-12)
+  assert len(insp.viterbi.ops) == 4
+  assert view["viterbi_top_vectors_T1xM"].shape == (5, 2)
+  fig = inspection.plot_vector_readings(insp)
+  np.testing.assert_allclose(fig.axes[0].images[0].get_array(),
+                             view["expected_top_T1xM"].T)
+  np.testing.assert_allclose(fig.axes[2].images[0].get_array(),
+                             view["readings_T1xQxSxM"].reshape(5, -1).T)
+  fig = inspection.plot_actions(insp)
+  np.testing.assert_allclose(fig.axes[0].images[0].get_array(),
+                             insp.actions["marginal_3xT"])
+  with pytest.raises(ValueError, match="VRNS-RNN"):
+    inspection.plot_vector_readings(inspection.Inspection(
+        insp.symbols, None, insp.model_probs_NxV))
+  with pytest.raises(ValueError, match="push_vectors must be"):
+    inspection.vector_stack_view(*acts, vec[1:, :1], vec[0])

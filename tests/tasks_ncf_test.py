@@ -241,34 +241,3 @@ def test_registry():
       languages.ALL_TASKS)
   assert languages.get("dyck_k7").vocab_size == 14
 
-
-def _config_names():
-  names = [f"{t}_{m}" for t in tasks_ncf.NCF_TASKS for m in ("lstm", "jm")]
-  names += [f"capacity_{f}_{m}" for f in tasks_ncf.CAPACITY_FAMILIES
-            for m in ("lstm", "jm", "vrns")]
-  return names
-
-
-@pytest.mark.parametrize("name", _config_names())
-def test_configs_are_valid_and_documented(name):
-  import importlib  # pylint: disable=g-import-not-at-top
-  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
-  module = importlib.import_module(f"configs.{name}")
-  config = module.get_config()
-  train.validate_config(config)
-  assert f"--config=configs/{name}.py" in module.__doc__
-  assert config.model == name.rsplit("_", 1)[1]
-  if name.startswith("capacity_"):
-    assert config.task == name[len("capacity_"):].rsplit("_", 1)[0] + "_k40"
-    bad = config.copy_and_resolve_references()
-    bad.task = bad.task.replace("_k40", "_k1")
-    with pytest.raises(ValueError, match="config.task"):
-      train.validate_config(bad)
-  else:
-    assert config.task == name.rsplit("_", 1)[0]
-  # Valid lengths exist for the training and test intervals.
-  lang = languages.get(config.task)
-  assert lang.valid_lengths(config.train_min_length, config.train_max_length)
-  assert max(lang.valid_lengths(config.test_min_length,
-                                config.test_max_length)) <= max(
-                                    config.length_buckets)

@@ -1,5 +1,7 @@
 """Tests for nsrnn_jax.vrns_stack against explicit PDA runs (float64)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,8 @@ except ImportError:
 
 
 # One compiled function per input shape and flag, shared by the tests.
-_run = jax.jit(vrns_stack.run, static_argnames="broadcast_bottom")
+_run = jax.jit(vrns_stack.run, static_argnames=("broadcast_bottom",
+                                                "time_blocks"))
 
 
 @pytest.fixture
@@ -47,13 +50,16 @@ def _oracle(push, repl, pop, log_vectors, log_bottom, broadcast):
                                      broadcast)
 
 
-@pytest.mark.parametrize("q,s,m,t,broadcast", [
-    (2, 2, 3, 4, False), (2, 2, 3, 4, True), (1, 3, 2, 5, False),
-    (3, 2, 1, 4, True), (2, 3, 2, 3, False)])
-def test_matches_explicit_runs(x64, q, s, m, t, broadcast):
+@pytest.mark.parametrize("q,s,m,t,broadcast,blocks", [
+    (2, 2, 3, 4, False, None), (2, 2, 3, 4, True, 2), (1, 3, 2, 5, False, 3),
+    (3, 2, 1, 4, True, None), (2, 3, 2, 3, False, 3), (1, 2, 2, 7, True, 3)])
+def test_matches_explicit_runs(x64, q, s, m, t, broadcast, blocks):
+  # blocks: static time blocks over sliced tables (the live region); the
+  # pop's row chunks are exercised at every size.
   rng = np.random.default_rng(q * 100 + s * 10 + t)
   inputs = _random_inputs(rng, 2, t, q, s, m)
-  rho, log_mass = _run(*inputs, broadcast_bottom=broadcast)
+  rho, log_mass = _run(*inputs, broadcast_bottom=broadcast,
+                       time_blocks=blocks)
   assert rho.shape == (2, t + 1, q, s, m) and log_mass.shape == (2, t + 1)
   for b in range(2):
     want, want_mass = _oracle(*(x[b] for x in inputs), broadcast)
@@ -156,15 +162,17 @@ def _loss(fn, weights, broadcast):
   return f
 
 
-@pytest.mark.parametrize("broadcast", [False, True])
-def test_gradients_equal_autodiff_and_finite_differences(x64, broadcast):
+@pytest.mark.parametrize("broadcast,blocks", [(False, None), (True, 3)])
+def test_gradients_equal_autodiff_and_finite_differences(x64, broadcast,
+                                                          blocks):
   rng = np.random.default_rng(6)
-  b, t, q, s, m = 2, 4, 2, 2, 2
+  b, t, q, s, m = 2, 5, 2, 2, 2
   inputs = _random_inputs(rng, b, t, q, s, m)
   weights = (rng.normal(size=(b, t + 1, q, s, m)),
              rng.normal(size=(b, t + 1)))
   argnums = tuple(range(5))
-  f = jax.jit(_loss(vrns_stack.run, weights, broadcast))
+  f = jax.jit(_loss(functools.partial(vrns_stack.run, time_blocks=blocks),
+                    weights, broadcast))
   grad_f = jax.jit(jax.grad(f, argnums))
   got = grad_f(*inputs)
   want = jax.jit(jax.grad(_loss(vrns_stack.run_autodiff, weights, broadcast),
@@ -217,7 +225,8 @@ def _coupled_autodiff(params, carry, xs, log_bottom):
   return jnp.swapaxes(outs, 0, 1), rho, log_mass
 
 
-def test_run_coupled_equals_plain_autodiff(x64):
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_run_coupled_equals_plain_autodiff(x64, blocks):
   rng = np.random.default_rng(7)
   h, b, t = 3, 2, 5
   params = {"w_h": rng.normal(size=(h, h)), "w_r": rng.normal(size=(8, h)),
@@ -235,7 +244,8 @@ def test_run_coupled_equals_plain_autodiff(x64):
     return f
 
   def custom(p, c, x, lb):
-    return vrns_stack.run_coupled(_toy_controller, p, c, x, lb, 2, 2)
+    return vrns_stack.run_coupled(_toy_controller, p, c, x, lb, 2, 2,
+                                  time_blocks=blocks)
 
   np.testing.assert_allclose(
       jax.jit(loss(custom))(params, carry, xs, log_bottom),
@@ -261,7 +271,9 @@ def _grad_temp_bytes(fn, t):
 
 def test_gradient_memory_is_quadratic():
   # XLA's temporary buffers of the compiled gradient (no run needed).
-  custom = [_grad_temp_bytes(vrns_stack.run, t) for t in (32, 64)]
+  # A fixed number of time blocks, so that only the length changes.
+  blocked = functools.partial(vrns_stack.run, time_blocks=4)
+  custom = [_grad_temp_bytes(blocked, t) for t in (32, 64)]
   plain = _grad_temp_bytes(vrns_stack.run_autodiff, 32)
   assert custom[1] / custom[0] < 4.4  # O(T^2): ~4x for twice the length
   assert custom[0] * 5 < plain        # autodiff saves the tables per step
@@ -279,3 +291,18 @@ def test_bad_inputs_give_one_line_errors():
     with pytest.raises(ValueError, match=match) as info:
       vrns_stack.run(*args)
     assert "\n" not in str(info.value)
+
+
+def test_time_blocks_cover_every_update_once():
+  for t in (1, 2, 7, 23, 79, 200):
+    for nb in (None, 1, 3, 8, 500):
+      blocks = vrns_stack.time_blocks_of(t, nb)
+      assert blocks[0][0] == 1 and blocks[-1][1] == t + 1
+      assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+      assert all(j1 > j0 for j0, j1 in blocks)
+      if nb is not None:
+        assert len(blocks) == min(nb, t)
+  assert len(vrns_stack.time_blocks_of(79)) == 8  # the automatic choice
+  for bad in (0, -2, 1.5, True, "4"):
+    with pytest.raises(ValueError, match="time_blocks must be a positive"):
+      vrns_stack.time_blocks_of(10, bad)
