@@ -727,7 +727,8 @@ def trace(model: Any, params: Any, symbols: Sequence[int]) -> dict[str, Any]:
 
 def inspect_string(model: Any, params: Any, symbols: Sequence[int],
                    grammar: Any = None,
-                   alphabet: Sequence[str] | None = None) -> Inspection:
+                   alphabet: Sequence[str] | None = None,
+                   eos: bool = False) -> Inspection:
   """Traces `model` on one string and gathers everything the notebook shows.
 
   Args:
@@ -738,11 +739,18 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
     grammar: the task's grammar (`task_grammar`) for the true next-symbol
       distribution; None skips it.
     alphabet: symbol strings for labels.
+    eos: the model predicts EOS (trained with config.predict_eos): its last
+      output id V is EOS, not a symbol of the string. The next-symbol
+      distributions then have an EOS column; the true one is 0 there, since
+      the string's length is given (EOS after w_N is not shown).
 
   Returns:
     An Inspection.
   """
-  vocab = int(model.vocab_size)
+  vocab = int(model.vocab_size) - (1 if eos else 0)
+  if vocab < 1:
+    raise ValueError("eos=True needs a model with an EOS output (vocabulary "
+                     "of at least 2).")
   symbols_N = _check_string(symbols, vocab)
   if grammar is not None and grammar.num_terminals != vocab:
     raise ValueError(f"grammar has {grammar.num_terminals} terminals but the "
@@ -759,6 +767,10 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
   true_probs_NxV = None
   if grammar is not None:
     true_probs_NxV = true_next_symbol_distribution(grammar, symbols_N)
+    if eos:
+      true_probs_NxV = np.pad(true_probs_NxV, ((0, 0), (0, 1)))
+  if eos and alphabet is not None:
+    alphabet = (*alphabet, "EOS")
   readings_SxN = actions = viterbi = state_readings = vector_view = None
   if "bottom_vector" in traced:
     # VRNS-RNN: vector readings; the scalar part is the RNS stack's (fixed

@@ -285,6 +285,8 @@ def test_later_config_validates_and_initialises(task, spec):
   config = _later(f"{task},{spec}")
   train.validate_config(config)
   assert config.task == task
+  # EOS predicted, per-length test bound without ln N_L (both later tags).
+  assert config.predict_eos and not config.test_bound_includes_num_lengths
   for field, value in LATER_FIELDS[spec].items():
     assert config[field] == value, field
   if config.model == "rns":
@@ -305,7 +307,7 @@ def test_later_config_validates_and_initialises(task, spec):
   lang = languages.get(task)
   assert lang.valid_lengths(40, 80) and lang.valid_lengths(40, 100)
   params = models.init_params(models.build(config), jax.random.PRNGKey(0))
-  assert params["output"]["kernel"].shape == (20, lang.vocab_size)
+  assert params["output"]["kernel"].shape == (20, lang.vocab_size + 1)  # EOS
 
 
 @pytest.mark.parametrize("spec", LATER_MODELS)
@@ -319,7 +321,7 @@ def test_later_models_run_a_short_batch(spec):
   params = models.init_params(model, jax.random.PRNGKey(0))
   symbols = jnp.asarray([[0, 2, 3, 1, 78], [4, 5, 79, 78, 0]], jnp.int32)
   logits = model.apply({"params": params}, symbols)
-  assert logits.shape == (2, 5, 80)
+  assert logits.shape == (2, 5, 81)  # 80 symbols + EOS
   assert np.all(np.isfinite(np.asarray(logits)))
 
 

@@ -595,3 +595,32 @@ def test_inspect_vrns_string():
         insp.symbols, None, insp.model_probs_NxV))
   with pytest.raises(ValueError, match="push_vectors must be"):
     inspection.vector_stack_view(*acts, vec[1:, :1], vec[0])
+
+
+def test_inspect_eos_model_adds_an_eos_column():
+  # A model trained with predict_eos has V + 1 outputs; the string's symbols
+  # stay in [0, V) and the true next-symbol distribution (length given)
+  # puts zero on EOS.
+  lang = languages.get("marked_reversal")
+  model = models.get("lstm", vocab_size=4, hidden_size=4)
+  params = model.init(jax.random.key(0), np.zeros((1, 3), np.int32))["params"]
+  symbols = lang.encode("01#10")
+  grammar = inspection.task_grammar("marked_reversal")
+  insp = inspection.inspect_string(model, params, symbols, grammar=grammar,
+                                   alphabet=lang.alphabet, eos=True)
+  assert insp.alphabet == (*lang.alphabet, "EOS")
+  assert insp.model_probs_NxV.shape == (5, 4)
+  np.testing.assert_allclose(insp.model_probs_NxV.sum(axis=1), 1.0, atol=1e-6)
+  np.testing.assert_array_equal(insp.true_probs_NxV[:, 3], 0.0)
+  np.testing.assert_allclose(
+      insp.true_probs_NxV[:, :3],
+      inspection.true_next_symbol_distribution(grammar, symbols))
+  logits = np.asarray(inspection.trace(model, params, symbols)["logits"])
+  want = np.exp(logits - logits.max(-1, keepdims=True))
+  np.testing.assert_allclose(insp.model_probs_NxV,
+                             want / want.sum(-1, keepdims=True), atol=1e-6)
+  assert "EOS" in insp.next_symbol_table()
+  with pytest.raises(ValueError, match=r"lie in \[0, 3\)"):
+    inspection.inspect_string(model, params, [0, 3], eos=True)
+  with pytest.raises(ValueError, match="vocabulary"):
+    inspection.inspect_string(model, params, symbols, grammar=grammar)
