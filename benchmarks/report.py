@@ -1,7 +1,7 @@
-"""Writes README's benchmark tables from the committed JSON results.
+"""Writes README's and docs/architecture.md's benchmark tables from JSON.
 
-Every number in README's "Benchmarks" and "Compilation across lengths"
-tables comes from a file under benchmarks/results/ (named beside it); the
+Every number in README's "Benchmarks", "Compilation across lengths" and
+vector-stack tables, and in docs/architecture.md's stack tables, comes from a file under benchmarks/results/ (named beside it); the
 authors' PyTorch figures come from results/reference_pytorch.json, which
 holds figures measured elsewhere, and sit in their own labelled column.
 
@@ -10,7 +10,7 @@ holds figures measured elsewhere, and sit in their own labelled column.
 
 The blocks lie between `<!-- report:NAME:begin -->` and
 `<!-- report:NAME:end -->` markers; tests/benchmarks_report_test.py checks
-that README equals what this script generates.
+that both documents equal what this script generates.
 """
 
 import argparse
@@ -257,17 +257,131 @@ def compile_block():
   return "\n".join(lines) + "\n"
 
 
-BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block}
+def _g3(x):
+  """Three significant digits (ms / µs figures of the stack benchmarks)."""
+  return "—" if x is None else f"{x:.3g}"
 
 
-def render(readme_text):
-  """README text with every report block regenerated."""
-  for name, fn in BLOCKS.items():
+def _int(x):
+  return "—" if x is None else f"{x:.0f}"
+
+
+def limited_stack_block():
+  name = "rns_stack.json"
+  d = _load(name)
+  if d is None:
+    return f"No `{name}` yet.\n"
+  c = d["config"]
+  lines = [f"`benchmarks/rns_stack.py` (`{name}`; {c['device']}, B = {c['B']}, "
+           f"Q = {c['Q']}, S = {c['S']}, D = {c['D']}, {c['dtype']}; per-symbol "
+           "figures; \"temp\" = XLA's static buffer plan):", "",
+           "| n | eval µs/symbol | eval temp B/symbol | train (L = "
+           f"{c['truncation_length']}) µs/symbol | train temp B/symbol | "
+           "unlimited eval µs/symbol |", "|---|---|---|---|---|---|"]
+  for r in d["rows"]:
+    lines.append(
+        f"| {r['n']} | {r['eval_us_per_symbol']:.0f} | "
+        f"{r['eval_temp_bytes_per_symbol']:.0f} | "
+        f"{r['train_us_per_symbol']:.0f} | "
+        f"{r['train_temp_bytes_per_symbol']:.0f} | "
+        f"{_int(r.get('unlimited_eval_us_per_symbol'))} |")
+  return "\n".join(lines) + "\n"
+
+
+def rns_vs_ns_block():
+  """The RNS DP against ns_stack and its own earlier revision.
+
+  rns_vs_ns_n80.json (more calls, quieter machine) supersedes the n = 80
+  rows of rns_vs_ns.json, which ran beside the test suite.
+  """
+  base, n80 = _load("rns_vs_ns.json"), _load("rns_vs_ns_n80.json")
+  if base is None:
+    return "No `rns_vs_ns.json` yet.\n"
+  rows = {(r["n"], r["Q"], r["S"]): (r, base["config"]) for r in base["rows"]}
+  for r in (n80 or {}).get("rows", []):
+    rows[(r["n"], r["Q"], r["S"])] = (r, n80["config"])
+  c = base["config"]
+  lines = ["`benchmarks/rns_stack.py --vs-ns --baseline "
+           f"{c['baseline_revision']}` ({c['device']}, B = {c['B']}, "
+           f"{c['dtype']}; ms per symbol, min of interleaved calls in one "
+           "process on the same inputs; \"before\" = rns_stack.py of "
+           f"{c['baseline_revision']} loaded into the same process; calls per "
+           "row in the last column):", "",
+           "| n | Q = S | ns_stack fwd | RNS fwd (before) | ns_stack fwd+bwd | "
+           "RNS fwd+bwd (before) | RNS / ns fwd, fwd+bwd | before / after "
+           "fwd, fwd+bwd | calls |", "|---|---|---|---|---|---|---|---|---|"]
+  for key in sorted(rows):
+    r, cfg = rows[key]
+    lines.append(
+        f"| {r['n']} | {r['Q']} | {_g3(r['ns_stack_fwd_ms_per_symbol'])} | "
+        f"{_g3(r['rns_fwd_ms_per_symbol'])} "
+        f"({_g3(r['rns_baseline_fwd_ms_per_symbol'])}) | "
+        f"{_g3(r['ns_stack_fwd_bwd_ms_per_symbol'])} | "
+        f"{_g3(r['rns_fwd_bwd_ms_per_symbol'])} "
+        f"({_g3(r['rns_baseline_fwd_bwd_ms_per_symbol'])}) | "
+        f"{r['rns_over_ns_fwd']:.2f}, {r['rns_over_ns_fwd_bwd']:.2f} | "
+        f"{r['baseline_over_rns_fwd']:.1f}, "
+        f"{r['baseline_over_rns_fwd_bwd']:.1f} | {cfg['repeats']} |")
+  return "\n".join(lines) + "\n"
+
+
+def vrns_block():
+  quick, speed = _load("vrns_stack_quick.json"), _load("vrns_stack_speed.json")
+  out = []
+  if quick:
+    out += ["`benchmarks/vrns_stack.py --quick` (`vrns_stack_quick.json`, "
+            f"{quick['device']}, {quick['dtype']}, batch "
+            f"{quick['rows'][0]['batch']}, Q-S = {quick['rows'][0]['Q']}-"
+            f"{quick['rows'][0]['S']}; {quick['note']}; before the blocked "
+            "layout below):", "",
+            "| n | stack | fwd | fwd+bwd | XLA gradient temp |",
+            "|---|---|---|---|---|"]
+    for r in quick["rows"]:
+      label = {"vrns": f"VRNS m={r['m']}", "vrns_m1": "VRNS m=1",
+               "ns": "NS"}[r["variant"]]
+      out.append(f"| {r['n']} | {label} | {_ms(r['fwd_ms'] / 1e3)} | "
+                 f"{_ms(r['fwd_bwd_ms'] / 1e3)} | "
+                 f"{r['grad_temp_mib']:.1f} MiB |")
+    out.append("")
+  if speed:
+    med = {(r["variant"], r["pass"]): r["median_ms"] for r in speed["rows"]}
+    ra = speed["ratios"]
+    out += [f"`benchmarks/vrns_stack.py --compare --before={speed['before']}` "
+            f"(`vrns_stack_speed.json`, {speed['device']}, n = {speed['n']}, "
+            f"B = {speed['batch']}, Q-S-m = {speed['Q']}-{speed['S']}-"
+            f"{speed['m']}, median of {speed['reps']} interleaved calls in one "
+            f"process, load {speed['load_average_1min']:.0f}):", "",
+            "| pass | VRNS before | VRNS | speed-up | RNS | NS | VRNS / RNS "
+            "| VRNS / NS |", "|---|---|---|---|---|---|---|---|"]
+    for p, label in (("fwd", "forward"), ("fwd_bwd", "forward+backward")):
+      out.append(
+          f"| {label} | {_ms(med[('vrns_before', p)] / 1e3)} | "
+          f"{_ms(med[('vrns', p)] / 1e3)} | "
+          f"{ra['before_over_after_' + p]:.1f}× | "
+          f"{_ms(med[('rns', p)] / 1e3)} | {_ms(med[('ns', p)] / 1e3)} | "
+          f"{ra['vrns_over_rns_' + p]:.0f}× | {ra['vrns_over_ns_' + p]:.0f}× |")
+  if not out:
+    return "No VRNS benchmark results yet.\n"
+  return "\n".join(out).rstrip() + "\n"
+
+
+BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
+          "vrns": vrns_block}
+ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
+ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
+                       "rns_vs_ns": rns_vs_ns_block}
+# Every generated document and its blocks.
+DOCUMENTS = {README: BLOCKS, ARCHITECTURE: ARCHITECTURE_BLOCKS}
+
+
+def render(readme_text, blocks=None):
+  """README text (or another document's, given its blocks) regenerated."""
+  for name, fn in (BLOCKS if blocks is None else blocks).items():
     pattern = re.compile(
         rf"(<!-- report:{name}:begin -->\n).*?(<!-- report:{name}:end -->)",
         re.S)
     if not pattern.search(readme_text):
-      raise ValueError(f"README has no report:{name} markers")
+      raise ValueError(f"the document has no report:{name} markers")
     readme_text = pattern.sub(
         lambda m, fn=fn: m.group(1) + fn() + m.group(2), readme_text)
   return readme_text
@@ -277,19 +391,20 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check", action="store_true")
   args = parser.parse_args()
-  with open(README) as f:
-    text = f.read()
-  new = render(text)
-  if args.check:
-    if new != text:
-      print("README benchmark tables are out of date: run "
-            "python benchmarks/report.py", file=sys.stderr)
-      sys.exit(1)
-    return
-  with open(README, "w") as f:
-    f.write(new)
-  print(f"rewrote {README}")
-
+  for path, blocks in DOCUMENTS.items():
+    with open(path) as f:
+      text = f.read()
+    new = render(text, blocks)
+    rel = os.path.relpath(path, REPO)
+    if args.check:
+      if new != text:
+        print(f"{rel}'s benchmark tables are out of date: run "
+              "python benchmarks/report.py", file=sys.stderr)
+        sys.exit(1)
+      continue
+    with open(path, "w") as f:
+      f.write(new)
+    print(f"rewrote {rel}")
 
 if __name__ == "__main__":
   main()

@@ -30,19 +30,29 @@ def test_readme_tables_are_generated_from_results(report):
       "README benchmark tables are stale: run python benchmarks/report.py")
 
 
+def test_architecture_tables_are_generated_from_results(report):
+  with open(report.ARCHITECTURE) as f:
+    text = f.read()
+  assert report.render(text, report.ARCHITECTURE_BLOCKS) == text, (
+      "docs/architecture.md benchmark tables are stale: run "
+      "python benchmarks/report.py")
+
+
 def test_render_replaces_only_the_marked_blocks(report):
   text = ("intro\n<!-- report:benchmarks:begin -->\nold\n"
           "<!-- report:benchmarks:end -->\nmiddle\n"
           "<!-- report:compile:begin -->\n<!-- report:compile:end -->\nend\n")
-  out = report.render(text)
+  blocks = {"benchmarks": report.benchmarks_block,
+            "compile": report.compile_block}
+  out = report.render(text, blocks)
   assert out.startswith("intro\n<!-- report:benchmarks:begin -->\n")
   assert "\nold\n" not in out
   assert "\nmiddle\n" in out and out.endswith(
       "<!-- report:compile:end -->\nend\n")
-  assert report.render(out) == out
+  assert report.render(out, blocks) == out
   with pytest.raises(ValueError, match="report:compile"):
     report.render("no markers <!-- report:benchmarks:begin -->\n"
-                  "<!-- report:benchmarks:end -->")
+                  "<!-- report:benchmarks:end -->", blocks)
 
 
 def test_reference_figures_stay_out_of_measured_results():
