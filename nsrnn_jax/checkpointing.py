@@ -17,14 +17,19 @@ Safety rules (README "Outputs"):
 * `check_workdir` compares a workdir's stored config.json with the requested
   config before anything is written: a difference that changes the run is a
   one-line error naming the fields.
+* `workdir_lock` keeps a second training process out of a run directory
+  that one is training in (two writers would interleave checkpoints and
+  metrics); a lock left by a process that died is taken over.
 
 Keeping Orbax behind these functions means a move to its V1 API touches only
 this file.
 """
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from typing import Any, Mapping, Optional
 
@@ -35,6 +40,7 @@ import orbax.checkpoint as ocp
 
 PyTree = Any
 CONFIG_FILE = "config.json"
+LOCK_FILE = ".lock"
 UNREADABLE_DIR = "checkpoints_unreadable"
 
 # Config fields that may change between invocations on one workdir: they
@@ -134,6 +140,60 @@ def check_workdir(workdir: str, config_json: Mapping[str, Any]) -> None:
     raise ValueError(
         f"{workdir!r} holds a run with a different config: {'; '.join(diffs)}."
         " Use a new --workdir, or the stored values to resume")
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # Alive, owned by another user.
+  return True
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+  """Holds `workdir/.lock` (pid and host) while a run trains there.
+
+  Raises:
+    ValueError (one line) if another live process holds it. A lock whose
+    process is gone (same host, pid not running: a crash or kill -9) is
+    taken over; a lock from another host cannot be checked and is refused.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, LOCK_FILE)
+  me = {"pid": os.getpid(), "host": socket.gethostname()}
+  while True:
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      try:
+        with open(path) as f:
+          holder = json.load(f)
+        pid, host = int(holder["pid"]), str(holder["host"])
+      except (OSError, ValueError, KeyError, TypeError):
+        pid, host = None, None  # Unreadable (half-written): treat as stale.
+      if pid is not None and (host != me["host"] or _process_alive(pid)):
+        raise ValueError(
+            f"{workdir!r} is in use by process {pid} on {host} (a second "
+            "run would overwrite its checkpoints): wait for it to finish, or "
+            f"delete {path} if that process is gone") from None
+      try:
+        os.remove(path)  # Stale: its process died without releasing it.
+      except FileNotFoundError:
+        pass
+      continue
+    with os.fdopen(fd, "w") as f:
+      json.dump(me, f)
+    break
+  try:
+    yield
+  finally:
+    try:
+      os.remove(path)
+    except FileNotFoundError:
+      pass
 
 
 def write_config(workdir: str, config_json: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ batch over 'data' (parallel.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -362,6 +363,19 @@ def run_models(runs: Sequence[Run], model, mesh=None,
   template = jax.tree.map(lambda x: np.asarray(x[0]), state.arrays())
   rngs = [np.random.RandomState(r.config.shuffle_seed) for r in runs]
   orders = [np.arange(num_steps) for _ in runs]
+  with contextlib.ExitStack() as locks:
+    if main:  # One writer per run directory (a second process is refused).
+      for run in runs:
+        locks.enter_context(checkpointing.workdir_lock(run.workdir))
+    return _run_locked(state, runs, model, mesh, rngs, orders, main,
+                       should_stop, template)
+
+
+def _run_locked(state, runs, model, mesh, rngs, orders, main, should_stop,
+                template) -> list[dict]:
+  """run_models once the run directories are held: restore, train, close."""
+  config = runs[0].config
+  num_models = len(runs)
   managers, writers = [], []
   console = None
   try:

@@ -3,6 +3,7 @@ never deleting, read-only opening, workdir checks."""
 
 import json
 import os
+import socket
 
 import pytest
 
@@ -147,3 +148,33 @@ def test_a_run_stored_before_predict_eos_resumes_only_without_eos():
   assert diffs == ["predict_eos (stored False, requested True)"]
   assert checkpointing.config_differences(
       stored, {"learning_rate": 0.01, "new_field": 3}) == []
+
+
+def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
+    tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / "run")
+  lock = os.path.join(workdir, checkpointing.LOCK_FILE)
+  with checkpointing.workdir_lock(workdir):
+    assert os.path.exists(lock)
+    # A second holder while this (live) process holds it: one-line error.
+    with pytest.raises(ValueError, match="in use by process") as info:
+      with checkpointing.workdir_lock(workdir):
+        pass
+    assert "\n" not in str(info.value)
+  assert not os.path.exists(lock)  # Released.
+  # A lock left by a process that has exited (kill -9, crash) is taken over.
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  with open(lock, "w") as f:
+    json.dump({"pid": int(dead.stdout), "host": socket.gethostname()}, f)
+  with checkpointing.workdir_lock(workdir):
+    with open(lock) as f:
+      assert json.load(f)["pid"] == os.getpid()
+  # Another host's lock cannot be checked: refused.
+  with open(lock, "w") as f:
+    json.dump({"pid": 1, "host": "elsewhere"}, f)
+  with pytest.raises(ValueError, match="on elsewhere"):
+    with checkpointing.workdir_lock(workdir):
+      pass

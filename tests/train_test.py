@@ -667,3 +667,32 @@ def test_two_devices_match_one_device(tmp_path):
   assert one.keys() == two.keys()
   for key, value in one.items():
     np.testing.assert_allclose(two[key], value, rtol=1e-4, err_msg=key)
+
+
+def test_a_second_process_cannot_train_in_a_busy_workdir(tmp_path):
+  # Another live process holds the run directory: training refuses with one
+  # line and writes no checkpoint; the holder's lock stays.
+  import socket  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  holder = subprocess.Popen([sys.executable, "-c",
+                             "import time; time.sleep(120)"])
+  try:
+    lock = os.path.join(workdir, checkpointing.LOCK_FILE)
+    with open(lock, "w") as f:
+      json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
+    config = tiny_config(model="lstm", max_epochs=1)
+    with pytest.raises(ValueError, match="in use by process") as info:
+      train.train_and_evaluate(config, workdir, splits=tiny_splits())
+    assert "\n" not in str(info.value)
+    with open(lock) as f:
+      assert json.load(f)["pid"] == holder.pid
+    assert not os.path.exists(os.path.join(workdir, "checkpoints"))
+  finally:
+    holder.kill()
+    holder.wait()
+  # Once the holder is gone, the same call trains (its lock is stale).
+  results = train.train_and_evaluate(config, workdir, splits=tiny_splits())
+  assert results["finished"] and not os.path.exists(lock)
