@@ -611,6 +611,13 @@ class GrefLM(LanguageModel):
                'strengths': strengths, 'readings': readings}
 
 
+def _pda_action_layer(lm) -> AffineParams:
+  """The action layer of an NS / RNS stack: h -> push, repl, pop logits."""
+  q, s = lm.num_states, lm.num_stack_symbols
+  return AffineParams(lm.hidden_size, q * s * (2 * q * s + q), uniform_init(),
+                      uniform_init(), dtype=lm.dtype)
+
+
 class NSLM(LanguageModel):
   """LSTM + nondeterministic stack (Lang's algorithm in ``ns_stack``).
 
@@ -631,10 +638,7 @@ class NSLM(LanguageModel):
 
   def setup(self):
     super().setup()
-    q, s = self.num_states, self.num_stack_symbols
-    self.action = AffineParams(self.hidden_size, q * s * (2 * q * s + q),
-                               uniform_init(), uniform_init(),
-                               dtype=self.dtype)
+    self.action = _pda_action_layer(self)
 
   def _no_step_internals(self, batch):
     q, s, dt = self.num_states, self.num_stack_symbols, self.dtype
@@ -701,10 +705,7 @@ class RNSLM(LanguageModel):
 
   def setup(self):
     super().setup()
-    q, s = self.num_states, self.num_stack_symbols
-    self.action = AffineParams(self.hidden_size, q * s * (2 * q * s + q),
-                               uniform_init(), uniform_init(),
-                               dtype=self.dtype)
+    self.action = _pda_action_layer(self)
 
   def _no_step_internals(self, batch):
     q, s, dt = self.num_states, self.num_stack_symbols, self.dtype

@@ -23,20 +23,9 @@ from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
 
 
-@pytest.fixture
-def x64():
-  with jax.enable_x64(True):
-    yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-  # These tests compile many tiny programs; XLA's optimisations do not pay.
-  # Set per module (and restored), never at import time.
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
+# These tests compile many tiny programs; XLA's optimisations do not pay
+# (conftest.py's fixture, restored after the module; `x64` is conftest's).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _actions(rng, batch, steps, q, s, kind):
