@@ -309,6 +309,28 @@ class ViterbiRun:
     return "\n".join(lines)
 
 
+def _viterbi_run(actions, stacks, log_push, log_repl, log_pop) -> ViterbiRun:
+  """A decoded run's operations, each with its log-weight and the stack after.
+
+  `actions` are (j, kind, q, r, y) tuples and `stacks` their replay (stack
+  contents after each update, as from `ns_stack.replay_run`).
+  """
+  ops = []
+  for j, kind, q, r, y in actions:
+    x = stacks[j - 1][-1]
+    if kind == "push":
+      log_weight, symbol = log_push[j - 1, q, x, r, y], y
+    elif kind == "replace":
+      log_weight, symbol = log_repl[j - 1, q, x, r, y], y
+    else:
+      log_weight, symbol = log_pop[j - 1, q, x, r], None
+    ops.append(StackOp(int(j), kind, int(q), int(x), int(r),
+                       None if symbol is None else int(symbol),
+                       float(log_weight), tuple(int(a) for a in stacks[j])))
+  # Re-total in float64 (the stacks may run in float32).
+  return ViterbiRun(float(sum(op.log_weight for op in ops)), tuple(ops))
+
+
 def viterbi_run(push, repl, pop) -> ViterbiRun:
   """The most probable PDA run of one string, with the stack after each op.
 
@@ -337,20 +359,7 @@ def viterbi_run(push, repl, pop) -> ViterbiRun:
   if not np.isfinite(log_prob) or len(actions) != num_t:
     raise ValueError("no PDA run has positive probability.")
   stacks, _ = ns_stack.replay_run(actions)
-  ops = []
-  for j, kind, q, r, y in actions:
-    x = stacks[j - 1][-1]
-    if kind == "push":
-      log_weight, symbol = log_push[j - 1, q, x, r, y], y
-    elif kind == "replace":
-      log_weight, symbol = log_repl[j - 1, q, x, r, y], y
-    else:
-      log_weight, symbol = log_pop[j - 1, q, x, r], None
-    ops.append(StackOp(int(j), kind, int(q), int(x), int(r),
-                       None if symbol is None else int(symbol),
-                       float(log_weight), tuple(int(a) for a in stacks[j])))
-  # Re-total in float64 (ns_stack may run in float32).
-  return ViterbiRun(float(sum(op.log_weight for op in ops)), tuple(ops))
+  return _viterbi_run(actions, stacks, log_push, log_repl, log_pop)
 
 
 def rns_viterbi_run(log_push, log_repl, log_pop, bottom: str = "fixed",
@@ -392,19 +401,7 @@ def rns_viterbi_run(log_push, log_repl, log_pop, bottom: str = "fixed",
   if not np.isfinite(log_weight) or len(actions) != num_t:
     raise ValueError("no PDA run has finite weight.")
   stacks, _ = rns_stack.replay_run(actions, bottom=bottom)
-  ops = []
-  for j, kind, q, r, y in actions:
-    x = stacks[j - 1][-1]
-    if kind == "push":
-      weight, symbol = log_push[j - 1, q, x, r, y], y
-    elif kind == "replace":
-      weight, symbol = log_repl[j - 1, q, x, r, y], y
-    else:
-      weight, symbol = log_pop[j - 1, q, x, r], None
-    ops.append(StackOp(int(j), kind, int(q), int(x), int(r),
-                       None if symbol is None else int(symbol),
-                       float(weight), tuple(int(a) for a in stacks[j])))
-  return ViterbiRun(float(sum(op.log_weight for op in ops)), tuple(ops))
+  return _viterbi_run(actions, stacks, log_push, log_repl, log_pop)
 
 
 # ---------------------------------------------------------------------------
