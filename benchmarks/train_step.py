@@ -16,9 +16,9 @@ Variants (each adds rows; the plain row is always measured):
   --unroll=2,4          ns_stack scan unroll factors (NS models)
   --baseline_ref=REF    the NS models with nsrnn_jax/ns_stack.py as of git
                         REF (loaded by path), for before/after ratios
-  --cpu_devices=2       the batch split over N simulated CPU devices (the
-                        data-parallel mesh; re-executes itself with
-                        --xla_force_host_platform_device_count=N)
+  --cpu_devices=2       the batch split over N CPU devices through loop.py's
+                        per-device step (what `main --cpu_devices=N` runs;
+                        re-executes itself with N CPU devices)
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
@@ -59,6 +59,7 @@ import numpy as np
 
 import machine
 from configs import default
+from nsrnn_jax import loop
 from nsrnn_jax import models
 from nsrnn_jax import ns_stack
 from nsrnn_jax import parallel
@@ -137,19 +138,29 @@ class Variant:
     model = models.build(config, vocab_size=3)
     state = train.create_train_state(config, jax.random.key(0), model)
     batch = train.make_batch(_symbols(length))
+    self.keep_state = num_devices is not None
     if num_devices is not None:
+      # The library's data-parallel path: loop.py's per-device step (K = 1
+      # model, batch split over 'data', gradients summed once per step).
       mesh = parallel.make_mesh(num_data=num_devices)
-      state = state.replace(**parallel.replicate(state.arrays(), mesh))
-      batch = parallel.shard_batch(batch, mesh)
+      state = state.replace(**parallel.shard_models(
+          jax.tree.map(lambda x: np.asarray(x)[None], state.arrays()), mesh))
+      batch = parallel.put_model_batch(
+          {k: np.asarray(v)[None] for k, v in batch.items()}, mesh)
+      # Donates its state argument: time_once carries the returned state.
+      self.step = loop.jitted_steps(mesh).train
+    else:
+      # A fresh function object: its own trace, not shared with variants.
+      self.step = jax.jit(lambda s, b: train.train_step(s, b))
     self.state, self.batch = state, batch
-    # A fresh function object: its own trace, not shared with other variants.
-    self.step = jax.jit(lambda s, b: train.train_step(s, b))
     saved = models.ns_stack
     models.ns_stack = stack or ns_stack
     try:
       start, cpu_start = time.perf_counter(), time.process_time()
-      _, m = self.step(state, batch)
+      s, m = self.step(state, batch)
       jax.block_until_ready(m["loss"])
+      if self.keep_state:
+        self.state = s
       self.compile_s = time.perf_counter() - start
       self.compile_cpu_s = time.process_time() - cpu_start
     finally:
@@ -160,6 +171,8 @@ class Variant:
     start, cpu_start = time.perf_counter(), time.process_time()
     s, m = self.step(self.state, self.batch)
     jax.block_until_ready((s.params, m["loss"]))
+    if self.keep_state:
+      self.state = s
     self.times.append(time.perf_counter() - start)
     self.cpu_times.append(time.process_time() - cpu_start)
 

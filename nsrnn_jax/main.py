@@ -3,6 +3,8 @@
   python -m nsrnn_jax.main --config=configs/quick.py --workdir=/tmp/quick
   python -m nsrnn_jax.main --config=configs/dyck_ns.py --workdir=runs/dyck_ns \
       --config.learning_rate=0.001 --config.data_seed=3
+  python -m nsrnn_jax.main --config=configs/dyck_ns.py --workdir=runs/dyck_ns \
+      --cpu_devices=2       # both cores of a 2-core CPU (NS-RNN: ~1.6x)
 
 Rerunning the same command on the same workdir resumes from the last
 checkpoint. All logic lives in train.train_and_evaluate; this file only
@@ -24,12 +26,18 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output/resume directory.")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False,
     "Call jax.distributed.initialize() (multi-host TPU/GPU, SLURM).")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", 1,
+    "On the CPU backend, split each batch over this many devices (one per "
+    "core to use; the batch size must be a multiple). 2 on 2 cores: NS-RNN "
+    "steps 1.5-1.8x faster, LSTM/JM/Gref steps slightly slower.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   del argv
   # Must precede any device use: the backend is fixed at first touch.
+  parallel.use_cpu_devices(_CPU_DEVICES.value)
   parallel.maybe_initialize_distributed(_DISTRIBUTED.value)
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 

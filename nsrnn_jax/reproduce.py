@@ -8,7 +8,7 @@ alone:
 
   python -m nsrnn_jax.reproduce --task=dyck --workdir=runs/dyck \
       [--models=lstm,jm,gref,ns] [--learning_rates=0.005] [--restarts=3] \
-      [--budget_minutes=60]
+      [--budget_minutes=60] [--cpu_devices=2]
   python -m nsrnn_jax.reproduce --report
 
 The protocol. LSTM and NS-RNN: every learning rate of the grid x restarts;
@@ -25,7 +25,9 @@ go one after another: on 2 cores, K vmapped train steps (n=60, B=10) gave
 0.75x (JM, K=5), 0.76x (Gref), 0.20x (NS-RNN) and 0.31-0.53x at K=20 the
 throughput of K sequential steps (only the LSTM gained, 2.3x at K=5, and its
 runs take minutes anyway), while 20 NS-RNNs on an H200 gave 8.2x (README
-"Benchmarks"). The choice is printed.
+"Benchmarks"). The choice is printed. `--cpu_devices=2` splits each batch
+over two CPU devices (both cores of one run; NS-RNN steps 1.5-1.8x faster on
+2 cores); two runs of one core each use the same two cores as well.
 
 Resuming. Every run checkpoints every epoch under `--workdir`; rerunning the
 same command skips runs whose record exists, continues unfinished ones from
@@ -1076,6 +1078,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "protocol: records say so)")
   parser.add_argument("--execution", default="auto",
                       choices=("auto", "sequential", "model_axis"))
+  parser.add_argument("--cpu_devices", type=int, default=1,
+                      help="CPU backend: split each batch over this many "
+                      "devices (one per core to use)")
   parser.add_argument("--report", action="store_true",
                       help="regenerate the report from --results and exit")
   parser.add_argument("--report_path", default=DEFAULT_REPORT)
@@ -1107,6 +1112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise ReproduceError(f"--stack_sizes must be >= 1 ({sizes})")
     if args.restarts < 1:
       raise ReproduceError(f"--restarts must be >= 1 (got {args.restarts})")
+    from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+    parallel.use_cpu_devices(args.cpu_devices)
     if args.budget_minutes is not None and not args.budget_minutes > 0:
       raise ReproduceError(f"--budget_minutes must be > 0 (got "
                            f"{args.budget_minutes:g})")

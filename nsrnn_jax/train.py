@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import flax
 import jax
 import jax.numpy as jnp
+from jax import lax
 import ml_collections
 import numpy as np
 import optax
@@ -377,25 +378,52 @@ def per_string_nll(logits_BxNxV, symbols_BxN, mask_BxN):
   return jnp.sum(ce_BxN * mask_BxN, axis=1)
 
 
-def loss_fn(params, apply_fn, batch: Batch):
-  """Sum over positions, mean over the (real) strings of the batch."""
+def _nll_sum_and_count(params, apply_fn, batch: Batch):
+  """(Σ per-string NLL, number of real strings) of a batch (or a shard)."""
   symbols_BxN, mask_BxN = batch["symbols"], batch["mask"]
   logits_BxNxV = apply_fn({"params": params}, symbols_BxN)
   nll_B = per_string_nll(logits_BxNxV, symbols_BxN, mask_BxN)
   # Every real string has length >= 1, so mask[:, 0] marks real rows; padded
   # rows (if a sharded batch ever needs them) do not dilute the mean.
-  num_strings = jnp.maximum(jnp.sum(mask_BxN[:, 0]), 1.0)
-  return jnp.sum(nll_B) / num_strings
+  return jnp.sum(nll_B), jnp.sum(mask_BxN[:, 0])
 
 
-def train_step(state: TrainState, batch: Batch):
+def loss_fn(params, apply_fn, batch: Batch):
+  """Sum over positions, mean over the (real) strings of the batch."""
+  nll_sum, num_strings = _nll_sum_and_count(params, apply_fn, batch)
+  return nll_sum / jnp.maximum(num_strings, 1.0)
+
+
+def train_step(state: TrainState, batch: Batch,
+               data_axis: Optional[str] = None):
   """One Adam step on one batch; a no-op once `state.stopped`.
+
+  Args:
+    state: the train state (one model).
+    batch: the whole batch, or with `data_axis` this device's shard of it.
+    data_axis: name of the mesh axis the batch is split over when called
+      per device (inside `jax.shard_map`, see loop.jitted_steps): the loss
+      is the global mean over strings and the gradients are summed over the
+      axis once, after the backward pass, so every device applies the same
+      update. None: the plain single-program step.
 
   Returns:
     (new_state, metrics) with metrics {"loss", "grad_norm"} (scalars).
   """
-  loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn,
-                                            batch)
+  if data_axis is None:
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn,
+                                              batch)
+  else:
+    num_strings = jnp.maximum(
+        lax.psum(jnp.sum(batch["mask"][:, 0]), data_axis), 1.0)
+
+    def shard_loss(params):
+      # This shard's share of the global mean; the shares sum to the loss.
+      return _nll_sum_and_count(params, state.apply_fn, batch)[0] / (
+          num_strings)
+
+    loss, grads = jax.value_and_grad(shard_loss)(state.params)
+    loss, grads = lax.psum((loss, grads), data_axis)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   new_state = state.replace(params=params, opt_state=opt_state,

@@ -60,6 +60,8 @@ def _cases(tmp):
       ("changed config on a workdir", main + ["--config.hidden_size=21",
                                               f"--workdir={trained}"],
        "hidden_size (stored 20, requested 21)"),
+      ("no CPU devices", main + ["--cpu_devices=0", f"--workdir={new}"],
+       "cpu_devices must be a positive integer, got 0"),
       ("extra argument", main + [f"--workdir={new}", "extra"],
        "unexpected arguments: extra"),
       ("data --out is a file", ["-m", "nsrnn_jax.data", "--task=dyck",

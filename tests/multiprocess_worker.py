@@ -1,7 +1,8 @@
 """Helper process for tests/parallel_test.py (not a test module itself).
 
-Runs a few training steps of train.py's pure `train_step` on a device mesh
-(state replicated, batch sharded on 'data') and writes what the test checks.
+Runs a few training steps of the loop's per-device train step on a device
+mesh (batch sharded on 'data', gradients summed once per step) and writes what
+the test checks.
 The device count must be fixed before JAX starts, so the tests run this file
 in fresh subprocesses:
 
@@ -66,17 +67,24 @@ def reference_run(config, batches):
 
 
 def mesh_run(config, batches, mesh):
-  """Data-parallel training; each process feeds only its rows."""
+  """Data-parallel training through the loop's per-device train step.
+
+  The state is stacked on the model axis (K = 1) as in loop.py; each process
+  contributes only its rows of every batch (`put_model_batch`).
+  """
+  from nsrnn_jax import loop  # pylint: disable=g-import-not-at-top
   state = train.create_train_state(config, jax.random.key(0))
-  state = state.replace(**parallel.replicate(state.arrays(), mesh))
-  step = jax.jit(train.train_step)
-  rows = parallel.process_slice(GLOBAL_BATCH, mesh)
+  state = state.replace(**parallel.shard_models(
+      jax.tree.map(lambda x: np.asarray(x)[None], state.arrays()), mesh))
+  step = loop.jitted_steps(mesh).train
   losses = []
   for b in batches:
-    local = {k: v[rows] for k, v in b.items()}
-    state, m = step(state, parallel.shard_batch(local, mesh))
-    losses.append(float(parallel.to_host(m["loss"])))
-  return losses, state, rows
+    state, m = step(state, parallel.put_model_batch(
+        {k: v[None] for k, v in b.items()}, mesh))
+    # One step in flight at a time, as loop.py does on several CPU devices.
+    losses.append(float(parallel.to_host(m["loss"])[0]))
+  state = state.replace(**jax.tree.map(lambda x: x[0], state.arrays()))
+  return losses, state, parallel.process_slice(GLOBAL_BATCH, mesh)
 
 
 def run_devices(out_path, model):

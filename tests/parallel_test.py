@@ -97,6 +97,19 @@ def test_replicate_keeps_values():
   assert float(parallel.to_host(out)["b"]) == 2.5
 
 
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_use_cpu_devices_rejects_non_positive_integers(bad):
+  with pytest.raises(ValueError, match="positive integer"):
+    parallel.use_cpu_devices(bad)
+
+
+def test_use_cpu_devices_after_backend_start_is_a_clear_error():
+  jax.devices()  # the backend is up in this process
+  parallel.use_cpu_devices(1)  # the default: nothing to change
+  with pytest.raises(ValueError, match="before JAX touches a device"):
+    parallel.use_cpu_devices(2)
+
+
 def test_initialize_disabled_is_a_no_op():
   assert parallel.maybe_initialize_distributed(False) is False
   assert jax.process_count() == 1

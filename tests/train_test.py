@@ -636,6 +636,8 @@ _TWO_DEVICE_SCRIPT = r"""
 import json, sys
 import jax
 sys.path.insert(0, {repo!r})
+from nsrnn_jax import parallel
+parallel.use_cpu_devices(2)  # what main.py's --cpu_devices=2 does
 from tests import train_test as t
 from nsrnn_jax import models, train
 assert jax.device_count() == 2
@@ -652,8 +654,8 @@ def test_two_devices_match_one_device(tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_PLATFORMS="cpu")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run(
       [sys.executable, "-c", _TWO_DEVICE_SCRIPT.format(repo=repo),
        str(tmp_path / "two")], cwd=repo, env=env, capture_output=True,
