@@ -67,6 +67,45 @@ def matmul_gflops(size=1024, repeats=3, clock="wall"):
   return 2 * size**3 / max(best, 1e-9) / 1e9
 
 
+_STREAM = {}
+
+
+def read_gbytes_per_s(megabytes=256, repeats=3):
+  """Best-of-`repeats` rate of a jitted sum over a float32 array, in GB/s.
+
+  The array (256 MB by default) is larger than the caches, so this is the
+  machine's streaming read bandwidth from memory as XLA reaches it, the
+  yardstick of the bytes-moved limit (`ns_bytes_limit_s`).
+  """
+  if megabytes not in _STREAM:
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    jax.block_until_ready(f(x))
+    _STREAM[megabytes] = (f, x)
+  f, x = _STREAM[megabytes]
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(f(x))
+    best = min(best, time.perf_counter() - start)
+  return x.size * 4 / max(best, 1e-9) / 1e9
+
+
+def ns_bytes_limit_s(q, s, n, batch, gbytes_per_s):
+  """Lower bound on an NS-RNN train step from the table it must read.
+
+  Each update's pop term reads the filled triangle of the γ table, rows
+  i < k < j: B·Q²S²·j²/2 float32 entries at update j, B·Q²S²·n³/6 over the
+  forward sweep; the backward reads the table and the same-sized table of
+  pop adjoints (W) once more each. In all 3·4·B·Q²S²·n³/6 = 2·B·Q²S²·n³
+  bytes, at the measured streaming read rate. (The DP reads the table at
+  ~1.5 FLOP per byte, so this bound, not the FLOP limit, is the one a
+  kernel could approach on a CPU; the table at n = 80, Q = S = 3, B = 10 is
+  21 MB, partly cache-resident, so the bound is conservative.)
+  """
+  return 2 * batch * q**2 * s**2 * n**3 / (gbytes_per_s * 1e9)
+
+
 def ns_flop_limit_s(q, s, n, batch, gflops):
   """Lower bound on an NS-RNN train step from its dominant work.
 

@@ -97,7 +97,7 @@ def train_step_table():
                + "; ".join(sources) + ".")
   lines.append("")
   lines.append("| model | ours, CPU (best wall / CPU time) | CPU step / FLOP "
-               "limit (target ≤ 6×) "
+               "limit (target ≤ 6×); / bytes limit "
                "| ours, GPU | "
                "target CPU / GPU | authors' PyTorch CPU / H200 (not measured "
                "here: `reference_pytorch.json`) |")
@@ -117,6 +117,10 @@ def train_step_table():
              f"{c['limit_ratio_cpu_time']:.1f}× CPU time (limit "
              f"{_ms(c['flop_limit_s'])} at {c['matmul_gflops']:.0f} GFLOP/s)"
              if c and "limit_ratio_cpu_time" in c else "")
+    if c and "bytes_limit_ratio" in c:
+      ratio += (f"; {c['bytes_limit_ratio']:.1f}× the bytes limit "
+                f"({_ms(c['bytes_limit_s'])} at "
+                f"{c['read_gbytes_per_s']:.0f} GB/s)")
     gpu_cell = (f"{_ms(g['step_s'])} ({_ms(g['min_step_s'])})" if g else "")
     pt = " / ".join("–" if x is None else _s(x) if x >= 1 else _ms(x)
                     for x in (ref_cpu.get(name), ref_gpu.get(name)))

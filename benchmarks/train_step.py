@@ -194,10 +194,12 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
   if cpu_devices > 1:
     variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
                             length, precision, num_devices=cpu_devices))
-  gflops, cpu_gflops = [], []
+  gflops, cpu_gflops, gbytes = [], [], []
   for i in range(repeats):
     gflops.append(machine.matmul_gflops())
     cpu_gflops.append(machine.matmul_gflops(clock="cpu"))
+    if is_ns:
+      gbytes.append(machine.read_gbytes_per_s())
     # Alternate the order, so that no variant always runs first.
     for v in (variants if i % 2 == 0 else variants[::-1]):
       v.time_once()
@@ -218,12 +220,17 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
       # The CPU-time ratio (step and matmul both in process CPU time) is
       # the steadier one on shared cores; on an idle machine both agree.
       cpu_limit = machine.ns_flop_limit_s(q, s, length, BATCH, cpu_rate)
+      bytes_limit = machine.ns_bytes_limit_s(q, s, length, BATCH,
+                                             max(gbytes))
       row.update(flop_limit_s=limit, limit_ratio=row["min_step_s"] / limit,
                  limit_ratio_median=row["step_s"] / limit,
-                 limit_ratio_cpu_time=row["cpu_step_s"] / cpu_limit)
+                 limit_ratio_cpu_time=row["cpu_step_s"] / cpu_limit,
+                 read_gbytes_per_s=max(gbytes), bytes_limit_s=bytes_limit,
+                 bytes_limit_ratio=row["min_step_s"] / bytes_limit)
     rows.append(row)
-    ratio = (f"  {row['limit_ratio']:5.1f}x limit ({limit * 1e3:.2f} ms),"
-             f" CPU time {row['limit_ratio_cpu_time']:5.1f}x" if is_ns else "")
+    ratio = (f"  {row['limit_ratio']:5.1f}x FLOP limit ({limit * 1e3:.2f} ms),"
+             f" {row['bytes_limit_ratio']:4.1f}x bytes limit "
+             f"({bytes_limit * 1e3:.2f} ms)" if is_ns else "")
     print(f"{name:5s} {v.label:26s} compile {v.compile_s:6.1f} s  step "
           f"median {row['step_s'] * 1e3:8.2f} ms  min "
           f"{row['min_step_s'] * 1e3:8.2f} ms  CPU time "
@@ -330,7 +337,9 @@ def main():
                  "(wall clock); cpu_step_s = median process CPU time (all "
                  "threads); limit_ratio = min_step_s / flop_limit_s; "
                  "limit_ratio_cpu_time = cpu_step_s / the same limit at the "
-                 "matmul's CPU-time rate"}
+                 "matmul's CPU-time rate; bytes_limit_ratio = min_step_s / "
+                 "bytes_limit_s (the table reads, 2*B*Q^2*S^2*n^3 bytes, at "
+                 "the streaming read rate of a jitted sum over 256 MB)"}
   names = [n for n in args.models.split(",") if n]
   unrolls = [int(u) for u in args.unroll.split(",") if u]
   baseline = None
