@@ -67,6 +67,37 @@ _ALTERNATIVES = {
         "fwd_bwd_ms": 25.5, "fwd_bwd_Q3S3_ms": 211,
         "old_same_run_ms": 65.2, "old_Q3S3_same_run_ms": 328,
         "note": "T=80; forward unchanged (11.5 / 70 ms)"},
+    # v6 (issue 11), T=80, one process, idle 2-core machine, against v5c.
+    "v6 column-major table G[b,y,j,r,i,q,x]: pop term E [R, K*T] x G "
+    "[K*T, I*Q*X] (long axis as output), contiguous column writes, no "
+    "per-block transposes in the backward": {
+        "fwd_ms": 7.0, "fwd_Q3S3_ms": 44.0, "fwd_bwd_ms": 18.9,
+        "fwd_bwd_Q3S3_ms": 119.2, "v5c_same_run_fwd_ms": 11.0,
+        "v5c_same_run_fwd_Q3S3_ms": 57.7, "v5c_same_run_fwd_bwd_ms": 23.1,
+        "v5c_same_run_fwd_bwd_Q3S3_ms": 133.4},
+    "v6 with M-bar as W x G^T (row-major table operand on the right)": {
+        "fwd_bwd_Q3S3_ms": 177.2, "note": "that dot ran 3x slower"},
+    "v6 with 6 / 8 time blocks": {
+        "fwd_bwd_ms": [18.3, 19.8], "fwd_bwd_Q3S3_ms": [120.9, 135.8],
+        "v6_3_blocks_same_run": [18.4, 122.6],
+        "note": "block copies offset the smaller reads"},
+    "v6 two independent half-batch scans in one program": {
+        "fwd_bwd_ms": 20.3, "fwd_bwd_Q3S3_ms": 112.4,
+        "one_scan_same_run": [19.4, 119.7],
+        "note": "about the same time: XLA:CPU did not run them side by side"},
+    "v6 + linear alpha_j (one matvec of exp(log alpha - max) with the "
+    "column) when the alpha rows spread <= 40 nats, exact log-space "
+    "fallback via lax.cond, forward and backward": {
+        "train_step_Q2S2_ms": 19.84, "train_step_Q3S3_ms": 112.2,
+        "v6_same_run_ms": [22.53, 123.1],
+        "note": "trained models' alpha rows spread past 40 nats after ~18 "
+                "updates (marked reversal, Dyck, unmarked reversal NS-RNNs "
+                "at n = 60: spread 89 nats at the end), so the gain is an "
+                "initial one; 3 or 8 bands of 40 nats to cover them: train "
+                "step 23.9 / 131.9 ms vs v6 21.9 / 135.2 ms. Dropped."},
+    "v6 batch split over 2 CPU devices (shard_map / GSPMD, stack only)": {
+        "fwd_bwd_ms": 11.1, "fwd_bwd_Q3S3_ms": 76.0,
+        "one_device_same_run": [21.0, 122.3]},
 }
 
 
@@ -88,7 +119,7 @@ def _child(args):
   c = jnp.asarray(rng.normal(size=(b, n + 1, s)), jnp.float32)
 
   if args.variant == "custom":
-    fn = ns_stack._run_jit  # pylint: disable=protected-access
+    fn = ns_stack.run
   elif args.variant == "autodiff":
     forward = ns_stack._forward_tables  # pylint: disable=protected-access
 

@@ -75,3 +75,23 @@ def _keys(tree):
   elif isinstance(tree, list):
     for v in tree:
       yield from _keys(v)
+
+
+@pytest.mark.parametrize("variant", ["custom", "autodiff", "logspace"])
+def test_stack_benchmark_runs_against_the_current_api(variant):
+  # One tiny measurement of benchmarks/ns_stack.py: a benchmark that no
+  # longer matches the library's API fails here, not at the next rerun
+  # (its custom variant broke silently once when ns_stack gained
+  # `precision`).
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "ns_stack.py"),
+       "--child", f"--variant={variant}", "--n=3", "--reps=1", "--batch=2"],
+      capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert line, proc.stdout[-2000:]
+  got = json.loads(line[-1][len("RESULT "):])
+  assert got["variant"] == variant and got["n"] == 3
+  assert 0 < got["fwd_s"] < 60 and 0 < got["fwd_bwd_s"] < 60
