@@ -5,7 +5,13 @@
 #
 # Run from the repository root on a machine with one NVIDIA GPU and $OUT set:
 #
-#   bash benchmarks/gpu_session.sh
+#   bash benchmarks/gpu_session.sh              # install, tests, benchmarks
+#   bash benchmarks/gpu_session.sh tests        # install and tests only
+#   bash benchmarks/gpu_session.sh bench        # install and benchmarks only
+#
+# (two calls fit the device tool's 10-minute limit per command better than
+# one when the suite is slow there). TESTS_TIMEOUT (default 220 s) bounds the
+# test phase.
 #
 # Writes to $OUT (at most 8 files): env.txt, tests.log, bench.log,
 # train_step_gpu.json (precision highest, scan unroll 1/2/4),
@@ -22,6 +28,8 @@
 #
 # Each phase has its own time limit, so a slow phase cannot eat the others'.
 set -uo pipefail
+what=${1:-all}
+case "$what" in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a writable directory}"
 PY=${PYTHON:-python3}
@@ -51,11 +59,14 @@ $PY -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda|flax|optax|orbax
 $PY -c "from nsrnn_jax import parallel; print(parallel.describe_runtime())" \
   2>&1 | tee -a "$OUT/env.txt" "$OUT/bench.log"
 
+if [ "$what" != bench ]; then
 phase "test suite (default environment variables)"
-env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS timeout 220 \
+env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS timeout "${TESTS_TIMEOUT:-220}" \
   $PY -m pytest -q -p no:cacheprovider --durations=15 tests > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?" | tee -a "$OUT/tests.log" "$OUT/bench.log"
 tail -n 3 "$OUT/tests.log" >> "$OUT/bench.log"
+fi
+[ "$what" = tests ] && { phase "done"; exit 0; }
 
 phase "train step, full float32, scan unroll 1/2/4"
 timeout 110 $PY benchmarks/train_step.py --repeats=10 --unroll=1,2,4 \
