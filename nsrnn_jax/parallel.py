@@ -1,9 +1,12 @@
 """Device mesh, shardings, multi-host start-up and process-local batches.
 
-Scale-out in this package is plain GSPMD: the pure train/eval steps of
-`train.py` are jitted (by loop.py) with the batch sharded on a ``'data'`` mesh
-axis and the parameters replicated, so XLA inserts the gradient all-reduce
-itself (no psum to write). A second mesh axis, ``'model'``, carries the K
+Scale-out: the batch is sharded on a ``'data'`` mesh axis and the parameters
+replicated. The train step is per-device code (`jax.shard_map` in
+loop.jitted_steps, `train.train_step(..., data_axis='data')`): each device
+differentiates its rows' share of the global mean loss and the gradients are
+summed with one psum per step (under plain GSPMD the backward scans'
+gradient carries were all-reduced at every time step). Evaluation steps stay
+plain jit over the sharded batch. A second mesh axis, ``'model'``, carries the K
 independently trained models of the loop (stacked parameters, vmapped steps;
 size 1 for a single run).
 
