@@ -204,6 +204,23 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path):
       range(1, record["num_epochs"] + 1))
 
 
+def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
+  # --cpu_devices=2: both cores of one run (the batch split over 2 CPU
+  # devices); the record names the device count it ran on.
+  results = tmp_path / "r"
+  proc = _cli(TINY_FLAGS + ["--set=max_epochs=2", "--task=marked_reversal",
+                            "--models=lstm", "--learning_rates=0.01",
+                            "--restarts=1", "--cpu_devices=2",
+                            f"--workdir={tmp_path / 'w'}",
+                            f"--results={results}"])
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-1000:]
+  (record,) = reproduce.load_records(str(results))
+  assert record["hardware"]["num_devices"] == 2
+  assert record["num_epochs"] == 2
+  assert "2 device(s)" in out + err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--task=nope", "--workdir=W"], "--task is 'nope'"),
     (["--task=dyck", "--workdir=W", "--models=lstm,rnn"], "unknown model 'rnn'"),
@@ -220,6 +237,8 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path):
      "set by the protocol"),
     (["--task=dyck", "--workdir=W", "--set=hidden_size=0"],
      "config.hidden_size must be >= 1"),
+    (["--task=dyck", "--workdir=W", "--cpu_devices=0"],
+     "cpu_devices must be a positive integer"),
     (["--task=dyck"], "--workdir is required"),
     (["--task=dyck", "--workdir=W", "--bogus"], "unrecognized arguments"),
 ])
