@@ -48,9 +48,10 @@ log-softmax actions scaled 12x). With unnormalised log-weights of wide spread
 it is not: a column's maximum can sit on a row whose α is negligible, and
 entries that dominate α_j then flush (float64, N(0, 8²) log-weights over 30
 updates: readings off by up to 0.92; a strict xfail test keeps this in
-view). rns_stack's share representation, with log α kept apart, stays exact
-there (same inputs: 1e-13); for unnormalised weights with these semantics
-use `run_reference`.
+view). `rns_stack.run(push, repl, pop, bottom="frozen")` computes this
+module's semantics (the same log α up to normalisation, the same log-mass)
+in a share representation that keeps log α apart and stays exact there
+(same inputs: 3e-14; tested): use it, with `readout`, for such weights.
 
 Table layout (column-major): G_BxYxJxRxIxQxX[b, y, j, r, i, q, x] =
 mantissa of γ_{i,j}[q,x,r,y], with I = J = T+1; column j is the contiguous

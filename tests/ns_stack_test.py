@@ -237,9 +237,26 @@ def test_sharp_normalised_actions_stay_exact(x64, scale):
     np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("scale,kind", [(1.0, "norm"), (8.0, "unnorm")])
+def test_rns_stack_with_the_frozen_bottom_computes_these_semantics(
+    x64, scale, kind):
+  # The exact route for unnormalised weights the module docstring names:
+  # rns_stack's frozen bottom, read out as here, equals the log-space
+  # reference, also where this module's scaled table flushes (8x unnorm).
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(7)
+  push, repl, pop = (scale * a for a in _random_actions(rng, 2, 30, 2, 2,
+                                                        kind))
+  log_alpha_hat, log_mass = rns_stack.run(push, repl, pop, bottom="frozen")
+  readings = ns_stack.readout(log_alpha_hat)[0]
+  want = ns_stack.run_reference(push, repl, pop)
+  np.testing.assert_allclose(readings, want[0], rtol=1e-10, atol=1e-10)
+  np.testing.assert_allclose(log_mass, want[1], rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.xfail(strict=True, reason="known limit (module docstring): "
                    "unnormalised log-weights of wide spread flush entries "
-                   "that dominate α; rns_stack has no such limit")
+                   "that dominate α; rns_stack (frozen bottom) is exact")
 def test_wide_unnormalised_log_weights_flush_entries_that_matter(x64):
   rng = np.random.default_rng(7)
   push, repl, pop = (8.0 * a for a in _random_actions(rng, 2, 30, 2, 2,
