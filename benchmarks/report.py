@@ -24,6 +24,8 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 README = os.path.join(REPO, "README.md")
 
 MODEL_LABELS = {"ns22": "NS-RNN Q=S=2", "ns33": "NS-RNN Q=S=3",
+                "rns22": "NS-RNN Q=S=2 via rns_stack (exact for any weights)",
+                "rns33": "NS-RNN Q=S=3 via rns_stack (exact for any weights)",
                 "jm": "JM m=20", "gref": "Gref m=20", "lstm": "LSTM"}
 
 
@@ -108,6 +110,8 @@ def train_step_table():
   for name, label in MODEL_LABELS.items():
     c = cpu_rows.get(name)
     g = gpu_rows.get(name) or old_gpu_rows.get(name)
+    if c is None and g is None and name not in targets:
+      continue
     cpu_cell = ""
     if c:
       cpu_cell = (f"{_ms(c['min_step_s'])} / {_ms(c['cpu_step_s'])}"
@@ -125,7 +129,7 @@ def train_step_table():
     pt = " / ".join("–" if x is None else _s(x) if x >= 1 else _ms(x)
                     for x in (ref_cpu.get(name), ref_gpu.get(name)))
     lines.append(f"| {label} | {cpu_cell} | {ratio} | {gpu_cell} | "
-                 f"{' / '.join(targets[name])} | {pt} |")
+                 f"{' / '.join(targets.get(name, ('–', '–')))} | {pt} |")
   variants = [r for r in (cpu or {}).get("steps", [])
               if r.get("variant", "current") != "current"]
   if variants:

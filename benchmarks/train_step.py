@@ -74,6 +74,16 @@ SETTINGS = {
     "jm": dict(model="jm", stack_embedding_size=20),
     "gref": dict(model="gref", stack_embedding_size=20),
     "lstm": dict(model="lstm"),
+    # The NS-RNN's semantics through rns_stack (the CoNLL 2020 variant of
+    # model "rns": normalised actions, top-symbol reading, frozen bottom):
+    # exact for any finite log-weights, where ns_stack's scaled table can
+    # flush (ns_stack module docstring). What that exactness costs.
+    "rns22": dict(model="rns", num_states=2, num_stack_symbols=2,
+                  stack_normalize=True, stack_reading="symbol",
+                  stack_bottom="frozen"),
+    "rns33": dict(model="rns", num_states=3, num_stack_symbols=3,
+                  stack_normalize=True, stack_reading="symbol",
+                  stack_bottom="frozen"),
 }
 TARGETS_S = {
     "cpu": {"ns22": 0.060, "ns33": 0.250, "jm": 0.005, "gref": 0.005,
@@ -181,8 +191,10 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices):
   """Rows for one model: every variant, timed in alternation."""
   variants = [Variant(name, "current", length, precision)]
-  is_ns = SETTINGS[name]["model"] == "ns"
-  if is_ns:
+  # Stack models get the FLOP / bytes limit columns; the ns_stack variants
+  # (unroll, baseline) apply to the NS-RNN only.
+  is_ns = SETTINGS[name]["model"] in ("ns", "rns")
+  if SETTINGS[name]["model"] == "ns":
     for u in unrolls:
       if u != 1:
         variants.append(Variant(
