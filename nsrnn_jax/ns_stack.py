@@ -75,7 +75,7 @@ left pop factor's contribution to column j from all later updates j' is one
 matmul of a table W[(j',r), (i,q,x)] of the later updates' pop-term adjoints
 with E_{·,j}, and all E_{j',k} are computed once before the sweep; replace /
 right-pop contributions travel column-sized from update j+1 to j. Memory:
-the final table, its transpose, W and E, i.e. O(B·T²·Q²·S²). The real
+the final table, W and E, i.e. O(B·T²·Q²·S²). The real
 adjoint ĝ/g of an entry is clamped at exp(log(float max) − 20) so entries
 flushed to ~0 cannot create inf·0.
 
