@@ -95,8 +95,25 @@ def stack_batches(symbols_list: Sequence[np.ndarray],
   return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 
 
+def over_models(fn):
+  """fn mapped over a leading model axis K: vmapped, or called once if K = 1.
+
+  With one model the axis is squeezed instead of vmapped, so data-dependent
+  `lax.cond`s inside the step (ns_stack's linear α path) stay branches;
+  under vmap their predicate is batched and both branches run.
+  """
+
+  def mapped(*args):
+    if jax.tree.leaves(args)[0].shape[0] != 1:
+      return jax.vmap(fn)(*args)
+    out = fn(*jax.tree.map(lambda x: x[0], args))
+    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), out)
+
+  return mapped
+
+
 def _eval_models(params_K, batch_K, apply_fn):
-  return jax.vmap(functools.partial(train.eval_step, apply_fn=apply_fn))(
+  return over_models(functools.partial(train.eval_step, apply_fn=apply_fn))(
       params_K, batch_K)
 
 
@@ -123,8 +140,8 @@ def jitted_steps(mesh) -> Steps:
   # backward scans' parameter-gradient carries replicated and all-reduced
   # them at every time step (80 all-reduces per step at n = 80; 2 CPU
   # devices ran the LSTM step 6x slower than one).
-  per_device = jax.vmap(functools.partial(train.train_step,
-                                          data_axis=parallel.DATA_AXIS))
+  per_device = over_models(functools.partial(train.train_step,
+                                             data_axis=parallel.DATA_AXIS))
   model_spec = jax.sharding.PartitionSpec(parallel.MODEL_AXIS)
   batch_spec = jax.sharding.PartitionSpec(parallel.MODEL_AXIS,
                                           parallel.DATA_AXIS)

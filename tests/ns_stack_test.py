@@ -307,6 +307,69 @@ def test_wide_unnormalised_log_weights_flush_entries_that_matter(x64):
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
+def _alpha_spreads(push, repl, pop):
+  """Spread (nats) of the finite log α rows i < j seen by each update j."""
+  la = np.asarray(ns_stack._forward_tables(  # pylint: disable=protected-access
+      push, repl, pop, "highest").log_alpha)
+  out = []
+  for j in range(1, la.shape[1]):
+    rows = la[:, :j].reshape(la.shape[0], -1)
+    fin = np.where(np.isfinite(rows), rows, np.nan)
+    out.append(np.nanmax(np.nanmax(fin, 1) - np.nanmin(fin, 1)))
+  return np.asarray(out)
+
+
+def test_alpha_linear_and_log_space_paths_agree_with_the_definition(x64):
+  # α_j[r, y] = Σ_{i,q,x} α_i[q, x] G[y, r, i, q, x] e^c, computed by numpy
+  # in log space; rows spread 10 nats (linear matvec path) and 60 nats
+  # (log-space path), with −inf rows and zero mantissas in both.
+  rng = np.random.default_rng(11)
+  b, n, q, s = 2, 6, 2, 3
+  g = rng.random((b, s, q, n, q, s)) * (rng.random((b, s, q, n, q, s)) > 0.2)
+  c = rng.normal(size=b)
+  for spread, linear in ((10.0, True), (60.0, False)):
+    la = -spread * rng.random((b, n, q, s))
+    la[:, :, 0, 0] = 0.0          # the maximum
+    la[:, -1, 0, 0] = -spread     # the minimum
+    la[:, 2] = -np.inf            # a dead row
+    _, _, ok = ns_stack._alpha_weights(  # pylint: disable=protected-access
+        jnp.asarray(la))
+    assert bool(ok) == linear
+    got = ns_stack._alpha_step(  # pylint: disable=protected-access
+        jnp.asarray(la), jnp.asarray(g), jnp.asarray(c))
+    with np.errstate(divide="ignore"):
+      terms = la[:, None, None] + np.log(g) + c[:, None, None, None, None,
+                                                 None]
+    m = terms.reshape(b, s, q, -1).max(-1)
+    want = np.log(np.exp(terms.reshape(b, s, q, -1) - m[..., None]).sum(-1))
+    want = np.swapaxes(want + m, 1, 2)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_gradient_exact_where_alpha_rows_cross_the_linear_spread(x64):
+  # Sharp actions spread the α rows beyond the linear path's 40 nats after a
+  # few updates: the forward and the custom backward switch path mid-run
+  # and must still equal the log-space reference and its autodiff.
+  rng = np.random.default_rng(7)
+  steps, q, s = 30, 2, 2
+  push, repl, pop = (3.0 * a for a in _random_actions(rng, 2, steps, q, s,
+                                                      "norm"))
+  spreads = _alpha_spreads(push, repl, pop)
+  assert spreads.min() < 40 < spreads.max()
+  c = rng.normal(size=(2, steps + 1, s))
+  e = rng.normal(size=(2, steps + 1))
+  for g, w in zip(ns_stack.run(push, repl, pop),
+                  ns_stack.run_reference(push, repl, pop)):
+    np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+  got = jax.jit(jax.grad(_loss(ns_stack.run, c, e), argnums=(0, 1, 2)))(
+      push, repl, pop)
+  want = jax.jit(jax.grad(_loss(ns_stack.run_reference, c, e),
+                          argnums=(0, 1, 2)))(push, repl, pop)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
+
+
 _H, _V = 5, 3
 
 
@@ -554,11 +617,12 @@ def _grad_text(precision, steps, q=2, s=2):
     ("highest", "HIGHEST"), ("high", "HIGH"), ("default", "DEFAULT")])
 @pytest.mark.parametrize("steps", [5, 50])
 def test_precision_reaches_every_contraction(precision, attr, steps):
-  # Per time block: 3 forward contractions (replace, M, pop) and 6 backward
-  # ones (left pop, M̄, replace ×2, pop ×2), plus one hoisted E contraction.
+  # Per time block: 4 forward contractions (replace, M, pop, the linear α
+  # path's matvec) and 7 backward ones (left pop, M̄, replace ×2, pop ×2,
+  # the α matvec), plus one hoisted E contraction.
   blocks = len(ns_stack._time_blocks(steps))  # pylint: disable=protected-access
   dots = _dot_precisions(_grad_text(precision, steps))
-  assert len(dots) == 9 * blocks + 1
+  assert len(dots) == 11 * blocks + 1
   assert set(dots) == {(attr, attr)}
 
 
@@ -595,8 +659,8 @@ def test_run_coupled_precision_reaches_the_stack():
           params, precision).as_text()
     dots = _dot_precisions(text)
     # The controller's own matmuls (plain @ here) stay DEFAULT; the stack's
-    # 10 contractions carry the requested precision.
-    assert dots.count((attr, attr)) == 10
+    # 12 contractions carry the requested precision.
+    assert dots.count((attr, attr)) == 12
     assert set(dots) == {(attr, attr), ("DEFAULT", "DEFAULT")}
 
 
