@@ -205,6 +205,20 @@ def test_check_grads_small(x64):
                             order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
+def _assert_gradients_match_reference(rng, push, repl, pop, rtol, atol):
+  """The custom VJP's gradients equal autodiff of the log-space reference."""
+  batch, steps, s = push.shape[0], push.shape[1], push.shape[-1]
+  c = rng.normal(size=(batch, steps + 1, s))
+  e = rng.normal(size=(batch, steps + 1))
+  got = jax.jit(jax.grad(_loss(ns_stack.run, c, e), argnums=(0, 1, 2)))(
+      push, repl, pop)
+  want = jax.jit(jax.grad(_loss(ns_stack.run_reference, c, e),
+                          argnums=(0, 1, 2)))(push, repl, pop)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("q,s,steps,kind", [
     (2, 2, 50, "neginf"), (3, 2, 30, "unnorm"), (2, 3, 12, "norm"),
     (3, 3, 7, "neginf"), (2, 2, 72, "neginf"), (1, 2, 96, "unnorm"),
@@ -214,15 +228,7 @@ def test_custom_vjp_equals_autodiff_of_naive_scan(x64, q, s, steps, kind):
   # ns_stack._time_blocks and the test below).
   rng = np.random.default_rng(q * 7 + s * 3 + steps)
   push, repl, pop = _random_actions(rng, 2, steps, q, s, kind)
-  c = rng.normal(size=(2, steps + 1, s))
-  e = rng.normal(size=(2, steps + 1))
-  got = jax.jit(jax.grad(_loss(ns_stack.run, c, e), argnums=(0, 1, 2)))(
-      push, repl, pop)
-  want = jax.jit(jax.grad(_loss(ns_stack.run_reference, c, e),
-                          argnums=(0, 1, 2)))(push, repl, pop)
-  for g, w in zip(got, want):
-    assert np.all(np.isfinite(g))
-    np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
+  _assert_gradients_match_reference(rng, push, repl, pop, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("scale", [1.0, 12.0])
@@ -356,18 +362,11 @@ def test_gradient_exact_where_alpha_rows_cross_the_linear_spread(x64):
                                                       "norm"))
   spreads = _alpha_spreads(push, repl, pop)
   assert spreads.min() < 40 < spreads.max()
-  c = rng.normal(size=(2, steps + 1, s))
-  e = rng.normal(size=(2, steps + 1))
   for g, w in zip(ns_stack.run(push, repl, pop),
                   ns_stack.run_reference(push, repl, pop)):
     np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
-  got = jax.jit(jax.grad(_loss(ns_stack.run, c, e), argnums=(0, 1, 2)))(
-      push, repl, pop)
-  want = jax.jit(jax.grad(_loss(ns_stack.run_reference, c, e),
-                          argnums=(0, 1, 2)))(push, repl, pop)
-  for g, w in zip(got, want):
-    assert np.all(np.isfinite(g))
-    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
+  _assert_gradients_match_reference(rng, push, repl, pop, rtol=1e-9,
+                                    atol=1e-9)
 
 
 _H, _V = 5, 3
