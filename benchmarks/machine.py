@@ -42,7 +42,23 @@ def device_label(info):
   return f"{info['backend']}: {info['device_kind']}"
 
 
-_MATMUL = {}
+# Jitted yardstick programs and their inputs, built once per process.
+_YARDSTICKS = {}
+
+
+def _best_seconds(key, build, repeats, timer=time.perf_counter):
+  """Best-of-`repeats` time of the yardstick `key` ((fn, arg) from build())."""
+  if key not in _YARDSTICKS:
+    f, x = build()
+    jax.block_until_ready(f(x))
+    _YARDSTICKS[key] = (f, x)
+  f, x = _YARDSTICKS[key]
+  best = float("inf")
+  for _ in range(repeats):
+    start = timer()
+    jax.block_until_ready(f(x))
+    best = min(best, timer() - start)
+  return max(best, 1e-9)
 
 
 def matmul_gflops(size=1024, repeats=3, clock="wall"):
@@ -51,23 +67,14 @@ def matmul_gflops(size=1024, repeats=3, clock="wall"):
   clock="wall" times with the wall clock; clock="cpu" with the process's
   CPU time (all threads), the steadier yardstick on shared, loaded cores.
   """
-  if size not in _MATMUL:
+  def build():
     a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)),
                     jnp.float32)
-    f = jax.jit(lambda x: jnp.matmul(x, x, precision="highest"))
-    jax.block_until_ready(f(a))
-    _MATMUL[size] = (f, a)
-  f, a = _MATMUL[size]
+    return jax.jit(lambda x: jnp.matmul(x, x, precision="highest")), a
+
   timer = time.perf_counter if clock == "wall" else time.process_time
-  best = float("inf")
-  for _ in range(repeats):
-    start = timer()
-    jax.block_until_ready(f(a))
-    best = min(best, timer() - start)
-  return 2 * size**3 / max(best, 1e-9) / 1e9
-
-
-_STREAM = {}
+  return 2 * size**3 / _best_seconds(("matmul", size), build, repeats,
+                                     timer) / 1e9
 
 
 def read_gbytes_per_s(megabytes=256, repeats=3):
@@ -77,18 +84,11 @@ def read_gbytes_per_s(megabytes=256, repeats=3):
   machine's streaming read bandwidth from memory as XLA reaches it, the
   yardstick of the bytes-moved limit (`ns_bytes_limit_s`).
   """
-  if megabytes not in _STREAM:
-    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    jax.block_until_ready(f(x))
-    _STREAM[megabytes] = (f, x)
-  f, x = _STREAM[megabytes]
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(f(x))
-    best = min(best, time.perf_counter() - start)
-  return x.size * 4 / max(best, 1e-9) / 1e9
+  def build():
+    return jax.jit(jnp.sum), jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+
+  return megabytes * 2**20 / _best_seconds(("read", megabytes), build,
+                                           repeats) / 1e9
 
 
 def ns_bytes_limit_s(q, s, n, batch, gbytes_per_s):
