@@ -14,7 +14,8 @@ come from the same conditions.
 
 Variants (each adds rows; the plain row is always measured):
   --unroll=2,4          ns_stack scan unroll factors (NS models)
-  --baseline_ref=REF    the NS models with nsrnn_jax/ns_stack.py as of git
+  --baseline_ref=REF    the NS models with nsrnn_jax/ns_stack.py, and the
+                        rns models with nsrnn_jax/rns_stack.py, as of git
                         REF (loaded by path), for before/after ratios
   --cpu_devices=2       the batch split over N CPU devices through loop.py's
                         per-device step (what `main --cpu_devices=N` runs;
@@ -63,6 +64,7 @@ from nsrnn_jax import loop
 from nsrnn_jax import models
 from nsrnn_jax import ns_stack
 from nsrnn_jax import parallel
+from nsrnn_jax import rns_stack
 from nsrnn_jax import train
 
 BATCH = 10
@@ -108,28 +110,34 @@ def _symbols(length, batch_size=BATCH, seed=0):
   return rng.integers(0, 3, size=(batch_size, length)).astype(np.int32)
 
 
-def _stack_module(run_coupled):
-  """ns_stack with `run_coupled` replaced (what models.py calls)."""
-  shim = types.SimpleNamespace(**vars(ns_stack))
+def _stack_module(run_coupled, module=ns_stack):
+  """{module name: the module with `run_coupled` replaced} for `Variant`."""
+  shim = types.SimpleNamespace(**vars(module))
   shim.run_coupled = run_coupled
-  return shim
+  return {module.__name__.rsplit(".", 1)[-1]: shim}
 
 
-def load_baseline(ref):
-  """nsrnn_jax/ns_stack.py as of git `ref`, imported from a temp file."""
-  source = subprocess.run(
-      ["git", "-C", REPO, "show", f"{ref}:nsrnn_jax/ns_stack.py"],
-      capture_output=True, text=True, check=True).stdout
-  path = os.path.join(tempfile.mkdtemp(), "ns_stack_baseline.py")
+def load_baseline(ref, stack="ns_stack"):
+  """`run_coupled` of nsrnn_jax/<stack>.py as of git `ref` (None if absent).
+
+  The file is imported from a temp file; its own imports of the package
+  (rns_stack's helpers from ns_stack) resolve to the current code.
+  """
+  shown = subprocess.run(
+      ["git", "-C", REPO, "show", f"{ref}:nsrnn_jax/{stack}.py"],
+      capture_output=True, text=True, check=False)
+  if shown.returncode:
+    return None
+  path = os.path.join(tempfile.mkdtemp(), f"{stack}_baseline.py")
   with open(path, "w") as f:
-    f.write(source)
-  spec = importlib.util.spec_from_file_location("ns_stack_baseline", path)
+    f.write(shown.stdout)
+  spec = importlib.util.spec_from_file_location(f"{stack}_baseline", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   params = inspect.signature(module.run_coupled).parameters
 
   def run_coupled(*args, **kwargs):
-    # An older ns_stack may not take these; it then runs at its own default.
+    # An older stack may not take these; it then runs at its own default.
     for k in ("precision", "unroll"):
       if k not in params:
         kwargs.pop(k, None)
@@ -139,9 +147,13 @@ def load_baseline(ref):
 
 
 class Variant:
-  """One compiled train step (a fresh jit, traced with its own ns_stack)."""
+  """One compiled train step (a fresh jit, traced with its own stack).
 
-  def __init__(self, name, label, length, precision, stack=None,
+  `stacks` maps a stack module's name in models.py ("ns_stack",
+  "rns_stack") to the module to trace with instead.
+  """
+
+  def __init__(self, name, label, length, precision, stacks=None,
                num_devices=None):
     self.name, self.label = name, label
     config = _config(name, precision)
@@ -163,8 +175,10 @@ class Variant:
       # A fresh function object: its own trace, not shared with variants.
       self.step = jax.jit(lambda s, b: train.train_step(s, b))
     self.state, self.batch = state, batch
-    saved = models.ns_stack
-    models.ns_stack = stack or ns_stack
+    stacks = stacks or {}
+    saved = {k: getattr(models, k) for k in stacks}
+    for k, module in stacks.items():
+      setattr(models, k, module)
     try:
       start, cpu_start = time.perf_counter(), time.process_time()
       s, m = self.step(state, batch)
@@ -174,7 +188,8 @@ class Variant:
       self.compile_s = time.perf_counter() - start
       self.compile_cpu_s = time.process_time() - cpu_start
     finally:
-      models.ns_stack = saved
+      for k, module in saved.items():
+        setattr(models, k, module)
     self.times, self.cpu_times = [], []
 
   def time_once(self):
@@ -203,6 +218,10 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
     if baseline is not None:
       variants.append(Variant(name, f"baseline {baseline[0]}", length,
                               precision, _stack_module(baseline[1])))
+  if (SETTINGS[name]["model"] == "rns" and baseline is not None
+      and baseline[2] is not None):
+    variants.append(Variant(name, f"baseline {baseline[0]}", length,
+                            precision, _stack_module(baseline[2], rns_stack)))
   if cpu_devices > 1:
     variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
                             length, precision, num_devices=cpu_devices))
@@ -356,7 +375,8 @@ def main():
   unrolls = [int(u) for u in args.unroll.split(",") if u]
   baseline = None
   if args.baseline_ref:
-    baseline = (args.baseline_ref, load_baseline(args.baseline_ref))
+    baseline = (args.baseline_ref, load_baseline(args.baseline_ref),
+                load_baseline(args.baseline_ref, "rns_stack"))
     out["baseline_ref"] = subprocess.run(
         ["git", "-C", REPO, "rev-parse", args.baseline_ref],
         capture_output=True, text=True, check=True).stdout.strip()

@@ -46,7 +46,8 @@ class WindowState(NamedTuple):
   """The carried stack state before update j (a pytree).
 
   Attributes:
-    g: shares on times j−D..j−1, [B, Y, D, Q, X, D, T] (rns_stack layout).
+    g: shares on times j−D..j−1, [B, Y, D (column), T, D (row), Q, X]
+      (rns_stack's column-major layout).
     a_hat: normalised log α_{j−1}, [B, Q, S].
     log_mass: log Σα_{j−1}, [B].
   """
@@ -85,9 +86,9 @@ def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
                                      push_BxQxSxQxS, repl_BxQxSxQxS,
                                      pop_BxQxSxQ, precision)
   # Columns j−D+1..j, then rows j−D+1..j (time j: no entries yet).
-  g = jnp.concatenate([state.g[:, :, :, :, :, 1:], col[:, :, :, :, :, None]],
-                      axis=5)
-  g = jnp.concatenate([g[:, :, 1:], jnp.zeros_like(g[:, :, :1])], axis=2)
+  g = jnp.concatenate([state.g[:, :, 1:], col[:, :, None]], axis=2)
+  g = jnp.concatenate([g[:, :, :, :, 1:], jnp.zeros_like(g[:, :, :, :, :1])],
+                      axis=4)
   log_mass = state.log_mass + inc
   return WindowState(g, a_hat, log_mass), a_hat, log_mass
 
