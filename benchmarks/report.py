@@ -24,9 +24,21 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 README = os.path.join(REPO, "README.md")
 
 MODEL_LABELS = {"ns22": "NS-RNN Q=S=2", "ns33": "NS-RNN Q=S=3",
-                "rns22": "NS-RNN Q=S=2 via rns_stack (exact for any weights)",
-                "rns33": "NS-RNN Q=S=3 via rns_stack (exact for any weights)",
+                "ns22_scaled": "NS-RNN Q=S=2, scaled table",
+                "ns33_scaled": "NS-RNN Q=S=3, scaled table",
                 "jm": "JM m=20", "gref": "Gref m=20", "lstm": "LSTM"}
+
+
+def _model_key(r):
+  """MODEL_LABELS key of a train_step row.
+
+  NS rows name their stack table since the default became "shares"; rows
+  measured before (no `stack_table` field) ran ns_stack's scaled table.
+  """
+  name = r["model"]
+  if name in ("ns22", "ns33") and r.get("stack_table", "scaled") == "scaled":
+    return name + "_scaled"
+  return name
 
 
 def _load(name):
@@ -65,7 +77,7 @@ def _steps(d):
   """{model: plain (current) row} of a train_step results file."""
   if d is None:
     return {}
-  return {r["model"]: r for r in d.get("steps", [])
+  return {_model_key(r): r for r in d.get("steps", [])
           if r.get("variant", "current") == "current"}
 
 
@@ -136,7 +148,8 @@ def train_step_table():
     lines.append("")
     lines.append("Variants measured in the same CPU run, interleaved with "
                  "the plain step (ratios to the plain step; below 1 = "
-                 "faster; `baseline <ref>` = ns_stack.py as of that commit):")
+                 "faster; `baseline <ref>` = the table's module, ns_stack.py "
+                 "or rns_stack.py, as of that commit):")
     lines.append("")
     lines.append("| model | variant | best step | ratio (best wall) | "
                  "ratio (median CPU time) |")
@@ -144,7 +157,7 @@ def train_step_table():
     for r in variants:
       cpu_ratio = (f"{r['cpu_step_over_current']:.2f}"
                    if "cpu_step_over_current" in r else "")
-      lines.append(f"| {MODEL_LABELS[r['model']]} | {r['variant']} | "
+      lines.append(f"| {MODEL_LABELS[_model_key(r)]} | {r['variant']} | "
                    f"{_ms(r['min_step_s'])} | "
                    f"{r['min_step_over_current']:.2f} | {cpu_ratio} |")
   return lines

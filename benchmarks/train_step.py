@@ -71,21 +71,20 @@ BATCH = 10
 # Model settings and the project's targets (issues 4 and 11; targets, not
 # measurements).
 SETTINGS = {
-    "ns22": dict(model="ns", num_states=2, num_stack_symbols=2),
-    "ns33": dict(model="ns", num_states=3, num_stack_symbols=3),
+    # The NS-RNN as configured by default (stack_table "shares": rns_stack,
+    # exact for any finite log-weights) and on ns_stack's scaled table
+    # (faster; can flush in float32: models.NS_TABLES).
+    "ns22": dict(model="ns", num_states=2, num_stack_symbols=2,
+                 stack_table="shares"),
+    "ns33": dict(model="ns", num_states=3, num_stack_symbols=3,
+                 stack_table="shares"),
+    "ns22_scaled": dict(model="ns", num_states=2, num_stack_symbols=2,
+                        stack_table="scaled"),
+    "ns33_scaled": dict(model="ns", num_states=3, num_stack_symbols=3,
+                        stack_table="scaled"),
     "jm": dict(model="jm", stack_embedding_size=20),
     "gref": dict(model="gref", stack_embedding_size=20),
     "lstm": dict(model="lstm"),
-    # The NS-RNN's semantics through rns_stack (the CoNLL 2020 variant of
-    # model "rns": normalised actions, top-symbol reading, frozen bottom):
-    # exact for any finite log-weights, where ns_stack's scaled table can
-    # flush (ns_stack module docstring). What that exactness costs.
-    "rns22": dict(model="rns", num_states=2, num_stack_symbols=2,
-                  stack_normalize=True, stack_reading="symbol",
-                  stack_bottom="frozen"),
-    "rns33": dict(model="rns", num_states=3, num_stack_symbols=3,
-                  stack_normalize=True, stack_reading="symbol",
-                  stack_bottom="frozen"),
 }
 TARGETS_S = {
     "cpu": {"ns22": 0.060, "ns33": 0.250, "jm": 0.005, "gref": 0.005,
@@ -206,22 +205,23 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices):
   """Rows for one model: every variant, timed in alternation."""
   variants = [Variant(name, "current", length, precision)]
-  # Stack models get the FLOP / bytes limit columns; the ns_stack variants
-  # (unroll, baseline) apply to the NS-RNN only.
-  is_ns = SETTINGS[name]["model"] in ("ns", "rns")
-  if SETTINGS[name]["model"] == "ns":
+  # Stack models get the FLOP / bytes limit columns; the variants swap the
+  # module that computes the stack: ns_stack for the scaled table (unroll,
+  # baseline), rns_stack for the shares table (baseline).
+  is_ns = SETTINGS[name]["model"] == "ns"
+  on_ns_stack = is_ns and SETTINGS[name]["stack_table"] == "scaled"
+  if on_ns_stack:
     for u in unrolls:
       if u != 1:
         variants.append(Variant(
             name, f"unroll={u}", length, precision, _stack_module(
                 functools.partial(ns_stack.run_coupled, unroll=u))))
-    if baseline is not None:
-      variants.append(Variant(name, f"baseline {baseline[0]}", length,
-                              precision, _stack_module(baseline[1])))
-  if (SETTINGS[name]["model"] == "rns" and baseline is not None
-      and baseline[2] is not None):
-    variants.append(Variant(name, f"baseline {baseline[0]}", length,
-                            precision, _stack_module(baseline[2], rns_stack)))
+  if baseline is not None and is_ns:
+    old = baseline[1] if on_ns_stack else baseline[2]
+    if old is not None:
+      variants.append(Variant(
+          name, f"baseline {baseline[0]}", length, precision,
+          _stack_module(old, ns_stack if on_ns_stack else rns_stack)))
   if cpu_devices > 1:
     variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
                             length, precision, num_devices=cpu_devices))
@@ -246,6 +246,7 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
            "cpu_times_s": v.cpu_times, "matmul_gflops_cpu_time": cpu_rate,
            "target_s": TARGETS_S.get(backend, {}).get(name)}
     if is_ns:
+      row["stack_table"] = SETTINGS[name]["stack_table"]
       q, s = SETTINGS[name]["num_states"], SETTINGS[name]["num_stack_symbols"]
       limit = machine.ns_flop_limit_s(q, s, length, BATCH, rate)
       # The CPU-time ratio (step and matmul both in process CPU time) is
@@ -339,7 +340,8 @@ def _reexec_with_devices(n):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", default="ns22,ns33,jm,gref,lstm")
+  parser.add_argument("--models",
+                      default="ns22,ns33,ns22_scaled,ns33_scaled,jm,gref,lstm")
   parser.add_argument("--length", type=int, default=80)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--precision", default="highest",

@@ -52,6 +52,9 @@ RESUME_SAFE_FIELDS = frozenset({
     # members without changing the existing ones.
     "grid_learning_rates", "learning_rate_grid", "num_restarts",
     "grid_model_parallel",
+    # The NS-RNN's two dynamic programs compute the same function (the
+    # exact one where the other would flush): a run may switch tables.
+    "stack_table",
     # Written by train_and_evaluate next to the config, derived from it.
     "alphabet", "vocab_size",
 })

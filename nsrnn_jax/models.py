@@ -62,6 +62,18 @@ from nsrnn_jax import rns_stack
 
 MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
 
+# How the NS-RNN computes its stack (``config.stack_table``). Both compute the
+# same function (tested to 1e-12 in float64):
+#   'shares': ``rns_stack`` with the frozen bottom and the symbol reading (γ
+#     stored as posterior shares): exact for any finite log-weights, in
+#     float32 too. The default.
+#   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):
+#     ~1.1-1.2x faster per train step on CPU, but in float32 it flushes
+#     entries that dominate α when the weights decay fast (readings off by
+#     0.12 for 3 × log-softmax weights at n = 80; a trained marked-reversal
+#     model on random strings: 0.19; ns_stack module docstring).
+NS_TABLES = ('shares', 'scaled')
+
 Params = Mapping[str, Any]
 Carry = tuple[jax.Array, jax.Array]
 
@@ -618,8 +630,45 @@ def _pda_action_layer(lm) -> AffineParams:
                       uniform_init(), dtype=lm.dtype)
 
 
+def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
+                 num_states: int, num_symbols: int, table: str = 'shares',
+                 precision: str = 'highest'):
+  """The NS-RNN's controller + stack recurrence on the chosen table.
+
+  Args:
+    step_fn, params, init_carry, xs: as for ``ns_stack.run_coupled`` (the
+      controller step sees the reading tau_{t-1} and returns update t's
+      log-weights).
+    num_states, num_symbols: Q, S.
+    table: one of ``NS_TABLES``: 'shares' runs ``rns_stack.run_coupled``
+      with the frozen bottom and the top-symbol reading (the CoNLL 2020
+      semantics, exact for any finite log-weights); 'scaled' runs
+      ``ns_stack.run_coupled``.
+    precision: matmul precision of the stack's contractions.
+
+  Returns:
+    ``(outs [B, T, ...], readings [B, T+1, S], log_mass [B, T+1])`` with
+    ``tau_0 = one_hot(bottom)``, whichever table computed them.
+  """
+  if table not in NS_TABLES:
+    raise ValueError(f'stack_table must be one of {", ".join(NS_TABLES)}; '
+                     f'got {table!r}')
+  if table == 'scaled':
+    return ns_stack.run_coupled(step_fn, params, init_carry, xs,
+                                num_states=num_states,
+                                num_symbols=num_symbols, precision=precision)
+  outs, la, log_mass = rns_stack.run_coupled(
+      step_fn, params, init_carry, xs, num_states, num_symbols,
+      rns_stack.FROZEN, rns_stack.SYMBOL, precision=precision)
+  return outs, rns_stack.readout(la, rns_stack.SYMBOL)[0], log_mass
+
+
 class NSLM(LanguageModel):
-  """LSTM + nondeterministic stack (Lang's algorithm in ``ns_stack``).
+  """LSTM + nondeterministic stack (Lang's algorithm).
+
+  ``table`` picks the dynamic program (``NS_TABLES``): 'shares'
+  (``rns_stack`` with the CoNLL 2020 semantics: frozen bottom, top-symbol
+  reading; exact) or 'scaled' (``ns_stack``; faster, can flush in float32).
 
   ``trace`` adds ``actions``: a dict of probabilities ``push`` and
   ``repl`` [B, T, Q, S, Q, S] and ``pop`` [B, T, Q, S, Q]; ``readings``
@@ -629,6 +678,7 @@ class NSLM(LanguageModel):
 
   num_states: int = 2
   num_stack_symbols: int = 2
+  table: str = 'shares'
 
   def _reading_size(self) -> int:
     return self.num_stack_symbols
@@ -657,10 +707,10 @@ class NSLM(LanguageModel):
         precision=self.matmul_precision)
     step_params = {'controller': params['controller'],
                    'action': params['action']}
-    h_BxTxH, readings, log_mass = ns_stack.run_coupled(
+    h_BxTxH, readings, log_mass = run_ns_stack(
         step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
-        num_states=self.num_states, num_symbols=self.num_stack_symbols,
-        precision=self.matmul_precision)
+        self.num_states, self.num_stack_symbols, self.table,
+        self.matmul_precision)
     push, repl, pop = jax.vmap(
         lambda h: ns_action_log_probs(params['action'], h, self.num_states,
                                       self.num_stack_symbols,
@@ -768,7 +818,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_bottom: str = 'fixed', stack_window: int = 0,
         truncation_length: int = 0,
         stack_vector_size: int = 3, stack_bottom_vector: str = 'learned',
-        broadcast_bottom_vector: bool = False) -> nn.Module:
+        broadcast_bottom_vector: bool = False,
+        stack_table: str = 'shares') -> nn.Module:
   """Builds one of the language models.
 
   Args:
@@ -789,6 +840,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     stack_bottom_vector: VRNS bottom vector: 'learned', 'one' or 'zero'.
     broadcast_bottom_vector: VRNS: the authors' broadcast bottom vector
       (``vrns_stack`` docstring) instead of the run-consistent one.
+    stack_table: the NS-RNN's dynamic program, one of ``NS_TABLES`` (ns
+      only): 'shares' (exact) or 'scaled' (faster; can flush in float32).
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -800,6 +853,9 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
   if name not in MODEL_NAMES:
     raise ValueError(
         f'unknown model {name!r}; valid models: {", ".join(MODEL_NAMES)}')
+  if stack_table not in NS_TABLES:
+    raise ValueError(f'stack_table must be one of {", ".join(NS_TABLES)}; '
+                     f'got {stack_table!r}')
   vocab_size = _check_positive_int('vocab_size', vocab_size)
   hidden_size = _check_positive_int('hidden_size', hidden_size)
   num_states = _check_positive_int('num_states', num_states)
@@ -842,14 +898,17 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_bottom_vector=stack_bottom_vector,
         broadcast_bottom_vector=broadcast_bottom_vector, **common)
   return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
-              **common)
+              table=stack_table, **common)
 
 
 def build(config, vocab_size: int | None = None) -> nn.Module:
   """Builds the model named by a flat config.
 
   Reads ``model``, ``hidden_size``, ``num_states``, ``num_stack_symbols``,
-  ``stack_embedding_size`` and ``matmul_precision`` (missing size fields take the paper's defaults).
+  ``stack_embedding_size``, ``matmul_precision``, ``stack_table`` and the
+  stack-variant fields (missing fields take the paper's defaults; a config
+  stored before ``stack_table`` existed gets the exact 'shares' table,
+  which computes the same function).
   ``vocab_size`` defaults to ``config.vocab_size`` if present, else to the
   vocabulary of ``config.task`` from :mod:`nsrnn_jax.languages`; with
   ``config.predict_eos`` the model gets one more symbol, EOS = V.
@@ -891,7 +950,8 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              truncation_length=field('truncation_length', 0),
              stack_vector_size=field('stack_vector_size', 3),
              stack_bottom_vector=field('stack_bottom_vector', 'learned'),
-             broadcast_bottom_vector=field('broadcast_bottom_vector', False))
+             broadcast_bottom_vector=field('broadcast_bottom_vector', False),
+             stack_table=field('stack_table', 'shares'))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

@@ -46,19 +46,23 @@ flush to zero, like a log-space implementation's s_min flush.
 Known limit of this representation. A column's maximum can sit on a row i
 whose α_i is negligible; entries of the rows that dominate α_j may then lie
 beyond the flush and are lost. Measured against the float64 log-space
-reference (B=4, Q=S=2, T=80, log-softmax actions of N(0, σ²) logits):
-float32 readings are off by 2e-7 at σ=1, 4e-3 at σ=2, 0.12 at σ=3 and 0.55
-at σ=6; float64 stays exact (≤ 5e-14, also at σ=12) until weights spread
-~700 nats (N(0, 8²) unnormalised log-weights over 30 updates: 0.92). Our
-trained NS-RNNs (marked / unmarked reversal, Dyck) on their own languages'
-strings of length 40-100 stay within 2e-6 in float32, but the marked-reversal
-model on random strings of length 80 is off by 0.19. Strict xfail tests keep
-the limit in view. `rns_stack.run(push, repl, pop, bottom="frozen")`
-computes this module's semantics (the same log α up to normalisation, the
-same log-mass) in a share representation that keeps log α apart and stays
-exact in both regimes (float32 ≤ 2e-6, float64 3e-14; tested); model `rns`
-with stack_normalize=True, stack_reading="symbol", stack_bottom="frozen" is
-the NS-RNN computed that way.
+reference (B=4, Q=S=2, T=80, weights σ × log-softmax of N(0, 1) logits,
+i.e. sharpened and sub-normalised): float32 readings are off by 2e-7 at
+σ=1, 4e-3 at σ=2, 0.12 at σ=3 and 0.55 at σ=6; float64 stays exact
+(≤ 5e-14, also at σ=12) until weights spread ~700 nats (N(0, 8²)
+unnormalised log-weights over 30 updates: 0.92). Normalised random actions
+(log-softmax of N(0, σ²) logits, σ up to 20) stay within 3e-6. Our trained
+NS-RNNs (marked / unmarked reversal, Dyck) on their own languages' strings
+of length 40-100 stay within 2e-6 in float32, but the marked-reversal model
+on random strings of length 80 is off by 0.19. Strict xfail tests keep the
+limit in view. `rns_stack.run(push, repl, pop, bottom="frozen")` computes
+this module's semantics (the same log α up to normalisation, the same
+log-mass) in a share representation that keeps log α apart and stays exact
+in both regimes (float32 ≤ 2e-6, float64 3e-14; tested). The NS-RNN model
+therefore runs that DP by default (`models.run_ns_stack`,
+config.stack_table = "shares"); this module is its opt-in "scaled" table
+(~1.1-1.2x faster train step on CPU) and the home of the CoNLL 2020
+reference, Viterbi and run replay.
 
 Table layout (column-major): G_BxYxJxRxIxQxX[b, y, j, r, i, q, x] =
 mantissa of γ_{i,j}[q,x,r,y], with I = J = T+1; column j is the contiguous

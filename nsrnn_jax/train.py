@@ -87,6 +87,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if model == "vrns":
     from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
     vrns_model.validate_config(config)
+  # Optional: configs stored before the field existed mean the same model.
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  table = config.get("stack_table", "shares")
+  if table not in models.NS_TABLES:
+    fail("stack_table", f"is {table!r}; expected one of "
+         f"{', '.join(models.NS_TABLES)}")
   for field in ("hidden_size", "num_states", "num_stack_symbols",
                 "stack_embedding_size", "batch_size", "num_train_batches",
                 "num_valid_batches", "max_epochs", "test_strings_per_length",

@@ -150,6 +150,19 @@ def test_a_run_stored_before_predict_eos_resumes_only_without_eos():
       stored, {"learning_rate": 0.01, "new_field": 3}) == []
 
 
+def test_a_run_may_switch_the_ns_stack_table_on_resume():
+  # Both tables compute the same function; runs stored before the field
+  # existed (or with the other table) resume, other fields still count.
+  for stored in ({"learning_rate": 0.01},
+                 {"learning_rate": 0.01, "stack_table": "scaled"}):
+    assert checkpointing.config_differences(
+        stored, {"learning_rate": 0.01, "stack_table": "shares"}) == []
+  assert checkpointing.config_differences(
+      {"learning_rate": 0.01, "stack_table": "scaled"},
+      {"learning_rate": 0.02, "stack_table": "shares"}) == [
+          "learning_rate (stored 0.01, requested 0.02)"]
+
+
 def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
     tmp_path):
   import subprocess  # pylint: disable=g-import-not-at-top

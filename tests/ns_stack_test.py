@@ -297,7 +297,8 @@ def test_float32_mildly_peaked_actions_are_accurate():
                    "float32 flushes entries that dominate α once actions are "
                    "sharp; rns_stack (frozen bottom) stays accurate")
 def test_float32_sharp_actions_are_accurate():
-  # Log-softmax actions of N(0, 3²) logits, n = 80: readings off by ~0.12.
+  # 3 × log-softmax of N(0, 1) logits (sharp, sub-normalised), n = 80:
+  # readings off by ~0.12.
   assert _float32_reading_error(3.0) < 1e-5
 
 
