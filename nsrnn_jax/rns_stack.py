@@ -287,9 +287,9 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     prec: lax precision of the contractions.
 
   Returns:
-    (col_local [b,y,r,i,q,x] (replace rows + push row), mt [b,y,k,t,r]
-    (M̃_k; zero for k ≥ p and where c_k flushed), a_hat_BxQxS, inc_B);
-    column j = col_local + Σ_{k,t} mt[b,y,k,t,r] G[b,y,k,t,i,q,x].
+    (col_local [b,y,r,i,q,x] (replace rows + push row), mt [b,y,r,k,t]
+    (M̃_k[t,y,r]; zero for k ≥ p and where c_k flushed), a_hat_BxQxS,
+    inc_B); column j = col_local + Σ_{k,t} mt[b,y,r,k,t] G[b,y,k,t,i,q,x].
   """
   dtype = prev.dtype
   flush = _flush(dtype)
@@ -342,8 +342,10 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   x = (a_prev[:, None, :, :, None] + po[:, None]
        - jnp.swapaxes(a_j, 1, 2)[:, :, None, None, :])          # b y s z r
   k_pop = _exp_share(x, ok_w[..., None] & jnp.isfinite(x), dtype)
-  mt = jnp.einsum("bzskty,byszr->byktr", prev, k_pop, precision=prec)
-  mt = jnp.where((c_left > flush)[..., None], mt, 0)
+  # [b, y, r, k, t]: the pop matmul's left operand as it stands ([R, K·T]
+  # per (b, y); 1.2x faster on XLA:CPU than contracting a [K·T, R] operand).
+  mt = jnp.einsum("bzskty,byszr->byrkt", prev, k_pop, precision=prec)
+  mt = jnp.where((c_left > flush)[:, :, None], mt, 0)
   row_p = (idx == p).astype(dtype)
   col = col + (row_p[None, None, None, :, None, None]
                * jnp.transpose(push_row, (0, 4, 3, 1, 2))[:, :, :, None])
@@ -355,7 +357,7 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
 
 
 def _pop_matmul(g, mt, prec):
-  """Σ_{k,t} mt[b,y,k,t,r] G[b,y,k,t,i,q,x]: the only table-sized work.
+  """Σ_{k,t} mt[b,y,r,k,t] G[b,y,k,t,i,q,x]: the only table-sized work.
 
   One [R, K·T] × [K·T, I·Q·X] matmul per (b, y): the column-major table
   makes the long axis (rows i, q, x) the output axis, where XLA:CPU's
@@ -363,10 +365,11 @@ def _pop_matmul(g, mt, prec):
   for ns_stack's table, which has the same layout).
   """
   bsz, ny, nk, nt = g.shape[:4]
+  nr = mt.shape[2]
   out = lax.dot_general(
-      mt.reshape(bsz * ny, nk * nt, -1), g.reshape(bsz * ny, nk * nt, -1),
-      (((1,), (1,)), ((0,), (0,))), precision=prec)
-  return out.reshape((bsz, ny, mt.shape[-1]) + g.shape[4:])
+      mt.reshape(bsz * ny, nr, nk * nt), g.reshape(bsz * ny, nk * nt, -1),
+      (((2,), (1,)), ((0,), (0,))), precision=prec)
+  return out.reshape((bsz, ny, nr) + g.shape[4:])
 
 
 def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
@@ -441,7 +444,7 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt):
     keep_mt: also return every update's M̃ (for the backward sweep).
 
   Returns:
-    (g, cs, la, lm, extra, ys (time-major), mt_TxBxYxNxTxR or None).
+    (g, cs, la, lm, extra, ys (time-major), mt_TxBxYxRxNxT or None).
   """
   g, cs, la, lm = init
   num_pts = g.shape[2]
@@ -474,8 +477,7 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt):
     cs = cs.at[:, :, :n].set(cs_p)
     ys_all.append(ys)
     if keep_mt:
-      mts.append(jnp.pad(mt, [(0, 0)] * 3 + [(0, num_pts - n), (0, 0),
-                                             (0, 0)]))
+      mts.append(jnp.pad(mt, [(0, 0)] * 4 + [(0, num_pts - n), (0, 0)]))
   ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0), *ys_all)
   mt = jnp.concatenate(mts, axis=0) if keep_mt else None
   return g, cs, la, lm, extra, ys, mt
@@ -499,7 +501,7 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
 
   Args:
     g, cs, la: final share table, column sums, log α̂.
-    mt_all: M̃ of every update, [T, B, Y, N, T(state), R].
+    mt_all: M̃ of every update, [T, B, Y, R, N, T(state)].
     xs_T: time-major per-update inputs passed to `local_vjp`.
     la_ct: cotangent of log α̂ [B, T+1, Q, S]; inc_ct: of the increments,
       [B, T+1] (entry j for update j).
@@ -514,8 +516,8 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
   """
   num_steps = mt_all.shape[0]
   bsz, ny, npt, nr, _, nq, nx = g.shape
-  # e_all[b, y, k, t, j', r] = M̃_{j'+1}[b, y, k, t, r].
-  e_all = jnp.transpose(mt_all, (1, 2, 3, 4, 0, 5))
+  # e_all[b, y, k, t, j', r] = M̃_{j'+1}[b, y, r, k, t].
+  e_all = jnp.transpose(mt_all, (1, 2, 4, 5, 0, 3))
   dtype = g.dtype
   w_full = jnp.zeros((bsz * ny, num_steps * nr, npt * nq * nx), dtype)
   col0 = jnp.zeros((bsz, ny, nr, npt, nq, nx), dtype)
@@ -547,9 +549,11 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
       left = left.reshape(bsz, ny, nr, n, nq, nx)
       cs_k = lax.dynamic_index_in_dim(cs_bar, k, axis=2, keepdims=False)
       col_ct = prev_hat + left + cs_k[:, :, :, None, None, None]
-      mt_ct = lax.dot_general(
+      # [b·y, (k, t), r] with the table as the left operand (measured
+      # faster than W·Gᵀ), then the small result to M̃'s layout.
+      mt_ct = jnp.transpose(lax.dot_general(
           g_t, col_ct.reshape(bsz * ny, nr, -1), (((2,), (2,)), ((0,), (0,))),
-          precision=prec).reshape(bsz, ny, n, nr, nr)
+          precision=prec).reshape(bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
       a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
       i_ct = lax.dynamic_index_in_dim(inc_ct, j, axis=1, keepdims=False)
       a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
