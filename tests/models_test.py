@@ -738,6 +738,15 @@ def _assert_gradient_precision(model, attr):
 
 @pytest.mark.parametrize('precision,attr', [('highest', 'HIGHEST'),
                                             ('default', 'DEFAULT')])
+def test_ns_scaled_table_carries_the_precision(precision, attr):
+  # The opt-in table (ns_stack's custom VJP); the default is in _ALL.
+  _assert_gradient_precision(
+      models.get('ns', _VOCAB, stack_table='scaled',
+                 matmul_precision=precision), attr)
+
+
+@pytest.mark.parametrize('precision,attr', [('highest', 'HIGHEST'),
+                                            ('default', 'DEFAULT')])
 def test_memory_limited_rns_carries_the_precision(precision, attr):
   # The window-D stack (limited_stack, plain autodiff within a chunk).
   _assert_gradient_precision(
