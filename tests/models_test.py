@@ -509,7 +509,8 @@ def _replay_step(params, carry, actions_t, reading_BxS):
 def _float32_table_error(table):
   acts = _sharp_actions(7, 4, 80, 2, 2, sharpness=3.0)
   with jax.enable_x64(True):
-    want = ns_stack.run_reference(*(jnp.asarray(a) for a in acts))
+    want = [np.asarray(w) for w in ns_stack.run_reference(
+        *(jnp.asarray(a) for a in acts))]
   xs = tuple(jnp.asarray(a, jnp.float32) for a in acts)
   outs, readings, log_mass = jax.jit(functools.partial(
       models.run_ns_stack, _replay_step, num_states=2, num_symbols=2,
