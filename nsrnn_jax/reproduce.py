@@ -830,6 +830,27 @@ def _hours(seconds: float) -> str:
   return f"{seconds / 3600:.1f} h"
 
 
+def _ns_table_summary(records) -> str:
+  """One sentence: which stack table the NS-RNN records ran on ('' if none).
+
+  Records written before `config.stack_table` existed ran ns_stack's scaled
+  table (the field's default has since become the exact "shares").
+  """
+  counts = {}
+  for r in records:
+    if r["model"] == "ns":
+      table = r.get("config", {}).get("stack_table", "scaled")
+      counts[table] = counts.get(table, 0) + 1
+  if not counts:
+    return ""
+  parts = ", ".join(f"{n} on the {t!r} table" for t, n in sorted(
+      counts.items()))
+  return (f"NS-RNN runs: {parts} (`config.stack_table`; both compute the "
+          "same function, 'shares' exactly for any weights, 'scaled' to "
+          "within 2e-6 in float32 on trained models' own strings; README, "
+          "\"The stack\").")
+
+
 def _hardware_summary(records) -> str:
   kinds = sorted({f"{r['hardware']['device_kind']} "
                   f"({r['hardware']['backend']}, {r['hardware']['cpu_count']} "
@@ -911,7 +932,8 @@ def render_report(records: Sequence[Mapping[str, Any]],
       "authors', not their strings.",
       "",
       f"Records: {len(paper_runs)} finished runs of the paper's protocol, on "
-      f"{_hardware_summary(paper_runs)}.",
+      f"{_hardware_summary(paper_runs)}. {_ns_table_summary(paper_runs)}"
+      .rstrip(),
       "",
       ("Selection as in the paper: per model, the setting (learning rate, "
        "and m for JM/Gref) with the lowest mean best-epoch validation CE "

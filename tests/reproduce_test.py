@@ -303,6 +303,18 @@ def fake_record(task, model, lr, restart, best, last, stack_size=None,
                        "cpu_count": 2}}
 
 
+def test_report_says_which_stack_table_the_ns_runs_used():
+  old = fake_record("dyck", "ns", 0.005, 0, 0.01, 0.01)   # before the field
+  new = [dict(fake_record("dyck", "ns", 0.005, r, 0.01, 0.01),
+              config={"stack_table": "shares"}) for r in (1, 2)]
+  text = reproduce.render_report([old] + new)
+  assert ("NS-RNN runs: 1 on the 'scaled' table, 2 on the 'shares' table"
+          in text)
+  lstm_only = reproduce.render_report([fake_record("dyck", "lstm", 0.005, 0,
+                                                   0.01, 0.01)])
+  assert "NS-RNN runs:" not in lstm_only
+
+
 def test_selection_lowest_mean_best_epoch_among_most_restarts():
   recs = [fake_record("dyck", "lstm", 0.01, r, best, 0.1)
           for r, best in enumerate([0.02, 0.04, 0.03])]       # mean 0.03
