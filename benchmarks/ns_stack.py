@@ -1,4 +1,4 @@
-"""Benchmark of the nondeterministic stack DP (nsrnn_jax.ns_stack).
+"""Benchmark of the nondeterministic stack DP (the NS-RNN's two tables).
 
 For B=10 and (Q, S) ∈ {(2, 2), (3, 3)}, n ∈ {40, 80, 100, 200, 400} it
 measures, each configuration in a fresh subprocess:
@@ -8,9 +8,11 @@ measures, each configuration in a fresh subprocess:
 * XLA's static buffer plan of the jitted gradient function
   (`compiled.memory_analysis().temp_size_in_bytes`).
 
-Variants: `custom` (the library: custom VJP, O(n²) memory) and, at small n,
-`autodiff` (plain reverse mode through the same forward scan, O(n³) memory)
-and `logspace` (the naive log-space reference, plain autodiff).
+Variants: `shares` (the NS-RNN's default table: `rns_stack.run` with the
+frozen bottom, read out per top symbol; custom VJP, O(n²) memory), `custom`
+(ns_stack's scaled table: custom VJP, O(n²) memory) and, at small n,
+`autodiff` (plain reverse mode through ns_stack's forward scan, O(n³)
+memory) and `logspace` (the naive log-space reference, plain autodiff).
 
 The loss is Σ c·τ + 0.1·Σ log-mass with random normalised actions (float32).
 Other work shares the CPU cores, so compare ratios measured in one run.
@@ -106,6 +108,7 @@ def _child(args):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
 
   b, q, s, n = args.batch, args.q, args.s, args.n
   rng = np.random.default_rng(0)
@@ -119,6 +122,11 @@ def _child(args):
 
   if args.variant == "custom":
     fn = ns_stack.run
+  elif args.variant == "shares":
+
+    def fn(pu, re, po):
+      hat, log_mass = rns_stack.run(pu, re, po, bottom="frozen")
+      return rns_stack.readout(hat, "symbol")[0], log_mass
   elif args.variant == "autodiff":
     forward = ns_stack._forward_tables  # pylint: disable=protected-access
 
@@ -208,7 +216,8 @@ def main():
   machine = _machine()
   rows = []
   baselines = {}
-  jobs = [("custom", q, s, n) for q, s in configs for n in lengths] + extra
+  jobs = [(v, q, s, n) for v in ("shares", "custom") for q, s in configs
+          for n in lengths] + extra
   for variant, q, s, n in jobs:
     key = (variant, q, s)
     if key not in baselines:
@@ -224,12 +233,14 @@ def main():
     _print_row(row)
 
   ratios = {}
-  for q, s in configs:
+  for (q, s), variant in [(c, v) for v in ("shares", "custom")
+                          for c in configs]:
     by_n = {r["n"]: r for r in rows
-            if r["variant"] == "custom" and (r["Q"], r["S"]) == (q, s)
+            if r["variant"] == variant and (r["Q"], r["S"]) == (q, s)
             and "error" not in r}
     if 200 in by_n and 400 in by_n:
-      ratios[f"Q{q}S{s}"] = {
+      name = f"Q{q}S{s} " + ("scaled" if variant == "custom" else variant)
+      ratios[name] = {
           "net_rss_400_over_200": by_n[400]["net_rss_mib"]
                                   / by_n[200]["net_rss_mib"],
           "gross_rss_400_over_200": by_n[400]["peak_rss_mib"]

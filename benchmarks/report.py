@@ -178,7 +178,9 @@ def stack_table():
            "default precision):", "",
            "| variant | Q=S | n | fwd | fwd+bwd | XLA temp | H200 fwd / "
            "fwd+bwd |", "|---|---|---|---|---|---|---|"]
-  names = {"custom": "custom VJP, O(n²) memory",
+  names = {"shares": "shares table (rns_stack; the default), custom VJP, "
+                     "O(n²) memory",
+           "custom": "scaled table (ns_stack), custom VJP, O(n²) memory",
            "autodiff": "plain autodiff of the scan, O(n³) memory",
            "logspace": "naive log-space DP"}
   for key in sorted(rows, key=lambda k: (list(names).index(k[0]), k[1],

@@ -77,7 +77,7 @@ def _keys(tree):
       yield from _keys(v)
 
 
-@pytest.mark.parametrize("variant", ["custom", "autodiff", "logspace"])
+@pytest.mark.parametrize("variant", ["shares", "custom", "autodiff", "logspace"])
 def test_stack_benchmark_runs_against_the_current_api(variant):
   # One tiny measurement of benchmarks/ns_stack.py: a benchmark that no
   # longer matches the library's API fails here, not at the next rerun
