@@ -557,8 +557,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   model = build_model(config) if model is None else model
   if parallel.is_main_process():
     # The first line of a run (after the checks, so errors stay one line).
-    print(parallel.describe_runtime(config.matmul_precision), file=sys.stderr,
-          flush=True)
+    runtime = parallel.describe_runtime(config.matmul_precision)
+    if config.model == "ns":
+      runtime += f"; NS stack table {config.get('stack_table', 'shares')}"
+    print(runtime, file=sys.stderr, flush=True)
     checkpointing.write_config(workdir, config_json)
   (results,) = loop.run_models([loop.Run(config, workdir, splits, workdir)],
                                model, should_stop=should_stop)

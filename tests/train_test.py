@@ -648,6 +648,18 @@ print("RESULT" + json.dumps(r))
 """
 
 
+@pytest.mark.parametrize("table", ["shares", "scaled"])
+def test_first_line_names_the_runtime_and_the_ns_stack_table(
+    tmp_path, capsys, table):
+  train.train_and_evaluate(
+      tiny_config(model="ns", max_epochs=1, run_test=False,
+                  stack_table=table),
+      str(tmp_path / "run"), splits=tiny_splits(lengths=(5,)))
+  first = capsys.readouterr().err.splitlines()[0]
+  assert first.startswith("runtime: backend cpu")
+  assert first.endswith(f"; matmul precision highest; NS stack table {table}")
+
+
 def test_two_devices_match_one_device(tmp_path):
   """Batch sharded over a 2-device mesh: same results as one device."""
   import subprocess  # pylint: disable=g-import-not-at-top
