@@ -22,8 +22,9 @@ shard the dict over a mesh and hand it to Orbax without any module state
 conversion. Parameters are declared once with ``self.param`` (with the
 reference initialisers); all the maths is written as pure functions of those
 arrays (``lstm_step``, ``jm_update``, ``gref_update``, ``ns_controller_step``)
-so the NS model can give a pure ``step_fn`` to ``ns_stack.run_coupled`` (which
-has a custom VJP and must not close over traced parameters) and tests can call
+so the NS model can give a pure ``step_fn`` to its stack's ``run_coupled``
+(``run_ns_stack``: ``rns_stack`` or ``ns_stack``, which have custom VJPs and
+must not close over traced parameters) and tests can call
 the pieces directly.
 
 Parameter tree of every model (kernels are ``[in, out]``):
@@ -259,7 +260,7 @@ def ns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
                        reading_BxS: jax.Array, *, vocab_size: int,
                        num_states: int, num_symbols: int,
                        precision: str = 'highest'):
-  """The NS-RNN's ``step_fn`` for ``ns_stack.run_coupled``.
+  """The NS-RNN's ``step_fn`` for ``run_ns_stack`` (either table).
 
   Args:
     params: ``{'controller': LSTM params, 'action': action layer}``.
