@@ -3,8 +3,10 @@
 A pure-array dynamic program (no Flax) for the stacks of the authors' later
 models (rns-vrns-reference.md): the renormalising NS-RNN (RNS-RNN, ICLR 2022)
 with unnormalised action weights and readings over (PDA state, top symbol),
-and the bottom-symbol fix of ICLR 2023. `ns_stack` stays the CoNLL 2020
-stack; this module is separate so that model is untouched.
+and the bottom-symbol fix of ICLR 2023. With the frozen bottom and the
+symbol reading it is also the CoNLL 2020 NS-RNN's default stack
+(`models.run_ns_stack`, config.stack_table = "shares"): `ns_stack`'s scaled
+table computes the same function but can flush in float32.
 
 Variants (arguments, not forks):
   * ``bottom="fixed"`` (ICLR 2023, the default for new models): runs start in
