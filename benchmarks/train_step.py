@@ -13,7 +13,7 @@ then timed in alternation (order reversed every round), so their ratios
 come from the same conditions.
 
 Variants (each adds rows; the plain row is always measured):
-  --unroll=2,4          ns_stack scan unroll factors (NS models)
+  --unroll=2,4          stack scan unroll factors (NS models, either table)
   --baseline_ref=REF    the NS models with nsrnn_jax/ns_stack.py, and the
                         rns models with nsrnn_jax/rns_stack.py, as of git
                         REF (loaded by path), for before/after ratios
@@ -205,23 +205,24 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices):
   """Rows for one model: every variant, timed in alternation."""
   variants = [Variant(name, "current", length, precision)]
-  # Stack models get the FLOP / bytes limit columns; the variants swap the
-  # module that computes the stack: ns_stack for the scaled table (unroll,
-  # baseline), rns_stack for the shares table (baseline).
+  # Stack models get the FLOP / bytes limit columns; the variants (unroll,
+  # baseline) swap the module that computes the stack: ns_stack for the
+  # scaled table, rns_stack for the shares table.
   is_ns = SETTINGS[name]["model"] == "ns"
   on_ns_stack = is_ns and SETTINGS[name]["stack_table"] == "scaled"
-  if on_ns_stack:
+  stack = ns_stack if on_ns_stack else rns_stack
+  if is_ns:
     for u in unrolls:
       if u != 1:
         variants.append(Variant(
             name, f"unroll={u}", length, precision, _stack_module(
-                functools.partial(ns_stack.run_coupled, unroll=u))))
+                functools.partial(stack.run_coupled, unroll=u), stack)))
   if baseline is not None and is_ns:
     old = baseline[1] if on_ns_stack else baseline[2]
     if old is not None:
       variants.append(Variant(
           name, f"baseline {baseline[0]}", length, precision,
-          _stack_module(old, ns_stack if on_ns_stack else rns_stack)))
+          _stack_module(old, stack)))
   if cpu_devices > 1:
     variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
                             length, precision, num_devices=cpu_devices))
@@ -347,7 +348,7 @@ def main():
   parser.add_argument("--precision", default="highest",
                       choices=ns_stack.MATMUL_PRECISIONS)
   parser.add_argument("--unroll", default="1",
-                      help="comma-separated ns_stack scan unroll factors")
+                      help="comma-separated stack scan unroll factors")
   parser.add_argument("--baseline_ref", default=None,
                       help="git ref of an ns_stack.py to compare against")
   parser.add_argument("--cpu_devices", type=int, default=1)

@@ -633,7 +633,7 @@ def _pda_action_layer(lm) -> AffineParams:
 
 def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
                  num_states: int, num_symbols: int, table: str = 'shares',
-                 precision: str = 'highest'):
+                 precision: str = 'highest', unroll: int = 1):
   """The NS-RNN's controller + stack recurrence on the chosen table.
 
   Args:
@@ -646,6 +646,8 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
       semantics, exact for any finite log-weights); 'scaled' runs
       ``ns_stack.run_coupled``.
     precision: matmul precision of the stack's contractions.
+    unroll: the stack's `lax.scan` unroll factor (same values; for
+      launch-bound accelerators).
 
   Returns:
     ``(outs [B, T, ...], readings [B, T+1, S], log_mass [B, T+1])`` with
@@ -657,10 +659,11 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
   if table == 'scaled':
     return ns_stack.run_coupled(step_fn, params, init_carry, xs,
                                 num_states=num_states,
-                                num_symbols=num_symbols, precision=precision)
+                                num_symbols=num_symbols, precision=precision,
+                                unroll=unroll)
   outs, la, log_mass = rns_stack.run_coupled(
       step_fn, params, init_carry, xs, num_states, num_symbols,
-      rns_stack.FROZEN, rns_stack.SYMBOL, precision=precision)
+      rns_stack.FROZEN, rns_stack.SYMBOL, precision=precision, unroll=unroll)
   return outs, rns_stack.readout(la, rns_stack.SYMBOL)[0], log_mass
 
 

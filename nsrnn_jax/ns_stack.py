@@ -132,6 +132,7 @@ Array = jax.Array
 __all__ = [
     "MATMUL_PRECISIONS",
     "check_precision",
+    "check_unroll",
     "lax_precision",
     "init_state",
     "step",

@@ -109,6 +109,7 @@ from jax import lax
 from nsrnn_jax import ns_stack
 from nsrnn_jax.ns_stack import backtrace
 from nsrnn_jax.ns_stack import check_precision
+from nsrnn_jax.ns_stack import check_unroll
 from nsrnn_jax.ns_stack import lax_precision
 from nsrnn_jax.ns_stack import replay_with_heights
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
@@ -426,7 +427,8 @@ def _initial(b, t, q, s, bottom, dtype):
   return g, jnp.sum(g, axis=(4, 5, 6)), la, jnp.zeros((b, t + 1), dtype)
 
 
-def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt):
+def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
+                    unroll=1):
   """Runs updates 1..T in static time blocks (shared by run / run_coupled).
 
   Block [j0, j1) is one `lax.scan` over the table sliced to the time points
@@ -444,6 +446,7 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt):
     extra0: initial extra carry (controller carry, or ()).
     prec: lax precision.
     keep_mt: also return every update's M̃ (for the backward sweep).
+    unroll: `lax.scan` unroll factor (same values).
 
   Returns:
     (g, cs, la, lm, extra, ys (time-major), mt_TxBxYxRxNxT or None).
@@ -474,7 +477,7 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt):
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
     carry = (extra, g[:, :, :n, :, :n], cs[:, :, :n], la, lm)
     (extra, g_p, cs_p, la, lm), (ys, mt) = lax.scan(
-        body, carry, (jnp.arange(j0, j1), x_blk))
+        body, carry, (jnp.arange(j0, j1), x_blk), unroll=unroll)
     g = g.at[:, :, :n, :, :n].set(g_p)
     cs = cs.at[:, :, :n].set(cs_p)
     ys_all.append(ys)
@@ -486,7 +489,7 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt):
 
 
 def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
-                     extra_init, prec):
+                     extra_init, prec, unroll=1):
   """One reverse sweep j = T..1 over the final tables (blocked like forward).
 
   Update j's column-sized part is differentiated with `jax.vjp` (it reads
@@ -512,6 +515,7 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
       cts = (col_local_ct, mt_ct, a_hat_ct, inc_ct).
     extra_init: initial backward extra carry.
     prec: lax precision.
+    unroll: `lax.scan` unroll factor (same values).
 
   Returns:
     (final extra carry, ys (time-major)).
@@ -571,7 +575,8 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
     sub = (w_full[:, (j0 - 1) * nr:, :n * nq * nx], w_next[:, :, :, :n],
            prev_hat[:, :, :, :n], cs_bar[:, :, :n], la_bar, extra)
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
-    sub, ys = lax.scan(body, sub, (jnp.arange(j0, j1), x_blk), reverse=True)
+    sub, ys = lax.scan(body, sub, (jnp.arange(j0, j1), x_blk), reverse=True,
+                       unroll=unroll)
     w_s, w_next_s, prev_s, cs_s, la_bar, extra = sub
     carry = (w_full.at[:, (j0 - 1) * nr:, :n * nq * nx].set(w_s),
              jnp.pad(w_next_s, [(0, 0)] * 3 + [(0, npt - n), (0, 0), (0, 0)]),
@@ -595,28 +600,29 @@ def _actions_local(prec):
   return local_fn
 
 
-def _forward(push, repl, pop, bottom, precision, keep_mt=False):
+def _forward(push, repl, pop, bottom, precision, keep_mt=False, unroll=1):
   """Forward; returns (g, cs, log α̂, log Σα, M̃ of every update or None)."""
   b, t, q, s = push.shape[:4]
   prec = lax_precision(precision)
   xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
   g, cs, la, lm, _, _, mt = _forward_blocks(
       t, _initial(b, t, q, s, bottom, push.dtype), xs_T, _actions_local(prec),
-      (), prec, keep_mt)
+      (), prec, keep_mt, unroll)
   return g, cs, la, lm, mt
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _tables(push, repl, pop, bottom, precision):
-  return _forward(push, repl, pop, bottom, precision)[2:4]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _tables(push, repl, pop, bottom, precision, unroll):
+  return _forward(push, repl, pop, bottom, precision, unroll=unroll)[2:4]
 
 
-def _tables_fwd(push, repl, pop, bottom, precision):
-  g, cs, la, lm, mt = _forward(push, repl, pop, bottom, precision, True)
+def _tables_fwd(push, repl, pop, bottom, precision, unroll):
+  g, cs, la, lm, mt = _forward(push, repl, pop, bottom, precision, True,
+                               unroll)
   return (la, lm), (g, cs, la, mt, push, repl, pop)
 
 
-def _tables_bwd(bottom, precision, res, cts):
+def _tables_bwd(bottom, precision, unroll, res, cts):
   del bottom
   g, cs, la, mt, push, repl, pop = res
   la_ct, lm_ct = cts
@@ -632,7 +638,7 @@ def _tables_bwd(bottom, precision, res, cts):
   xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
   _, d_acts = _backward_blocks(g, cs, la, mt, xs_T, la_ct,
                                _increment_cotangents(lm_ct), local_vjp, (),
-                               prec)
+                               prec, unroll)
   if d_acts is None:          # T = 0
     return tuple(jnp.zeros_like(a) for a in (push, repl, pop))
   return tuple(jnp.swapaxes(d, 0, 1) for d in d_acts)
@@ -641,7 +647,7 @@ def _tables_bwd(bottom, precision, res, cts):
 _tables.defvjp(_tables_fwd, _tables_bwd)
 
 
-def run(push, repl, pop, bottom=FIXED, precision="highest"):
+def run(push, repl, pop, bottom=FIXED, precision="highest", unroll=1):
   """Normalised log α and log Σα for j = 0..T from action log-weights.
 
   Exact for any finite log-weights (unnormalised, large, −inf), in float32
@@ -653,6 +659,9 @@ def run(push, repl, pop, bottom=FIXED, precision="highest"):
     bottom: "fixed" (default) or "frozen".
     precision: matmul precision of every contraction, forward and backward
       (`ns_stack.MATMUL_PRECISIONS`; "highest" = full float32 everywhere).
+    unroll: `lax.scan` unroll factor of the forward and backward sweeps
+      (same values; fewer loop iterations, larger programs; for
+      launch-bound accelerators).
 
   Returns:
     (log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]) with
@@ -664,12 +673,13 @@ def run(push, repl, pop, bottom=FIXED, precision="highest"):
   _check_bottom(bottom)
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
   _check_actions(push, repl, pop)
-  return _run_jit(push, repl, pop, bottom, check_precision(precision))
+  return _run_jit(push, repl, pop, bottom, check_precision(precision),
+                  check_unroll(unroll))
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _run_jit(push, repl, pop, bottom, precision):
-  return _tables(push, repl, pop, bottom, precision)
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _run_jit(push, repl, pop, bottom, precision, unroll):
+  return _tables(push, repl, pop, bottom, precision, unroll)
 
 
 # ---------------------------------------------------------------------------
@@ -692,8 +702,8 @@ def _float_dtype(tree):
   return jnp.result_type(*leaves) if leaves else jnp.float32
 
 
-def _coupled_forward(step_fn, q, s, bottom, reading, precision, params,
-                     init_carry, xs, keep_mt):
+def _coupled_forward(step_fn, q, s, bottom, reading, precision, unroll,
+                     params, init_carry, xs, keep_mt):
   leaves = jax.tree_util.tree_leaves(xs)
   b, t = leaves[0].shape[:2]
   prec = lax_precision(precision)
@@ -701,22 +711,23 @@ def _coupled_forward(step_fn, q, s, bottom, reading, precision, params,
   init = _initial(b, t, q, s, bottom, _float_dtype(params))
   g, cs, la, lm, _, (outs, ctrls), mt = _forward_blocks(
       t, init, xs_T, _coupled_local(step_fn, reading, params, prec),
-      init_carry, prec, keep_mt)
+      init_carry, prec, keep_mt, unroll)
   return outs, la, lm, g, cs, ctrls, mt
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _coupled(step_fn, q, s, bottom, reading, precision, params, init_carry,
-             xs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _coupled(step_fn, q, s, bottom, reading, precision, unroll, params,
+             init_carry, xs):
   outs, la, lm = _coupled_forward(step_fn, q, s, bottom, reading, precision,
-                                  params, init_carry, xs, False)[:3]
+                                  unroll, params, init_carry, xs, False)[:3]
   return outs, la, lm
 
 
-def _coupled_fwd(step_fn, q, s, bottom, reading, precision, params,
+def _coupled_fwd(step_fn, q, s, bottom, reading, precision, unroll, params,
                  init_carry, xs):
   outs, la, lm, g, cs, ctrls, mt = _coupled_forward(
-      step_fn, q, s, bottom, reading, precision, params, init_carry, xs, True)
+      step_fn, q, s, bottom, reading, precision, unroll, params, init_carry,
+      xs, True)
   return (outs, la, lm), (params, xs, g, cs, la, ctrls, mt)
 
 
@@ -727,7 +738,8 @@ def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _coupled_bwd(step_fn, q, s, bottom, reading, precision, res, cts):
+def _coupled_bwd(step_fn, q, s, bottom, reading, precision, unroll, res,
+                 cts):
   """Reverse sweep: vjp of (controller step j + update j's local part)."""
   del q, s, bottom
   params, xs, g, cs, la, ctrls, mt = res
@@ -755,7 +767,7 @@ def _coupled_bwd(step_fn, q, s, bottom, reading, precision, res, cts):
   (p_bar, c_bar), _ = _backward_blocks(
       g, cs, la, mt, (xs_T, ctrls, outs_ct), la_ct,
       _increment_cotangents(lm_ct), local_vjp,
-      (zeros(params), zeros(ctrl_last)), prec)
+      (zeros(params), zeros(ctrl_last)), prec, unroll)
   return p_bar, c_bar, jax.tree_util.tree_map(_zero_cotangent, xs)
 
 
@@ -764,7 +776,8 @@ _coupled.defvjp(_coupled_fwd, _coupled_bwd)
 
 def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                 num_states: int, num_symbols: int, bottom: str = FIXED,
-                reading: str = STATE, precision: str = "highest"):
+                reading: str = STATE, precision: str = "highest",
+                unroll: int = 1):
   """Runs a controller and the stack together, t = 1..T (O(T²) gradient).
 
   Controller step t sees ρ_{t−1} (ρ_0 is one-hot at index 0), then update t
@@ -782,6 +795,7 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     reading: "state" (Q·S) or "symbol" (S).
     precision: matmul precision of the stack DP's contractions (as `run`);
       the controller's own matmuls are step_fn's business.
+    unroll: `lax.scan` unroll factor (as `run`).
 
   Returns:
     (outs, log_alpha_hat, log_mass): outs stacked batch-major [B, T, ...],
@@ -797,7 +811,7 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     raise ValueError("xs must be a pytree of arrays [B, T, ...]")
   outs_T, la, lm = _coupled(step_fn, int(num_states), int(num_symbols),
                             bottom, reading, check_precision(precision),
-                            params, init_carry, xs)
+                            check_unroll(unroll), params, init_carry, xs)
   outs = jax.tree_util.tree_map(lambda o: jnp.swapaxes(o, 0, 1), outs_T)
   return outs, la, lm
 
