@@ -179,19 +179,22 @@ def _safe_log(x):
   return jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), -jnp.inf)
 
 
-def _mix_column(k_BxOxC, col, prec):
+def _mix_column(k_BxOxC, col_BxCxL, prec):
   """out[b, o, ...] = Σ_c k[b, o, c] col[b, c, ...] for a column-sized `col`.
 
-  `col` is [B, C1, C2, L...] with C = C1·C2 (its leading axes, e.g. the
-  (top, state) pair of a table column) and L the long row axes: one
-  [O, C] × [C, L] matmul per b on the column as it lies, so the long axis
-  stays the output's last. XLA:CPU ran the equivalent einsum (e.g.
-  "bzsiqx,bszry->byriqx") as [L, O] then a transpose, 2.8x slower.
+  `col` is [B, C, L...] (C short, e.g. a table column's (top, state) pair
+  flattened; L the long row axes): one [O, C] × [C, L] matmul per b on the
+  column as it lies, so the long axis stays the output's last. XLA:CPU ran
+  the equivalent einsum (e.g. "bzsiqx,bszry->byriqx") as [L, O] then a
+  transpose, 2.8x slower.
+
+  Returns:
+    [B, O, L...].
   """
-  bsz = col.shape[0]
-  out = lax.dot_general(k_BxOxC, col.reshape(bsz, k_BxOxC.shape[2], -1),
+  bsz, nc = col_BxCxL.shape[:2]
+  out = lax.dot_general(k_BxOxC, col_BxCxL.reshape(bsz, nc, -1),
                         (((2,), (1,)), ((0,), (0,))), precision=prec)
-  return out.reshape((bsz, k_BxOxC.shape[1]) + col.shape[3:])
+  return out.reshape((bsz, k_BxOxC.shape[1]) + col_BxCxL.shape[2:])
 
 
 # Public names of the guarded primitives (used by rns_stack).
@@ -389,11 +392,16 @@ def _column(gamma, scale, j, push, repl, pop, precision):
   # Column j−1: its Y axis is z (the top at time j−1), its R axis s.
   g_prev = lax.dynamic_index_in_dim(gamma, j - 1, axis=2, keepdims=False)
   # [b, (y, r), (z, s)] × column j−1 [b, (z, s), (i, q, x)].
+  g_prev_zs = g_prev.reshape((bsz, -1) + g_prev.shape[3:])
   r_til = _mix_column(
       jnp.transpose(sh.repl_e, (0, 4, 3, 2, 1)).reshape(bsz, ny * nr, -1),
-      g_prev, prec).reshape((bsz, ny, nr) + g_prev.shape[3:])
+      g_prev_zs, prec).reshape((bsz, ny, nr) + g_prev.shape[3:])
   # M̃_{j,k}[t,y,r] (rows k, t, y of column j−1), scaled by ek.
-  m_til = jnp.einsum("bzskty,bszr->byrkt", g_prev, sh.pop_e, precision=prec)
+  # [b, r, (z, s)] × column j−1 → [b, r, k, t, y], then the small result to
+  # [b, y, r, k, t].
+  m_til = jnp.transpose(_mix_column(
+      jnp.transpose(sh.pop_e, (0, 3, 2, 1)).reshape(bsz, nr, -1), g_prev_zs,
+      prec), (0, 4, 1, 2, 3))
   e = m_til * sh.ek[:, None, None, :, None]
   # Pop term: a [R, K·T] × [K·T, I·Q·X] matmul per (b, y). The table's
   # column-major layout makes the long axis (rows i, q, x) the matmul's
@@ -585,7 +593,7 @@ def _backward_step(state, e_all, w_table, col0, j, push, repl, pop, prev_hat,
                                     precision=prec)
   prev_out = g_prev * _mix_column(
       jnp.transpose(sh.repl_e, (0, 2, 1, 4, 3)).reshape(bsz, ny * nr, -1),
-      w_r, prec).reshape(g_prev.shape)
+      w_r.reshape((bsz, -1) + w_r.shape[3:]), prec).reshape(g_prev.shape)
 
   # Pop, right factor: M̄_{j,k}[t,y,r] = ek · Σ_{i,q,x} G_{i,k} W_j, one
   # matmul per (b, y) contracting the table's contiguous rows i, q, x (with
@@ -598,8 +606,9 @@ def _backward_step(state, e_all, w_table, col0, j, push, repl, pop, prev_hat,
            * sh.ek[:, None, :, None, None])
   pop_hat = sh.pop_e * jnp.einsum("bzskty,byktr->bszr", g_prev, m_bar,
                                   precision=prec)
-  prev_out = prev_out + g_prev * jnp.einsum("byktr,bszr->bzskty", m_bar,
-                                            sh.pop_e, precision=prec)
+  prev_out = prev_out + g_prev * _mix_column(
+      jnp.transpose(sh.pop_e, (0, 2, 1, 3)).reshape(bsz, ny * nr, nr),
+      jnp.transpose(m_bar, (0, 4, 2, 3, 1)), prec).reshape(g_prev.shape)
   return w_p, prev_out, la_hat, push_hat, repl_hat, pop_hat
 
 

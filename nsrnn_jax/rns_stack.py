@@ -288,8 +288,8 @@ def _replace_rows(prev, k_rep, prec):
   bsz = prev.shape[0]
   ny, nr = k_rep.shape[4], k_rep.shape[3]
   k_yrzs = jnp.transpose(k_rep, (0, 4, 3, 2, 1)).reshape(bsz, ny * nr, -1)
-  return _mix_column(k_yrzs, prev, prec).reshape((bsz, ny, nr)
-                                                  + prev.shape[3:])
+  return _mix_column(k_yrzs, prev.reshape((bsz, -1) + prev.shape[3:]),
+                     prec).reshape((bsz, ny, nr) + prev.shape[3:])
 
 
 def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
