@@ -80,11 +80,11 @@ part (`_local`, plus the controller step for `run_coupled`) is
 differentiated with `jax.vjp` on the final tables (update j reads only
 columns < j, which never change after they are written; ns-stack-gradient.md
 §3 "vjp-step"). The pop matmul is transposed by hand, as in ns_stack: M̃'s
-cotangent is one matmul with the transposed table, and the table's
+cotangent is one matmul with the table (contracting its rows), and the table's
 cotangent is never formed — column k's share of it, Σ_{j'} W_{j'} M̃_{j'}[k]
 with W_{j'} the cotangent of column j', is one matmul of a W table of all
 later updates with the stored M̃'s, computed when the sweep reaches column
-k. Gradient memory is O(T²) (table, its transpose, W table, M̃'s), not the
+k. Gradient memory is O(T²) (table, W table, M̃'s), not the
 O(T³) of autodiff through a scan that carries the table.
 
 Precision: every contraction, forward and backward, takes the matmul
