@@ -467,38 +467,28 @@ def test_replay_enforces_the_bottom():
 
 
 def test_unrolled_sweeps_equal_unroll_1(x64):
-  # `unroll` (for launch-bound accelerators) changes the loop, not a value
-  # (one time block; the blocks' hand-overs are tested without unrolling).
+  # `unroll` (for launch-bound accelerators) changes the loop, not a value:
+  # forward and backward sweeps (one time block; the blocks' hand-overs are
+  # tested without unrolling). run_coupled passes it to the same sweeps.
   q, s, b, t = 2, 2, 2, 23
   rng = np.random.default_rng(23)
   push, repl, pop = (np.concatenate(a, 0) for a in zip(
       *[_actions(rng, 1, t, q, s, k) for k in ("neginf", "unnorm")]))
   c, e = rng.normal(size=(b, t + 1, q * s)), rng.normal(size=(b, t + 1))
-  step_fn, size = _tanh_controller(q, s, "symbol")
-  params = _tanh_params(rng, q, s, size)
-  h0 = 0.1 * rng.normal(size=(b, _H))
-  xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
 
   def results(unroll):
     run = functools.partial(rns_stack.run, unroll=unroll)
-    grads = jax.jit(jax.value_and_grad(_loss(run, c, e, "frozen"),
-                                       argnums=(0, 1, 2)))(push, repl, pop)
-
-    def coupled_loss(p, h):
-      outs, hat, lm = rns_stack.run_coupled(step_fn, p, h, xs, q, s, "frozen",
-                                            "symbol", unroll=unroll)
-      return jnp.sum(outs ** 2) + jnp.sum(c[..., :s] * rns_stack.readout(
-          hat, "symbol")[0]) + 0.01 * jnp.sum(lm)
-
-    # The coupled sweeps share _forward_blocks / _backward_blocks with run:
-    # their unrolled values are checked here, the gradients above.
-    return grads, jax.jit(coupled_loss)(params, h0)
+    return jax.jit(jax.value_and_grad(_loss(run, c, e, "frozen"),
+                                      argnums=(0, 1, 2)))(push, repl, pop)
 
   for a, b_ in zip(jax.tree_util.tree_leaves(results(3)),
                    jax.tree_util.tree_leaves(results(1))):
     np.testing.assert_allclose(a, b_, rtol=1e-12, atol=1e-14)
   with pytest.raises(ValueError, match="unroll"):
     rns_stack.run(push, repl, pop, unroll=0)
+  with pytest.raises(ValueError, match="unroll"):
+    rns_stack.run_coupled(lambda *a: None, {}, (), jnp.zeros((1, 2)), q, s,
+                          unroll=1.5)
 
 
 def test_bad_input_raises_value_error():
