@@ -1,5 +1,8 @@
 """Shared fixtures. No test module changes a global JAX flag at import time.
 
+The session runs with a persistent XLA compilation cache in a fresh temp
+directory (removed at the end), shared with the tests' subprocesses.
+
 * `x64`: float64 inside one test (`jax.enable_x64` context).
 * `fast_compile`: XLA's most expensive optimisations off for one module
   (compilation dominates the tiny models of the training tests); the flag
@@ -11,8 +14,45 @@ The repository root is on sys.path through setup.cfg (`pythonpath = .`), so
 `python -m pytest` alike.
 """
 
+import os
+import shutil
+import tempfile
+
 import jax
 import pytest
+
+_CACHE_ENV = {
+    # A persistent XLA compilation cache in a fresh directory for one test
+    # session: the CLI / reproduce / multi-device tests start subprocesses
+    # that compile the programs other tests (and each other) compiled, and
+    # many tests jit the same model anew. Keyed by the whole program and
+    # its compile options, so a hit is the same executable; measured on the
+    # subprocess-heavy modules: 59 s -> 45 s.
+    "JAX_COMPILATION_CACHE_DIR": None,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+_created_cache_dir = None
+
+
+def pytest_configure(config):
+  """Turns on the session's compilation cache (unless the user set one)."""
+  del config
+  global _created_cache_dir
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  _created_cache_dir = tempfile.mkdtemp(prefix="nsrnn_jax_test_xla_cache_")
+  env = dict(_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=_created_cache_dir)
+  os.environ.update(env)   # inherited by the tests' subprocesses
+  jax.config.update("jax_compilation_cache_dir", _created_cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  del config
+  if _created_cache_dir:
+    shutil.rmtree(_created_cache_dir, ignore_errors=True)
 
 _FAST_COMPILE_FLAG = "jax_disable_most_optimizations"
 
