@@ -74,6 +74,17 @@ MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
 #     0.12 for 3 × log-softmax weights at n = 80; a trained marked-reversal
 #     model on random strings: 0.19; ns_stack module docstring).
 NS_TABLES = ('shares', 'scaled')
+# Also the table of a config stored before ``stack_table`` existed (same
+# function as the 'scaled' table those runs used).
+DEFAULT_NS_TABLE = 'shares'
+
+
+def check_stack_table(table: str) -> str:
+  """Validates an NS-RNN table name (``NS_TABLES``); returns it."""
+  if table not in NS_TABLES:
+    raise ValueError(f'stack_table must be one of {", ".join(NS_TABLES)}; '
+                     f'got {table!r}')
+  return table
 
 Params = Mapping[str, Any]
 Carry = tuple[jax.Array, jax.Array]
@@ -632,7 +643,8 @@ def _pda_action_layer(lm) -> AffineParams:
 
 
 def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
-                 num_states: int, num_symbols: int, table: str = 'shares',
+                 num_states: int, num_symbols: int,
+                 table: str = DEFAULT_NS_TABLE,
                  precision: str = 'highest', unroll: int = 1):
   """The NS-RNN's controller + stack recurrence on the chosen table.
 
@@ -653,10 +665,7 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
     ``(outs [B, T, ...], readings [B, T+1, S], log_mass [B, T+1])`` with
     ``tau_0 = one_hot(bottom)``, whichever table computed them.
   """
-  if table not in NS_TABLES:
-    raise ValueError(f'stack_table must be one of {", ".join(NS_TABLES)}; '
-                     f'got {table!r}')
-  if table == 'scaled':
+  if check_stack_table(table) == 'scaled':
     return ns_stack.run_coupled(step_fn, params, init_carry, xs,
                                 num_states=num_states,
                                 num_symbols=num_symbols, precision=precision,
@@ -682,7 +691,7 @@ class NSLM(LanguageModel):
 
   num_states: int = 2
   num_stack_symbols: int = 2
-  table: str = 'shares'
+  table: str = DEFAULT_NS_TABLE
 
   def _reading_size(self) -> int:
     return self.num_stack_symbols
@@ -823,7 +832,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         truncation_length: int = 0,
         stack_vector_size: int = 3, stack_bottom_vector: str = 'learned',
         broadcast_bottom_vector: bool = False,
-        stack_table: str = 'shares') -> nn.Module:
+        stack_table: str = DEFAULT_NS_TABLE) -> nn.Module:
   """Builds one of the language models.
 
   Args:
@@ -857,9 +866,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
   if name not in MODEL_NAMES:
     raise ValueError(
         f'unknown model {name!r}; valid models: {", ".join(MODEL_NAMES)}')
-  if stack_table not in NS_TABLES:
-    raise ValueError(f'stack_table must be one of {", ".join(NS_TABLES)}; '
-                     f'got {stack_table!r}')
+  check_stack_table(stack_table)
   vocab_size = _check_positive_int('vocab_size', vocab_size)
   hidden_size = _check_positive_int('hidden_size', hidden_size)
   num_states = _check_positive_int('num_states', num_states)
@@ -955,7 +962,7 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              stack_vector_size=field('stack_vector_size', 3),
              stack_bottom_vector=field('stack_bottom_vector', 'learned'),
              broadcast_bottom_vector=field('broadcast_bottom_vector', False),
-             stack_table=field('stack_table', 'shares'))
+             stack_table=field('stack_table', DEFAULT_NS_TABLE))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     vrns_model.validate_config(config)
   # Optional: configs stored before the field existed mean the same model.
   from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
-  table = config.get("stack_table", "shares")
+  table = config.get("stack_table", models.DEFAULT_NS_TABLE)
   if table not in models.NS_TABLES:
     fail("stack_table", f"is {table!r}; expected one of "
          f"{', '.join(models.NS_TABLES)}")
@@ -559,7 +559,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # The first line of a run (after the checks, so errors stay one line).
     runtime = parallel.describe_runtime(config.matmul_precision)
     if config.model == "ns":
-      runtime += f"; NS stack table {config.get('stack_table', 'shares')}"
+      from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+      runtime += ("; NS stack table "
+                  f"{config.get('stack_table', models.DEFAULT_NS_TABLE)}")
     print(runtime, file=sys.stderr, flush=True)
     checkpointing.write_config(workdir, config_json)
   (results,) = loop.run_models([loop.Run(config, workdir, splits, workdir)],
