@@ -197,10 +197,24 @@ def _mix_column(k_BxOxC, col_BxCxL, prec):
   return out.reshape((bsz, k_BxOxC.shape[1]) + col_BxCxL.shape[2:])
 
 
-# Public names of the guarded primitives (used by rns_stack).
+def _replace_rows(col, k_rep, prec):
+  """Σ_{s,z} col[b,z,s,i,q,x] k_rep[b,s,z,r,y], as [b, y, r, i, q, x].
+
+  The replace term of a column (top z, state s) with replace weights
+  (s, z) → (r, y): `_mix_column` with the weights as [b, (y, r), (z, s)].
+  """
+  bsz = col.shape[0]
+  ny, nr = k_rep.shape[4], k_rep.shape[3]
+  k_yrzs = jnp.transpose(k_rep, (0, 4, 3, 2, 1)).reshape(bsz, ny * nr, -1)
+  return _mix_column(k_yrzs, col.reshape((bsz, -1) + col.shape[3:]),
+                     prec).reshape((bsz, ny, nr) + col.shape[3:])
+
+
+# Public names of the guarded primitives and column kernels (used by
+# rns_stack).
 logsumexp_guarded = _lse
 safe_log = _safe_log
-mix_column = _mix_column
+replace_rows = _replace_rows
 
 MATMUL_PRECISIONS = ("highest", "high", "default")
 
@@ -391,11 +405,8 @@ def _column(gamma, scale, j, push, repl, pop, precision):
   bsz, ny, nj, nr, ni, nq, nx = gamma.shape
   # Column j−1: its Y axis is z (the top at time j−1), its R axis s.
   g_prev = lax.dynamic_index_in_dim(gamma, j - 1, axis=2, keepdims=False)
-  # [b, (y, r), (z, s)] × column j−1 [b, (z, s), (i, q, x)].
+  r_til = _replace_rows(g_prev, sh.repl_e, prec)
   g_prev_zs = g_prev.reshape((bsz, -1) + g_prev.shape[3:])
-  r_til = _mix_column(
-      jnp.transpose(sh.repl_e, (0, 4, 3, 2, 1)).reshape(bsz, ny * nr, -1),
-      g_prev_zs, prec).reshape((bsz, ny, nr) + g_prev.shape[3:])
   # M̃_{j,k}[t,y,r] (rows k, t, y of column j−1), scaled by ek.
   # [b, r, (z, s)] × column j−1 → [b, r, k, t, y], then the small result to
   # [b, y, r, k, t].

@@ -111,7 +111,7 @@ from nsrnn_jax.ns_stack import backtrace
 from nsrnn_jax.ns_stack import check_precision
 from nsrnn_jax.ns_stack import check_unroll
 from nsrnn_jax.ns_stack import lax_precision
-from nsrnn_jax.ns_stack import mix_column as _mix_column
+from nsrnn_jax.ns_stack import replace_rows as _replace_rows
 from nsrnn_jax.ns_stack import replay_with_heights
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
 from nsrnn_jax.ns_stack import safe_log as _safe_log
@@ -277,19 +277,6 @@ def _finite_max(x, axis):
   """Max over `axis` of the finite entries (0 if none); a gradient constant."""
   m = jnp.max(jnp.where(jnp.isfinite(x), x, -jnp.inf), axis=axis)
   return lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
-
-
-def _replace_rows(prev, k_rep, prec):
-  """Σ_{s,z} prev[b,z,s,i,q,x] k_rep[b,s,z,r,y], as [b, y, r, i, q, x].
-
-  One [Y·R, Z·S] × [Z·S, I·Q·X] matmul per b on the column as it lies
-  (`ns_stack.mix_column`; 2.8x faster on XLA:CPU than the einsum).
-  """
-  bsz = prev.shape[0]
-  ny, nr = k_rep.shape[4], k_rep.shape[3]
-  k_yrzs = jnp.transpose(k_rep, (0, 4, 3, 2, 1)).reshape(bsz, ny * nr, -1)
-  return _mix_column(k_yrzs, prev.reshape((bsz, -1) + prev.shape[3:]),
-                     prec).reshape((bsz, ny, nr) + prev.shape[3:])
 
 
 def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
