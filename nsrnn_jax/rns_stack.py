@@ -350,9 +350,13 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   # per (b, y); 1.2x faster on XLA:CPU than contracting a [K·T, R] operand).
   mt = jnp.einsum("bzskty,byszr->byrkt", prev, k_pop, precision=prec)
   mt = jnp.where((c_left > flush)[:, :, None], mt, 0)
-  row_p = (idx == p).astype(dtype)
-  col = col + (row_p[None, None, None, :, None, None]
-               * jnp.transpose(push_row, (0, 4, 3, 1, 2))[:, :, :, None])
+  # The push row goes in as a one-row slice update: a one-hot product here
+  # made XLA recompute the push row per table entry and, in the backward,
+  # reduce the column's cotangent over its rows (~20% of the CPU step).
+  row = lax.dynamic_slice_in_dim(col, p, 1, axis=3)
+  col = lax.dynamic_update_slice_in_dim(
+      col, row + jnp.transpose(push_row, (0, 4, 3, 1, 2))[:, :, :, None], p,
+      axis=3)
   log_z = _lse(a_j.reshape(b, -1), axis=1)                        # b
   alive = jnp.isfinite(log_z)
   a_hat = jnp.where(alive[:, None, None],
@@ -556,11 +560,13 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
       left = left.reshape(bsz, ny, nr, n, nq, nx)
       cs_k = lax.dynamic_index_in_dim(cs_bar, k, axis=2, keepdims=False)
       col_ct = prev_hat + left + cs_k[:, :, :, None, None, None]
-      # [b·y, (k, t), r] with the table as the left operand (measured
-      # faster than W·Gᵀ), then the small result to M̃'s layout.
-      mt_ct = jnp.transpose(lax.dot_general(
-          g_t, col_ct.reshape(bsz * ny, nr, -1), (((2,), (2,)), ((0,), (0,))),
-          precision=prec).reshape(bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
+      # [b·y, r, (k, t)] = W·Gᵀ, then swapped to [b·y, (k, t), r] before
+      # the reshape to M̃'s layout. Written this way XLA:CPU transposes the
+      # table's blocks on the fly; measured 1.9x faster for Q = S = 3 than
+      # G·Wᵀ (table as the left operand) and than W·Gᵀ without the swap.
+      mt_ct = jnp.transpose(jnp.swapaxes(lax.dot_general(
+          col_ct.reshape(bsz * ny, nr, -1), g_t, (((2,), (2,)), ((0,), (0,))),
+          precision=prec), 1, 2).reshape(bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
       a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
       i_ct = lax.dynamic_index_in_dim(inc_ct, j, axis=1, keepdims=False)
       a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
