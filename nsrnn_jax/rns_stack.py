@@ -459,9 +459,16 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
   g, cs, la, lm = init
   num_pts = g.shape[2]
   extra, ys_all, mts = extra0, [], []
-  # T = 0 runs one empty block, so every output keeps its (empty) shape.
-  for j0, j1 in _time_blocks(t) or [(1, 1)]:
+  blocks = _time_blocks(t) or [(1, 1)]   # T = 0: one empty block.
+  # The table grows block by block (zero-padded at each boundary) instead
+  # of being sliced out of, and written back into, a full-size table: that
+  # was two table copies per block (~10% of a Q = S = 3 train step).
+  n = blocks[0][1] + 1
+  g, cs = g[:, :, :n, :, :n], cs[:, :, :n]
+  for j0, j1 in blocks:
     n = j1 + 1
+    g = _pad_to(g, n, (2, 4))
+    cs = _pad_to(cs, n, (2,))
 
     def body(carry, inp):
       extra, g, cs, la, lm = carry
@@ -480,17 +487,25 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
       return (extra, g, cs, la, lm), (ys, mt if keep_mt else None)
 
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
-    carry = (extra, g[:, :, :n, :, :n], cs[:, :, :n], la, lm)
-    (extra, g_p, cs_p, la, lm), (ys, mt) = lax.scan(
-        body, carry, (jnp.arange(j0, j1), x_blk), unroll=unroll)
-    g = g.at[:, :, :n, :, :n].set(g_p)
-    cs = cs.at[:, :, :n].set(cs_p)
+    (extra, g, cs, la, lm), (ys, mt) = lax.scan(
+        body, (extra, g, cs, la, lm), (jnp.arange(j0, j1), x_blk),
+        unroll=unroll)
     ys_all.append(ys)
     if keep_mt:
       mts.append(jnp.pad(mt, [(0, 0)] * 4 + [(0, num_pts - n), (0, 0)]))
   ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0), *ys_all)
   mt = jnp.concatenate(mts, axis=0) if keep_mt else None
-  return g, cs, la, lm, extra, ys, mt
+  return (_pad_to(g, num_pts, (2, 4)), _pad_to(cs, num_pts, (2,)), la, lm,
+          extra, ys, mt)
+
+
+def _pad_to(x, n, axes):
+  """`x` zero-padded at the end of each of `axes` to length n (no-op if
+  already n)."""
+  pad = [(0, 0)] * x.ndim
+  for a in axes:
+    pad[a] = (0, n - x.shape[a])
+  return jnp.pad(x, pad) if any(p[1] for p in pad) else x
 
 
 def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
@@ -530,22 +545,33 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
   # e_all[b, y, k, t, j', r] = M̃_{j'+1}[b, y, r, k, t].
   e_all = jnp.transpose(mt_all, (1, 2, 4, 5, 0, 3))
   dtype = g.dtype
-  w_full = jnp.zeros((bsz * ny, num_steps * nr, npt * nq * nx), dtype)
-  col0 = jnp.zeros((bsz, ny, nr, npt, nq, nx), dtype)
-  carry = (w_full, col0, col0, jnp.zeros_like(cs), la_ct, extra_init)
   if not num_steps:           # no update: nothing to differentiate.
     return extra_init, None
+  # Block-sized carries: the W table (rows: updates j' ≥ j0 of the block,
+  # columns: its rows i < n) and the two column cotangents are cut down (and
+  # the W table extended by zero rows) at each block boundary, rather than
+  # sliced out of and written back into full-size arrays (two copies each).
+  w_tab = None
+  col0 = jnp.zeros((bsz, ny, nr, npt, nq, nx), dtype)
+  carry = (col0, col0, jnp.zeros_like(cs), la_ct, extra_init)
   ys_all = []
   for j0, j1 in reversed(_time_blocks(num_steps)):
     n = j1 + 1
-    g_p = g[:, :, :n, :, :n]
-    # The table as [b·y, (k, t), (i, q, x)]: M̃'s cotangent contracts its
-    # contiguous rows (i, q, x) with the table as the left operand.
-    g_t = g_p.reshape(bsz * ny, n * nr, n * nq * nx)
+    rows = (num_steps - j0 + 1) * nr
+    if w_tab is None:
+      w_tab = jnp.zeros((bsz * ny, rows, n * nq * nx), dtype)
+    else:
+      w_tab = jnp.concatenate(
+          [jnp.zeros((bsz * ny, rows - w_tab.shape[1], n * nq * nx), dtype),
+           w_tab[:, :, :n * nq * nx]], axis=1)
+    # The table as [b·y, (k, t), (i, q, x)] (one copy per block; none for
+    # the last): M̃'s cotangent contracts its contiguous rows (i, q, x),
+    # and column j − 1 is a contiguous slice of it.
+    g_t = g[:, :, :n, :, :n].reshape(bsz * ny, n * nr, n * nq * nx)
     cs_p = cs[:, :, :n]
     e_p = e_all[:, :, :n, :, j0 - 1:].reshape(bsz, ny, n, nr, -1)
 
-    def body(carry, inp, g_p=g_p, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n):
+    def body(carry, inp, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n):
       w_tab, w_next, prev_hat, cs_bar, la_bar, extra = carry
       j, x_j = inp
       # W_{j+1} is written one step late, before the W table is read, and
@@ -570,7 +596,8 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
       a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
       i_ct = lax.dynamic_index_in_dim(inc_ct, j, axis=1, keepdims=False)
       a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
-      prev = lax.dynamic_index_in_dim(g_p, j, axis=2, keepdims=False)
+      prev = lax.dynamic_slice_in_dim(g_t, j * nr, nr, axis=1).reshape(
+          bsz, ny, nr, n, nq, nx)
       extra, d_prev, d_cs, d_a, ys = local_vjp(
           j, extra, x_j, prev, cs_p, a_prev, (col_ct, mt_ct, a_ct, i_ct))
       la_bar = lax.dynamic_update_index_in_dim(
@@ -578,21 +605,20 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
           j - 1, axis=1)
       return (w_tab, col_ct, d_prev, cs_bar + d_cs, la_bar, extra), ys
 
-    w_full, w_next, prev_hat, cs_bar, la_bar, extra = carry
-    sub = (w_full[:, (j0 - 1) * nr:, :n * nq * nx], w_next[:, :, :, :n],
-           prev_hat[:, :, :, :n], cs_bar[:, :, :n], la_bar, extra)
+    # Rows i ≥ n of the carried column cotangents are zero (column j0 − 1
+    # of the next block has rows < j0 only), so cutting them loses nothing.
+    w_next, prev_hat, cs_bar, la_bar, extra = carry
+    sub = (w_tab, w_next[:, :, :, :n], prev_hat[:, :, :, :n],
+           cs_bar[:, :, :n], la_bar, extra)
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
     sub, ys = lax.scan(body, sub, (jnp.arange(j0, j1), x_blk), reverse=True,
                        unroll=unroll)
-    w_s, w_next_s, prev_s, cs_s, la_bar, extra = sub
-    carry = (w_full.at[:, (j0 - 1) * nr:, :n * nq * nx].set(w_s),
-             jnp.pad(w_next_s, [(0, 0)] * 3 + [(0, npt - n), (0, 0), (0, 0)]),
-             jnp.pad(prev_s, [(0, 0)] * 3 + [(0, npt - n), (0, 0), (0, 0)]),
-             cs_bar.at[:, :, :n].set(cs_s), la_bar, extra)
+    w_tab, w_next, prev_hat, cs_s, la_bar, extra = sub
+    carry = (w_next, prev_hat, cs_bar.at[:, :, :n].set(cs_s), la_bar, extra)
     ys_all.append(ys)
   ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0),
                               *ys_all[::-1])
-  return carry[5], ys
+  return carry[4], ys
 
 
 def _increment_cotangents(lm_ct):
