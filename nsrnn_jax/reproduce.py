@@ -450,15 +450,32 @@ def _fmt_duration(seconds: Optional[float]) -> str:
       f"{minutes}m")
 
 
+def training_seconds(record: Mapping[str, Any]) -> float:
+  """A finished run's training time, robust to pauses of the machine.
+
+  The median epoch time (epochs after the first, which also compiles) times
+  the number of epochs: a run stopped or starved for a while (other work on
+  the cores, a suspended process) has a few long epochs, which
+  `train_time_s`, their sum, counts in full. Compilation (a minute or two
+  per run) is left out.
+  """
+  times = [e.get("time") for e in record.get("epochs", [])]
+  times = [t for t in times[1:] if t is not None]
+  if not times:
+    return float(record["train_time_s"])
+  return float(np.median(times)) * len(record["epochs"])
+
+
 def estimate_seconds(spec: RunSpec, records: Sequence[Mapping[str, Any]]
                      ) -> Optional[float]:
-  """Expected wall time of a run: mean of finished runs like it.
+  """Expected training time of a run: mean over finished runs like it
+  (`training_seconds`).
 
   The same task and model first, else the same model on any task.
   """
   for same in (lambda r: r["task"] == spec.task and r["model"] == spec.model,
                lambda r: r["model"] == spec.model):
-    times = [r["train_time_s"] for r in records if same(r)]
+    times = [training_seconds(r) for r in records if same(r)]
     if times:
       return float(np.mean(times))
   return None
@@ -1018,7 +1035,8 @@ def _gaps_section(cells, records) -> list[str]:
       "runs (4 learning rates × 5 restarts, × 3 values of m for JM/Gref). "
       "Cost estimates use the mean training time of our finished runs of the "
       "same task and model (else the same model on any task), on the "
-      "hardware the records name.",
+      "hardware the records name; a run's time is its median epoch time × "
+      "its epochs (robust to pauses of the machine, compilation left out).",
       "",
       "| task | model | finished | of | missing | estimated time for the "
       "rest |",

@@ -374,6 +374,22 @@ def test_report_values_claims_and_gaps():
   assert "| Dyck | JM | 0 | 60 | 60 | 10.0 h |" in text
 
 
+def test_cost_estimates_ignore_pauses_of_the_machine():
+  # Epoch 1 compiles; epoch 4 ran while the process was stopped for 490 s.
+  rec = dict(fake_record("dyck", "ns", 0.005, 0, 0.01, 0.01),
+             epochs=[{"epoch": e, "valid_ce_diff": 0.01, "time": t}
+                     for e, t in enumerate([600.0, 10.0, 12.0, 500.0, 10.0],
+                                           start=1)],
+             train_time_s=1132.0)
+  assert reproduce.training_seconds(rec) == 5 * 11.0   # median 11 s x 5
+  probe = reproduce.RunSpec("dyck", "ns", 0.005, None, 1)
+  other = dict(rec, epochs=[dict(e, time=20.0) for e in rec["epochs"]])
+  assert reproduce.estimate_seconds(probe, [rec, other]) == (55.0 + 100.0) / 2
+  # A record without epoch times falls back to its total.
+  assert reproduce.training_seconds(fake_record("dyck", "ns", 0.005, 0, 0.01,
+                                                0.01)) == 600.0
+
+
 def test_committed_report_is_generated_from_committed_records(tmp_path):
   results = os.path.join(REPO, "results")
   records = reproduce.load_records(results)
