@@ -507,15 +507,17 @@ def jm_depth(num_updates: int) -> int:
   return num_updates // 2 + 1
 
 
-class JMLM(LanguageModel):
-  """LSTM + Joulin-Mikolov superposition stack (actions push, pop, no-op).
+class _VectorStackLM(LanguageModel):
+  """The baselines' shared layers: an action layer and a push layer.
 
-  ``trace`` adds ``actions`` [B, T, 3] (push, pop, no-op probabilities),
-  ``push_vectors`` [B, T, M] and ``readings`` [B, N, M] (``r_0 = 0`` ..
-  ``r_T``).
+  The stack holds vectors of size M = ``stack_embedding_size``; the reading
+  is one such vector. Subclasses set the action layer's width and the push
+  layer's Xavier gain (class constants, not module fields).
   """
 
   stack_embedding_size: int = 20
+  NUM_ACTIONS = 0
+  PUSH_GAIN = 1.0
 
   def _reading_size(self) -> int:
     return self.stack_embedding_size
@@ -525,10 +527,22 @@ class JMLM(LanguageModel):
 
   def setup(self):
     super().setup()
-    self.action = AffineParams(self.hidden_size, 3, xavier_uniform(1.0),
-                               dtype=self.dtype)
+    self.action = AffineParams(self.hidden_size, self.NUM_ACTIONS,
+                               xavier_uniform(1.0), dtype=self.dtype)
     self.push = AffineParams(self.hidden_size, self.stack_embedding_size,
-                             xavier_uniform(1.0), dtype=self.dtype)
+                             xavier_uniform(self.PUSH_GAIN), dtype=self.dtype)
+
+
+class JMLM(_VectorStackLM):
+  """LSTM + Joulin-Mikolov superposition stack (actions push, pop, no-op).
+
+  ``trace`` adds ``actions`` [B, T, 3] (push, pop, no-op probabilities),
+  ``push_vectors`` [B, T, M] and ``readings`` [B, N, M] (``r_0 = 0`` ..
+  ``r_T``).
+  """
+
+  NUM_ACTIONS = 3         # push, pop, no-op (softmax)
+  PUSH_GAIN = 1.0         # sigmoid push vectors
 
   def _no_step_internals(self, batch):
     m, dt = self.stack_embedding_size, self.dtype
@@ -568,7 +582,7 @@ class JMLM(LanguageModel):
     return h, {'actions': actions, 'push_vectors': push, 'readings': readings}
 
 
-class GrefLM(LanguageModel):
+class GrefLM(_VectorStackLM):
   """LSTM + Grefenstette et al. stratification stack (push/pop strengths).
 
   ``trace`` adds ``actions`` [B, T, 2] (push strength d, pop strength u),
@@ -576,20 +590,8 @@ class GrefLM(LanguageModel):
   strengths after update t) and ``readings`` [B, N, M] (``r_0 = 0`` .. ``r_T``).
   """
 
-  stack_embedding_size: int = 20
-
-  def _reading_size(self) -> int:
-    return self.stack_embedding_size
-
-  def _stack_params(self):
-    return {'action': self.action(), 'push': self.push()}
-
-  def setup(self):
-    super().setup()
-    self.action = AffineParams(self.hidden_size, 2, xavier_uniform(1.0),
-                               dtype=self.dtype)
-    self.push = AffineParams(self.hidden_size, self.stack_embedding_size,
-                             xavier_uniform(5.0 / 3.0), dtype=self.dtype)
+  NUM_ACTIONS = 2         # push strength, pop strength (sigmoid)
+  PUSH_GAIN = 5.0 / 3.0   # tanh push vectors
 
   def _no_step_internals(self, batch):
     m, dt = self.stack_embedding_size, self.dtype
