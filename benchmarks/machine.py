@@ -61,6 +61,25 @@ def _best_seconds(key, build, repeats, timer=time.perf_counter):
   return max(best, 1e-9)
 
 
+def median_seconds(fn, *args, repeats=3, warmup=True, cpu=None):
+  """Median wall time of fn(*args) over `repeats` calls, in seconds.
+
+  warmup: make one untimed call first (compilation, first-touch memory).
+  cpu: a list to append the median process CPU time (all threads) to.
+  """
+  if warmup:
+    jax.block_until_ready(fn(*args))
+  times, cpu_times = [], []
+  for _ in range(repeats):
+    start, cpu_start = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+    cpu_times.append(time.process_time() - cpu_start)
+  if cpu is not None:
+    cpu.append(float(np.median(cpu_times)))
+  return float(np.median(times))
+
+
 def matmul_gflops(size=1024, repeats=3, clock="wall"):
   """Best-of-`repeats` jitted float32 matmul rate in GFLOP/s (full f32).
 

@@ -47,25 +47,17 @@ import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 B, Q, S, D, H, V, CHUNK = 4, 2, 3, 20, 20, 3, 35
-
-
-def _median_time(fn, *args, repeats=3):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
 
 
 def _temp_bytes(fn, *args):
@@ -88,7 +80,7 @@ def _measure(n, rng):
   row = {"n": n}
   acts = _actions(rng, n)
   fwd = jax.jit(lambda a, b, c: limited_stack.run(a, b, c, D)[:2])
-  row["eval_us_per_symbol"] = 1e6 * _median_time(fwd, *acts) / n
+  row["eval_us_per_symbol"] = 1e6 * machine.median_seconds(fwd, *acts) / n
   row["eval_temp_bytes_per_symbol"] = _temp_bytes(fwd, *acts) / n
   params = {k: jnp.asarray(0.3 * rng.normal(size=sh), jnp.float32)
             for k, sh in (("wx", (V, H)), ("wr", (Q * S, H)), ("wh", (H, H)),
@@ -103,11 +95,12 @@ def _measure(n, rng):
     return jnp.sum(outs ** 2) + jnp.sum(rns_stack.readout(hat)[0][..., 1])
 
   grad = jax.jit(jax.grad(loss))
-  row["train_us_per_symbol"] = 1e6 * _median_time(grad, params) / n
+  row["train_us_per_symbol"] = 1e6 * machine.median_seconds(grad, params) / n
   row["train_temp_bytes_per_symbol"] = _temp_bytes(grad, params) / n
   if n <= 250:
     unl = jax.jit(lambda a, b, c: rns_stack.run(a, b, c))
-    row["unlimited_eval_us_per_symbol"] = 1e6 * _median_time(unl, *acts) / n
+    row["unlimited_eval_us_per_symbol"] = (
+        1e6 * machine.median_seconds(unl, *acts) / n)
     row["unlimited_eval_temp_bytes_per_symbol"] = _temp_bytes(unl,
                                                               *acts) / n
   return row

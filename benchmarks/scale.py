@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -59,19 +58,6 @@ def ns_config(batch_size=BATCH):
   return c
 
 
-def _median_time(fn, repeats, cpu=None):
-  """Median wall time of fn(); with a list `cpu`, appends its CPU time."""
-  times, cpu_times = [], []
-  for _ in range(repeats):
-    start, cpu_start = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-    cpu_times.append(time.process_time() - cpu_start)
-  if cpu is not None:
-    cpu.append(float(np.median(cpu_times)))
-  return float(np.median(times))
-
-
 def _batches(num, length, batch, seed=0):
   rng = np.random.default_rng(seed)
   return [train.make_batch(rng.integers(0, 3, (batch, length), dtype=np.int32))
@@ -98,8 +84,9 @@ def bench_model_axis(ks, lengths, steps, repeats, save=None):
     batch = train.make_batch(symbols[n])
     jax.block_until_ready(step1(single, batch)[1]["loss"])  # Compile.
     cpu = []
-    t_single[n] = _median_time(
-        lambda batch=batch: step1(single, batch)[1]["loss"], repeats, cpu)
+    t_single[n] = machine.median_seconds(
+        lambda batch=batch: step1(single, batch)[1]["loss"], repeats=repeats,
+        warmup=False, cpu=cpu)
     cpu_single[n] = cpu[0]
   rows = []
   for k in ks:
@@ -121,7 +108,8 @@ def bench_model_axis(ks, lengths, steps, repeats, save=None):
       return m["loss"]
 
     cpu = []
-    t_k = _median_time(run_k, repeats, cpu) / steps
+    t_k = machine.median_seconds(run_k, repeats=repeats, warmup=False,
+                                 cpu=cpu) / steps
     cpu_k = cpu[0] / steps
     # K runs one after another, each model at its own length every step.
     t_seq = sum(t_single[n] for draw in draws for n in draw) / steps
@@ -162,7 +150,7 @@ def bench_devices_child(length, steps, repeats):
         s, m = step(s, b)
       return m["loss"]
 
-    t = _median_time(run, repeats) / steps
+    t = machine.median_seconds(run, repeats=repeats, warmup=False) / steps
     rows.append({"devices": d, "step_time_s": t,
                  "strings_per_s": DEVICE_BATCH / t})
   print("JSON:" + json.dumps(rows))

@@ -45,10 +45,12 @@ import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import vrns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -187,16 +189,6 @@ def compare(args):
   print(f"wrote {path}")
 
 
-def _time(fn, args, reps):
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)) * 1e3
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
@@ -224,8 +216,9 @@ def main():
                   ("vrns_m1", _vrns_fns(args.batch, t, q, s, 1)),
                   ("ns", _ns_fns(args.batch, t, q, s))]
       for name, (fwd, grad, fargs) in variants:
-        fwd_ms = _time(fwd, fargs, args.reps)
-        grad_ms = _time(grad, fargs, args.reps)
+        fwd_ms = 1e3 * machine.median_seconds(fwd, *fargs, repeats=args.reps)
+        grad_ms = 1e3 * machine.median_seconds(grad, *fargs,
+                                                repeats=args.reps)
         temp = grad.lower(*fargs).compile().memory_analysis()
         temp_mib = temp.temp_size_in_bytes / 2**20
         row = {"Q": q, "S": s, "m": m if name == "vrns" else (
