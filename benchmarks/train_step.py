@@ -20,6 +20,9 @@ Variants (each adds rows; the plain row is always measured):
   --cpu_devices=2       the batch split over N CPU devices through loop.py's
                         per-device step (what `main --cpu_devices=N` runs;
                         re-executes itself with N CPU devices)
+  --batch_chunk=10,2    the NS models with config.stack_batch_chunk = N
+                        (the plain row chooses automatically; a baseline
+                        ref from before the field runs the whole batch)
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
@@ -96,9 +99,9 @@ TARGETS_S = {
 CPU_LIMIT_RATIO_TARGET = 6.0
 
 
-def _config(name, precision):
+def _config(name, precision, overrides=None):
   config = default.get_config()
-  for k, v in SETTINGS[name].items():
+  for k, v in {**SETTINGS[name], **(overrides or {})}.items():
     config[k] = v
   config.matmul_precision = precision
   return config
@@ -153,9 +156,9 @@ class Variant:
   """
 
   def __init__(self, name, label, length, precision, stacks=None,
-               num_devices=None):
+               num_devices=None, overrides=None):
     self.name, self.label = name, label
-    config = _config(name, precision)
+    config = _config(name, precision, overrides)
     model = models.build(config, vocab_size=3)
     state = train.create_train_state(config, jax.random.key(0), model)
     batch = train.make_batch(_symbols(length))
@@ -202,7 +205,7 @@ class Variant:
 
 
 def bench_model(name, length, repeats, precision, unrolls, baseline,
-                cpu_devices):
+                cpu_devices, batch_chunks=()):
   """Rows for one model: every variant, timed in alternation."""
   variants = [Variant(name, "current", length, precision)]
   # Stack models get the FLOP / bytes limit columns; the variants (unroll,
@@ -217,12 +220,17 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
         variants.append(Variant(
             name, f"unroll={u}", length, precision, _stack_module(
                 functools.partial(stack.run_coupled, unroll=u), stack)))
+    for c in batch_chunks:
+      variants.append(Variant(name, f"batch_chunk={c}", length, precision,
+                              overrides={"stack_batch_chunk": c}))
   if baseline is not None and is_ns:
     old = baseline[1] if on_ns_stack else baseline[2]
     if old is not None:
+      # A ref from before models.stack_batch_chunk ran the whole batch.
       variants.append(Variant(
           name, f"baseline {baseline[0]}", length, precision,
-          _stack_module(old, stack)))
+          _stack_module(old, stack),
+          overrides=None if baseline[3] else {"stack_batch_chunk": BATCH}))
   if cpu_devices > 1:
     variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
                             length, precision, num_devices=cpu_devices))
@@ -352,6 +360,9 @@ def main():
   parser.add_argument("--baseline_ref", default=None,
                       help="git ref of an ns_stack.py to compare against")
   parser.add_argument("--cpu_devices", type=int, default=1)
+  parser.add_argument("--batch_chunk", default="",
+                      help="comma-separated config.stack_batch_chunk values "
+                      "(NS models; the plain row is automatic)")
   parser.add_argument("--compile_study", action="store_true")
   parser.add_argument("--study_model", default="ns22,jm",
                       help="comma-separated models for --compile_study")
@@ -378,8 +389,12 @@ def main():
   unrolls = [int(u) for u in args.unroll.split(",") if u]
   baseline = None
   if args.baseline_ref:
+    models_then = subprocess.run(
+        ["git", "-C", REPO, "show", f"{args.baseline_ref}:nsrnn_jax/models.py"],
+        capture_output=True, text=True, check=False).stdout
     baseline = (args.baseline_ref, load_baseline(args.baseline_ref),
-                load_baseline(args.baseline_ref, "rns_stack"))
+                load_baseline(args.baseline_ref, "rns_stack"),
+                "stack_batch_chunk" in models_then)
     out["baseline_ref"] = subprocess.run(
         ["git", "-C", REPO, "rev-parse", args.baseline_ref],
         capture_output=True, text=True, check=True).stdout.strip()
@@ -397,9 +412,10 @@ def main():
   if names:
     out["steps"] = []
     for name in names:
-      out["steps"] += bench_model(name, args.length, args.repeats,
-                                  args.precision, unrolls, baseline,
-                                  args.cpu_devices)
+      out["steps"] += bench_model(
+          name, args.length, args.repeats, args.precision, unrolls, baseline,
+          args.cpu_devices,
+          [int(c) for c in args.batch_chunk.split(",") if c])
       save()
   if args.compile_study:
     out["compile_study"] = []

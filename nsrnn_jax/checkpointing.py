@@ -55,6 +55,8 @@ RESUME_SAFE_FIELDS = frozenset({
     # The NS-RNN's two dynamic programs compute the same function (the
     # exact one where the other would flush): a run may switch tables.
     "stack_table",
+    # How many strings the stack runs at once: the same values.
+    "stack_batch_chunk",
     # Written by train_and_evaluate next to the config, derived from it.
     "alphabet", "vocab_size",
 })

@@ -93,6 +93,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if table not in models.NS_TABLES:
     fail("stack_table", f"is {table!r}; expected one of "
          f"{', '.join(models.NS_TABLES)}")
+  chunk = config.get("stack_batch_chunk", 0)
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+    fail("stack_batch_chunk", f"is {chunk!r}; expected 0 (automatic) or a "
+         "positive integer")
   for field in ("hidden_size", "num_states", "num_stack_symbols",
                 "stack_embedding_size", "batch_size", "num_train_batches",
                 "num_valid_batches", "max_epochs", "test_strings_per_length",

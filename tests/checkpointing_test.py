@@ -161,6 +161,10 @@ def test_a_run_may_switch_the_ns_stack_table_on_resume():
       {"learning_rate": 0.01, "stack_table": "scaled"},
       {"learning_rate": 0.02, "stack_table": "shares"}) == [
           "learning_rate (stored 0.01, requested 0.02)"]
+  # Nor does how many strings the stack runs at once.
+  assert checkpointing.config_differences(
+      {"learning_rate": 0.01}, {"learning_rate": 0.01,
+                                "stack_batch_chunk": 2}) == []
 
 
 def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(

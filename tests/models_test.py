@@ -562,6 +562,46 @@ def test_ns_unknown_stack_table_is_a_clear_error():
     models.get('ns', _VOCAB, stack_table='fast')
 
 
+@pytest.mark.parametrize('table', models.NS_TABLES)
+def test_ns_batch_chunks_give_the_same_values_and_gradients(table):
+  # The stack run on chunks of 1 or 2 strings (lax.map) against the whole
+  # batch at once, on one table each, in float64: logits and the gradient
+  # (the custom VJPs under a scan over chunks).
+  rng = np.random.default_rng(5)
+  symbols = jnp.asarray(rng.integers(0, _VOCAB, size=(4, 9)), jnp.int32)
+  with jax.enable_x64(True):
+    results = []
+    for chunk in (4, 2, 1):
+      model = models.get('ns', _VOCAB, hidden_size=4, dtype=jnp.float64,
+                         stack_table=table, stack_batch_chunk=chunk)
+      params = _randomize(_init(model, symbols), seed=3, scale=1.0)
+      loss = lambda p, model=model: -jnp.sum(models.sequence_log_prob(
+          model.apply({'params': p}, symbols), symbols))
+      results.append(jax.value_and_grad(loss)(params))
+    for value, grad in results[1:]:
+      np.testing.assert_allclose(value, results[0][0], rtol=1e-12)
+      for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(results[0][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_stack_batch_chunk_choice(monkeypatch):
+  # Automatic on CPU: the largest divisor of the batch whose float32 table,
+  # B·(T+2)²·Q²·S²·4 bytes, fits 12 MiB: Q = S = 3 at T = 80 is 2.2 MB a
+  # string (5 of 10), Q = S = 2 is 0.43 MB (all 10).
+  assert models.stack_batch_chunk(0, 10, 80, 3, 3) == 5
+  assert models.stack_batch_chunk(0, 10, 80, 2, 2) == 10
+  assert models.stack_batch_chunk(0, 7, 400, 3, 3) == 1
+  # Requested: the largest divisor <= N.
+  assert models.stack_batch_chunk(3, 10, 80, 2, 2) == 2
+  assert models.stack_batch_chunk(20, 10, 80, 3, 3) == 10
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  assert models.stack_batch_chunk(0, 10, 80, 3, 3) == 10
+  for bad in (-1, 1.5, True, '2'):
+    with pytest.raises(ValueError, match='stack_batch_chunk must be 0 '
+                       r'\(automatic\) or a positive integer'):
+      models.get('ns', _VOCAB, stack_batch_chunk=bad)
+
+
 def test_ns_gradients_finite_for_length_60_float32():
   rng = np.random.default_rng(0)
   symbols = jnp.asarray(rng.integers(0, _VOCAB, (1, 60)), jnp.int32)

@@ -202,6 +202,19 @@ def test_predict_eos_must_be_a_bool():
   assert "\n" not in str(e.value)
 
 
+def test_stack_batch_chunk_must_be_a_non_negative_int():
+  for bad in (-1, 2.5, True):
+    config = tiny_config()
+    config.model, config.stack_batch_chunk = "ns", 0
+    # Assigned after creation: ConfigDict keeps the field's type otherwise.
+    config = config.to_dict()
+    config["stack_batch_chunk"] = bad
+    import ml_collections  # pylint: disable=g-import-not-at-top
+    with pytest.raises(ValueError, match="stack_batch_chunk") as e:
+      train.validate_config(ml_collections.ConfigDict(config))
+    assert "\n" not in str(e.value)
+
+
 def test_padded_length_buckets():
   config = tiny_config(compile_strategy="bucket")
   assert [train.padded_length(n, config) for n in (2, 8, 9, 12)] == [
