@@ -69,7 +69,7 @@ MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
 #     stored as posterior shares): exact for any finite log-weights, in
 #     float32 too. The default.
 #   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):
-#     1.06-1.24x faster per train step on CPU, but in float32 it flushes
+#     1.01-1.04x faster per train step on CPU, but in float32 it flushes
 #     entries that dominate α when the weights decay fast (readings off by
 #     0.12 for 3 × log-softmax weights at n = 80; a trained marked-reversal
 #     model on random strings: 0.19; ns_stack module docstring).
