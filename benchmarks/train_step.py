@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 import types
+import typing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -119,20 +120,34 @@ def _stack_module(run_coupled, module=ns_stack):
   return {module.__name__.rsplit(".", 1)[-1]: shim}
 
 
+class Baseline(typing.NamedTuple):
+  """--baseline_ref: the stacks' `run_coupled` as of `ref` and whether that
+  ref's models.py already chose the stack's batch chunk."""
+  ref: str
+  ns_stack: typing.Any
+  rns_stack: typing.Any
+  chunks_batch: bool
+
+
+def _file_at(ref, path):
+  """The text of the repository's `path` as of git `ref` (None if absent)."""
+  shown = subprocess.run(["git", "-C", REPO, "show", f"{ref}:{path}"],
+                         capture_output=True, text=True, check=False)
+  return None if shown.returncode else shown.stdout
+
+
 def load_baseline(ref, stack="ns_stack"):
   """`run_coupled` of nsrnn_jax/<stack>.py as of git `ref` (None if absent).
 
   The file is imported from a temp file; its own imports of the package
   (rns_stack's helpers from ns_stack) resolve to the current code.
   """
-  shown = subprocess.run(
-      ["git", "-C", REPO, "show", f"{ref}:nsrnn_jax/{stack}.py"],
-      capture_output=True, text=True, check=False)
-  if shown.returncode:
+  source = _file_at(ref, f"nsrnn_jax/{stack}.py")
+  if source is None:
     return None
   path = os.path.join(tempfile.mkdtemp(), f"{stack}_baseline.py")
   with open(path, "w") as f:
-    f.write(shown.stdout)
+    f.write(source)
   spec = importlib.util.spec_from_file_location(f"{stack}_baseline", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -224,13 +239,14 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
       variants.append(Variant(name, f"batch_chunk={c}", length, precision,
                               overrides={"stack_batch_chunk": c}))
   if baseline is not None and is_ns:
-    old = baseline[1] if on_ns_stack else baseline[2]
+    old = baseline.ns_stack if on_ns_stack else baseline.rns_stack
     if old is not None:
       # A ref from before models.stack_batch_chunk ran the whole batch.
       variants.append(Variant(
-          name, f"baseline {baseline[0]}", length, precision,
+          name, f"baseline {baseline.ref}", length, precision,
           _stack_module(old, stack),
-          overrides=None if baseline[3] else {"stack_batch_chunk": BATCH}))
+          overrides=(None if baseline.chunks_batch
+                     else {"stack_batch_chunk": BATCH})))
   if cpu_devices > 1:
     variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
                             length, precision, num_devices=cpu_devices))
@@ -389,12 +405,11 @@ def main():
   unrolls = [int(u) for u in args.unroll.split(",") if u]
   baseline = None
   if args.baseline_ref:
-    models_then = subprocess.run(
-        ["git", "-C", REPO, "show", f"{args.baseline_ref}:nsrnn_jax/models.py"],
-        capture_output=True, text=True, check=False).stdout
-    baseline = (args.baseline_ref, load_baseline(args.baseline_ref),
-                load_baseline(args.baseline_ref, "rns_stack"),
-                "stack_batch_chunk" in models_then)
+    baseline = Baseline(
+        args.baseline_ref, load_baseline(args.baseline_ref),
+        load_baseline(args.baseline_ref, "rns_stack"),
+        "stack_batch_chunk" in (_file_at(args.baseline_ref,
+                                         "nsrnn_jax/models.py") or ""))
     out["baseline_ref"] = subprocess.run(
         ["git", "-C", REPO, "rev-parse", args.baseline_ref],
         capture_output=True, text=True, check=True).stdout.strip()
