@@ -672,8 +672,12 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
   """
   check_stack_table(table)
   batch, steps = jax.tree_util.tree_leaves(xs)[0].shape[:2]
+  # The table's entries have the float type of the controller's parameters.
+  floats = [l for l in jax.tree_util.tree_leaves(params)
+            if jnp.issubdtype(l.dtype, jnp.floating)]
+  itemsize = max((l.dtype.itemsize for l in floats), default=4)
   chunk = stack_batch_chunk(batch_chunk, batch, steps, num_states,
-                            num_symbols)
+                            num_symbols, itemsize)
 
   def run(carry, x):
     if table == 'scaled':
@@ -706,18 +710,20 @@ CPU_TABLE_BUDGET_BYTES = 12 * 2**20
 
 
 def stack_batch_chunk(requested: int, batch: int, steps: int,
-                      num_states: int, num_symbols: int) -> int:
+                      num_states: int, num_symbols: int,
+                      itemsize: int = 4) -> int:
   """How many strings the NS stack runs at once (a divisor of `batch`).
 
   requested: 0 = automatic: on CPU the largest divisor of the batch whose
-    float32 table, B·(T+2)²·Q²·S² entries, fits CPU_TABLE_BUDGET_BYTES
-    (at least 1); on accelerators the whole batch. N >= 1: the largest
-    divisor of the batch <= N (``config.stack_batch_chunk``).
+    table, B·(T+2)²·Q²·S² entries of `itemsize` bytes (4 float32, 8
+    float64), fits CPU_TABLE_BUDGET_BYTES (at least 1); on accelerators the
+    whole batch. N >= 1: the largest divisor of the batch <= N
+    (``config.stack_batch_chunk``).
   """
   if requested:
     limit = requested
   elif jax.default_backend() == 'cpu':
-    per_string = 4 * (steps + 2)**2 * (num_states * num_symbols)**2
+    per_string = itemsize * (steps + 2)**2 * (num_states * num_symbols)**2
     limit = max(1, CPU_TABLE_BUDGET_BYTES // per_string)
   else:
     return batch

@@ -584,6 +584,21 @@ def test_ns_batch_chunks_give_the_same_values_and_gradients(table):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize('dtype,itemsize', [(jnp.float32, 4),
+                                              (jnp.float64, 8)])
+def test_ns_stack_chunk_is_sized_by_the_model_float_type(monkeypatch, dtype,
+                                                         itemsize):
+  seen = []
+  choose = models.stack_batch_chunk
+  monkeypatch.setattr(models, 'stack_batch_chunk',
+                      lambda *a: seen.append(a) or choose(*a))
+  symbols = jnp.asarray(_SYMBOLS[:, :6])
+  with jax.enable_x64(True):
+    model = models.get('ns', _VOCAB, hidden_size=4, dtype=dtype)
+    model.apply({'params': _init(model, symbols)}, symbols)
+  assert seen and {a[-1] for a in seen} == {itemsize}
+
+
 def test_stack_batch_chunk_choice(monkeypatch):
   # Automatic on CPU: the largest divisor of the batch whose float32 table,
   # B·(T+2)²·Q²·S²·4 bytes, fits 12 MiB: Q = S = 3 at T = 80 is 2.2 MB a
@@ -591,6 +606,10 @@ def test_stack_batch_chunk_choice(monkeypatch):
   assert models.stack_batch_chunk(0, 10, 80, 3, 3) == 5
   assert models.stack_batch_chunk(0, 10, 80, 2, 2) == 10
   assert models.stack_batch_chunk(0, 7, 400, 3, 3) == 1
+  # float64 tables take twice the bytes: Q = S = 3 (4.4 MB a string) fits
+  # 2 strings, Q = S = 2 (0.86 MB) still all 10.
+  assert models.stack_batch_chunk(0, 10, 80, 3, 3, itemsize=8) == 2
+  assert models.stack_batch_chunk(0, 10, 80, 2, 2, itemsize=8) == 10
   # Requested: the largest divisor <= N.
   assert models.stack_batch_chunk(3, 10, 80, 2, 2) == 2
   assert models.stack_batch_chunk(20, 10, 80, 3, 3) == 10
