@@ -16,6 +16,12 @@ n ∈ {100, 250, 500, 1000, 2000} it measures in one process:
   (a scan over chunks, gradients stopped at chunk boundaries);
 * `unlimited`: `rns_stack.run` forward at n ∈ {100, 250} for contrast.
 
+With --windows D1,D2,... --baseline REV it instead times `limited_stack`
+against nsrnn_jax/limited_stack.py as of git revision REV, loaded into the
+same process: eval and train as above at n = 500 for each window D,
+interleaved calls on the same inputs, min of 5 (a before/after of a change;
+writes limited_vs_baseline.json).
+
 With --vs-ns it instead times the unlimited RNS DP against ns_stack
 (B = 10, Q = S = 2 and 3, n ∈ {80, 250}, float32, normalised actions, the
 RNS DP in its CoNLL 2020 variant so both compute the same readings):
@@ -30,9 +36,11 @@ run. Usage:
   python benchmarks/rns_stack.py           # the table above
   python benchmarks/rns_stack.py --quick   # n ∈ {100, 500}
   python benchmarks/rns_stack.py --vs-ns --baseline 66dc6cd
+  python benchmarks/rns_stack.py --windows 10,20,50,100 --baseline 4d575bb
 
 Prints a table and writes benchmarks/results/rns_stack.json
-(rns_stack_quick.json with --quick, rns_vs_ns.json with --vs-ns).
+(rns_stack_quick.json with --quick, rns_vs_ns.json with --vs-ns,
+limited_vs_baseline.json with --windows).
 """
 
 import argparse
@@ -76,25 +84,34 @@ def _step_fn(p, h, x, rho):
       "wo"]
 
 
-def _measure(n, rng):
-  row = {"n": n}
-  acts = _actions(rng, n)
-  fwd = jax.jit(lambda a, b, c: limited_stack.run(a, b, c, D)[:2])
-  row["eval_us_per_symbol"] = 1e6 * machine.median_seconds(fwd, *acts) / n
-  row["eval_temp_bytes_per_symbol"] = _temp_bytes(fwd, *acts) / n
-  params = {k: jnp.asarray(0.3 * rng.normal(size=sh), jnp.float32)
-            for k, sh in (("wx", (V, H)), ("wr", (Q * S, H)), ("wh", (H, H)),
-                          ("wa", (H, Q * S * (2 * Q * S + Q))),
-                          ("wo", (H, V)))}
-  xs = jnp.asarray(rng.integers(0, V, size=(B, n)))
+def _params(rng):
+  return {k: jnp.asarray(0.3 * rng.normal(size=sh), jnp.float32)
+          for k, sh in (("wx", (V, H)), ("wr", (Q * S, H)), ("wh", (H, H)),
+                        ("wa", (H, Q * S * (2 * Q * S + Q))),
+                        ("wo", (H, V)))}
+
+
+def _limited_fns(mod, window, xs):
+  """(jitted eval of actions, jitted gradient of params) for one module."""
+  fwd = jax.jit(lambda a, b, c: mod.run(a, b, c, window)[:2])
 
   def loss(p):
-    outs, hat, lm = limited_stack.run_coupled(
-        _step_fn, p, jnp.zeros((B, H)), xs, Q, S, D,
+    outs, hat, _ = mod.run_coupled(
+        _step_fn, p, jnp.zeros((B, H)), xs, Q, S, window,
         truncation_length=CHUNK)
     return jnp.sum(outs ** 2) + jnp.sum(rns_stack.readout(hat)[0][..., 1])
 
-  grad = jax.jit(jax.grad(loss))
+  return fwd, jax.jit(jax.grad(loss))
+
+
+def _measure(n, rng):
+  row = {"n": n}
+  acts = _actions(rng, n)
+  params = _params(rng)
+  xs = jnp.asarray(rng.integers(0, V, size=(B, n)))
+  fwd, grad = _limited_fns(limited_stack, D, xs)
+  row["eval_us_per_symbol"] = 1e6 * machine.median_seconds(fwd, *acts) / n
+  row["eval_temp_bytes_per_symbol"] = _temp_bytes(fwd, *acts) / n
   row["train_us_per_symbol"] = 1e6 * machine.median_seconds(grad, params) / n
   row["train_temp_bytes_per_symbol"] = _temp_bytes(grad, params) / n
   if n <= 250:
@@ -113,12 +130,12 @@ def _measure(n, rng):
 VS_B = 10
 
 
-def _load_revision(rev):
-  """nsrnn_jax/rns_stack.py as of git revision `rev`, as a fresh module."""
+def _load_revision(rev, name="rns_stack"):
+  """nsrnn_jax/<name>.py as of git revision `rev`, as a fresh module."""
   src = subprocess.check_output(
-      ["git", "-C", _ROOT, "show", f"{rev}:nsrnn_jax/rns_stack.py"])
-  mod = types.ModuleType(f"rns_stack_at_{rev}")
-  mod.__file__ = f"{rev}:nsrnn_jax/rns_stack.py"
+      ["git", "-C", _ROOT, "show", f"{rev}:nsrnn_jax/{name}.py"])
+  mod = types.ModuleType(f"{name}_at_{rev}")
+  mod.__file__ = f"{rev}:nsrnn_jax/{name}.py"
   exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # pylint: disable=exec-used
   return mod
 
@@ -203,6 +220,58 @@ def versus_ns(args):
   print(f"wrote {out}")
 
 
+def limited_vs_baseline(args, n=500, repeats=5):
+  """limited_stack now vs at --baseline, per window D; writes JSON."""
+  baseline = _load_revision(args.baseline, "limited_stack")
+  windows = [int(w) for w in args.windows.split(",")]
+  out = args.out or os.path.join(_ROOT, "benchmarks", "results",
+                                 "limited_vs_baseline.json")
+  rng = np.random.default_rng(0)
+  rows = []
+  print(f"B={B} Q={Q} S={S} n={n} chunk={CHUNK} float32 on "
+        f"{jax.devices()[0].platform}; us per symbol, min of {repeats} "
+        f"interleaved calls; baseline = limited_stack.py at {args.baseline}")
+  print(f"{'D':>4} {'eval base':>10} {'eval now':>9} {'ratio':>6} "
+        f"{'train base':>11} {'train now':>10} {'ratio':>6}")
+  for window in windows:
+    acts = _actions(rng, n)
+    params = _params(rng)
+    xs = jnp.asarray(rng.integers(0, V, size=(B, n)))
+    fns = {"baseline": _limited_fns(baseline, window, xs),
+           "now": _limited_fns(limited_stack, window, xs)}
+    args_of = {"eval": acts, "train": [params]}
+    times = {(k, m): [] for k in fns for m in args_of}
+    for k, (fwd, grad) in fns.items():     # compile + warm up
+      jax.block_until_ready(fwd(*acts))
+      jax.block_until_ready(grad(params))
+    for _ in range(repeats):
+      for k, pair in fns.items():
+        for m, fn in zip(args_of, pair):
+          t0 = time.perf_counter()
+          jax.block_until_ready(fn(*args_of[m]))
+          times[(k, m)].append(time.perf_counter() - t0)
+    row = {"D": window, "n": n}
+    for (k, m), ts in times.items():
+      row[f"{k}_{m}_us_per_symbol"] = 1e6 * float(np.min(ts)) / n
+    for m in args_of:
+      row[f"{m}_speedup"] = (row[f"baseline_{m}_us_per_symbol"]
+                             / row[f"now_{m}_us_per_symbol"])
+    rows.append(row)
+    print(f"{window:>4} {row['baseline_eval_us_per_symbol']:>10.1f} "
+          f"{row['now_eval_us_per_symbol']:>9.1f} {row['eval_speedup']:>5.2f}x"
+          f" {row['baseline_train_us_per_symbol']:>11.1f} "
+          f"{row['now_train_us_per_symbol']:>10.1f} "
+          f"{row['train_speedup']:>5.2f}x", flush=True)
+  with open(out, "w") as f:
+    json.dump({"config": {"B": B, "Q": Q, "S": S, "n": n, "H": H,
+                          "truncation_length": CHUNK, "dtype": "float32",
+                          "baseline_revision": args.baseline,
+                          "repeats": repeats,
+                          "device": str(jax.devices()[0])},
+               "rows": rows}, f, indent=1)
+  print(f"wrote {out}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
@@ -213,14 +282,23 @@ def main():
                       "Q=S=3), forward and forward+backward")
   parser.add_argument("--baseline", default=None,
                       help="with --vs-ns: also time rns_stack.py as of this "
-                      "git revision, in the same process")
+                      "git revision, in the same process; with --windows: "
+                      "limited_stack.py")
   parser.add_argument("--lengths", type=int, nargs="+", default=[80, 250],
                       help="with --vs-ns: string lengths n")
   parser.add_argument("--sizes", default="2x2,3x3",
                       help="with --vs-ns: comma-separated QxS pairs")
   parser.add_argument("--repeats", type=int, default=5,
                       help="with --vs-ns: timed calls per function")
+  parser.add_argument("--windows", default=None,
+                      help="with --baseline: limited_stack at these windows "
+                      "D (comma-separated) against the baseline revision")
   args = parser.parse_args()
+  if args.windows:
+    if not args.baseline:
+      parser.error("--windows needs --baseline REV")
+    limited_vs_baseline(args)
+    return
   if args.vs_ns:
     versus_ns(args)
     return

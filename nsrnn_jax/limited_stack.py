@@ -10,9 +10,12 @@ processed incrementally in linear time.
 
 The update is `rns_stack.update` (posterior shares, exact for any finite
 log-weights, either bottom) applied to a D × D window of the share table on
-the time axis j−D..j−1. After update j the window drops its oldest row and
-column and appends column j (rows j−D+1..j−1) and an empty row for time j.
-Unlike the authors' code, no α window is carried: shares need only α̂_{j−1}.
+the times j−D..j−1. The window is a ring: time τ lives at slot
+(τ + D − 1) mod D on both time axes (column and row), so update j writes
+column j into the slot of the oldest time j−D and clears that slot's row
+(time j: no entries yet) in place, instead of shifting the whole window by
+one column and one row (two table copies per update). Unlike the authors'
+code, no α window is carried: shares need only α̂_{j−1}.
 
 Training (truncated BPTT): `run_coupled` processes the inputs in chunks of
 ``truncation_length`` controller steps with a `lax.scan` over chunks; the
@@ -47,13 +50,16 @@ class WindowState(NamedTuple):
 
   Attributes:
     g: shares on times j−D..j−1, [B, Y, D (column), T, D (row), Q, X]
-      (rns_stack's column-major layout).
+      (rns_stack's column-major layout), time τ at slot (τ + D − 1) mod D
+      of both time axes (a ring).
     a_hat: normalised log α_{j−1}, [B, Q, S].
     log_mass: log Σα_{j−1}, [B].
+    head: the slot of time j−1, int32 [] (D − 1 before update 1).
   """
   g: Array
   a_hat: Array
   log_mass: Array
+  head: Array
 
 
 def _check_window(window):
@@ -71,7 +77,8 @@ def initial_state(batch_size, window, num_states, num_symbols,
                               bottom, corner=window - 1, dtype=dtype)
   a_hat = jnp.full((batch_size, num_states, num_symbols), -jnp.inf,
                    dtype).at[:, 0, 0].set(0)
-  return WindowState(g, a_hat, jnp.zeros((batch_size,), dtype))
+  return WindowState(g, a_hat, jnp.zeros((batch_size,), dtype),
+                     jnp.asarray(window - 1, jnp.int32))
 
 
 def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
@@ -82,15 +89,17 @@ def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
   (`ns_stack.MATMUL_PRECISIONS`); their autodiff transposes inherit it.
   """
   d = state.g.shape[2]
-  col, a_hat, inc = rns_stack.update(state.g, d - 1, state.a_hat,
+  col, a_hat, inc = rns_stack.update(state.g, state.head, state.a_hat,
                                      push_BxQxSxQxS, repl_BxQxSxQxS,
-                                     pop_BxQxSxQ, precision)
-  # Columns j−D+1..j, then rows j−D+1..j (time j: no entries yet).
-  g = jnp.concatenate([state.g[:, :, 1:], col[:, :, None]], axis=2)
-  g = jnp.concatenate([g[:, :, :, :, 1:], jnp.zeros_like(g[:, :, :, :, :1])],
-                      axis=4)
+                                     pop_BxQxSxQ, precision, ring=True)
+  # Column j replaces the oldest column (time j−D), then that slot's row
+  # (time j−D, now time j: no entries yet) is cleared in every column.
+  head = (state.head + 1) % d
+  g = lax.dynamic_update_index_in_dim(state.g, col, head, axis=2)
+  g = lax.dynamic_update_index_in_dim(
+      g, jnp.zeros(g.shape[:4] + g.shape[5:], g.dtype), head, axis=4)
   log_mass = state.log_mass + inc
-  return WindowState(g, a_hat, log_mass), a_hat, log_mass
+  return WindowState(g, a_hat, log_mass, head), a_hat, log_mass
 
 
 def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,

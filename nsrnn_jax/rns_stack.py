@@ -280,14 +280,14 @@ def _finite_max(x, axis):
 
 
 def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
-           pop_BxQxSxQ, prec):
+           pop_BxQxSxQ, prec, ring=False):
   """The column-sized part of update j (everything but the pop matmul).
 
   Args:
     prev: column j−1, H_{i,j−1}[q,x,s,z] at [b, z, s, i, q, x].
     cs: column sums c_k[t,y] = Σ_{i,q,x} H_{i,k}[q,x,t,y], [b, y, k, t],
       on the table's time axis (entries k ≥ p are ignored).
-    p, a_prev_BxQxS, actions: as for `update`.
+    p, a_prev_BxQxS, actions, ring: as for `update`.
     prec: lax precision of the contractions.
 
   Returns:
@@ -298,7 +298,9 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   dtype = prev.dtype
   flush = _flush(dtype)
   idx = jnp.arange(cs.shape[2])
-  left = idx < p                                   # columns k ≤ j−2
+  # Columns k ≤ j−2: in time order those before p; in a ring window every
+  # column but p (the slot after p holds the oldest time, not a later one).
+  left = idx != p if ring else idx < p
   c_left = jnp.where(left[None, None, :, None], cs, 0)
   c_prev = jnp.swapaxes(
       lax.dynamic_index_in_dim(cs, p, axis=2, keepdims=False), 1, 2)
@@ -382,7 +384,7 @@ def _pop_matmul(g, mt, prec):
 
 
 def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
-           pop_BxQxSxQ, precision="highest"):
+           pop_BxQxSxQ, precision="highest", ring=False):
   """One update j on a share table.
 
   Args:
@@ -396,6 +398,8 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       drivers pass the normalised log α̂_{j−1}, logsumexp 0).
     push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ: update j's log-weights.
     precision: matmul precision name (`ns_stack.MATMUL_PRECISIONS`).
+    ring: the time axis is a ring window (`limited_stack`): every column
+      but p holds an earlier time, in any rotation (rows rotated alike).
 
   Returns:
     (col_BxYxRxNxQxX, a_hat_BxQxS, inc_B): column j on the same row axis
@@ -417,7 +421,7 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   prev = lax.dynamic_index_in_dim(g, p, axis=2, keepdims=False)
   colsum = jnp.sum(g, axis=(4, 5, 6))              # b y k t
   col, mt, a_hat, inc = _local(prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS,
-                               repl_BxQxSxQxS, pop_BxQxSxQ, prec)
+                               repl_BxQxSxQxS, pop_BxQxSxQ, prec, ring)
   return col + _pop_matmul(g, mt, prec), a_hat, inc
 
 
