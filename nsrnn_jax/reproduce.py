@@ -8,7 +8,7 @@ alone:
 
   python -m nsrnn_jax.reproduce --task=dyck --workdir=runs/dyck \
       [--models=lstm,jm,gref,ns] [--learning_rates=0.005] [--restarts=3] \
-      [--budget_minutes=60] [--cpu_devices=2]
+      [--budget_minutes=60] [--cpu_devices=2] [--restart_ids=1,2]
   python -m nsrnn_jax.reproduce --report
 
 The protocol. LSTM and NS-RNN: every learning rate of the grid x restarts;
@@ -34,7 +34,9 @@ same command skips runs whose record exists, continues unfinished ones from
 their last checkpoint and starts the rest, so a crash or kill loses at most
 one epoch of one run (of one group on the model axis). `--budget_minutes`
 stops at the first epoch boundary after the budget and prints the command
-that continues.
+that continues. `--restart_ids` runs only some restarts, to split one
+task's protocol over processes or machines (each with its own --workdir;
+the records from all of them go into one results/).
 
 Records (`--results`, default `results/` of the repository), one per
 finished run: `results/<task>/<model>/<setting>/restart_<r>.json` where
@@ -180,15 +182,19 @@ class RunSpec:
 def plan(task: str, models: Sequence[str],
          learning_rates: Sequence[float] = LEARNING_RATES,
          stack_sizes: Sequence[int] = STACK_SIZES,
-         restarts: int = NUM_RESTARTS) -> list[RunSpec]:
+         restarts: int = NUM_RESTARTS,
+         restart_ids: Optional[Sequence[int]] = None) -> list[RunSpec]:
   """All runs of the protocol, restart-major so early stops cover every cell.
 
   Within a restart the cheap models come first (in `MODELS` order), so a
   budgeted invocation finishes whole cells of restart 0 before spending
-  hours on restart 1 of the NS-RNN.
+  hours on restart 1 of the NS-RNN. `restart_ids` (each < `restarts`)
+  keeps only those restarts (None: all).
   """
   runs = []
   for r in range(restarts):
+    if restart_ids is not None and r not in restart_ids:
+      continue
     for model in MODELS:
       if model not in models:
         continue
@@ -530,6 +536,7 @@ def run_protocol(task: str, workdir: str, *,
                  learning_rates: Sequence[float] = LEARNING_RATES,
                  stack_sizes: Sequence[int] = STACK_SIZES,
                  restarts: int = NUM_RESTARTS,
+                 restart_ids: Optional[Sequence[int]] = None,
                  budget_minutes: Optional[float] = None,
                  results_dir: str = DEFAULT_RESULTS,
                  overrides: Mapping[str, Any] = (),
@@ -539,7 +546,8 @@ def run_protocol(task: str, workdir: str, *,
   """Runs (or continues) the protocol of one task; writes records.
 
   Args:
-    task, models, learning_rates, stack_sizes, restarts: the grid (`plan`).
+    task, models, learning_rates, stack_sizes, restarts, restart_ids: the
+      grid (`plan`).
     workdir: run directories and checkpoints (not committed).
     budget_minutes: stop at the first epoch boundary after this many minutes
       (None: no limit).
@@ -556,7 +564,8 @@ def run_protocol(task: str, workdir: str, *,
   overrides = dict(overrides)
   # As stored in JSON (tuples become lists), for comparisons with the disk.
   stored_overrides = json.loads(json.dumps(overrides))
-  runs = plan(task, models, learning_rates, stack_sizes, restarts)
+  runs = plan(task, models, learning_rates, stack_sizes, restarts,
+              restart_ids)
   configs = {s: run_config(s, overrides) for s in runs}  # Validates overrides.
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
   for config in configs.values():
@@ -622,7 +631,9 @@ def _run_model_axis(runs, configs, workdir, results_dir, overrides, hw,
     lrs = sorted({s.learning_rate for s in specs}, reverse=True)
     num_restarts = max(s.restart for s in specs) + 1
     # The grid's members are every (lr, restart < num_restarts); its
-    # member seeds (seed + r) and layout equal the sequential runs'.
+    # member seeds (seed + r) and layout equal the sequential runs'. (With
+    # --restart_ids it also trains the lower restarts not asked for; only
+    # the asked-for ones get records.)
     config = configs[specs[0]].copy_and_resolve_references()
     with config.unlocked():
       config.data_seed = config.param_seed = config.shuffle_seed = BASE_SEED
@@ -1109,6 +1120,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--stack_sizes",
                       default=",".join(str(x) for x in STACK_SIZES))
   parser.add_argument("--restarts", type=int, default=NUM_RESTARTS)
+  parser.add_argument("--restart_ids", default=None,
+                      help="run only these restarts (comma-separated, each "
+                      "< --restarts), e.g. to split a task over machines")
   parser.add_argument("--budget_minutes", type=float, default=None)
   parser.add_argument("--results", default=DEFAULT_RESULTS,
                       help="records directory (default: results/)")
@@ -1152,6 +1166,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise ReproduceError(f"--stack_sizes must be >= 1 ({sizes})")
     if args.restarts < 1:
       raise ReproduceError(f"--restarts must be >= 1 (got {args.restarts})")
+    restart_ids = None
+    if args.restart_ids is not None:
+      restart_ids = _split_list(args.restart_ids, int, "restart_ids")
+      if any(not 0 <= r < args.restarts for r in restart_ids):
+        raise ReproduceError(f"--restart_ids must be in [0, "
+                             f"{args.restarts}) (got {restart_ids})")
     from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
     parallel.use_cpu_devices(args.cpu_devices)
     if args.budget_minutes is not None and not args.budget_minutes > 0:
@@ -1159,7 +1179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            f"{args.budget_minutes:g})")
     result = run_protocol(
         args.task, args.workdir, models=models, learning_rates=lrs,
-        stack_sizes=sizes, restarts=args.restarts,
+        stack_sizes=sizes, restarts=args.restarts, restart_ids=restart_ids,
         budget_minutes=args.budget_minutes, results_dir=args.results,
         overrides=parse_overrides(args.set), execution=args.execution)
   except ValueError as e:  # ReproduceError and config validation errors.

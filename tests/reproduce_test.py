@@ -53,6 +53,15 @@ def test_full_plan_is_the_papers_grid():
   assert restarts == sorted(restarts)
 
 
+def test_restart_ids_keep_only_those_restarts_with_their_seeds():
+  full = reproduce.plan("dyck", ("lstm", "ns"), restarts=3)
+  part = reproduce.plan("dyck", ("lstm", "ns"), restarts=3, restart_ids=[2])
+  assert part == [r for r in full if r.restart == 2] and len(part) == 8
+  # The same run (and so the same seeds and record path) as in the full plan.
+  seeds = lambda c: (c.data_seed, c.param_seed, c.shuffle_seed)
+  assert seeds(reproduce.run_config(part[0])) == (3, 3, 3)
+
+
 @pytest.mark.parametrize("task,shape", sorted(reproduce.NS_SHAPES.items()))
 def test_ns_runs_use_the_papers_q_and_s(task, shape):
   spec = reproduce.RunSpec(task, "ns", 0.001, None, 2)
@@ -229,6 +238,9 @@ def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
     (["--task=dyck", "--workdir=W", "--budget_minutes=-3"],
      "--budget_minutes must be > 0"),
     (["--task=dyck", "--workdir=W", "--restarts=0"], "--restarts must be >= 1"),
+    (["--task=dyck", "--workdir=W", "--restarts=3", "--restart_ids=1,3"],
+     "--restart_ids must be in [0, 3)"),
+    (["--task=dyck", "--workdir=W", "--restart_ids=a"], "--restart_ids"),
     (["--task=dyck", "--workdir=W", "--learning_rates=0.1,x"],
      "--learning_rates"),
     (["--task=dyck", "--workdir=W", "--set=hidden_sizes=3"],
