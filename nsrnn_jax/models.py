@@ -673,9 +673,7 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
   check_stack_table(table)
   batch, steps = jax.tree_util.tree_leaves(xs)[0].shape[:2]
   # The table's entries have the float type of the controller's parameters.
-  floats = [l for l in jax.tree_util.tree_leaves(params)
-            if jnp.issubdtype(l.dtype, jnp.floating)]
-  itemsize = max((l.dtype.itemsize for l in floats), default=4)
+  itemsize = jnp.dtype(rns_stack._float_dtype(params)).itemsize  # pylint: disable=protected-access
   chunk = stack_batch_chunk(batch_chunk, batch, steps, num_states,
                             num_symbols, itemsize)
 
