@@ -213,6 +213,17 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path):
       range(1, record["num_epochs"] + 1))
 
 
+def test_restart_ids_train_and_record_only_those_restarts(tmp_path):
+  # --restart_ids=1 of 2: restart 1 alone, with restart 1's seeds, and the
+  # report's view of the results is that one run.
+  result = _tiny_run(tmp_path, "one", restarts=2, restart_ids=[1],
+                     overrides={**TINY, "max_epochs": 1})
+  assert result["finished"]
+  assert result["done"] == ["lstm/lr_0.01/restart_1"]
+  (record,) = reproduce.load_records(str(tmp_path / "one_results"))
+  assert record["restart"] == 1 and record["config"]["data_seed"] == 2
+
+
 def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
   # --cpu_devices=2: both cores of one run (the batch split over 2 CPU
   # devices); the record names the device count it ran on.
