@@ -7,6 +7,9 @@
   the field, file or run). `--verbosity=1` or more shows the traceback.
 * Library logging (Orbax, absl, JAX) is at WARNING unless --verbosity asks
   for more; the commands print their own concise status lines.
+* Compiled programs persist across runs (`use_compilation_cache`): a run
+  compiles one train step per string length, minutes for the NS-RNN, and
+  every later run, restart or resume of the same model reuses them.
 * A config file loads from any working directory: the directory above the
   config's folder (the repository root for configs/*.py) is put on sys.path,
   so that `from configs import default` inside it works.
@@ -14,11 +17,44 @@
 
 import os
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from absl import app
 from absl import flags
 from absl import logging
+
+
+# Where compiled programs persist by default (per user; `--compilation_cache`).
+DEFAULT_COMPILATION_CACHE = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+    "nsrnn_jax", "xla")
+# Programs that compile faster than this are not worth a file.
+_CACHE_MIN_COMPILE_SECONDS = 1.0
+
+
+def use_compilation_cache(path: str) -> Optional[str]:
+  """Turns on JAX's persistent compilation cache at `path` ('' = off).
+
+  The cache is keyed by the whole program, its compile options, the backend
+  and the jax/jaxlib versions, so a hit is the same executable: values do not
+  change. Measured: an NS-RNN (Q = S = 3) train step at one length compiles
+  in 5.0 s and loads from the cache in 1.2 s; a paper run compiles ~41
+  lengths. A cache named by JAX_COMPILATION_CACHE_DIR (e.g. the test
+  session's) takes precedence. Must run before the first compilation.
+
+  Returns:
+    The directory in use, or None.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if env:
+    return env
+  if not path:
+    return None
+  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    _CACHE_MIN_COMPILE_SECONDS)
+  return path
 
 
 def fail(error) -> NoReturn:

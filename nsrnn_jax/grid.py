@@ -317,6 +317,8 @@ def main(argv: Sequence[str]) -> None:
   # Explicit multi-host setups come through NSRNN_* environment variables
   # (launch/local_multiprocess.sh); clusters are auto-detected.
   parallel.maybe_initialize_distributed(f.distributed)
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  cli.use_compilation_cache(f.compilation_cache)
   run_grid(f.config, f.workdir)
 
 
@@ -328,6 +330,10 @@ def _define_flags() -> None:
   flags.DEFINE_string("workdir", None, "Grid output directory.")
   flags.DEFINE_bool("distributed", False,
                     "Call jax.distributed.initialize() (multi-host).")
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string("compilation_cache", cli.DEFAULT_COMPILATION_CACHE,
+                      "Persistent XLA compilation cache directory ('' = "
+                      "off).")
   flags.mark_flags_as_required(["config", "workdir"])
 
 
