@@ -1104,6 +1104,7 @@ def _split_list(value: str, cast, what: str) -> list:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """CLI entry point; returns the exit code (2 with one line on bad input)."""
   import argparse  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
 
   class Parser(argparse.ArgumentParser):
 
@@ -1135,7 +1136,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--cpu_devices", type=int, default=1,
                       help="CPU backend: split each batch over this many "
                       "devices (one per core to use)")
-  parser.add_argument("--compilation_cache", default=None,
+  parser.add_argument("--compilation_cache",
+                      default=cli.DEFAULT_COMPILATION_CACHE,
                       help="persistent XLA compilation cache directory "
                       "('' = off; default ~/.cache/nsrnn_jax/xla): runs of "
                       "one model share their compiled steps")
@@ -1176,12 +1178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       if any(not 0 <= r < args.restarts for r in restart_ids):
         raise ReproduceError(f"--restart_ids must be in [0, "
                              f"{args.restarts}) (got {restart_ids})")
-    from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
     from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
     parallel.use_cpu_devices(args.cpu_devices)
-    cli.use_compilation_cache(cli.DEFAULT_COMPILATION_CACHE
-                              if args.compilation_cache is None
-                              else args.compilation_cache)
+    cli.use_compilation_cache(args.compilation_cache)
     if args.budget_minutes is not None and not args.budget_minutes > 0:
       raise ReproduceError(f"--budget_minutes must be > 0 (got "
                            f"{args.budget_minutes:g})")
