@@ -245,8 +245,9 @@ def save(manager: ocp.CheckpointManager, step: int, state: PyTree,
          host: dict) -> None:
   """Saves `state` (pytree of arrays) and `host` (JSON-able dict) at `step`.
 
-  Returns once the checkpoint is final on disk: callers log an epoch only
-  after its checkpoint exists, so a kill loses at most the epoch in progress.
+  Returns once the checkpoint is final on disk, so a kill leaves either the
+  whole checkpoint or none of it (a partial save is a tmp directory that
+  restore ignores).
   """
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),

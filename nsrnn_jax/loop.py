@@ -538,12 +538,15 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
     due = [k for k in np.flatnonzero(~stopped) if leaving
            or after["stopped"][k]
            or after["epoch"][k] % int(config.checkpoint_every_epochs) == 0]
-    _save(managers, due, host(state.arrays()) if due else None,
-          after["epoch"], rngs, orders)
-    # Logged only after the checkpoint is on disk (checkpointing.save waits),
-    # so a kill loses at most the epoch in progress.
+    # Logged before the checkpoint is saved: a resume keeps the records up to
+    # the restored epoch and drops the rest, so the log always holds every
+    # epoch of the state it resumes from. (Logging after the save lost the
+    # saved epoch's record when a kill fell between the two.) A kill loses
+    # at most the epochs since the last checkpoint.
     for k, (epoch, record) in records.items():
       writers[k].write_scalars(epoch, record)
+    _save(managers, due, host(state.arrays()) if due else None,
+          after["epoch"], rngs, orders)
     records = {(epoch if num_models == 1 else k): record
                for k, (epoch, record) in records.items()}
     console.update()

@@ -202,9 +202,9 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path):
   proc.wait()
   logged = len(metrics.read_text().splitlines())
   saved = _checkpoint_epochs(str(metrics.parent))
-  # Every logged epoch was checkpointed first: only the epoch in progress
-  # is lost.
-  assert saved and max(saved) >= logged
+  # Each epoch is logged, then checkpointed: a kill loses at most the epoch
+  # whose checkpoint was being written (the resume drops its record).
+  assert saved and logged - 1 <= max(saved) <= logged
   rerun = _cli(flags)
   out, err = rerun.communicate(timeout=300)
   assert rerun.returncode == 0, err[-1000:]

@@ -608,6 +608,35 @@ def test_resume_truncates_metrics_and_keeps_one_tensorboard_history(
       os.path.join(stale, "metrics.jsonl"))] == [1]
 
 
+def test_kill_right_after_a_checkpoint_keeps_every_epoch_record(
+    tmp_path, monkeypatch):
+  splits = tiny_splits()
+  full = train.train_and_evaluate(tiny_config(max_epochs=4),
+                                  str(tmp_path / "full"), splits=splits,
+                                  model=TINY)
+  workdir = str(tmp_path / "run")
+  real_save = checkpointing.save
+
+  def save_then_die(manager, step, state, host):
+    real_save(manager, step, state, host)
+    if step == 3:
+      raise KeyboardInterrupt("killed right after checkpoint 3")
+
+  monkeypatch.setattr(checkpointing, "save", save_then_die)
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
+                             splits=splits, model=TINY)
+  monkeypatch.setattr(checkpointing, "save", real_save)
+  resumed = train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
+                                     splits=splits, model=TINY)
+  assert resumed == full
+  # Epoch 3's record was written before its checkpoint, so the resumed log
+  # holds every epoch once.
+  records = [json.loads(l) for l in open(os.path.join(workdir,
+                                                      "metrics.jsonl"))]
+  assert [r["epoch"] for r in records] == [1, 2, 3, 4]
+
+
 def test_should_stop_saves_and_resumes_exactly(tmp_path):
   splits = tiny_splits()
   config = tiny_config(max_epochs=4, checkpoint_every_epochs=3)
