@@ -108,10 +108,22 @@ def members(config) -> list[Member]:
       or isinstance(num_restarts, bool) or num_restarts < 1):
     raise ValueError(f"config.num_restarts must be a positive integer "
                      f"(got {num_restarts!r}).")
+  restart_ids = _get(config, "grid_restart_ids", None)
+  if restart_ids is None:
+    restart_ids = tuple(range(num_restarts))
+  else:
+    ids = tuple(restart_ids) if isinstance(restart_ids, (tuple, list)) else ()
+    if (not ids or len(set(ids)) != len(ids) or any(
+        not isinstance(r, (int, np.integer)) or isinstance(r, bool)
+        or not 0 <= r < num_restarts for r in ids)):
+      raise ValueError(f"config.grid_restart_ids must be distinct integers in "
+                       f"[0, num_restarts={num_restarts}) (got "
+                       f"{restart_ids!r}).")
+    restart_ids = tuple(sorted(int(r) for r in ids))
   vary_data = bool(_get(config, "grid_vary_data_seed", True))
   out = []
   for lr in grid_learning_rates(config):
-    for r in range(num_restarts):
+    for r in restart_ids:
       c = copy.deepcopy(config)
       with c.unlocked():
         c.learning_rate = lr
@@ -139,7 +151,9 @@ def run_grid(config: ml_collections.ConfigDict, workdir: str,
   Args:
     config: a single-run config (configs/default.py) plus `grid_learning_rates`
       and `num_restarts` (optional: `grid_vary_data_seed`, default True;
-      `grid_model_parallel`, mesh size of the 'model' axis, default 1).
+      `grid_model_parallel`, mesh size of the 'model' axis, default 1;
+      `grid_restart_ids`, the restarts to train, default all, so that a
+      grid can be split over processes or machines restart by restart).
     workdir: grid output directory (see the module docstring). Rerunning on
       the same workdir resumes every model from its own checkpoints.
     splits: one `data.Splits` per member (tests); default: built from each

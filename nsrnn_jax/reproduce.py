@@ -629,16 +629,16 @@ def _run_model_axis(runs, configs, workdir, results_dir, overrides, hw,
     if budget.expired():
       return True
     lrs = sorted({s.learning_rate for s in specs}, reverse=True)
-    num_restarts = max(s.restart for s in specs) + 1
-    # The grid's members are every (lr, restart < num_restarts); its
-    # member seeds (seed + r) and layout equal the sequential runs'. (With
-    # --restart_ids it also trains the lower restarts not asked for; only
-    # the asked-for ones get records.)
+    restart_ids = sorted({s.restart for s in specs})
+    # The grid's members are every (lr, restart in restart_ids); their seeds
+    # (seed + r) and layout equal the sequential runs'. A member whose run
+    # finished earlier resumes as stopped and costs nothing.
     config = configs[specs[0]].copy_and_resolve_references()
     with config.unlocked():
       config.data_seed = config.param_seed = config.shuffle_seed = BASE_SEED
       config.grid_learning_rates = tuple(lrs)
-      config.num_restarts = num_restarts
+      config.num_restarts = restart_ids[-1] + 1
+      config.grid_restart_ids = tuple(restart_ids)
     progress.show(specs)
     summary = grid.run_grid(config, os.path.join(workdir, name),
                             should_stop=budget.expired)

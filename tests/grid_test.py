@@ -105,7 +105,27 @@ def test_members_can_share_data():
   assert {m.config.data_seed for m in grid.members(c)} == {c.data_seed}
 
 
+def test_members_of_some_restarts_keep_their_seeds():
+  c = default.get_config()
+  c.grid_learning_rates = (0.01, 0.005)
+  c.num_restarts = 5
+  full = grid.members(c)
+  c.grid_restart_ids = (3, 1)
+  part = grid.members(c)
+  assert [(m.learning_rate, m.restart) for m in part] == [
+      (0.01, 1), (0.01, 3), (0.005, 1), (0.005, 3)]
+  by_key = {(m.learning_rate, m.restart): m for m in full}
+  for m in part:
+    twin = by_key[(m.learning_rate, m.restart)]
+    assert m.subdir == twin.subdir
+    assert (m.config.data_seed, m.config.param_seed, m.config.shuffle_seed) == (
+        twin.config.data_seed, twin.config.param_seed, twin.config.shuffle_seed)
+
+
 @pytest.mark.parametrize("field,value,message", [
+    ("grid_restart_ids", (5,), "grid_restart_ids"),
+    ("grid_restart_ids", (1, 1), "grid_restart_ids"),
+    ("grid_restart_ids", (), "grid_restart_ids"),
     ("num_restarts", 0, "num_restarts"),
     ("num_restarts", 2.5, "num_restarts"),
     ("grid_learning_rates", (0.01, -1.0), "grid_learning_rates"),

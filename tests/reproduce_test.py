@@ -224,6 +224,17 @@ def test_restart_ids_train_and_record_only_those_restarts(tmp_path):
   assert record["restart"] == 1 and record["config"]["data_seed"] == 2
 
 
+def test_restart_ids_on_the_model_axis_train_only_those_restarts(tmp_path):
+  result = _tiny_run(tmp_path, "axis", restarts=3, restart_ids=[2],
+                     execution="model_axis",
+                     overrides={**TINY, "max_epochs": 1})
+  assert result["finished"] and result["done"] == ["lstm/lr_0.01/restart_2"]
+  group = tmp_path / "axis" / "lstm" / "lr_0.01"
+  assert sorted(os.listdir(group)) == ["restart_2"]
+  (record,) = reproduce.load_records(str(tmp_path / "axis_results"))
+  assert record["restart"] == 2 and record["config"]["data_seed"] == 3
+
+
 def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
   # --cpu_devices=2: both cores of one run (the batch split over 2 CPU
   # devices); the record names the device count it ran on.
