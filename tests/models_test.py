@@ -20,6 +20,7 @@ import pytest
 
 from nsrnn_jax import models
 from nsrnn_jax import ns_stack
+import action_weights  # tests/action_weights.py, on sys.path under pytest
 import pda_oracle  # tests/pda_oracle.py, on sys.path under pytest
 
 
@@ -484,22 +485,6 @@ def _loss(model, symbols):
   return loss
 
 
-def _sharp_actions(seed, batch, steps, q, s, sharpness):
-  """`sharpness` × (per-(q, x) log-softmax of N(0, 1) logits): sub-normalised.
-
-  (Normalised random actions, even log-softmax of N(0, 20²) logits, stay
-  within 3e-6 on both tables: the scaled table's flush needs a mass that
-  decays faster than the weights it keeps, as sharpened weights do here and
-  a trained model's do on strings outside its language.)
-  """
-  rng = np.random.default_rng(seed)
-  rows = rng.standard_normal((batch, steps, q, s, 2 * q * s + q))
-  rows = sharpness * (rows - np.log(np.exp(rows).sum(-1, keepdims=True)))
-  return (rows[..., :q * s].reshape(batch, steps, q, s, q, s),
-          rows[..., q * s:2 * q * s].reshape(batch, steps, q, s, q, s),
-          rows[..., 2 * q * s:])
-
-
 def _replay_step(params, carry, actions_t, reading_BxS):
   """A controller step that emits given actions (and sums the readings)."""
   del params
@@ -507,7 +492,13 @@ def _replay_step(params, carry, actions_t, reading_BxS):
 
 
 def _float32_table_error(table):
-  acts = _sharp_actions(7, 4, 80, 2, 2, sharpness=3.0)
+  # 3 × per-(q, x) log-softmax of N(0, 1) logits: sharp and sub-normalised.
+  # (Normalised random actions, even log-softmax of N(0, 20²) logits, stay
+  # within 3e-6 on both tables: the scaled table's flush needs a mass that
+  # decays faster than the weights it keeps, as sharpened weights do here
+  # and a trained model's do on strings outside its language.)
+  acts = [3.0 * a for a in action_weights.log_weights(
+      np.random.default_rng(7), 4, 80, 2, 2)]
   with jax.enable_x64(True):
     want = [np.asarray(w) for w in ns_stack.run_reference(
         *(jnp.asarray(a) for a in acts))]

@@ -18,6 +18,7 @@ from jax import lax
 from jax import test_util as jtu
 
 import pda_oracle
+from action_weights import log_weights as _random_actions  # tests/action_weights.py
 from nsrnn_jax import ns_stack
 
 
@@ -25,26 +26,6 @@ from nsrnn_jax import ns_stack
 def x64():
   with jax.enable_x64(True):
     yield
-
-
-def _random_actions(rng, batch, steps, q, s, kind):
-  """Random log-weights: 'norm' (per-(q,x) log-softmax), 'unnorm', 'neginf'."""
-  push = rng.normal(size=(batch, steps, q, s, q, s))
-  repl = rng.normal(size=(batch, steps, q, s, q, s))
-  pop = rng.normal(size=(batch, steps, q, s, q))
-  if kind in ("norm", "neginf"):
-    flat = np.concatenate([push.reshape(batch, steps, q, s, -1),
-                           repl.reshape(batch, steps, q, s, -1), pop], -1)
-    flat = flat - np.log(np.exp(flat).sum(-1, keepdims=True))
-    n = q * s
-    push = flat[..., :n].reshape(push.shape)
-    repl = flat[..., n:2 * n].reshape(push.shape)
-    pop = flat[..., 2 * n:]
-  if kind == "neginf":
-    repl = np.where(rng.random(repl.shape) < 0.3, -np.inf, repl)
-    pop = np.where(rng.random(pop.shape) < 0.3, -np.inf, pop)
-    push = np.where(rng.random(push.shape) < 0.1, -np.inf, push)
-  return push, repl, pop
 
 
 # ---------------------------------------------------------------------------
