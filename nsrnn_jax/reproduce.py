@@ -706,8 +706,9 @@ class Cell:
     values = np.asarray([r["last_valid_ce_diff"] for r in self.runs])
     return float(np.mean(values)), float(np.std(values))
 
-  def test_bins(self) -> Optional[list[Optional[float]]]:
-    """Mean over restarts of each bin's per-length mean (None if missing)."""
+  def test_bin_stats(self) -> Optional[list[Optional[tuple[float, float]]]]:
+    """(mean, std) over restarts of each bin's per-length mean (None if
+    missing); std with ddof=0, as for the validation figures."""
     tested = [r for r in self.runs if r.get("test")]
     if not tested:
       return None
@@ -715,8 +716,15 @@ class Cell:
     for lo, hi in TEST_BINS:
       means = [_bin_mean(r["test"], lo, hi) for r in tested]
       means = [m for m in means if m is not None]
-      out.append(float(np.mean(means)) if means else None)
+      out.append((float(np.mean(means)), float(np.std(means)))
+                 if means else None)
     return out
+
+  def test_bins(self) -> Optional[list[Optional[float]]]:
+    """Mean over restarts of each bin's per-length mean (None if missing)."""
+    stats = self.test_bin_stats()
+    return None if stats is None else [None if x is None else x[0]
+                                       for x in stats]
 
 
 SELECTIONS = ("mean", "best_run")
@@ -811,28 +819,49 @@ def _claim_ns_generalises_worse(cells, task) -> Optional[bool]:
   return ns > min(jm, gref)
 
 
+def _evidence(cells, task, models, which) -> str:
+  """The compared numbers: 'Ours 0.0123 ± 0.0010, JM …' (test bin `which`,
+  0 = lengths 40-80, 1 = 81-100; 'last' = last-epoch validation)."""
+  parts = []
+  for m in models:
+    if which == "last":
+      value = cells[(task, m)].last_valid()
+    else:
+      stats = cells[(task, m)].test_bin_stats()
+      value = None if stats is None else stats[which]
+    parts.append(f"{LABELS[m]} {_pm(value)}")
+  return ", ".join(parts)
+
+
+_ALL = ("ns", "jm", "gref", "lstm")
+
+# (claim, check(cells) -> True / False / None, the models and numbers it
+# compares).
 CLAIMS = {
     "marked_reversal": [
         ("the NS-RNN has the lowest test difference on lengths 40-80",
-         lambda c: _claim_best(c, "marked_reversal", "ns"))],
+         lambda c: _claim_best(c, "marked_reversal", "ns"), _ALL, 0)],
     "unmarked_reversal": [
         ("the NS-RNN has the lowest test difference on lengths 40-80",
-         lambda c: _claim_best(c, "unmarked_reversal", "ns"))],
+         lambda c: _claim_best(c, "unmarked_reversal", "ns"), _ALL, 0)],
     "padded_reversal": [
         ("JM has the lowest test difference on lengths 40-80",
-         lambda c: _claim_best(c, "padded_reversal", "jm")),
+         lambda c: _claim_best(c, "padded_reversal", "jm"), _ALL, 0),
         ("the NS-RNN lies between JM and the LSTM on lengths 40-80",
-         lambda c: _claim_between(c, "padded_reversal"))],
+         lambda c: _claim_between(c, "padded_reversal"),
+         ("jm", "ns", "lstm"), 0)],
     "dyck": [
         ("all stack models end near 0 (last validation difference within ±0.005)",
-         lambda c: _claim_dyck_zero(c, "dyck")),
+         lambda c: _claim_dyck_zero(c, "dyck"), ("ns", "jm", "gref"), "last"),
         ("the NS-RNN generalises worse than JM or Gref to lengths 81-100",
-         lambda c: _claim_ns_generalises_worse(c, "dyck"))],
+         lambda c: _claim_ns_generalises_worse(c, "dyck"),
+         ("ns", "jm", "gref"), 1)],
     "hardest_cfl": [
         ("the NS-RNN has the lowest test difference on lengths 40-80",
-         lambda c: _claim_best(c, "hardest_cfl", "ns")),
+         lambda c: _claim_best(c, "hardest_cfl", "ns"), _ALL, 0),
         ("the NS-RNN generalises worse than JM or Gref to lengths 81-100",
-         lambda c: _claim_ns_generalises_worse(c, "hardest_cfl"))],
+         lambda c: _claim_ns_generalises_worse(c, "hardest_cfl"),
+         ("ns", "jm", "gref"), 1)],
 }
 
 
@@ -998,29 +1027,35 @@ def render_report(records: Sequence[Mapping[str, Any]],
       "",
       "## Test cross-entropy difference by length",
       "",
-      "Mean over the restarts of the mean per-length difference in lengths "
-      "40–80 / 81–100, best-epoch parameters (per-length bound including "
-      "ln N_L,test, which reproduces the paper's figures; reference-"
-      "behaviour.md §6, §10.2).",
+      "Mean ± std (ddof=0) over the restarts of the mean per-length "
+      "difference in lengths 40–80 / 81–100, best-epoch parameters "
+      "(per-length bound including ln N_L,test, which reproduces the "
+      "paper's figures; reference-behaviour.md §6, §10.2). The paper's "
+      "columns are means only (from its Figure 4 data).",
       "",
       "| task | model | ours 40–80 | ours 81–100 | paper 40–80 | paper 81–100 |",
       "|---|---|---|---|---|---|",
   ]
   for task in TASKS:
     for model in REPORT_ORDER:
-      bins = cells[(task, model)].test_bins() or [None, None]
+      bins = cells[(task, model)].test_bin_stats() or [None, None]
       paper = PAPER_TEST[task][model]
       lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | "
-                   f"{_f(bins[0])} | {_f(bins[1])} | {paper[0]:.4f} | "
+                   f"{_pm(bins[0])} | {_pm(bins[1])} | {paper[0]:.4f} | "
                    f"{paper[1]:.4f} |")
   lines += ["", "## The paper's qualitative claims", "",
-            "| task | claim | ours |", "|---|---|---|"]
+            "Each verdict compares our means; the numbers it compares are "
+            "shown with their std over restarts, so a verdict decided by "
+            "less than a std can be read as such.", "",
+            "| task | claim | ours | compared (mean ± std) |",
+            "|---|---|---|---|"]
   for task in TASKS:
-    for text, check in CLAIMS[task]:
+    for text, check, models, which in CLAIMS[task]:
       verdict = check(cells)
       word = {True: "agrees", False: "**disagrees**",
               None: "not decidable yet (cells missing)"}[verdict]
-      lines.append(f"| {TASK_TITLES[task]} | {text} | {word} |")
+      lines.append(f"| {TASK_TITLES[task]} | {text} | {word} | "
+                   f"{_evidence(cells, task, models, which)} |")
   lines += ["", "## Figures", ""]
   for task in TASKS:
     if not any(cells[(task, m)].runs for m in REPORT_ORDER):
