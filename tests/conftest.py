@@ -8,6 +8,9 @@ directory (removed at the end), shared with the tests' subprocesses.
   (compilation dominates the tiny models of the training tests); the flag
   is restored when the module's tests are done. Use it with
   `pytestmark = pytest.mark.usefixtures("fast_compile")`.
+  `fast_compile_test` does the same for one test (value tests of float64
+  exactness whose time is compilation; not for float32 accuracy or tests of
+  the compiled program itself).
 
 The repository root is on sys.path through setup.cfg (`pythonpath = .`), so
 `from configs import default` works under bare `pytest` and
@@ -63,9 +66,20 @@ def x64():
     yield
 
 
-@pytest.fixture(scope="module")
-def fast_compile():
+def _without_most_optimizations():
   old = jax.config.values[_FAST_COMPILE_FLAG]
   jax.config.update(_FAST_COMPILE_FLAG, True)
-  yield
-  jax.config.update(_FAST_COMPILE_FLAG, old)
+  try:
+    yield
+  finally:
+    jax.config.update(_FAST_COMPILE_FLAG, old)
+
+
+@pytest.fixture(scope="module")
+def fast_compile():
+  yield from _without_most_optimizations()
+
+
+@pytest.fixture
+def fast_compile_test():
+  yield from _without_most_optimizations()

@@ -553,6 +553,7 @@ def test_ns_unknown_stack_table_is_a_clear_error():
     models.get('ns', _VOCAB, stack_table='fast')
 
 
+@pytest.mark.usefixtures('fast_compile_test')
 @pytest.mark.parametrize('table', models.NS_TABLES)
 def test_ns_batch_chunks_give_the_same_values_and_gradients(table):
   # The stack run on chunks of 1 or 2 strings (lax.map) against the whole
@@ -568,7 +569,7 @@ def test_ns_batch_chunks_give_the_same_values_and_gradients(table):
       params = _randomize(_init(model, symbols), seed=3, scale=1.0)
       loss = lambda p, model=model: -jnp.sum(models.sequence_log_prob(
           model.apply({'params': p}, symbols), symbols))
-      results.append(jax.value_and_grad(loss)(params))
+      results.append(jax.jit(jax.value_and_grad(loss))(params))
     for value, grad in results[1:]:
       np.testing.assert_allclose(value, results[0][0], rtol=1e-12)
       for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(results[0][1])):

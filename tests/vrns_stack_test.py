@@ -162,6 +162,7 @@ def _loss(fn, weights, broadcast):
   return f
 
 
+@pytest.mark.usefixtures("fast_compile_test")
 @pytest.mark.parametrize("broadcast,blocks", [(False, None), (True, 3)])
 def test_gradients_equal_autodiff_and_finite_differences(x64, broadcast,
                                                           blocks):
@@ -225,6 +226,7 @@ def _coupled_autodiff(params, carry, xs, log_bottom):
   return jnp.swapaxes(outs, 0, 1), rho, log_mass
 
 
+@pytest.mark.usefixtures("fast_compile_test")
 @pytest.mark.parametrize("blocks", [None, 2])
 def test_run_coupled_equals_plain_autodiff(x64, blocks):
   rng = np.random.default_rng(7)
