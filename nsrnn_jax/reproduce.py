@@ -720,12 +720,6 @@ class Cell:
                  if means else None)
     return out
 
-  def test_bins(self) -> Optional[list[Optional[float]]]:
-    """Mean over restarts of each bin's per-length mean (None if missing)."""
-    stats = self.test_bin_stats()
-    return None if stats is None else [None if x is None else x[0]
-                                       for x in stats]
-
 
 SELECTIONS = ("mean", "best_run")
 
@@ -781,87 +775,69 @@ def summarize_cells(records: Sequence[Mapping[str, Any]],
 # ---------------------------------------------------------------------------
 
 
-def _in_dist(cells, task, model) -> Optional[float]:
-  bins = cells[(task, model)].test_bins()
-  return None if bins is None else bins[0]
+def _compared(cells, task, models, which) -> list:
+  """(mean, std) of each model, None where missing: test bin `which` (0 =
+  lengths 40-80, 1 = 81-100) or 'last' (last-epoch validation)."""
+  out = []
+  for m in models:
+    cell = cells[(task, m)]
+    if which == "last":
+      out.append(cell.last_valid())
+    else:
+      stats = cell.test_bin_stats()
+      out.append(None if stats is None else stats[which])
+  return out
 
 
-def _longer(cells, task, model) -> Optional[float]:
-  bins = cells[(task, model)].test_bins()
-  return None if bins is None else bins[1]
+# How a claim reads the means of its models (in the claim's model order).
+_VERDICTS = {
+    "lowest": lambda v: all(v[0] < x for x in v[1:]),     # the first is best
+    "between": lambda v: v[0] < v[1] < v[2],
+    "near_zero": lambda v: all(abs(x) < 0.005 for x in v),
+    "worse": lambda v: v[0] > min(v[1:]),                  # than the best other
+}
 
 
-def _claim_best(cells, task, model) -> Optional[bool]:
-  values = {m: _in_dist(cells, task, m) for m in REPORT_ORDER}
-  if any(v is None for v in values.values()):
-    return None
-  return min(values, key=values.get) == model
-
-
-def _claim_between(cells, task) -> Optional[bool]:
-  lstm, jm, ns = (_in_dist(cells, task, m) for m in ("lstm", "jm", "ns"))
-  if None in (lstm, jm, ns):
-    return None
-  return jm < ns < lstm
-
-
-def _claim_dyck_zero(cells, task) -> Optional[bool]:
-  values = [cells[(task, m)].last_valid() for m in ("gref", "jm", "ns")]
+def claim_verdict(cells, task, kind, models, which) -> Optional[bool]:
+  """True / False, or None while a compared cell has no runs."""
+  values = _compared(cells, task, models, which)
   if any(v is None for v in values):
     return None
-  return all(abs(mean) < 0.005 for mean, _ in values)
-
-
-def _claim_ns_generalises_worse(cells, task) -> Optional[bool]:
-  ns, jm, gref = (_longer(cells, task, m) for m in ("ns", "jm", "gref"))
-  if None in (ns, jm, gref):
-    return None
-  return ns > min(jm, gref)
+  return bool(_VERDICTS[kind]([mean for mean, _ in values]))
 
 
 def _evidence(cells, task, models, which) -> str:
-  """The compared numbers: 'Ours 0.0123 ± 0.0010, JM …' (test bin `which`,
-  0 = lengths 40-80, 1 = 81-100; 'last' = last-epoch validation)."""
-  parts = []
-  for m in models:
-    if which == "last":
-      value = cells[(task, m)].last_valid()
-    else:
-      stats = cells[(task, m)].test_bin_stats()
-      value = None if stats is None else stats[which]
-    parts.append(f"{LABELS[m]} {_pm(value)}")
-  return ", ".join(parts)
+  """The compared numbers: 'Ours 0.0123 ± 0.0010, JM …'."""
+  return ", ".join(f"{LABELS[m]} {_pm(v)}" for m, v in
+                   zip(models, _compared(cells, task, models, which)))
 
 
-_ALL = ("ns", "jm", "gref", "lstm")
+_NS_FIRST = ("ns", "jm", "gref", "lstm")
+_JM_FIRST = ("jm", "ns", "gref", "lstm")
 
-# (claim, check(cells) -> True / False / None, the models and numbers it
-# compares).
+# (claim, verdict kind, the models it compares in that kind's order, bin).
 CLAIMS = {
     "marked_reversal": [
         ("the NS-RNN has the lowest test difference on lengths 40-80",
-         lambda c: _claim_best(c, "marked_reversal", "ns"), _ALL, 0)],
+         "lowest", _NS_FIRST, 0)],
     "unmarked_reversal": [
         ("the NS-RNN has the lowest test difference on lengths 40-80",
-         lambda c: _claim_best(c, "unmarked_reversal", "ns"), _ALL, 0)],
+         "lowest", _NS_FIRST, 0)],
     "padded_reversal": [
         ("JM has the lowest test difference on lengths 40-80",
-         lambda c: _claim_best(c, "padded_reversal", "jm"), _ALL, 0),
+         "lowest", _JM_FIRST, 0),
         ("the NS-RNN lies between JM and the LSTM on lengths 40-80",
-         lambda c: _claim_between(c, "padded_reversal"),
-         ("jm", "ns", "lstm"), 0)],
+         "between", ("jm", "ns", "lstm"), 0)],
     "dyck": [
         ("all stack models end near 0 (last validation difference within ±0.005)",
-         lambda c: _claim_dyck_zero(c, "dyck"), ("ns", "jm", "gref"), "last"),
+         "near_zero", ("ns", "jm", "gref"), "last"),
         ("the NS-RNN generalises worse than JM or Gref to lengths 81-100",
-         lambda c: _claim_ns_generalises_worse(c, "dyck"),
-         ("ns", "jm", "gref"), 1)],
+         "worse", ("ns", "jm", "gref"), 1)],
     "hardest_cfl": [
         ("the NS-RNN has the lowest test difference on lengths 40-80",
-         lambda c: _claim_best(c, "hardest_cfl", "ns"), _ALL, 0),
+         "lowest", _NS_FIRST, 0),
         ("the NS-RNN generalises worse than JM or Gref to lengths 81-100",
-         lambda c: _claim_ns_generalises_worse(c, "hardest_cfl"),
-         ("ns", "jm", "gref"), 1)],
+         "worse", ("ns", "jm", "gref"), 1)],
 }
 
 
@@ -1050,8 +1026,8 @@ def render_report(records: Sequence[Mapping[str, Any]],
             "| task | claim | ours | compared (mean ± std) |",
             "|---|---|---|---|"]
   for task in TASKS:
-    for text, check, models, which in CLAIMS[task]:
-      verdict = check(cells)
+    for text, kind, models, which in CLAIMS[task]:
+      verdict = claim_verdict(cells, task, kind, models, which)
       word = {True: "agrees", False: "**disagrees**",
               None: "not decidable yet (cells missing)"}[verdict]
       lines.append(f"| {TASK_TITLES[task]} | {text} | {word} | "
@@ -1064,7 +1040,7 @@ def render_report(records: Sequence[Mapping[str, Any]],
     lines.append("")
     lines.append(f"![{TASK_TITLES[task]}, Figure 3]({figures_rel}/{task}/"
                  "figure3.png)")
-    if any(cells[(task, m)].test_bins() for m in REPORT_ORDER):
+    if any(cells[(task, m)].test_bin_stats() for m in REPORT_ORDER):
       lines.append(f"![{TASK_TITLES[task]}, Figure 4]({figures_rel}/{task}/"
                    "figure4.png)")
     lines.append("")
