@@ -1126,16 +1126,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--task", help=f"one of {', '.join(TASKS)}")
   parser.add_argument("--workdir", help="run directories and checkpoints")
-  parser.add_argument("--models", default=",".join(MODELS))
+  parser.add_argument("--models", default=",".join(MODELS),
+                      help=f"comma-separated subset of {','.join(MODELS)}")
   parser.add_argument("--learning_rates",
-                      default=",".join(f"{x:g}" for x in LEARNING_RATES))
+                      default=",".join(f"{x:g}" for x in LEARNING_RATES),
+                      help="comma-separated learning-rate grid (default: the "
+                      "paper's)")
   parser.add_argument("--stack_sizes",
-                      default=",".join(str(x) for x in STACK_SIZES))
-  parser.add_argument("--restarts", type=int, default=NUM_RESTARTS)
+                      default=",".join(str(x) for x in STACK_SIZES),
+                      help="comma-separated stack embedding sizes m of the "
+                      "JM and Gref grids (default: the paper's)")
+  parser.add_argument("--restarts", type=int, default=NUM_RESTARTS,
+                      help="restarts per grid point, each with its own data, "
+                      "parameter and shuffle seeds")
   parser.add_argument("--restart_ids", default=None,
                       help="run only these restarts (comma-separated, each "
                       "< --restarts), e.g. to split a task over machines")
-  parser.add_argument("--budget_minutes", type=float, default=None)
+  parser.add_argument("--budget_minutes", type=float, default=None,
+                      help="stop at the first epoch boundary past this many "
+                      "minutes and print the command that continues")
   parser.add_argument("--results", default=DEFAULT_RESULTS,
                       help="records directory (default: results/)")
   parser.add_argument("--set", action="append", default=[],
@@ -1143,7 +1152,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="config override for every run (not the paper's "
                       "protocol: records say so)")
   parser.add_argument("--execution", default="auto",
-                      choices=("auto", "sequential", "model_axis"))
+                      choices=("auto", "sequential", "model_axis"),
+                      help="auto: decided from the backend (printed); "
+                      "sequential: one run after another; model_axis: a "
+                      "(model, m) group's runs vmapped in one program")
   parser.add_argument("--cpu_devices", type=int, default=1,
                       help="CPU backend: split each batch over this many "
                       "devices (one per core to use)")
@@ -1154,7 +1166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "one model share their compiled steps")
   parser.add_argument("--report", action="store_true",
                       help="regenerate the report from --results and exit")
-  parser.add_argument("--report_path", default=DEFAULT_REPORT)
+  parser.add_argument("--report_path", default=DEFAULT_REPORT,
+                      help="where --report writes the Markdown report")
   parser.add_argument("--selection", default="mean", choices=SELECTIONS,
                       help="mean: the paper's (best mean over restarts); "
                       "best_run: the later papers' (best single run)")
