@@ -472,29 +472,54 @@ def training_seconds(record: Mapping[str, Any]) -> float:
   return float(np.median(times)) * len(record["epochs"])
 
 
-def estimate_seconds(spec: RunSpec, records: Sequence[Mapping[str, Any]]
-                     ) -> Optional[float]:
-  """Expected training time of a run: mean over finished runs like it
+def estimate_seconds(spec: RunSpec, records: Sequence[Mapping[str, Any]],
+                     epochs_done: int = 0) -> Optional[float]:
+  """Expected training time left of a run: mean over finished runs like it
   (`training_seconds`).
 
-  The same task and model first, else the same model on any task.
+  The same task and model first, else the same model on any task. A run
+  that has trained `epochs_done` epochs (a resumed one) is left with the
+  mean time per epoch of those runs times the rest of their mean epoch
+  count, and at least one epoch.
   """
   for same in (lambda r: r["task"] == spec.task and r["model"] == spec.model,
                lambda r: r["model"] == spec.model):
-    times = [training_seconds(r) for r in records if same(r)]
-    if times:
-      return float(np.mean(times))
+    like = [r for r in records if same(r)]
+    if like:
+      total = float(np.mean([training_seconds(r) for r in like]))
+      if not epochs_done:
+        return total
+      epochs = float(np.mean([max(len(r.get("epochs", [])), 1)
+                              for r in like]))
+      return total / epochs * max(epochs - epochs_done, 1.0)
   return None
+
+
+def epochs_logged(run_dir: str) -> int:
+  """How many epochs a run directory's metrics.jsonl holds (0 if none)."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  epochs = set()
+  try:
+    with open(path) as f:
+      for line in f:
+        try:
+          epochs.add(json.loads(line).get("epoch"))
+        except (json.JSONDecodeError, AttributeError):
+          continue  # A line cut by a kill: the resume rewrites it.
+  except OSError:
+    return 0
+  return len(epochs - {None})
 
 
 class Progress:
   """Prints which runs are done, running and pending, and the time left."""
 
   def __init__(self, runs: Sequence[RunSpec], results_dir: str,
-               out=sys.stdout):
+               out=sys.stdout, workdir: Optional[str] = None):
     self.runs = list(runs)
     self.results_dir = results_dir
     self.out = out
+    self.workdir = workdir  # Where runs resume from: their epochs count.
 
   def done(self) -> list[RunSpec]:
     return [s for s in self.runs
@@ -507,7 +532,9 @@ class Progress:
     records = load_records(self.results_dir)
     left = 0.0
     for s in running + pending:
-      est = estimate_seconds(s, records)
+      done_epochs = (epochs_logged(os.path.join(self.workdir, s.run_subdir))
+                     if self.workdir else 0)
+      est = estimate_seconds(s, records, done_epochs)
       if est is None:
         left = None
         break
@@ -578,7 +605,7 @@ def run_protocol(task: str, workdir: str, *,
         f"({', '.join(m for m in MODELS if m in models)}); execution: {mode} "
         f"({why})", file=out, flush=True)
   budget = Budget(budget_minutes)
-  progress = Progress(runs, results_dir, out)
+  progress = Progress(runs, results_dir, out, workdir)
   hw = hardware()
   train_fn = train.train_and_evaluate if train_fn is None else train_fn
 

@@ -430,6 +430,40 @@ def test_cost_estimates_ignore_pauses_of_the_machine():
                                                 0.01)) == 600.0
 
 
+def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
+  # Two finished runs like it: 5 epochs of 11 s and 5 of 20 s (medians after
+  # the compiling first epoch); mean 77.5 s over a mean of 5 epochs.
+  rec = dict(fake_record("dyck", "ns", 0.005, 0, 0.01, 0.01),
+             epochs=[{"epoch": e, "valid_ce_diff": 0.01, "time": t}
+                     for e, t in enumerate([600.0, 10.0, 12.0, 500.0, 10.0],
+                                           start=1)])
+  other = dict(rec, epochs=[dict(e, time=20.0) for e in rec["epochs"]])
+  probe = reproduce.RunSpec("dyck", "ns", 0.005, None, 1)
+  assert reproduce.estimate_seconds(probe, [rec, other], 2) == 77.5 / 5 * 3
+  # Past the mean epoch count: at least one epoch is left.
+  assert reproduce.estimate_seconds(probe, [rec, other], 9) == 77.5 / 5
+  # The epochs come from the run directory's metrics.jsonl; a line cut by a
+  # kill does not count.
+  run_dir = tmp_path / probe.run_subdir
+  run_dir.mkdir(parents=True)
+  (run_dir / "metrics.jsonl").write_text(
+      '{"epoch": 1, "train_loss": 3.0}\n{"epoch": 2, "train_loss": 2.0}\n'
+      '{"epoch": 3, "tra')
+  assert reproduce.epochs_logged(str(run_dir)) == 2
+  assert reproduce.epochs_logged(str(tmp_path / "missing")) == 0
+  results = tmp_path / "results"
+  # The progress line sums the left times of the runs not yet recorded.
+  records = [dict(rec, restart=5), dict(other, restart=6)]
+  for r in records:
+    spec = reproduce.RunSpec("dyck", "ns", 0.005, None, r["restart"])
+    path = results / spec.record_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(r))
+  progress = reproduce.Progress([probe], str(results), workdir=str(tmp_path))
+  assert progress.line([probe]).endswith(
+      "estimated time left " + reproduce._fmt_duration(77.5 / 5 * 3))
+
+
 def test_committed_report_is_generated_from_committed_records(tmp_path):
   results = os.path.join(REPO, "results")
   records = reproduce.load_records(results)
