@@ -162,6 +162,30 @@ def jitted_steps(mesh) -> Steps:
 eval_models = jax.jit(_eval_models, static_argnames="apply_fn")
 
 
+@functools.lru_cache(maxsize=None)
+def jitted_eval(mesh):
+  """`eval_models` as per-device code on `mesh`: each device scores its rows.
+
+  Under plain GSPMD the partitioner all-gathered the symbols at every time
+  step of the NS-RNN's scan. XLA:CPU's in-process collectives deadlock when
+  several such programs are in flight (evaluate_split dispatches a whole
+  split before fetching): a 2-CPU-device hardest-CFL run ended twice in
+  that all-gather. Scoring is per string, so no collective is needed.
+  """
+  model_spec = jax.sharding.PartitionSpec(parallel.MODEL_AXIS)
+  batch_spec = jax.sharding.PartitionSpec(parallel.MODEL_AXIS,
+                                          parallel.DATA_AXIS)
+
+  def eval_models_per_device(params_K, batch_K, apply_fn):
+    # check_vma=False: the stack DPs' scans start from constant carries.
+    return jax.shard_map(functools.partial(_eval_models, apply_fn=apply_fn),
+                         mesh=mesh, in_specs=(model_spec, batch_spec),
+                         out_specs=batch_spec, check_vma=False)(
+                             params_K, batch_K)
+
+  return jax.jit(eval_models_per_device, static_argnames="apply_fn")
+
+
 # ---------------------------------------------------------------------------
 # Evaluation (also used by evaluate.py).
 # ---------------------------------------------------------------------------
@@ -191,13 +215,14 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
     raise ValueError(f"the runs' splits differ in number of batches "
                      f"({sorted(num)})")
   (num,) = num
+  score = jitted_eval(mesh)
   pending = []
   for j in range(num):
     symbols = [s[j].symbols for s in splits_K]
     longest = max(x.shape[1] for x in symbols)
     batch = stack_batches(symbols, train.padded_length(longest, config), eos)
-    pending.append(eval_models(params_K, parallel.put_model_batch(batch, mesh),
-                               apply_fn=apply_fn))
+    pending.append(score(params_K, parallel.put_model_batch(batch, mesh),
+                         apply_fn=apply_fn))
   sums = parallel.to_host(pending)  # Fetch after dispatching everything.
   results = [[] for _ in splits_K]
   for j in range(num):

@@ -173,3 +173,66 @@ def test_eos_bound_is_the_cross_entropy_of_the_true_distribution():
   np.testing.assert_allclose(without["ce_diff"],
                              -len(strings[2]) * np.log(2) / plain_tokens,
                              atol=2e-6)
+
+
+_TWO_DEVICE_EVAL_SCRIPT = r"""
+import sys
+sys.path.insert(0, {repo!r})
+from nsrnn_jax import parallel
+parallel.use_cpu_devices(2)
+import jax
+import numpy as np
+from nsrnn_jax import data, loop, models, train
+from tests import train_test as t
+
+# The stack runs on chunks of 2 strings (config.stack_batch_chunk, on by
+# default on CPU): under GSPMD, slicing a chunk out of the sharded batch
+# inside the scan is what gathered the symbols.
+model = models.get("ns", vocab_size=3, hidden_size=6, num_states=3,
+                   num_stack_symbols=3, stack_batch_chunk=2)
+config = t.tiny_config(model="ns")
+params_K = jax.tree.map(lambda x: np.asarray(x)[None], train.create_train_state(
+    config, jax.random.key(0), model=model).params)
+rng = np.random.default_rng(0)
+# 3 strings: the batch is padded to 4 rows, 2 per device.
+split = data.Split([t.marked_reversal_batch(rng, 7, 4),
+                    t.marked_reversal_batch(rng, 9, 3)], 2, 7, 9)
+
+def scores(mesh):
+  on_mesh = jax.device_put(params_K, parallel.model_sharding(mesh))
+  return loop.evaluate_split(on_mesh, model.apply, [split], config, [None],
+                             mesh)[0]
+
+two, one = parallel.make_mesh(), parallel.make_mesh(num_data=1)
+assert two.devices.size == 2 and one.devices.size == 1
+for a, b in zip(scores(two), scores(one)):
+  assert a["num_strings"] == b["num_strings"] and a["length"] == b["length"]
+  for key in ("model_nll", "num_tokens", "num_correct"):
+    np.testing.assert_allclose(a[key], b[key], rtol=1e-5)
+batch = parallel.put_model_batch(jax.tree.map(
+    lambda x: x[None], train.make_batch(split[0].symbols)), two)
+text = loop.jitted_eval(two).lower(
+    jax.device_put(params_K, parallel.model_sharding(two)), batch,
+    apply_fn=model.apply).compile().as_text()
+for op in ("all-gather", "all-reduce", "collective-permute", "all-to-all"):
+  assert op not in text, op
+print("OK")
+"""
+
+
+def test_two_device_evaluation_matches_one_device_without_collectives():
+  """Scoring is per string: on 2 CPU devices the evaluation program holds
+  no collective (XLA:CPU's in-process all-gather, which GSPMD put in the NS
+  scan, deadlocked with a split's programs in flight) and equals 1 device.
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+      [sys.executable, "-c", _TWO_DEVICE_EVAL_SCRIPT.format(repo=repo)],
+      cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip().endswith("OK")
