@@ -123,6 +123,12 @@ class Steps(NamedTuple):
   end_of_epoch: Callable[..., Any]
 
 
+def _model_and_batch_specs():
+  """shard_map specs: state per model; batch rows per model and device."""
+  return (jax.sharding.PartitionSpec(parallel.MODEL_AXIS),
+          jax.sharding.PartitionSpec(parallel.MODEL_AXIS, parallel.DATA_AXIS))
+
+
 @functools.lru_cache(maxsize=None)
 def jitted_steps(mesh) -> Steps:
   """The steps for `mesh`, cached: one jit cache per mesh for the process.
@@ -142,9 +148,7 @@ def jitted_steps(mesh) -> Steps:
   # devices ran the LSTM step 6x slower than one).
   per_device = over_models(functools.partial(train.train_step,
                                              data_axis=parallel.DATA_AXIS))
-  model_spec = jax.sharding.PartitionSpec(parallel.MODEL_AXIS)
-  batch_spec = jax.sharding.PartitionSpec(parallel.MODEL_AXIS,
-                                          parallel.DATA_AXIS)
+  model_spec, batch_spec = _model_and_batch_specs()
   # check_vma=False: the stack DPs' scans start from constant (unvarying)
   # carries; the outputs are psum-ed (identical over 'data') by
   # construction.
@@ -172,9 +176,7 @@ def jitted_eval(mesh):
   split before fetching): a 2-CPU-device hardest-CFL run ended twice in
   that all-gather. Scoring is per string, so no collective is needed.
   """
-  model_spec = jax.sharding.PartitionSpec(parallel.MODEL_AXIS)
-  batch_spec = jax.sharding.PartitionSpec(parallel.MODEL_AXIS,
-                                          parallel.DATA_AXIS)
+  model_spec, batch_spec = _model_and_batch_specs()
 
   def eval_models_per_device(params_K, batch_K, apply_fn):
     # check_vma=False: the stack DPs' scans start from constant carries.
