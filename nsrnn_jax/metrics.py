@@ -81,7 +81,9 @@ class MetricWriter:
     path = os.path.join(workdir, "metrics.jsonl")
     kept = []
     if os.path.exists(path):
-      kept = [r for r in read_jsonl(path) if r.get("epoch", 0) <= resume_epoch]
+      # A line cut by a kill is dropped: its epoch is trained again.
+      kept = [r for r in read_jsonl(path, skip_bad_lines=True)
+              if r.get("epoch", 0) <= resume_epoch]
     with open(path + ".tmp", "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(path + ".tmp", path)
@@ -150,10 +152,38 @@ def _to_python(value):
   return arr.tolist()
 
 
-def read_jsonl(path: str) -> list[dict]:
-  """Reads a JSON-lines file into a list of dicts."""
+def read_jsonl(path: str, skip_bad_lines: bool = False) -> list[dict]:
+  """Reads a JSON-lines file into a list of dicts.
+
+  Args:
+    path: the file.
+    skip_bad_lines: drop lines that are not a JSON object (e.g. the last line
+      of a run killed while writing it) with a warning, instead of raising.
+
+  Raises:
+    ValueError: a line is not a JSON object, unless `skip_bad_lines`.
+  """
+  records, bad = [], []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        record = None
+      if isinstance(record, dict):
+        records.append(record)
+      elif skip_bad_lines:
+        bad.append(number)
+      else:
+        raise ValueError(f"{path}: line {number} is not a JSON object: "
+                         f"{line.strip()[:60]!r}")
+  if bad:
+    logging.warning("%s: skipped %d line(s) that are not JSON objects "
+                    "(lines %s; a run killed while writing)", path, len(bad),
+                    ", ".join(map(str, bad[:5])))
+  return records
 
 
 def write_test_table(workdir: str, table: Mapping[str, Sequence[Any]],

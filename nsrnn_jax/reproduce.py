@@ -497,18 +497,14 @@ def estimate_seconds(spec: RunSpec, records: Sequence[Mapping[str, Any]],
 
 def epochs_logged(run_dir: str) -> int:
   """How many epochs a run directory's metrics.jsonl holds (0 if none)."""
-  path = os.path.join(run_dir, "metrics.jsonl")
-  epochs = set()
+  from nsrnn_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   try:
-    with open(path) as f:
-      for line in f:
-        try:
-          epochs.add(json.loads(line).get("epoch"))
-        except (json.JSONDecodeError, AttributeError):
-          continue  # A line cut by a kill: the resume rewrites it.
+    # A line cut by a kill does not count: the resume trains that epoch again.
+    records = metrics_lib.read_jsonl(os.path.join(run_dir, "metrics.jsonl"),
+                                     skip_bad_lines=True)
   except OSError:
     return 0
-  return len(epochs - {None})
+  return len({r["epoch"] for r in records if "epoch" in r})
 
 
 class Progress:

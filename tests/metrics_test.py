@@ -82,6 +82,23 @@ def test_writer_resume_truncates_and_keeps_one_history(tmp_path):
   assert _tensorboard_scalars(str(tmp_path)) == ({("x", 1): 1.0}, 1)
 
 
+def test_writer_resume_drops_a_line_cut_by_a_kill(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  # Killed while writing epoch 3's line: the resume from epoch 2's checkpoint
+  # must neither fail on it nor keep it.
+  path.write_text('{"epoch": 1, "x": 1.0}\n{"epoch": 2, "x": 2.0}\n'
+                  '{"epoch": 3, "x"')
+  with pytest.raises(ValueError, match="line 3 is not a JSON object"):
+    metrics.read_jsonl(str(path))
+  assert metrics.read_jsonl(str(path), skip_bad_lines=True) == [
+      {"epoch": 1, "x": 1.0}, {"epoch": 2, "x": 2.0}]
+  with metrics.MetricWriter(str(tmp_path), resume_epoch=2,
+                            tensorboard=False) as w:
+    w.write_scalars(3, {"x": 3.0})
+  assert metrics.read_jsonl(str(path)) == [
+      {"epoch": 1, "x": 1.0}, {"epoch": 2, "x": 2.0}, {"epoch": 3, "x": 3.0}]
+
+
 def test_disabled_writer_writes_nothing(tmp_path):
   with metrics.MetricWriter(str(tmp_path / "w"), enabled=False) as w:
     w.write_scalars(1, {"x": 1.0})
