@@ -5,6 +5,8 @@ non-finite loss stops every run at once with the run named."""
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -225,9 +227,6 @@ def test_two_device_evaluation_matches_one_device_without_collectives():
   no collective (XLA:CPU's in-process all-gather, which GSPMD put in the NS
   scan, deadlocked with a split's programs in flight) and equals 1 device.
   """
-  import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
