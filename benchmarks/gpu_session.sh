@@ -1,94 +1,121 @@
 #!/usr/bin/env bash
-# One GPU session for issue 11: the whole test suite with default environment
-# variables, then the GPU benchmarks at full float32, all within ~8 minutes
-# (phase limits: install ~20 s, tests 220 s, benchmarks 170 + 40 + 40 + 60 s).
+# One GPU session for issue 11: the whole test suite with JAX's default
+# numerics environment, then the GPU benchmarks at full float32, in phases
+# that each get a time limit and share one deadline.
 #
 # Run from the repository root on a machine with one NVIDIA GPU and $OUT set:
 #
-#   bash benchmarks/gpu_session.sh              # install, tests, benchmarks
-#   bash benchmarks/gpu_session.sh tests        # install and tests only
-#   bash benchmarks/gpu_session.sh bench        # install and benchmarks only
+#   bash benchmarks/gpu_session.sh                   # every phase, in order
+#   bash benchmarks/gpu_session.sh tests ns scale    # these phases only
+#   DEADLINE=560 bash benchmarks/gpu_session.sh ...  # stop by t = 560 s
 #
-# (two calls fit the device tool's 10-minute limit per command better than
-# one when the suite is slow there). TESTS_TIMEOUT (default 220 s) bounds the
-# test phase.
+# Phases (in the order they run; the install always runs first):
+#   tests      the whole suite, pytest-xdist over TEST_WORKERS (12) processes
+#              where the image has it; JAX_DEFAULT_MATMUL_PRECISION and
+#              XLA_FLAGS unset; XLA_PYTHON_CLIENT_PREALLOCATE=false so the
+#              workers can share the GPU (memory only, not numerics)
+#   ns         train step of the NS-RNN, Q=S=2 and 3, config.scan_unroll 1, 8
+#   baselines  train step of LSTM, JM, Gref, scan_unroll 1, 8 and 80 (full)
+#   scale      20 vmapped NS-RNNs at length 80, scan_unroll 1 and 8
+#   precision  NS train steps at JAX's default (reduced) matmul precision
+#   cmdbuf     LSTM and NS (unroll 8) with XLA command buffers incl. WHILE
 #
-# Writes to $OUT (at most 8 files): env.txt, tests.log, bench.log,
-# train_step_gpu.json (precision highest, scan unroll 1/2/4 of both NS
-# stack tables, NS models first so a cut-off run keeps them),
-# train_step_gpu_default.json (JAX's default precision, for the cost of full
-# float32), train_step_gpu_cmdbuf.json (XLA command buffers incl. WHILE),
-# scale_gpu.json (K vmapped models, per-model lengths). Copy the JSON files
-# to benchmarks/results/ and run `python benchmarks/report.py`.
+# Writes to $OUT (a device call brings back at most 8 files: give each call
+# a few phases): env.txt, tests.log, bench.log and one
+# JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
+# ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json). Copy them to
+# benchmarks/results/ and run `python benchmarks/report.py`.
 #
-# Installs nothing beyond `pip install -e '.[cuda,test]'`. A machine without
-# network access resolves it from the packages already installed plus the
-# wheels in ./.whl (prepared beforehand with benchmarks/gpu_wheels.sh on a
-# machine that reaches PyPI, and carried along); if the extras cannot be
-# resolved offline it falls back to installing the package alone.
-#
-# Each phase has its own time limit, so a slow phase cannot eat the others'.
+# Installs nothing beyond the package: the wheels in ./.whl that the image
+# lacks (benchmarks/gpu_wheels.sh fetches them on a machine with network
+# access), then `pip install --no-deps -e .`.
 set -uo pipefail
-what=${1:-all}
-case "$what" in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench]" >&2; exit 2 ;; esac
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 : "${OUT:?set OUT to a writable directory}"
 PY=${PYTHON:-python3}
+DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
-phase() { echo "=== $* (t=$(( $(date +%s) - start )) s)" | tee -a "$OUT/bench.log"; }
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf)
+for p in "${phases[@]}"; do
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf) ;;
+    *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
+done
+elapsed() { echo $(( $(date +%s) - start )); }
+log() { echo "=== $* (t=$(elapsed) s)" | tee -a "$OUT/bench.log"; }
+# limit N: N seconds, or what is left before the deadline if less.
+limit() { local left=$(( DEADLINE - $(elapsed) )); (( left < $1 )) && echo "$left" || echo "$1"; }
 
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total \
-    --format=csv 2>&1; $PY --version; uname -a
+    --format=csv 2>&1; $PY --version; uname -a; nproc
 } > "$OUT/env.txt" 2>&1
 
-phase "install"
+log "install"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile .whl/*.whl \
     >> "$OUT/bench.log" 2>&1 || echo "wheel install failed" >> "$OUT/bench.log"
 fi
-if ! $PY -m pip install -q --no-build-isolation --no-index \
-    --find-links .whl -e '.[cuda,test]' >> "$OUT/bench.log" 2>&1; then
-  echo "offline resolution of .[cuda,test] failed; installing the package alone" \
-    | tee -a "$OUT/bench.log"
-  $PY -m pip install -q --no-build-isolation --no-index --no-deps -e . \
-    >> "$OUT/bench.log" 2>&1
-fi
-$PY -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda|flax|optax|orbax|ml.collections|tensorboardx|nbclient|ipykernel) " \
+# The tests and benchmarks also run from the checkout without the install
+# (setup.cfg puts the root on pytest's path; PYTHONPATH for subprocesses).
+$PY -m pip install -q --no-build-isolation --no-index --no-deps -e . \
+  >> "$OUT/bench.log" 2>&1 || {
+  echo "package install failed; using PYTHONPATH=$PWD" >> "$OUT/bench.log"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; }
+$PY -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda13-plugin|flax|optax|orbax-checkpoint|ml.collections|tensorboardx|pytest|pytest-xdist|nbclient|ipykernel) " \
   >> "$OUT/env.txt"
 $PY -c "from nsrnn_jax import parallel; print(parallel.describe_runtime())" \
   2>&1 | tee -a "$OUT/env.txt" "$OUT/bench.log"
 
-if [ "$what" != bench ]; then
-phase "test suite (default environment variables)"
-env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS timeout "${TESTS_TIMEOUT:-220}" \
-  $PY -m pytest -q -p no:cacheprovider --durations=15 tests > "$OUT/tests.log" 2>&1
-echo "pytest exit code $?" | tee -a "$OUT/tests.log" "$OUT/bench.log"
-tail -n 3 "$OUT/tests.log" >> "$OUT/bench.log"
-fi
-[ "$what" = tests ] && { phase "done"; exit 0; }
+# bench NAME LIMIT [ENV=VALUE ...] -- ARGS: one benchmark process.
+bench() {
+  local name=$1 secs; secs=$(limit "$2"); shift 2
+  local envs=()
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
+  if (( secs < 20 )); then log "skip $name (deadline)"; return; fi
+  log "$name (limit $secs s)"
+  env "${envs[@]}" timeout "$secs" "$PY" "$@" >> "$OUT/bench.log" 2>&1
+  echo "exit $?" >> "$OUT/bench.log"
+}
 
-phase "train step, full float32, scan unroll 1/2/4"
-timeout 170 $PY benchmarks/train_step.py --repeats=7 --unroll=1,2,4 \
-  --out "$OUT/train_step_gpu.json" >> "$OUT/bench.log" 2>&1
-echo "exit $?" >> "$OUT/bench.log"
-
-phase "train step, JAX default precision (cost of full float32)"
-timeout 40 $PY benchmarks/train_step.py --models=ns22,ns33 --repeats=10 \
-  --precision=default --out "$OUT/train_step_gpu_default.json" \
-  >> "$OUT/bench.log" 2>&1
-echo "exit $?" >> "$OUT/bench.log"
-
-phase "train step, XLA command buffers including WHILE/CONDITIONAL"
-XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
-  timeout 40 $PY benchmarks/train_step.py --models=ns22,lstm --repeats=10 \
-  --out "$OUT/train_step_gpu_cmdbuf.json" >> "$OUT/bench.log" 2>&1
-echo "exit $?" >> "$OUT/bench.log"
-
-phase "scale: K = 1, 20 vmapped NS-RNNs, per-model lengths 60/80"
-timeout 60 $PY benchmarks/scale.py --ks=1,20 --lengths=60,80 --steps=4 \
-  --repeats=3 --skip_devices --out "$OUT/scale_gpu.json" \
-  >> "$OUT/bench.log" 2>&1
-echo "exit $?" >> "$OUT/bench.log"
-phase "done"
+TS=benchmarks/train_step.py
+for p in "${phases[@]}"; do
+  case "$p" in
+    tests)
+      secs=$(limit "${TESTS_TIMEOUT:-360}")
+      log "test suite (limit $secs s)"
+      xdist=()
+      $PY -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-12}")
+      env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$secs" \
+        "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" --durations=25 \
+        tests > "$OUT/tests.log" 2>&1
+      echo "pytest exit code $? (${xdist[*]:-no xdist})" | tee -a "$OUT/tests.log" "$OUT/bench.log"
+      tail -n 3 "$OUT/tests.log" >> "$OUT/bench.log" ;;
+    ns)
+      bench "NS train step, full float32, unroll 1/8" 170 -- $TS \
+        --models=ns22,ns33 --unroll=1,8 --repeats=9 \
+        --out "$OUT/train_step_gpu_ns.json" ;;
+    baselines)
+      bench "LSTM/JM/Gref train step, unroll 1/8/80" 150 -- $TS \
+        --models=lstm,jm,gref --unroll=1,8,80 --repeats=15 \
+        --out "$OUT/train_step_gpu_baselines.json" ;;
+    scale)
+      for u in 1 8; do
+        bench "scale: 20 vmapped NS-RNNs, unroll $u" 70 -- \
+          benchmarks/scale.py --ks=20 --lengths=80 --steps=4 --repeats=3 \
+          --skip_devices --scan_unroll=$u --out "$OUT/scale_gpu_unroll$u.json"
+      done ;;
+    precision)
+      bench "NS train step, JAX default precision" 60 -- $TS \
+        --models=ns22,ns33 --repeats=9 --precision=default \
+        --out "$OUT/train_step_gpu_default.json" ;;
+    cmdbuf)
+      bench "XLA command buffers incl. WHILE" 60 \
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+        -- $TS --models=lstm,ns22 --unroll=8 --repeats=9 \
+        --out "$OUT/train_step_gpu_cmdbuf.json" ;;
+  esac
+done
+log "done"

@@ -14,6 +14,7 @@ that both documents equal what this script generates.
 """
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -81,16 +82,46 @@ def _steps(d):
           if r.get("variant", "current") == "current"}
 
 
+def _gpu_step_files():
+  """[(file name, results)] of the GPU train-step runs, by name.
+
+  gpu_session.sh writes one file per phase (train_step_gpu_ns.json,
+  ..._baselines.json, ..._default.json, ...); an older session wrote one
+  train_step_gpu.json.
+  """
+  names = sorted(os.path.basename(p) for p in
+                 glob.glob(os.path.join(RESULTS, "train_step_gpu*.json")))
+  return [(n, _load(n)) for n in names]
+
+
+def _gpu_full_precision():
+  """{model: plain row} and sources of the full-float32 GPU runs, or None."""
+  rows, sources = {}, []
+  for name, d in _gpu_step_files():
+    if d.get("precision") != "highest" or "XLA_FLAGS" in d.get("env", {}):
+      continue
+    new = {k: r for k, r in _steps(d).items() if k not in rows}
+    if new:
+      rows.update(new)
+      sources.append(f"`{name}`")
+  if not rows:
+    return None
+  device = _device(_gpu_step_files()[0][1])
+  return rows, f"GPU: {', '.join(sources)} ({device}, precision highest)"
+
+
 def train_step_table():
   """Train step per model: CPU (with FLOP-limit ratio), GPU, targets."""
   cpu = _load("train_step_cpu.json")
-  gpu = _load("train_step_gpu.json")
+  gpu_full = _gpu_full_precision()
+  gpu = gpu_full is not None
   old_gpu = _load("gpu_h200.json")
   ref = _load("reference_pytorch.json") or {}
   ref_steps = ref.get("train_step_s", {})
   ref_cpu = next((v for k, v in ref_steps.items() if "CPU" in k), {})
   ref_gpu = next((v for k, v in ref_steps.items() if "H200" in k), {})
-  cpu_rows, gpu_rows = _steps(cpu), _steps(gpu)
+  cpu_rows = _steps(cpu)
+  gpu_rows = gpu_full[0] if gpu else {}
   old_gpu_rows = _steps(old_gpu and old_gpu.get("train_step"))
   lines = []
   sources = []
@@ -99,8 +130,7 @@ def train_step_table():
                    f"average {cpu['machine']['load_average_1_5_15'][0]:.1f} "
                    f"at start, precision {cpu['precision']})")
   if gpu:
-    sources.append(f"GPU: `train_step_gpu.json` ({_device(gpu)}, precision "
-                   f"{gpu['precision']})")
+    sources.append(gpu_full[1])
   elif old_gpu:
     sources.append("GPU: `gpu_h200.json` (NVIDIA H200, jax 0.11.2, JAX's "
                    "default = reduced matmul precision, before issue 11)")
@@ -121,7 +151,7 @@ def train_step_table():
              "lstm": ("2 ms", "1.5 ms")}
   for name, label in MODEL_LABELS.items():
     c = cpu_rows.get(name)
-    g = gpu_rows.get(name) or old_gpu_rows.get(name)
+    g = gpu_rows.get(name) if gpu else old_gpu_rows.get(name)
     if c is None and g is None and name not in targets:
       continue
     cpu_cell = ""
@@ -160,6 +190,34 @@ def train_step_table():
       lines.append(f"| {MODEL_LABELS[_model_key(r)]} | {r['variant']} | "
                    f"{_ms(r['min_step_s'])} | "
                    f"{r['min_step_over_current']:.2f} | {cpu_ratio} |")
+  return lines
+
+
+def gpu_variants_table():
+  """Every GPU train-step row: plain and variants, with ratios and targets."""
+  files = _gpu_step_files()
+  if not files:
+    return []
+  lines = ["GPU train steps, batch 10, n = 80, every variant measured "
+           f"({_device(files[0][1])}; within one file the variants were "
+           "timed in alternation, so the ratio to that file's plain step "
+           "(unroll 1) is the figure to compare; below 1 = faster):", "",
+           "| file | model | variant | matmul precision | XLA flags | compile "
+           "| step median (best) | ratio to plain (best) | target |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for name, d in files:
+    flags = d.get("env", {}).get("XLA_FLAGS", "")
+    flags = "command buffers incl. WHILE" if "WHILE" in flags else (
+        flags or "–")
+    for r in d.get("steps", []):
+      ratio = (f"{r['min_step_over_current']:.2f}"
+               if "min_step_over_current" in r else "1")
+      target = _ms(r.get("target_s")) or "–"
+      lines.append(
+          f"| `{name}` | {MODEL_LABELS[_model_key(r)]} | {r['variant']} | "
+          f"{r['precision']} | {flags} | {_s(r['compile_s'])} | "
+          f"{_ms(r['step_s'])} ({_ms(r['min_step_s'])}) | {ratio} | "
+          f"{target} |")
   return lines
 
 
@@ -204,24 +262,30 @@ def stack_table():
 def scale_table():
   """K vmapped models vs K sequential runs (benchmarks/scale.py)."""
   lines = []
-  for name in ("scale_cpu.json", "scale_gpu.json", "scale_gpu_h200.json"):
+  unrolled = sorted(os.path.basename(p) for p in glob.glob(
+      os.path.join(RESULTS, "scale_gpu_unroll*.json")))
+  for name in ["scale_cpu.json", "scale_gpu.json", "scale_gpu_h200.json"] + \
+      unrolled:
     d = _load(name)
     if d is None:
       continue
     if name == "scale_gpu_h200.json" and _load("scale_gpu.json"):
       continue
     how = ("per-model lengths from " + str(d["lengths"]) + ", padded to the "
-           "longest per step" if "lengths" in d else
+           "longest per step" if len(d.get("lengths", [])) > 1 else
            f"all models at length {d['length']}")
+    if "scan_unroll" in d:
+      how += f", scan unroll {d['scan_unroll']}"
     if not lines:
       lines += ["K NS-RNNs (Q=S=2, batch 10) vmapped in one program vs the "
                 "same K trained one after another (`scale.py`):", "",
-                "| source | device | lengths | K | vmapped strings/s | "
-                "sequential strings/s | speed-up (wall) | speed-up (CPU "
-                "time) |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| source | device | lengths | K | vmapped step | vmapped "
+                "strings/s | sequential strings/s | speed-up (wall) | "
+                "speed-up (CPU time) |",
+                "|---|---|---|---|---|---|---|---|---|"]
     for r in d["model_axis"]:
       lines.append(f"| `{name}` | {_device(d)} | {how} | {r['K']} | "
+                   f"{_ms(r['step_time_vmapped_s'])} | "
                    f"{r['strings_per_s_vmapped']:,.0f} | "
                    f"{r['strings_per_s_sequential']:,.0f} | "
                    f"{r['speedup']:.2f}× | "
@@ -248,8 +312,8 @@ def data_table():
 
 def benchmarks_block():
   out = []
-  for part in (train_step_table(), stack_table(), scale_table(),
-               data_table()):
+  for part in (train_step_table(), gpu_variants_table(), stack_table(),
+               scale_table(), data_table()):
     if part:
       out += part + [""]
   return "\n".join(out).rstrip() + "\n"

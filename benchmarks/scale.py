@@ -49,8 +49,9 @@ BATCH = 10
 DEVICE_BATCH = 8  # Divisible by 1, 2, 4, 8 devices.
 
 
-def ns_config(batch_size=BATCH):
+def ns_config(batch_size=BATCH, scan_unroll=1):
   c = default.get_config()
+  c.scan_unroll = scan_unroll
   c.model = "ns"
   c.num_states = 2
   c.num_stack_symbols = 2
@@ -70,9 +71,9 @@ def draw_lengths(lengths, k, steps, seed=0):
   return [[int(x) for x in rng.choice(lengths, size=k)] for _ in range(steps)]
 
 
-def bench_model_axis(ks, lengths, steps, repeats, save=None):
+def bench_model_axis(ks, lengths, steps, repeats, save=None, scan_unroll=1):
   """Strings/s of K vmapped models vs K sequential single-model runs."""
-  config = ns_config()
+  config = ns_config(scan_unroll=scan_unroll)
   rng = np.random.default_rng(1)
   symbols = {n: rng.integers(0, 3, (BATCH, n), dtype=np.int32)
              for n in lengths}
@@ -181,6 +182,8 @@ def main():
   parser.add_argument("--ks", default="1,5,20")
   parser.add_argument("--devices_child", action="store_true")
   parser.add_argument("--skip_devices", action="store_true")
+  parser.add_argument("--scan_unroll", type=int, default=1,
+                      help="config.scan_unroll of the models (K axis only)")
   parser.add_argument("--out", default=None,
                       help="default results/scale_<backend>.json")
   args = parser.parse_args()
@@ -202,14 +205,17 @@ def main():
       json.dump({"machine": info, "device": machine.device_label(info),
                  "lengths": lengths, "length": args.length, "batch": BATCH,
                  "steps": args.steps, "repeats": args.repeats,
+                 "scan_unroll": args.scan_unroll,
                  "single_step_s_by_length": {
                      str(n): t for n, t in t_single.items()},
                  "model_axis": model_rows, "devices": list(device_rows)},
                 f, indent=1)
 
   model_rows, t_single = bench_model_axis(ks, lengths, args.steps,
-                                          args.repeats, save)
-  print(f"NS-RNN Q=S=2, batch {BATCH}, lengths drawn from {lengths}, "
+                                          args.repeats, save,
+                                          args.scan_unroll)
+  print(f"NS-RNN Q=S=2, batch {BATCH}, scan unroll {args.scan_unroll}, "
+        f"lengths drawn from {lengths}, "
         f"{machine.device_label(info)}")
   print(f"{'K':>3} {'vmapped s/step':>15} {'vmapped str/s':>14} "
         f"{'sequential str/s':>17} {'speed-up':>9}")

@@ -13,7 +13,8 @@ then timed in alternation (order reversed every round), so their ratios
 come from the same conditions.
 
 Variants (each adds rows; the plain row is always measured):
-  --unroll=2,4          stack scan unroll factors (NS models, either table)
+  --unroll=2,4          time-loop scan unroll factors (config.scan_unroll;
+                        every model, and the NS stack's sweeps)
   --baseline_ref=REF    the NS models with nsrnn_jax/ns_stack.py, and the
                         rns models with nsrnn_jax/rns_stack.py, as of git
                         REF (loaded by path), for before/after ratios
@@ -41,7 +42,6 @@ in results/reference_pytorch.json, never here.
 """
 
 import argparse
-import functools
 import importlib.util
 import inspect
 import json
@@ -223,18 +223,18 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=()):
   """Rows for one model: every variant, timed in alternation."""
   variants = [Variant(name, "current", length, precision)]
-  # Stack models get the FLOP / bytes limit columns; the variants (unroll,
-  # baseline) swap the module that computes the stack: ns_stack for the
-  # scaled table, rns_stack for the shares table.
+  # Stack models get the FLOP / bytes limit columns; the baseline variant
+  # swaps the module that computes the stack: ns_stack for the scaled
+  # table, rns_stack for the shares table.
   is_ns = SETTINGS[name]["model"] == "ns"
   on_ns_stack = is_ns and SETTINGS[name]["stack_table"] == "scaled"
   stack = ns_stack if on_ns_stack else rns_stack
+  # config.scan_unroll: every model's time loop (the NS stack's sweeps too).
+  for u in unrolls:
+    if u != 1:
+      variants.append(Variant(name, f"unroll={u}", length, precision,
+                              overrides={"scan_unroll": u}))
   if is_ns:
-    for u in unrolls:
-      if u != 1:
-        variants.append(Variant(
-            name, f"unroll={u}", length, precision, _stack_module(
-                functools.partial(stack.run_coupled, unroll=u), stack)))
     for c in batch_chunks:
       variants.append(Variant(name, f"batch_chunk={c}", length, precision,
                               overrides={"stack_batch_chunk": c}))
@@ -372,7 +372,7 @@ def main():
   parser.add_argument("--precision", default="highest",
                       choices=ns_stack.MATMUL_PRECISIONS)
   parser.add_argument("--unroll", default="1",
-                      help="comma-separated stack scan unroll factors")
+                      help="comma-separated scan unroll factors (config.scan_unroll)")
   parser.add_argument("--baseline_ref", default=None,
                       help="git ref of an ns_stack.py to compare against")
   parser.add_argument("--cpu_devices", type=int, default=1)
@@ -401,6 +401,9 @@ def main():
                  "matmul's CPU-time rate; bytes_limit_ratio = min_step_s / "
                  "bytes_limit_s (the table reads, 2*B*Q^2*S^2*n^3 bytes, at "
                  "the streaming read rate of a jitted sum over 256 MB)"}
+  # What else decides the numbers: XLA flags and JAX's precision default.
+  out["env"] = {k: os.environ[k] for k in
+                ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION") if k in os.environ}
   names = [n for n in args.models.split(",") if n]
   unrolls = [int(u) for u in args.unroll.split(",") if u]
   baseline = None

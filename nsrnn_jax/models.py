@@ -405,6 +405,9 @@ class LanguageModel(nn.Module):
   dtype: Any = jnp.float32
   # Matmul precision of every contraction (ns_stack.MATMUL_PRECISIONS).
   matmul_precision: str = 'highest'
+  # `lax.scan` unroll factor of the time loop (same values; fewer loop
+  # iterations, hence fewer kernel launches and syncs, on accelerators).
+  scan_unroll: int = 1
 
   def _reading_size(self) -> int:
     return 0
@@ -492,7 +495,8 @@ class LSTMLM(LanguageModel):
                        self.matmul_precision)
 
     _, h_TxBxH = jax.lax.scan(step, (zeros_BxH, zeros_BxH),
-                              jnp.swapaxes(x_BxTxV, 0, 1))
+                              jnp.swapaxes(x_BxTxV, 0, 1),
+                              unroll=self.scan_unroll)
     return jnp.swapaxes(h_TxBxH, 0, 1), {}
 
 
@@ -574,7 +578,7 @@ class JMLM(_VectorStackLM):
 
     _, (h, actions, push, readings) = jax.lax.scan(
         step, ((zeros_BxH, zeros_BxH), stack_BxDxM),
-        jnp.swapaxes(x_BxTxV, 0, 1))
+        jnp.swapaxes(x_BxTxV, 0, 1), unroll=self.scan_unroll)
     h, actions, push, readings = (jnp.swapaxes(a, 0, 1)
                                   for a in (h, actions, push, readings))
     readings = jnp.concatenate(
@@ -628,7 +632,8 @@ class GrefLM(_VectorStackLM):
               (h_BxH, actions_Bx2, push_BxM, strength_BxT, reading_BxM))
 
     _, outs = jax.lax.scan(
-        step, init, (jnp.arange(steps), jnp.swapaxes(x_BxTxV, 0, 1)))
+        step, init, (jnp.arange(steps), jnp.swapaxes(x_BxTxV, 0, 1)),
+        unroll=self.scan_unroll)
     h, actions, push, strengths, readings = (jnp.swapaxes(a, 0, 1)
                                              for a in outs)
     readings = jnp.concatenate(
@@ -776,7 +781,8 @@ class NSLM(LanguageModel):
     h_BxTxH, readings, log_mass = run_ns_stack(
         step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
         self.num_states, self.num_stack_symbols, self.table,
-        self.matmul_precision, batch_chunk=self.batch_chunk)
+        self.matmul_precision, unroll=self.scan_unroll,
+        batch_chunk=self.batch_chunk)
     push, repl, pop = jax.vmap(
         lambda h: ns_action_log_probs(params['action'], h, self.num_states,
                                       self.num_stack_symbols,
@@ -853,7 +859,8 @@ class RNSLM(LanguageModel):
     else:
       h_BxTxH, la, log_mass = rns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
-          self.bottom, self.reading, precision=self.matmul_precision)
+          self.bottom, self.reading, precision=self.matmul_precision,
+          unroll=self.scan_unroll)
     push, repl, pop = rns_stack.split_action_logits(
         affine(params['action'], h_BxTxH, self.matmul_precision), q, s,
         self.normalize)
@@ -886,7 +893,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_vector_size: int = 3, stack_bottom_vector: str = 'learned',
         broadcast_bottom_vector: bool = False,
         stack_table: str = DEFAULT_NS_TABLE,
-        stack_batch_chunk: int = 0) -> nn.Module:
+        stack_batch_chunk: int = 0, scan_unroll: int = 1) -> nn.Module:
   """Builds one of the language models.
 
   Args:
@@ -911,6 +918,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
       only): 'shares' (exact) or 'scaled' (faster; can flush in float32).
     stack_batch_chunk: strings per run of the NS-RNN's stack, 0 = automatic
       (``stack_batch_chunk``; ns only).
+    scan_unroll: ``lax.scan`` unroll factor of the time loop (same values;
+      lstm, jm, gref, ns and rns without a window; 1 for the others).
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -944,9 +953,16 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
   if np_dtype == np.float64 and not jax.config.jax_enable_x64:
     raise ValueError('dtype float64 needs jax_enable_x64 (e.g. '
                      '`with jax.enable_x64(True):` or JAX_ENABLE_X64=1)')
+  scan_unroll = ns_stack.check_unroll(scan_unroll)
+  if scan_unroll > 1 and (name == 'vrns' or (name == 'rns' and stack_window)):
+    raise ValueError(f'scan_unroll must be 1 for {name!r}'
+                     f'{" with a window" if name == "rns" else ""} (its '
+                     f'scans are not unrolled), got {scan_unroll}')
   common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
                 dtype=np_dtype.type,
                 matmul_precision=ns_stack.check_precision(matmul_precision))
+  if name != 'vrns':
+    common['scan_unroll'] = scan_unroll
   if name == 'lstm':
     return LSTMLM(**common)
   if name == 'jm':
@@ -1025,7 +1041,8 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              stack_bottom_vector=field('stack_bottom_vector', 'learned'),
              broadcast_bottom_vector=field('broadcast_bottom_vector', False),
              stack_table=field('stack_table', DEFAULT_NS_TABLE),
-             stack_batch_chunk=field('stack_batch_chunk', 0))
+             stack_batch_chunk=field('stack_batch_chunk', 0),
+             scan_unroll=field('scan_unroll', 1))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

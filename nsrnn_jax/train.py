@@ -97,6 +97,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
     fail("stack_batch_chunk", f"is {chunk!r}; expected 0 (automatic) or a "
          "positive integer")
+  unroll = config.get("scan_unroll", 1)
+  if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) \
+      or unroll < 1:
+    fail("scan_unroll", f"must be a positive integer (got {unroll!r})")
+  if unroll > 1 and (model == "vrns" or (
+      model == "rns" and config.get("stack_window", 0))):
+    fail("scan_unroll", f"must be 1 for model {model!r}"
+         f"{' with a window' if model == 'rns' else ''} (got {unroll})")
   for field in ("hidden_size", "num_states", "num_stack_symbols",
                 "stack_embedding_size", "batch_size", "num_train_batches",
                 "num_valid_batches", "max_epochs", "test_strings_per_length",

@@ -108,6 +108,8 @@ def test_quick_config_is_small_and_valid():
     ("checkpoints_to_keep", 1, "config.checkpoints_to_keep"),
     ("batch_size", 0, "config.batch_size"),
     ("data_seed", -1, "config.data_seed"),
+    ("scan_unroll", 0, "config.scan_unroll must be a positive integer"),
+    ("scan_unroll", -1, "config.scan_unroll must be a positive integer"),
 ])
 def test_validation_errors_name_the_field(field, value, message):
   config = default.get_config()
@@ -116,6 +118,17 @@ def test_validation_errors_name_the_field(field, value, message):
     train.validate_config(config)
   assert message in str(info.value)
   assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides", [dict(model="vrns"),
+                                       dict(model="rns", stack_window=4)])
+def test_scan_unroll_is_refused_where_the_scans_are_not_unrolled(overrides):
+  config = default.get_config()
+  config.update(overrides)
+  config.scan_unroll = 4
+  with pytest.raises(ValueError, match="config.scan_unroll must be 1 for "
+                     "model"):
+    train.validate_config(config)
 
 
 def test_buckets_must_cover_the_longest_string():

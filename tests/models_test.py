@@ -576,6 +576,43 @@ def test_ns_batch_chunks_give_the_same_values_and_gradients(table):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.usefixtures('fast_compile_test')
+@pytest.mark.parametrize('name,extra', [
+    ('lstm', {}), ('jm', {}), ('gref', {}),
+    ('ns', dict(stack_table='shares')), ('ns', dict(stack_table='scaled')),
+    ('rns', {})])
+def test_scan_unroll_gives_the_same_values_and_gradients(name, extra):
+  # The time loop unrolled by 4 (9 updates: two whole blocks and a
+  # remainder) against unroll 1, in float64: loss and gradient.
+  rng = np.random.default_rng(2)
+  symbols = jnp.asarray(rng.integers(0, _VOCAB, size=(2, 10)), jnp.int32)
+  with jax.enable_x64(True):
+    results = []
+    for unroll in (1, 4):
+      model = models.get(name, _VOCAB, hidden_size=4, stack_embedding_size=3,
+                         dtype=jnp.float64, scan_unroll=unroll, **extra)
+      params = _randomize(_init(model, symbols), seed=4, scale=1.0)
+      loss = lambda p, model=model: -jnp.sum(models.sequence_log_prob(
+          model.apply({'params': p}, symbols), symbols))
+      results.append(jax.jit(jax.value_and_grad(loss))(params))
+    for value, grad in results[1:]:
+      np.testing.assert_allclose(value, results[0][0], rtol=1e-12)
+      for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(results[0][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_scan_unroll_must_be_a_positive_integer_and_where_supported():
+  for bad in (0, -2, 1.5, True):
+    with pytest.raises(ValueError, match='unroll .scan unroll factor. must '
+                       'be a positive integer'):
+      models.get('lstm', _VOCAB, scan_unroll=bad)
+  with pytest.raises(ValueError, match="scan_unroll must be 1 for 'rns' "
+                     'with a window'):
+    models.get('rns', _VOCAB, stack_window=3, scan_unroll=2)
+  with pytest.raises(ValueError, match="scan_unroll must be 1 for 'vrns'"):
+    models.get('vrns', _VOCAB, scan_unroll=2)
+
+
 @pytest.mark.parametrize('dtype,itemsize', [(jnp.float32, 4),
                                               (jnp.float64, 8)])
 def test_ns_stack_chunk_is_sized_by_the_model_float_type(monkeypatch, dtype,
