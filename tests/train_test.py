@@ -700,7 +700,7 @@ def test_first_line_names_the_runtime_and_the_ns_stack_table(
                   stack_table=table),
       str(tmp_path / "run"), splits=tiny_splits(lengths=(5,)), model=TINY)
   first = capsys.readouterr().err.splitlines()[0]
-  assert first.startswith("runtime: backend cpu")
+  assert first.startswith(f"runtime: backend {jax.default_backend()}")
   assert first.endswith(f"; matmul precision highest; NS stack table {table}")
 
 
