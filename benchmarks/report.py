@@ -94,20 +94,47 @@ def _gpu_step_files():
   return [(n, _load(n)) for n in names]
 
 
+def _unroll(r):
+  """The scan unroll factor a train_step row ran (older rows: from label)."""
+  if "scan_unroll" in r:
+    return r["scan_unroll"]
+  label = r.get("variant", "current")
+  return int(label[len("unroll="):]) if label.startswith("unroll=") else 1
+
+
+def _gpu_default_rows(d):
+  """{model: the row that ran today's GPU default unroll} of one file."""
+  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, REPO)
+  from nsrnn_jax import models
+  rows = {}
+  for r in d.get("steps", []):
+    model = "ns" if r["model"].startswith("ns") else r["model"]
+    if _unroll(r) == models.auto_scan_unroll(model, "gpu"):
+      rows.setdefault(_model_key(r), r)
+  return rows
+
+
 def _gpu_full_precision():
-  """{model: plain row} and sources of the full-float32 GPU runs, or None."""
+  """{model: default row} and sources of the full-float32 GPU runs, or None.
+
+  The default row is the one at today's default unroll on a GPU
+  (models.auto_scan_unroll), whichever label it had when measured.
+  """
   rows, sources = {}, []
   for name, d in _gpu_step_files():
     if d.get("precision") != "highest" or "XLA_FLAGS" in d.get("env", {}):
       continue
-    new = {k: r for k, r in _steps(d).items() if k not in rows}
+    new = {k: r for k, r in _gpu_default_rows(d).items() if k not in rows}
     if new:
       rows.update(new)
       sources.append(f"`{name}`")
   if not rows:
     return None
   device = _device(_gpu_step_files()[0][1])
-  return rows, f"GPU: {', '.join(sources)} ({device}, precision highest)"
+  return rows, (f"GPU: {', '.join(sources)} ({device}, precision highest, "
+                f"the default scan unroll: 8 for LSTM, JM and Gref, 1 for "
+                f"the NS-RNN)")
 
 
 def train_step_table():
@@ -193,6 +220,26 @@ def train_step_table():
   return lines
 
 
+def gpu_suite_line():
+  """The test suite's result on a GPU (gpu_suite_*.json), one paragraph."""
+  lines = []
+  for path in sorted(glob.glob(os.path.join(RESULTS, "gpu_suite_*.json"))):
+    name = os.path.basename(path)
+    d = _load(name)
+    text = (f"Test suite on a GPU (`{name}`, {d['device']}, jax "
+            f"{d['packages']['jax']}, commit {d['commit']}, {d['date']}; "
+            f"{d['environment']}): {d['passed']} passed, {d['failed']} "
+            f"failed, {d['skipped']} skipped, {d['xfailed']} xfailed in "
+            f"{d['wall_s']:.0f} s")
+    if d["failed"]:
+      tests = ", ".join(f"`{t.split('::')[-1]}`" for t in d["failed_tests"])
+      rerun = "" if d["fixes_rerun_on_gpu"] else ", not yet rerun on a GPU"
+      text += (f"; failed: {tests} ({d['cause_of_failures']}; fixed in "
+               f"{', '.join(d['fixed_in'])}{rerun})")
+    lines.append(text + ".")
+  return lines
+
+
 def gpu_variants_table():
   """Every GPU train-step row: plain and variants, with ratios and targets."""
   files = _gpu_step_files()
@@ -200,11 +247,14 @@ def gpu_variants_table():
     return []
   lines = ["GPU train steps, batch 10, n = 80, every variant measured "
            f"({_device(files[0][1])}; within one file the variants were "
-           "timed in alternation, so the ratio to that file's plain step "
-           "(unroll 1) is the figure to compare; below 1 = faster):", "",
-           "| file | model | variant | matmul precision | XLA flags | compile "
-           "| step median (best) | ratio to plain (best) | target |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "timed in alternation, so the ratio to that file's `current` row "
+           "(the default when measured) is the figure to compare; below 1 = "
+           "faster; host CPU time: the process's CPU time per step, all "
+           "threads):", "",
+           "| file | model | variant | scan unroll | matmul precision | XLA "
+           "flags | compile | step median (best) | host CPU time | ratio to "
+           "current (best) | target |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, d in files:
     flags = d.get("env", {}).get("XLA_FLAGS", "")
     flags = "command buffers incl. WHILE" if "WHILE" in flags else (
@@ -213,11 +263,13 @@ def gpu_variants_table():
       ratio = (f"{r['min_step_over_current']:.2f}"
                if "min_step_over_current" in r else "1")
       target = _ms(r.get("target_s")) or "–"
+      # Rows from before config.scan_unroll existed ran unroll 1 by default.
+      unroll = _unroll(r)
       lines.append(
           f"| `{name}` | {MODEL_LABELS[_model_key(r)]} | {r['variant']} | "
-          f"{r['precision']} | {flags} | {_s(r['compile_s'])} | "
-          f"{_ms(r['step_s'])} ({_ms(r['min_step_s'])}) | {ratio} | "
-          f"{target} |")
+          f"{unroll} | {r['precision']} | {flags} | {_s(r['compile_s'])} | "
+          f"{_ms(r['step_s'])} ({_ms(r['min_step_s'])}) | "
+          f"{_ms(r.get('cpu_step_s'))} | {ratio} | {target} |")
   return lines
 
 
@@ -312,7 +364,8 @@ def data_table():
 
 def benchmarks_block():
   out = []
-  for part in (train_step_table(), gpu_variants_table(), stack_table(),
+  for part in (train_step_table(), gpu_suite_line(), gpu_variants_table(),
+               stack_table(),
                scale_table(), data_table()):
     if part:
       out += part + [""]

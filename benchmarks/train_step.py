@@ -229,9 +229,13 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
   is_ns = SETTINGS[name]["model"] == "ns"
   on_ns_stack = is_ns and SETTINGS[name]["stack_table"] == "scaled"
   stack = ns_stack if on_ns_stack else rns_stack
-  # config.scan_unroll: every model's time loop (the NS stack's sweeps too).
+  # config.scan_unroll: every model's time loop (the NS stack's sweeps too);
+  # the plain row runs the default (automatic: models.auto_scan_unroll).
+  auto_unroll = models.auto_scan_unroll(SETTINGS[name]["model"])
+  unroll_of = {"current": auto_unroll}
   for u in unrolls:
-    if u != 1:
+    if u != auto_unroll:
+      unroll_of[f"unroll={u}"] = u
       variants.append(Variant(name, f"unroll={u}", length, precision,
                               overrides={"scan_unroll": u}))
   if is_ns:
@@ -269,7 +273,8 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
            "times_s": v.times, "matmul_gflops": rate,
            "cpu_step_s": statistics.median(v.cpu_times),
            "cpu_times_s": v.cpu_times, "matmul_gflops_cpu_time": cpu_rate,
-           "target_s": TARGETS_S.get(backend, {}).get(name)}
+           "target_s": TARGETS_S.get(backend, {}).get(name),
+           "scan_unroll": unroll_of.get(v.label, auto_unroll)}
     if is_ns:
       row["stack_table"] = SETTINGS[name]["stack_table"]
       q, s = SETTINGS[name]["num_states"], SETTINGS[name]["num_stack_symbols"]

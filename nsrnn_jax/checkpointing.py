@@ -55,8 +55,9 @@ RESUME_SAFE_FIELDS = frozenset({
     # The NS-RNN's two dynamic programs compute the same function (the
     # exact one where the other would flush): a run may switch tables.
     "stack_table",
-    # How many strings the stack runs at once: the same values.
-    "stack_batch_chunk",
+    # How many strings the stack runs at once, and how far the time loop is
+    # unrolled: the same values (a run may move to a GPU and back).
+    "stack_batch_chunk", "scan_unroll",
     # Written by train_and_evaluate next to the config, derived from it.
     "alphabet", "vocab_size",
 })

@@ -876,6 +876,29 @@ class RNSLM(LanguageModel):
 # ---------------------------------------------------------------------------
 
 
+# Time-loop unroll factor chosen by scan_unroll = 0 for the small baselines
+# on GPUs. Measured on one H200 (train step, batch 10, n = 80, full float32;
+# benchmarks/results/train_step_gpu_*.json): unroll 8 ran 0.54x (LSTM),
+# 0.53x (JM) and 0.95x (Gref) the time of unroll 1, for 1.2-8 s more
+# compile. The NS-RNN gained less (0.86x / 0.91x at Q=S=2 / 3) for 3-4x
+# the compile time (14 -> 53 s), which one compile per string length does
+# not earn back, so it stays at 1. On 2 CPU cores unroll 8 was slower
+# (LSTM 1.53x, JM 1.33x, Gref 1.25x: train_step_cpu_unroll.json).
+GPU_BASELINE_UNROLL = 8
+
+
+def auto_scan_unroll(name: str, backend: str | None = None) -> int:
+  """The time loop's unroll factor for ``scan_unroll = 0`` (automatic).
+
+  ``GPU_BASELINE_UNROLL`` for 'lstm', 'jm' and 'gref' on a GPU backend, 1
+  for everything else (``backend`` defaults to JAX's default backend).
+  """
+  backend = jax.default_backend() if backend is None else backend
+  if backend in ('gpu', 'cuda', 'rocm') and name in ('lstm', 'jm', 'gref'):
+    return GPU_BASELINE_UNROLL
+  return 1
+
+
 def _check_positive_int(name: str, value) -> int:
   if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
       or value < 1):
@@ -893,7 +916,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_vector_size: int = 3, stack_bottom_vector: str = 'learned',
         broadcast_bottom_vector: bool = False,
         stack_table: str = DEFAULT_NS_TABLE,
-        stack_batch_chunk: int = 0, scan_unroll: int = 1) -> nn.Module:
+        stack_batch_chunk: int = 0, scan_unroll: int = 0) -> nn.Module:
   """Builds one of the language models.
 
   Args:
@@ -919,7 +942,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     stack_batch_chunk: strings per run of the NS-RNN's stack, 0 = automatic
       (``stack_batch_chunk``; ns only).
     scan_unroll: ``lax.scan`` unroll factor of the time loop (same values;
-      lstm, jm, gref, ns and rns without a window; 1 for the others).
+      lstm, jm, gref, ns and rns without a window; 1 for the others), 0 =
+      automatic (``auto_scan_unroll``).
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -953,7 +977,11 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
   if np_dtype == np.float64 and not jax.config.jax_enable_x64:
     raise ValueError('dtype float64 needs jax_enable_x64 (e.g. '
                      '`with jax.enable_x64(True):` or JAX_ENABLE_X64=1)')
-  scan_unroll = ns_stack.check_unroll(scan_unroll)
+  if (isinstance(scan_unroll, bool)
+      or not isinstance(scan_unroll, (int, np.integer)) or scan_unroll < 0):
+    raise ValueError('scan_unroll must be 0 (automatic) or a positive '
+                     f'integer, got {scan_unroll!r}')
+  scan_unroll = int(scan_unroll) or auto_scan_unroll(name)
   if scan_unroll > 1 and (name == 'vrns' or (name == 'rns' and stack_window)):
     raise ValueError(f'scan_unroll must be 1 for {name!r}'
                      f'{" with a window" if name == "rns" else ""} (its '
@@ -1042,7 +1070,7 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              broadcast_bottom_vector=field('broadcast_bottom_vector', False),
              stack_table=field('stack_table', DEFAULT_NS_TABLE),
              stack_batch_chunk=field('stack_batch_chunk', 0),
-             scan_unroll=field('scan_unroll', 1))
+             scan_unroll=field('scan_unroll', 0))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

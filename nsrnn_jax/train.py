@@ -97,10 +97,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
     fail("stack_batch_chunk", f"is {chunk!r}; expected 0 (automatic) or a "
          "positive integer")
-  unroll = config.get("scan_unroll", 1)
+  unroll = config.get("scan_unroll", 0)
   if isinstance(unroll, bool) or not isinstance(unroll, (int, np.integer)) \
-      or unroll < 1:
-    fail("scan_unroll", f"must be a positive integer (got {unroll!r})")
+      or unroll < 0:
+    fail("scan_unroll", f"must be 0 (automatic) or a positive integer (got "
+         f"{unroll!r})")
   if unroll > 1 and (model == "vrns" or (
       model == "rns" and config.get("stack_window", 0))):
     fail("scan_unroll", f"must be 1 for model {model!r}"

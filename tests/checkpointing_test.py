@@ -165,6 +165,10 @@ def test_a_run_may_switch_the_ns_stack_table_on_resume():
   assert checkpointing.config_differences(
       {"learning_rate": 0.01}, {"learning_rate": 0.01,
                                 "stack_batch_chunk": 2}) == []
+  # Nor how far the time loop is unrolled (same values).
+  assert checkpointing.config_differences(
+      {"learning_rate": 0.01, "scan_unroll": 1, "stack_batch_chunk": 5},
+      {"learning_rate": 0.01, "scan_unroll": 8, "stack_batch_chunk": 2}) == []
 
 
 def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(

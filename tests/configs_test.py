@@ -108,8 +108,8 @@ def test_quick_config_is_small_and_valid():
     ("checkpoints_to_keep", 1, "config.checkpoints_to_keep"),
     ("batch_size", 0, "config.batch_size"),
     ("data_seed", -1, "config.data_seed"),
-    ("scan_unroll", 0, "config.scan_unroll must be a positive integer"),
-    ("scan_unroll", -1, "config.scan_unroll must be a positive integer"),
+    ("scan_unroll", -1, "config.scan_unroll must be 0 (automatic) or a "
+     "positive integer"),
 ])
 def test_validation_errors_name_the_field(field, value, message):
   config = default.get_config()
