@@ -10,10 +10,11 @@
 #   DEADLINE=560 bash benchmarks/gpu_session.sh ...  # stop by t = 560 s
 #
 # Phases (in the order they run; the install always runs first):
-#   tests      the whole suite, pytest-xdist over TEST_WORKERS (12) processes
-#              where the image has it; JAX_DEFAULT_MATMUL_PRECISION and
-#              XLA_FLAGS unset; XLA_PYTHON_CLIENT_PREALLOCATE=false so the
-#              workers can share the GPU (memory only, not numerics)
+#   tests      the whole suite, pytest-xdist over TEST_WORKERS (14) processes
+#              where the image has it (README's command uses at most 8);
+#              JAX_DEFAULT_MATMUL_PRECISION and XLA_FLAGS unset (the tests'
+#              conftest turns GPU memory preallocation off so the workers
+#              share the GPU: memory only, not numerics)
 #   ns         train step of the NS-RNN, Q=S=2 and 3, config.scan_unroll 1, 8
 #   baselines  train step of LSTM, JM, Gref, scan_unroll 1, 8 and 80 (full)
 #   scale      20 vmapped NS-RNNs at length 80, scan_unroll 1 and 8
@@ -86,9 +87,8 @@ for p in "${phases[@]}"; do
       secs=$(limit "${TESTS_TIMEOUT:-360}")
       log "test suite (limit $secs s)"
       xdist=()
-      $PY -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-12}")
-      env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS \
-        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$secs" \
+      $PY -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-14}")
+      env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS timeout "$secs" \
         "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" --durations=25 \
         tests > "$OUT/tests.log" 2>&1
       echo "pytest exit code $? (${xdist[*]:-no xdist})" | tee -a "$OUT/tests.log" "$OUT/bench.log"

@@ -21,8 +21,14 @@ import os
 import shutil
 import tempfile
 
-import jax
-import pytest
+# On a GPU, JAX takes 75% of its memory at start-up by default; the xdist
+# workers and the tests' subprocesses share one GPU, so each allocates what
+# it uses instead (memory only: the numerics are JAX's defaults). Set before
+# any backend starts; a value the user set wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CACHE_ENV = {
     # A persistent XLA compilation cache in a fresh directory for one test
