@@ -133,8 +133,8 @@ def _gpu_full_precision():
     return None
   device = _device(_gpu_step_files()[0][1])
   return rows, (f"GPU: {', '.join(sources)} ({device}, precision highest, "
-                f"the default scan unroll: 8 for LSTM, JM and Gref, 1 for "
-                f"the NS-RNN)")
+                f"the default scan unroll: 8 for the LSTM and JM, 1 for Gref "
+                f"and the NS-RNN)")
 
 
 def train_step_table():

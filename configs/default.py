@@ -137,7 +137,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Matmul precision of every contraction: "highest" (full float32), "high", "default".
   config.matmul_precision = "highest"
   # lax.scan unroll factor of the time loop (same values; not for vrns or a
-  # windowed rns stack); 0 = automatic: 8 for lstm/jm/gref on GPUs, else 1.
+  # windowed rns stack); 0 = automatic: 8 for lstm and jm on GPUs, else 1.
   config.scan_unroll = 0
   # How distinct string lengths are compiled: "per_length" (one jit cache
   # entry per length, no padding) or "bucket" (pad to the next bucket

@@ -876,26 +876,29 @@ class RNSLM(LanguageModel):
 # ---------------------------------------------------------------------------
 
 
-# Time-loop unroll factor chosen by scan_unroll = 0 for the small baselines
-# on GPUs. Measured on one H200 (train step, batch 10, n = 80, full float32;
-# benchmarks/results/train_step_gpu_*.json): unroll 8 ran 0.54x (LSTM),
-# 0.53x (JM) and 0.95x (Gref) the time of unroll 1, for 1.2-8 s more
-# compile. The NS-RNN gained less (0.86x / 0.91x at Q=S=2 / 3) for 3-4x
-# the compile time (14 -> 53 s), which one compile per string length does
-# not earn back, so it stays at 1. On 2 CPU cores unroll 8 was slower
-# (LSTM 1.53x, JM 1.33x, Gref 1.25x: train_step_cpu_unroll.json).
-GPU_BASELINE_UNROLL = 8
+# Time-loop unroll factor chosen by scan_unroll = 0 for the LSTM and JM on
+# GPUs. Measured on one H200 (train step, batch 10, n = 80, full float32;
+# benchmarks/results/train_step_gpu_*.json): unroll 8 ran 0.54x (LSTM) and
+# 0.53x (JM) the time of unroll 1, for 1.2 / 3.2 s more compile. Gref gained
+# 0.95x for 4x the compile (2.8 -> 10.7 s) and the NS-RNN 0.86x / 0.91x
+# (Q=S=2 / 3) for 3-4x (14 -> 53 s): with a compile per string length or
+# bucket that is about even or a loss, so both stay at 1. On 2 CPU cores
+# unroll 8 was slower (LSTM 1.53x, JM 1.33x, Gref 1.25x:
+# train_step_cpu_unroll.json).
+GPU_UNROLLED_MODELS = ('lstm', 'jm')
+GPU_UNROLL = 8
 
 
 def auto_scan_unroll(name: str, backend: str | None = None) -> int:
   """The time loop's unroll factor for ``scan_unroll = 0`` (automatic).
 
-  ``GPU_BASELINE_UNROLL`` for 'lstm', 'jm' and 'gref' on a GPU backend, 1
-  for everything else (``backend`` defaults to JAX's default backend).
+  ``GPU_UNROLL`` for the ``GPU_UNROLLED_MODELS`` (LSTM, JM) on a GPU
+  backend, 1 for everything else (``backend`` defaults to JAX's default
+  backend).
   """
   backend = jax.default_backend() if backend is None else backend
-  if backend in ('gpu', 'cuda', 'rocm') and name in ('lstm', 'jm', 'gref'):
-    return GPU_BASELINE_UNROLL
+  if backend in ('gpu', 'cuda', 'rocm') and name in GPU_UNROLLED_MODELS:
+    return GPU_UNROLL
   return 1
 
 
