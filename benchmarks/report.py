@@ -102,11 +102,17 @@ def _unroll(r):
   return int(label[len("unroll="):]) if label.startswith("unroll=") else 1
 
 
-def _gpu_default_rows(d):
-  """{model: the row that ran today's GPU default unroll} of one file."""
+def _models_module():
+  """nsrnn_jax.models (the automatic unroll rule), imported on first use."""
   # pylint: disable=g-import-not-at-top
   sys.path.insert(0, REPO)
   from nsrnn_jax import models
+  return models
+
+
+def _gpu_default_rows(d):
+  """{model: the row that ran today's GPU default unroll} of one file."""
+  models = _models_module()
   rows = {}
   for r in d.get("steps", []):
     model = "ns" if r["model"].startswith("ns") else r["model"]
@@ -132,9 +138,11 @@ def _gpu_full_precision():
   if not rows:
     return None
   device = _device(_gpu_step_files()[0][1])
+  models = _models_module()
+  unrolled = " and ".join(MODEL_LABELS[m] for m in models.GPU_UNROLLED_MODELS)
   return rows, (f"GPU: {', '.join(sources)} ({device}, precision highest, "
-                f"the default scan unroll: 8 for the LSTM and JM, 1 for Gref "
-                f"and the NS-RNN)")
+                f"the default scan unroll: {models.GPU_UNROLL} for "
+                f"{unrolled}, 1 for the others)")
 
 
 def train_step_table():
