@@ -1,7 +1,9 @@
 """Shared fixtures. No test module changes a global JAX flag at import time.
 
 The session runs with a persistent XLA compilation cache in a fresh temp
-directory (removed at the end), shared with the tests' subprocesses.
+directory (removed at the end), shared with the tests' subprocesses and the
+pytest-xdist workers. On a GPU, memory preallocation is off (unless the
+user set XLA_PYTHON_CLIENT_PREALLOCATE), so that the workers share it.
 
 * `x64`: float64 inside one test (`jax.enable_x64` context).
 * `fast_compile`: XLA's most expensive optimisations off for one module
