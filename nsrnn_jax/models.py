@@ -902,6 +902,15 @@ def auto_scan_unroll(name: str, backend: str | None = None) -> int:
   return 1
 
 
+def _check_auto_or_positive_int(name: str, value) -> int:
+  """`value` as an int: 0 (automatic) or a positive integer."""
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+      or value < 0):
+    raise ValueError(f'{name} must be 0 (automatic) or a positive integer, '
+                     f'got {value!r}')
+  return int(value)
+
+
 def _check_positive_int(name: str, value) -> int:
   if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
       or value < 1):
@@ -959,11 +968,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     raise ValueError(
         f'unknown model {name!r}; valid models: {", ".join(MODEL_NAMES)}')
   check_stack_table(stack_table)
-  if (isinstance(stack_batch_chunk, bool)
-      or not isinstance(stack_batch_chunk, (int, np.integer))
-      or stack_batch_chunk < 0):
-    raise ValueError('stack_batch_chunk must be 0 (automatic) or a positive '
-                     f'integer, got {stack_batch_chunk!r}')
+  stack_batch_chunk = _check_auto_or_positive_int('stack_batch_chunk',
+                                                  stack_batch_chunk)
   vocab_size = _check_positive_int('vocab_size', vocab_size)
   hidden_size = _check_positive_int('hidden_size', hidden_size)
   num_states = _check_positive_int('num_states', num_states)
@@ -980,11 +986,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
   if np_dtype == np.float64 and not jax.config.jax_enable_x64:
     raise ValueError('dtype float64 needs jax_enable_x64 (e.g. '
                      '`with jax.enable_x64(True):` or JAX_ENABLE_X64=1)')
-  if (isinstance(scan_unroll, bool)
-      or not isinstance(scan_unroll, (int, np.integer)) or scan_unroll < 0):
-    raise ValueError('scan_unroll must be 0 (automatic) or a positive '
-                     f'integer, got {scan_unroll!r}')
-  scan_unroll = int(scan_unroll) or auto_scan_unroll(name)
+  scan_unroll = (_check_auto_or_positive_int('scan_unroll', scan_unroll)
+                 or auto_scan_unroll(name))
   if scan_unroll > 1 and (name == 'vrns' or (name == 'rns' and stack_window)):
     raise ValueError(f'scan_unroll must be 1 for {name!r}'
                      f'{" with a window" if name == "rns" else ""} (its '
@@ -1017,7 +1020,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_bottom_vector=stack_bottom_vector,
         broadcast_bottom_vector=broadcast_bottom_vector, **common)
   return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
-              table=stack_table, batch_chunk=int(stack_batch_chunk),
+              table=stack_table, batch_chunk=stack_batch_chunk,
               **common)
 
 
