@@ -281,6 +281,52 @@ def gpu_variants_table():
   return lines
 
 
+def gpu_budget_table():
+  """What issue 11's GPU targets leave for the stack, per sequential update.
+
+  Every stack model's step contains its LSTM controller's step, so the
+  bare LSTM's best full-float32 GPU step is a floor under all of them; what
+  a target leaves above it, spread over the 2·n sequential updates of a
+  step (n forward, n backward), is the time the stack's own update may
+  take. Compared with what it takes today: the model's best step minus the
+  same LSTM floor, per update. All figures from the GPU rows above.
+  """
+  rows = [r for _, d in _gpu_step_files() for r in d.get("steps", [])
+          if r.get("precision") == "highest"]
+  lstm = [r for r in rows if r["model"] == "lstm"]
+  if not lstm:
+    return []
+  floor = min(lstm, key=lambda r: r["min_step_s"])
+  updates = 2 * floor["length"]
+  per_update = floor["min_step_s"] / updates
+  lines = [
+      "What the GPU targets leave for the stack (from the GPU rows above): "
+      "every stack model's step contains its LSTM controller's, and the "
+      f"bare LSTM's best step is {_ms(floor['min_step_s'])} (scan unroll "
+      f"{_unroll(floor)}), {per_update * 1e6:.1f} µs for each of the "
+      f"{updates} sequential updates of a step ({floor['length']} forward, "
+      f"{floor['length']} backward). A target minus that floor is the time "
+      "left for the stack's own work, forward and backward, per update; "
+      "today's is the model's best step (any unroll) minus the same floor:",
+      "",
+      "| model | target | left for the stack | per update | today, per "
+      "update | today / left |",
+      "|---|---|---|---|---|---|"]
+  for key in ("jm", "gref", "ns22", "ns33"):
+    mine = [r for r in rows if _model_key(r) == key and r.get("target_s")]
+    if not mine:
+      continue
+    best = min(mine, key=lambda r: r["min_step_s"])
+    left = best["target_s"] - floor["min_step_s"]
+    today = best["min_step_s"] - floor["min_step_s"]
+    lines.append(
+        f"| {MODEL_LABELS[key]} | {_ms(best['target_s'])} | {_ms(left)} | "
+        f"{left / updates * 1e6:.1f} µs ({left / floor['min_step_s']:.2f}× "
+        f"the LSTM's update) | {today / updates * 1e6:.1f} µs (unroll "
+        f"{_unroll(best)}) | {today / left:.1f}× |")
+  return lines
+
+
 def stack_table():
   """The stack DP alone (benchmarks/ns_stack.py)."""
   d = _load("ns_stack.json")
@@ -373,7 +419,7 @@ def data_table():
 def benchmarks_block():
   out = []
   for part in (train_step_table(), gpu_suite_line(), gpu_variants_table(),
-               stack_table(),
+               gpu_budget_table(), stack_table(),
                scale_table(), data_table()):
     if part:
       out += part + [""]

@@ -95,3 +95,26 @@ def test_stack_benchmark_runs_against_the_current_api(variant):
   got = json.loads(line[-1][len("RESULT "):])
   assert got["variant"] == variant and got["n"] == 3
   assert 0 < got["fwd_s"] < 60 and 0 < got["fwd_bwd_s"] < 60
+
+
+def test_gpu_budget_table_arithmetic(report, monkeypatch):
+  # Floor = the best LSTM row (2 ms at n = 50: 100 updates, 20 µs each);
+  # a 3 ms target leaves 1 ms = 10 µs per update; a 7 ms step is 5 ms over
+  # the floor = 50 µs per update, 5x what the target leaves.
+  def row(model, best, **extra):
+    return {"model": model, "min_step_s": best, "length": 50,
+            "precision": "highest", **extra}
+  steps = [row("lstm", 3e-3), row("lstm", 2e-3, scan_unroll=8),
+           row("ns22", 9e-3, stack_table="shares", target_s=3e-3),
+           row("ns22", 7e-3, stack_table="shares", target_s=3e-3,
+               scan_unroll=8),
+           row("jm", 1e-3, precision="default", target_s=1.5e-3)]
+  monkeypatch.setattr(report, "_gpu_step_files",
+                      lambda: [("f.json", {"steps": steps})])
+  lines = report.gpu_budget_table()
+  assert "2.00 ms (scan unroll 8), 20.0 µs for each of the 100" in lines[0]
+  rows = [l for l in lines if l.startswith("| NS")]
+  assert rows == ["| NS-RNN Q=S=2 | 3.00 ms | 1.00 ms | 10.0 µs (0.50× the "
+                  "LSTM's update) | 50.0 µs (unroll 8) | 5.0× |"]
+  # Reduced-precision rows are not full float32: JM has no row.
+  assert not [l for l in lines if l.startswith("| JM")]
