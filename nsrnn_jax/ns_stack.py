@@ -215,6 +215,7 @@ def _replace_rows(col, k_rep, prec):
 logsumexp_guarded = _lse
 safe_log = _safe_log
 replace_rows = _replace_rows
+mix_column = _mix_column
 
 MATMUL_PRECISIONS = ("highest", "high", "default")
 

@@ -304,8 +304,17 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   c_left = jnp.where(left[None, None, :, None], cs, 0)
   c_prev = jnp.swapaxes(
       lax.dynamic_index_in_dim(cs, p, axis=2, keepdims=False), 1, 2)
-  # W[y,s,z] = Σ_{k,t} c_k[t,y] H_{k,j−1}[t,y,s,z]  (rows of prev = times k).
-  w = jnp.einsum("bykt,bzskty->bysz", c_left, prev, precision=prec)
+  # prev as [b, y, (z, s), (k, t)] (rows of prev = times k, states t), one
+  # copy that both of its contractions below take as it stands (XLA made
+  # one transposed copy per einsum).
+  b, nz, ns_, nk, nt, ny = prev.shape
+  prev_t = jnp.transpose(prev, (0, 5, 1, 2, 3, 4)).reshape(
+      b, ny, nz * ns_, nk * nt)
+  # W[y,s,z] = Σ_{k,t} c_k[t,y] H_{k,j−1}[t,y,s,z].
+  w = jnp.swapaxes(lax.dot_general(
+      prev_t, c_left.reshape(b, ny, nk * nt),
+      (((3,), (2,)), ((0, 1), (0, 1))), precision=prec).reshape(
+          b, ny, nz, ns_), 2, 3)                               # b y s z
   a_prev = a_prev_BxQxS
   ok_r = c_prev > flush
   a_rep = jnp.where(ok_r, a_prev + _safe_log(jnp.where(ok_r, c_prev, 1)),
@@ -313,53 +322,58 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   ok_w = w > flush
   log_w = jnp.where(ok_w, jnp.log(jnp.where(ok_w, w, 1)), -jnp.inf)  # b y s z
   pu, re, po = push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ
-  b = pu.shape[0]
-  # The three families of terms of α_j (before the shift).
-  push_t = a_prev[..., None, None] + pu                          # b q x r y
-  repl_t = a_rep[..., None, None] + re                           # b s z r y
-  pop_t = (log_w[:, :, :, :, None] + a_prev[:, None, :, :, None]
-           + po[:, None])                                        # b y s z r
-  m = jnp.maximum(jnp.maximum(_finite_max(push_t.reshape(b, -1), 1),
-                              _finite_max(repl_t.reshape(b, -1), 1)),
-                  _finite_max(pop_t.reshape(b, -1), 1))
-  mb = m[:, None, None, None, None]
-  pu, re, po = pu - mb, re - mb, po - m[:, None, None, None]
-  # log α_j − m from its three parts, column-sized, in log space.
-  push_t = a_prev[..., None, None] + pu
-  push_part = _lse(push_t.reshape((b, -1) + pu.shape[3:]), axis=1)   # b r y
-  repl_t = a_rep[..., None, None] + re
-  repl_part = _lse(repl_t.reshape((b, -1) + re.shape[3:]), axis=1)   # b r y
-  pop_t = (log_w[:, :, :, :, None] + a_prev[:, None, :, :, None]
-           + po[:, None])                                         # b y s z r
-  pop_part = jnp.swapaxes(
-      _lse(pop_t.reshape(pop_t.shape[:2] + (-1,) + pop_t.shape[-1:]),
-           axis=2), 1, 2)                                         # b r y
-  a_j = _lse(jnp.stack([push_part, repl_part, pop_part]), axis=0)  # b r y
-  ok_j = jnp.isfinite(a_j)
-  # Push row: H_{j−1,j}.
-  x = push_t - a_j[:, None, None]
-  push_row = _exp_share(x, ok_j[:, None, None] & jnp.isfinite(x), dtype)
-  # Replace rows: prev ⊗ K^R (K^R ≤ 1/c_prev; masked where c_prev flushed).
-  x = a_prev[..., None, None] + re - a_j[:, None, None]
-  k_rep = _exp_share(x, ok_r[..., None, None] & ok_j[:, None, None]
-                     & jnp.isfinite(x), dtype)                  # b s z r y
-  col = _replace_rows(prev, k_rep, prec)
+  nq, nx = a_prev.shape[1:]
+  # The three families of terms of α_j (push from (q,x), replace and pop
+  # from (s,z)) side by side on one axis F of 3·Q·S, as [b, r, y, F]: one
+  # shift, one logsumexp and one exp serve all three (fewer, larger ops
+  # per update than one set per family).
+  # acts: the actions; lhs: what each family adds to them (α̂_{j−1}, with
+  # log c_{j−1} for replace and log W for pop).
+  def flat(x):                                  # [b, r, y, q, x] -> F part
+    return x.reshape(x.shape[:3] + (nq * nx,))
+  po_ry = jnp.broadcast_to(jnp.transpose(po, (0, 3, 1, 2))[:, :, None],
+                           (b, po.shape[3], ny, nq, nx))
+  acts = jnp.concatenate([flat(jnp.transpose(pu, (0, 3, 4, 1, 2))),
+                          flat(jnp.transpose(re, (0, 3, 4, 1, 2))),
+                          flat(po_ry)], axis=-1)                  # b r y F
+  a_f = a_prev.reshape(b, 1, 1, nq * nx)
+  lhs = jnp.concatenate(
+      [jnp.broadcast_to(a_f, (b, 1, ny, nq * nx)),
+       jnp.broadcast_to(a_rep.reshape(b, 1, 1, -1), (b, 1, ny, nq * nx)),
+       (log_w.reshape(b, ny, nq * nx) + a_prev.reshape(b, 1, -1))[:, None]],
+      axis=-1)                                                    # b 1 y F
+  m = _finite_max((lhs + acts).reshape(b, -1), 1)
+  acts = acts - m[:, None, None, None]
+  terms = lhs + acts
+  a_j = _lse(terms, axis=3)                                       # b r y
+  # The kernels exp(α̂_{j−1} + action − α_j) of all three families at once;
+  # masked where the term is zero (−inf: a flushed c_{j−1} or W) or α_j is.
+  x = jnp.concatenate([a_f] * 3, axis=-1) + acts - a_j[..., None]
+  kern = _exp_share(x, jnp.isfinite(terms) & jnp.isfinite(x), dtype)
+  fs = nq * nx
+  push_row = jnp.swapaxes(kern[..., :fs], 1, 2).reshape(
+      b, ny, -1, nq, nx)                                          # b y r q x
+  # Replace rows: prev ⊗ K^R (K^R ≤ 1/c_prev; masked where c_prev flushed),
+  # the weights as [b, (y, r), (z, s)] for `ns_stack._mix_column`.
+  k_rep = jnp.transpose(kern[..., fs:2 * fs].reshape(b, -1, ny, nq, nx),
+                        (0, 2, 1, 4, 3)).reshape(b, -1, nx * nq)
+  col = ns_stack.mix_column(k_rep, prev.reshape((b, -1) + prev.shape[3:]),
+                            prec).reshape((b, ny, -1) + prev.shape[3:])
   # Pop rows: M̃_k[t,y,r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r].
-  x = (a_prev[:, None, :, :, None] + po[:, None]
-       - jnp.swapaxes(a_j, 1, 2)[:, :, None, None, :])          # b y s z r
-  k_pop = _exp_share(x, ok_w[..., None] & jnp.isfinite(x), dtype)
+  k_pop = jnp.transpose(kern[..., 2 * fs:].reshape(b, -1, ny, nq, nx),
+                        (0, 2, 1, 4, 3)).reshape(b, ny, -1, nx * nq)  # b y r zs
   # [b, y, r, k, t]: the pop matmul's left operand as it stands ([R, K·T]
   # per (b, y); 1.2x faster on XLA:CPU than contracting a [K·T, R] operand).
-  mt = jnp.einsum("bzskty,byszr->byrkt", prev, k_pop, precision=prec)
+  mt = lax.dot_general(k_pop, prev_t, (((3,), (2,)), ((0, 1), (0, 1))),
+                       precision=prec).reshape(b, ny, -1, nk, nt)
   mt = jnp.where((c_left > flush)[:, :, None], mt, 0)
   # The push row goes in as a one-row slice update: a one-hot product here
   # made XLA recompute the push row per table entry and, in the backward,
   # reduce the column's cotangent over its rows (train step 1.14x faster
   # without, Q = S = 2 on CPU).
   row = lax.dynamic_slice_in_dim(col, p, 1, axis=3)
-  col = lax.dynamic_update_slice_in_dim(
-      col, row + jnp.transpose(push_row, (0, 4, 3, 1, 2))[:, :, :, None], p,
-      axis=3)
+  col = lax.dynamic_update_slice_in_dim(col, row + push_row[:, :, :, None],
+                                        p, axis=3)
   log_z = _lse(a_j.reshape(b, -1), axis=1)                        # b
   alive = jnp.isfinite(log_z)
   a_hat = jnp.where(alive[:, None, None],
@@ -463,7 +477,7 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
   """
   g, cs, la, lm = init
   num_pts = g.shape[2]
-  extra, ys_all, mts = extra0, [], []
+  extra, ys_all, mts, a_hats, lms = extra0, [], [], [], []
   blocks = _time_blocks(t) or [(1, 1)]   # T = 0: one empty block.
   # The table grows block by block (zero-padded at each boundary) instead
   # of being sliced out of, and written back into, a full-size table: two
@@ -471,15 +485,18 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
   # memory -16%).
   n = blocks[0][1] + 1
   g, cs = g[:, :, :n, :, :n], cs[:, :, :n]
+  # log α̂_{j−1} and log Σα_{j−1} are carried as they are and every
+  # update's values leave the scan as outputs: reading and writing rows of
+  # [B, T+1, ...] carries made XLA copy them at every update.
+  a_prev, lm_prev = la[:, 0], lm[:, 0]
   for j0, j1 in blocks:
     n = j1 + 1
     g = _pad_to(g, n, (2, 4))
     cs = _pad_to(cs, n, (2,))
 
     def body(carry, inp):
-      extra, g, cs, la, lm = carry
+      extra, g, cs, a_prev, lm_prev = carry
       j, x_j = inp
-      a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
       prev = lax.dynamic_index_in_dim(g, j, axis=2, keepdims=False)
       extra, (col, mt, a_hat, inc), ys = local_fn(j, extra, x_j, prev, cs,
                                                   a_prev)
@@ -487,20 +504,25 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
       g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
       cs = lax.dynamic_update_index_in_dim(cs, jnp.sum(col, axis=(3, 4, 5)),
                                            j + 1, axis=2)
-      la = lax.dynamic_update_index_in_dim(la, a_hat, j, axis=1)
-      lm_prev = lax.dynamic_index_in_dim(lm, j - 1, axis=1, keepdims=False)
-      lm = lax.dynamic_update_index_in_dim(lm, lm_prev + inc, j, axis=1)
-      return (extra, g, cs, la, lm), (ys, mt if keep_mt else None)
+      lm_j = lm_prev + inc
+      return (extra, g, cs, a_hat, lm_j), (ys, mt if keep_mt else None,
+                                           a_hat, lm_j)
 
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
-    (extra, g, cs, la, lm), (ys, mt) = lax.scan(
-        body, (extra, g, cs, la, lm), (jnp.arange(j0, j1), x_blk),
+    (extra, g, cs, a_prev, lm_prev), (ys, mt, a_hat, lm_j) = lax.scan(
+        body, (extra, g, cs, a_prev, lm_prev), (jnp.arange(j0, j1), x_blk),
         unroll=unroll)
     ys_all.append(ys)
+    a_hats.append(a_hat)
+    lms.append(lm_j)
     if keep_mt:
       mts.append(jnp.pad(mt, [(0, 0)] * 4 + [(0, num_pts - n), (0, 0)]))
   ys = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a, axis=0), *ys_all)
   mt = jnp.concatenate(mts, axis=0) if keep_mt else None
+  la = jnp.concatenate([la[:, :1]] + [jnp.swapaxes(a, 0, 1) for a in a_hats],
+                       axis=1)[:, :t + 1]
+  lm = jnp.concatenate([lm[:, :1]] + [jnp.swapaxes(a, 0, 1) for a in lms],
+                       axis=1)[:, :t + 1]
   return (_pad_to(g, num_pts, (2, 4)), _pad_to(cs, num_pts, (2,)), la, lm,
           extra, ys, mt)
 
@@ -559,7 +581,13 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
   # sliced out of and written back into full-size arrays (two copies each).
   w_tab = None
   col0 = jnp.zeros((bsz, ny, nr, npt, nq, nx), dtype)
-  carry = (col0, col0, jnp.zeros_like(cs), la_ct, extra_init)
+  # la_bar: the cotangent update j+1 sends to log α̂_j (carried as a value;
+  # reading and writing rows of a [B, T+1, Q, S] carry made XLA copy it at
+  # every update). The per-update inputs come in as scan inputs.
+  carry = (col0, col0, jnp.zeros_like(cs), jnp.zeros_like(la[:, 0]),
+           extra_init)
+  la_ct_T, inc_ct_T, la_T = (jnp.swapaxes(a, 0, 1)
+                             for a in (la_ct, inc_ct, la))
   ys_all = []
   for j0, j1 in reversed(_time_blocks(num_steps)):
     n = j1 + 1
@@ -579,7 +607,7 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
 
     def body(carry, inp, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n):
       w_tab, w_next, prev_hat, cs_bar, la_bar, extra = carry
-      j, x_j = inp
+      j, x_j, a_ct, i_ct, a_prev = inp
       # W_{j+1} is written one step late, before the W table is read, and
       # fenced, so XLA updates it in place (ns_stack's measured layout).
       w_tab = lax.optimization_barrier(lax.dynamic_update_slice_in_dim(
@@ -598,17 +626,12 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
       mt_ct = jnp.transpose(lax.dot_general(
           g_t, col_ct.reshape(bsz * ny, nr, -1), (((2,), (2,)), ((0,), (0,))),
           precision=prec).reshape(bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
-      a_ct = lax.dynamic_index_in_dim(la_bar, j, axis=1, keepdims=False)
-      i_ct = lax.dynamic_index_in_dim(inc_ct, j, axis=1, keepdims=False)
-      a_prev = lax.dynamic_index_in_dim(la, j - 1, axis=1, keepdims=False)
+      a_ct = a_ct + la_bar
       prev = lax.dynamic_slice_in_dim(g_t, j * nr, nr, axis=1).reshape(
           bsz, ny, nr, n, nq, nx)
       extra, d_prev, d_cs, d_a, ys = local_vjp(
           j, extra, x_j, prev, cs_p, a_prev, (col_ct, mt_ct, a_ct, i_ct))
-      la_bar = lax.dynamic_update_index_in_dim(
-          la_bar, lax.dynamic_index_in_dim(la_bar, j - 1, 1, False) + d_a,
-          j - 1, axis=1)
-      return (w_tab, col_ct, d_prev, cs_bar + d_cs, la_bar, extra), ys
+      return (w_tab, col_ct, d_prev, cs_bar + d_cs, d_a, extra), ys
 
     # Rows i ≥ n of the carried column cotangents are zero (column j0 − 1
     # of the next block has rows < j0 only), so cutting them loses nothing.
@@ -616,8 +639,10 @@ def _backward_blocks(g, cs, la, mt_all, xs_T, la_ct, inc_ct, local_vjp,
     sub = (w_tab, w_next[:, :, :, :n], prev_hat[:, :, :, :n],
            cs_bar[:, :, :n], la_bar, extra)
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
-    sub, ys = lax.scan(body, sub, (jnp.arange(j0, j1), x_blk), reverse=True,
-                       unroll=unroll)
+    sub, ys = lax.scan(body, sub, (jnp.arange(j0, j1), x_blk,
+                                   la_ct_T[j0:j1], inc_ct_T[j0:j1],
+                                   la_T[j0 - 1:j1 - 1]),
+                       reverse=True, unroll=unroll)
     w_tab, w_next, prev_hat, cs_s, la_bar, extra = sub
     carry = (w_next, prev_hat, cs_bar.at[:, :, :n].set(cs_s), la_bar, extra)
     ys_all.append(ys)
