@@ -20,6 +20,13 @@
 #   scale      20 vmapped NS-RNNs at length 80, scan_unroll 1 and 8
 #   precision  NS train steps at JAX's default (reduced) matmul precision
 #   cmdbuf     LSTM and NS (unroll 8) with XLA command buffers incl. WHILE
+#   fewerops   NS train step against its code before the fewer-ops update
+#              (0bd0077; README "Later CPU runs"). The device's copy of the
+#              tree has no git history: first, here,
+#                for f in ns_stack rns_stack models; do mkdir -p \
+#                  .baselines/0bd0077/nsrnn_jax && git show \
+#                  0bd0077:nsrnn_jax/$f.py > .baselines/0bd0077/nsrnn_jax/$f.py; done
+#              (untracked, so it travels; delete it afterwards)
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, bench.log and one
@@ -38,9 +45,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf fewerops)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|fewerops) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -116,6 +123,10 @@ for p in "${phases[@]}"; do
         XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
         -- $TS --models=lstm,ns22 --unroll=8 --repeats=9 \
         --out "$OUT/train_step_gpu_cmdbuf.json" ;;
+    fewerops)
+      bench "NS train step vs 0bd0077 (before fewer ops per update)" 120 -- \
+        $TS --models=ns22,ns33 --baseline_ref=0bd0077 --repeats=9 \
+        --out "$OUT/train_step_gpu_fewer_ops.json" ;;
   esac
 done
 log "done"

@@ -228,6 +228,46 @@ def train_step_table():
   return lines
 
 
+def cpu_comparison_table():
+  """Later CPU runs of a variant against the plain step (train_step_cpu_*.json).
+
+  Each file is one `benchmarks/train_step.py` run on CPU whose variants were
+  timed interleaved with the plain step (e.g. `--baseline_ref` for a code
+  change, `--unroll`); the ratio is the figure to compare.
+  """
+  paths = sorted(glob.glob(os.path.join(RESULTS, "train_step_cpu_*.json")))
+  rows = []
+  for path in paths:
+    name = os.path.basename(path)
+    d = _load(name)
+    plain = _steps(d)
+    for r in d.get("steps", []):
+      if r.get("variant", "current") == "current":
+        continue
+      cur = plain[_model_key(r)]
+      label = r["variant"]
+      if label.startswith("baseline") and "baseline_ref" in d:
+        label = f"before ({d['baseline_ref'][:7]})"
+      if "commit" in d:
+        label += f", plain at {d['commit']}"
+      if "conditions" in d:
+        label += f" ({d['conditions']})"
+      rows.append(
+          f"| `{name}` | {MODEL_LABELS[_model_key(r)]} | {label} | "
+          f"{_ms(r['min_step_s'])} / {_ms(r['cpu_step_s'])} | "
+          f"{_ms(cur['min_step_s'])} / {_ms(cur['cpu_step_s'])} | "
+          f"{r['min_step_s'] / cur['min_step_s']:.2f}× / "
+          f"{r['cpu_step_s'] / cur['cpu_step_s']:.2f}× |")
+  if not rows:
+    return []
+  return ["Later CPU runs (cpu: AMD EPYC (2 cores)), each in one process "
+          "with its variant interleaved with the plain step; variant / plain "
+          "above 1 means the plain step is faster (best wall time / median "
+          "CPU time):", "",
+          "| file | model | variant | variant step | plain step | variant / "
+          "plain |", "|---|---|---|---|---|---|"] + rows
+
+
 def gpu_suite_line():
   """The test suite's result on a GPU (gpu_suite_*.json), one paragraph."""
   lines = []
@@ -418,7 +458,8 @@ def data_table():
 
 def benchmarks_block():
   out = []
-  for part in (train_step_table(), gpu_suite_line(), gpu_variants_table(),
+  for part in (train_step_table(), cpu_comparison_table(), gpu_suite_line(),
+               gpu_variants_table(),
                gpu_budget_table(), stack_table(),
                scale_table(), data_table()):
     if part:

@@ -130,10 +130,24 @@ class Baseline(typing.NamedTuple):
 
 
 def _file_at(ref, path):
-  """The text of the repository's `path` as of git `ref` (None if absent)."""
-  shown = subprocess.run(["git", "-C", REPO, "show", f"{ref}:{path}"],
-                         capture_output=True, text=True, check=False)
-  return None if shown.returncode else shown.stdout
+  """The text of the repository's `path` as of git `ref` (None if absent).
+
+  Where the checkout has no git history (a copied working tree, e.g. on a
+  device machine), `.baselines/<ref>/<path>` is read instead: write it
+  beforehand with `git show <ref>:<path>` (benchmarks/gpu_session.sh).
+  """
+  try:
+    shown = subprocess.run(["git", "-C", REPO, "show", f"{ref}:{path}"],
+                           capture_output=True, text=True, check=False)
+    if not shown.returncode:
+      return shown.stdout
+  except OSError:           # no git
+    pass
+  copy = os.path.join(REPO, ".baselines", ref, path)
+  if os.path.exists(copy):
+    with open(copy) as f:
+      return f.read()
+  return None
 
 
 def load_baseline(ref, stack="ns_stack"):
@@ -418,9 +432,15 @@ def main():
         load_baseline(args.baseline_ref, "rns_stack"),
         "stack_batch_chunk" in (_file_at(args.baseline_ref,
                                          "nsrnn_jax/models.py") or ""))
-    out["baseline_ref"] = subprocess.run(
-        ["git", "-C", REPO, "rev-parse", args.baseline_ref],
-        capture_output=True, text=True, check=True).stdout.strip()
+    if baseline.ns_stack is None and baseline.rns_stack is None:
+      parser.error(f"--baseline_ref {args.baseline_ref}: no stack module at "
+                   "that ref (git, or .baselines/<ref>/)")
+    try:
+      out["baseline_ref"] = subprocess.run(
+          ["git", "-C", REPO, "rev-parse", args.baseline_ref],
+          capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+      out["baseline_ref"] = args.baseline_ref      # from .baselines/
   path = args.out or os.path.join(REPO, "benchmarks", "results",
                                   f"train_step_{info['backend']}.json")
   os.makedirs(os.path.dirname(path), exist_ok=True)
