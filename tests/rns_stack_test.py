@@ -284,6 +284,40 @@ def test_custom_vjp_equals_autodiff_of_log_space(x64, bottom, q, s, steps):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("bottom,q,s,kind,dtype", [
+    ("frozen", 2, 2, "unnorm", "float64"), ("fixed", 2, 3, "norm", "float64"),
+    ("frozen", 3, 2, "huge", "float64"), ("fixed", 2, 2, "neginf", "float64"),
+    ("frozen", 2, 2, "unnorm", "float32")])
+def test_hand_vjp_of_an_update_equals_autodiff(x64, bottom, q, s, kind,
+                                               dtype):
+  # The backward sweep's `_local_bwd` (from the forward's residuals) against
+  # jax.vjp of `_local` itself, at every update of a real sweep (flushed
+  # column sums at the frozen bottom, −inf actions, shifted huge weights),
+  # with random cotangents of all four outputs.
+  rng = np.random.default_rng(7)
+  steps = 6
+  acts = tuple(jnp.asarray(a, dtype)
+               for a in _actions(rng, 2, steps, q, s, kind))
+  prec = ns_stack.lax_precision("highest")
+  g, cs, la = rns_stack._forward(*acts, bottom, "highest", True)[:3]  # pylint: disable=protected-access
+  tol = 1e-11 if dtype == "float64" else 2e-5
+  for j in range(1, steps + 1):
+    prev = g[:, :, j]
+    a_j = tuple(a[:, j - 1] for a in acts)
+    f = lambda pv, c, ap, *ac, j=j: rns_stack._local(pv, c, j, ap, *ac, prec)  # pylint: disable=protected-access
+    out, vjp = jax.vjp(f, prev, cs, la[:, j - 1], *a_j)
+    cts = tuple(jnp.asarray(rng.normal(size=o.shape), dtype) for o in out)
+    want = vjp(cts)
+    fwd = rns_stack._local(prev, cs, j, la[:, j - 1], *a_j, prec,  # pylint: disable=protected-access
+                           residuals=True)
+    got = rns_stack._local_bwd(prev, cs, j, fwd[2], fwd[4], cts, prec)  # pylint: disable=protected-access
+    for gv, wv in zip(got, want):
+      gv, wv = np.asarray(gv), np.asarray(wv)
+      assert gv.shape == wv.shape and np.all(np.isfinite(gv))
+      np.testing.assert_allclose(gv, wv, rtol=0,
+                                 atol=tol * (1 + np.max(np.abs(wv))))
+
+
 def test_finite_differences(x64):
   rng = np.random.default_rng(5)
   push, repl, pop = _actions(rng, 1, 4, 2, 2, "unnorm")
