@@ -389,7 +389,8 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     sm = jnp.where(ok, jnp.exp(jnp.where(ok, terms - a_j[..., None], 0)), 0)
     # d kern / d x: kern, but zero where `_exp_share` clamped x.
     kd = jnp.where(x < float(-np.log(flush) - 2.0), kern, 0)
-    return col, mt, a_hat, log_z + m, (kern, kd, sm, w)
+    # One stacked array (one write per update into the scan's outputs).
+    return col, mt, a_hat, log_z + m, (jnp.stack([kern, kd, sm]), w)
   return col, mt, a_hat, log_z + m
 
 
@@ -405,14 +406,15 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec):
     prev, cs, p: as for `_local` (final tables: column p and the column
       sums are as update j read them).
     a_hat: update j's normalised log α̂_j [b, r, y].
-    res: `_local(..., residuals=True)`'s fifth output (kern, kd, sm, w).
+    res: `_local(..., residuals=True)`'s fifth output ([kern, kd, sm]
+      stacked, w).
     cts: cotangents of (col_local, mt, a_hat, inc).
     prec: lax precision.
 
   Returns:
     Cotangents of (prev, cs, a_prev, push, repl, pop).
   """
-  kern, kd, sm, w = res
+  (kern, kd, sm), w = list(res[0]), res[1]
   col_ct, mt_ct, a_hat_ct, inc_ct = cts
   dtype = prev.dtype
   flush = _flush(dtype)
@@ -612,23 +614,29 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
     cs = _pad_to(cs, n, (2,))
 
     def body(carry, inp):
-      extra, g, cs, a_prev, lm_prev = carry
+      extra, g, cs, cs_col, a_prev, lm_prev = carry
       j, x_j = inp
+      # Column j − 1's sums are written one update late, before anything
+      # reads cs, and fenced: XLA then updates cs in place instead of
+      # copying it twice per update (as ns_stack's backward does for W).
+      cs = lax.optimization_barrier(
+          lax.dynamic_update_index_in_dim(cs, cs_col, j, axis=2))
       prev = lax.dynamic_index_in_dim(g, j, axis=2, keepdims=False)
       extra, parts, ys = local_fn(j, extra, x_j, prev, cs, a_prev)
       col, mt, a_hat, inc = parts[:4]
       col = col + _pop_matmul(g, mt, prec)          # column j, index j + 1
       g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
-      cs = lax.dynamic_update_index_in_dim(cs, jnp.sum(col, axis=(3, 4, 5)),
-                                           j + 1, axis=2)
       lm_j = lm_prev + inc
       kept = (mt, parts[4]) if keep_mt else None
-      return (extra, g, cs, a_hat, lm_j), (ys, kept, a_hat, lm_j)
+      return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j),
+              (ys, kept, a_hat, lm_j))
 
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
-    (extra, g, cs, a_prev, lm_prev), (ys, kept, a_hat, lm_j) = lax.scan(
-        body, (extra, g, cs, a_prev, lm_prev), (jnp.arange(j0, j1), x_blk),
-        unroll=unroll)
+    cs_col = cs[:, :, j0]                     # already in place: rewritten
+    (extra, g, cs, cs_col, a_prev, lm_prev), (ys, kept, a_hat, lm_j) = (
+        lax.scan(body, (extra, g, cs, cs_col, a_prev, lm_prev),
+                 (jnp.arange(j0, j1), x_blk), unroll=unroll))
+    cs = lax.dynamic_update_index_in_dim(cs, cs_col, j1, axis=2)
     ys_all.append(ys)
     a_hats.append(a_hat)
     lms.append(lm_j)
