@@ -210,11 +210,10 @@ def _replace_rows(col, k_rep, prec):
                      prec).reshape((bsz, ny, nr) + col.shape[3:])
 
 
-# Public names of the guarded primitives and column kernels (used by
+# Public names of the guarded primitives and the column kernel (used by
 # rns_stack).
 logsumexp_guarded = _lse
 safe_log = _safe_log
-replace_rows = _replace_rows
 mix_column = _mix_column
 
 MATMUL_PRECISIONS = ("highest", "high", "default")

@@ -82,13 +82,14 @@ j reads only columns < j, which never change after they are written;
 ns-stack-gradient.md §3 "vjp-step"): the stack's part by `_local_bwd`, its
 VJP written out from those residuals (a third fewer ops per update than
 re-running it under `jax.vjp`; tested against `jax.vjp(_local)`), the
-controller step of `run_coupled` with `jax.vjp`. The pop matmul is transposed by hand, as in ns_stack: M̃'s
-cotangent is one matmul with the table (contracting its rows), and the table's
-cotangent is never formed — column k's share of it, Σ_{j'} W_{j'} M̃_{j'}[k]
-with W_{j'} the cotangent of column j', is one matmul of a W table of all
-later updates with the stored M̃'s, computed when the sweep reaches column
-k. Gradient memory is O(T²) (table, W table, M̃'s), not the
-O(T³) of autodiff through a scan that carries the table.
+controller step of `run_coupled` with `jax.vjp`. The pop matmul is
+transposed by hand, as in ns_stack: M̃'s cotangent is one matmul with the
+table (contracting its rows), and the table's cotangent is never formed —
+column k's share of it, Σ_{j'} W_{j'} M̃_{j'}[k] with W_{j'} the cotangent
+of column j', is one matmul of a W table of all later updates with the
+stored M̃'s, computed when the sweep reaches column k. Gradient memory is
+O(T²) (table, W table, M̃'s), not the O(T³) of autodiff through a scan that
+carries the table.
 
 Precision: every contraction, forward and backward, takes the matmul
 precision name of `ns_stack` ("highest" by default: reduced-precision
@@ -114,7 +115,7 @@ from nsrnn_jax.ns_stack import backtrace
 from nsrnn_jax.ns_stack import check_precision
 from nsrnn_jax.ns_stack import check_unroll
 from nsrnn_jax.ns_stack import lax_precision
-from nsrnn_jax.ns_stack import replace_rows as _replace_rows
+from nsrnn_jax.ns_stack import mix_column as _mix_column
 from nsrnn_jax.ns_stack import replay_with_heights
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
 from nsrnn_jax.ns_stack import safe_log as _safe_log
@@ -360,11 +361,11 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   push_row = jnp.swapaxes(kern[..., :fs], 1, 2).reshape(
       b, ny, -1, nq, nx)                                          # b y r q x
   # Replace rows: prev ⊗ K^R (K^R ≤ 1/c_prev; masked where c_prev flushed),
-  # the weights as [b, (y, r), (z, s)] for `ns_stack._mix_column`.
+  # the weights as [b, (y, r), (z, s)] for `_mix_column`.
   k_rep = jnp.transpose(kern[..., fs:2 * fs].reshape(b, -1, ny, nq, nx),
                         (0, 2, 1, 4, 3)).reshape(b, -1, nx * nq)
-  col = ns_stack.mix_column(k_rep, prev.reshape((b, -1) + prev.shape[3:]),
-                            prec).reshape((b, ny, -1) + prev.shape[3:])
+  col = _mix_column(k_rep, prev.reshape((b, -1) + prev.shape[3:]),
+                    prec).reshape((b, ny, -1) + prev.shape[3:])
   # Pop rows: M̃_k[t,y,r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r].
   k_pop = jnp.transpose(kern[..., 2 * fs:].reshape(b, -1, ny, nq, nx),
                         (0, 2, 1, 4, 3)).reshape(b, ny, -1, nx * nq)  # b y r zs

@@ -299,18 +299,25 @@ def test_hand_vjp_of_an_update_equals_autodiff(x64, bottom, q, s, kind,
   acts = tuple(jnp.asarray(a, dtype)
                for a in _actions(rng, 2, steps, q, s, kind))
   prec = ns_stack.lax_precision("highest")
-  g, cs, la = rns_stack._forward(*acts, bottom, "highest", True)[:3]  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  g, cs, la = rns_stack._forward(*acts, bottom, "highest", True)[:3]
+
+  @jax.jit
+  def both(prev, cs, p, a_prev, a_j, cts):
+    f = lambda pv, c, ap, *ac: rns_stack._local(pv, c, p, ap, *ac, prec)
+    want = jax.vjp(f, prev, cs, a_prev, *a_j)[1](cts)
+    fwd = rns_stack._local(prev, cs, p, a_prev, *a_j, prec, residuals=True)
+    return want, rns_stack._local_bwd(prev, cs, p, fwd[2], fwd[4], cts, prec)
+  # pylint: enable=protected-access
+
   tol = 1e-11 if dtype == "float64" else 2e-5
   for j in range(1, steps + 1):
-    prev = g[:, :, j]
+    prev, a_prev = g[:, :, j], la[:, j - 1]
     a_j = tuple(a[:, j - 1] for a in acts)
-    f = lambda pv, c, ap, *ac, j=j: rns_stack._local(pv, c, j, ap, *ac, prec)  # pylint: disable=protected-access
-    out, vjp = jax.vjp(f, prev, cs, la[:, j - 1], *a_j)
-    cts = tuple(jnp.asarray(rng.normal(size=o.shape), dtype) for o in out)
-    want = vjp(cts)
-    fwd = rns_stack._local(prev, cs, j, la[:, j - 1], *a_j, prec,  # pylint: disable=protected-access
-                           residuals=True)
-    got = rns_stack._local_bwd(prev, cs, j, fwd[2], fwd[4], cts, prec)  # pylint: disable=protected-access
+    b, y, r, n = 2, s, q, g.shape[2]
+    shapes = [(b, y, r, n, q, s), (b, y, r, n, q), (b, r, y), (b,)]
+    cts = tuple(jnp.asarray(rng.normal(size=sh), dtype) for sh in shapes)
+    want, got = both(prev, cs, jnp.int32(j), a_prev, a_j, cts)
     for gv, wv in zip(got, want):
       gv, wv = np.asarray(gv), np.asarray(wv)
       assert gv.shape == wv.shape and np.all(np.isfinite(gv))
