@@ -24,6 +24,8 @@ Variants (each adds rows; the plain row is always measured):
   --batch_chunk=10,2    the NS models with config.stack_batch_chunk = N
                         (the plain row chooses automatically; a baseline
                         ref from before the field runs the whole batch)
+  --gref_cumsum         Gref with its "sum of the strengths above" by
+                        lax.cumsum, as before it became one matmul
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
@@ -60,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import machine
@@ -233,10 +236,23 @@ class Variant:
     self.cpu_times.append(time.process_time() - cpu_start)
 
 
+def cumsum_sum_above(strength_BxT, precision="highest"):
+  """Gref's "sum of the strengths above" as it was up to e89574a: a reverse
+  `lax.cumsum` shifted by one (the `--gref_cumsum` variant)."""
+  del precision
+  inclusive = jax.lax.cumsum(strength_BxT, axis=1, reverse=True)
+  return jnp.concatenate([inclusive[:, 1:], jnp.zeros_like(inclusive[:, :1])],
+                         axis=1)
+
+
 def bench_model(name, length, repeats, precision, unrolls, baseline,
-                cpu_devices, batch_chunks=()):
+                cpu_devices, batch_chunks=(), gref_cumsum=False):
   """Rows for one model: every variant, timed in alternation."""
   variants = [Variant(name, "current", length, precision)]
+  if gref_cumsum and name == "gref":
+    variants.append(Variant(name, "sum above by lax.cumsum", length,
+                            precision,
+                            {"_exclusive_sum_above": cumsum_sum_above}))
   # Stack models get the FLOP / bytes limit columns; the baseline variant
   # swaps the module that computes the stack: ns_stack for the scaled
   # table, rns_stack for the shares table.
@@ -398,6 +414,8 @@ def main():
   parser.add_argument("--batch_chunk", default="",
                       help="comma-separated config.stack_batch_chunk values "
                       "(NS models; the plain row is automatic)")
+  parser.add_argument("--gref_cumsum", action="store_true",
+                      help="add a Gref variant with the cumsum it had before")
   parser.add_argument("--compile_study", action="store_true")
   parser.add_argument("--study_model", default="ns22,jm",
                       help="comma-separated models for --compile_study")
@@ -458,7 +476,8 @@ def main():
       out["steps"] += bench_model(
           name, args.length, args.repeats, args.precision, unrolls, baseline,
           args.cpu_devices,
-          [int(c) for c in args.batch_chunk.split(",") if c])
+          [int(c) for c in args.batch_chunk.split(",") if c],
+          args.gref_cumsum)
       save()
   if args.compile_study:
     out["compile_study"] = []

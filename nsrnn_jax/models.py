@@ -190,15 +190,21 @@ def jm_update(stack_BxDxM: jax.Array, actions_Bx3: jax.Array,
           + pop_Bx1x1 * popped_BxDxM)
 
 
-def _exclusive_sum_above(strength_BxT: jax.Array) -> jax.Array:
+def _exclusive_sum_above(strength_BxT: jax.Array,
+                         precision: str = 'highest') -> jax.Array:
   """``out[:, i] = sum_{j > i} strength[:, j]`` (index grows towards the top).
 
-  Built from a reverse inclusive cumsum shifted by one, so no subtraction of
-  nearly equal sums spoils small strengths.
+  One matmul with the strictly lower-triangular ones matrix ([T, T], a
+  constant): a sum of the strengths themselves, so no subtraction of nearly
+  equal sums spoils small strengths, in one op where `lax.cumsum` lowers to
+  several (reduce-window passes, or an associative scan) in every update of
+  the time loop, forward and backward.
   """
-  inclusive_BxT = jax.lax.cumsum(strength_BxT, axis=1, reverse=True)
-  return jnp.concatenate(
-      [inclusive_BxT[:, 1:], jnp.zeros_like(inclusive_BxT[:, :1])], axis=1)
+  steps = strength_BxT.shape[1]
+  above_TxT = jnp.asarray(np.tril(np.ones((steps, steps)), -1),
+                          strength_BxT.dtype)        # [j, i] = 1 if j > i
+  return jnp.matmul(strength_BxT, above_TxT,
+                    precision=ns_stack.lax_precision(precision))
 
 
 def gref_update(values_BxTxM: jax.Array, strength_BxT: jax.Array,
@@ -229,14 +235,14 @@ def gref_update(values_BxTxM: jax.Array, strength_BxT: jax.Array,
   Returns:
     ``(values_BxTxM, strength_BxT, reading_BxM)`` after the update.
   """
-  above_BxT = _exclusive_sum_above(strength_BxT)
+  above_BxT = _exclusive_sum_above(strength_BxT, precision)
   strength_BxT = jax.nn.relu(
       strength_BxT - jax.nn.relu(pop_strength_B[:, None] - above_BxT))
   values_BxTxM = jax.lax.dynamic_update_slice_in_dim(
       values_BxTxM, push_BxM[:, None, :], position, axis=1)
   strength_BxT = jax.lax.dynamic_update_slice_in_dim(
       strength_BxT, push_strength_B[:, None], position, axis=1)
-  above_BxT = _exclusive_sum_above(strength_BxT)
+  above_BxT = _exclusive_sum_above(strength_BxT, precision)
   weight_BxT = jnp.minimum(strength_BxT, jax.nn.relu(1.0 - above_BxT))
   reading_BxM = jnp.einsum('bt,btm->bm', weight_BxT, values_BxTxM,
                            precision=ns_stack.lax_precision(precision))
