@@ -21,7 +21,8 @@
 #   precision  NS train steps at JAX's default (reduced) matmul precision
 #   cmdbuf     LSTM and NS (unroll 8) with XLA command buffers incl. WHILE
 #   fewerops   NS train step against its code before the fewer-ops update
-#              (0bd0077; README "Later CPU runs"). The device's copy of the
+#              (0bd0077; README "Later CPU runs"), and Gref against its
+#              cumsum form (--gref_cumsum). The device's copy of the
 #              tree has no git history: first, here,
 #                for f in ns_stack rns_stack models; do mkdir -p \
 #                  .baselines/0bd0077/nsrnn_jax && git show \
@@ -126,7 +127,10 @@ for p in "${phases[@]}"; do
     fewerops)
       bench "NS train step vs 0bd0077 (before fewer ops per update)" 120 -- \
         $TS --models=ns22,ns33 --baseline_ref=0bd0077 --repeats=9 \
-        --out "$OUT/train_step_gpu_fewer_ops.json" ;;
+        --out "$OUT/train_step_gpu_fewer_ops.json"
+      bench "Gref train step vs its cumsum form, unroll 1/8" 60 -- \
+        $TS --models=gref --gref_cumsum --unroll=1,8 --repeats=9 \
+        --out "$OUT/train_step_gpu_gref_matmul.json" ;;
   esac
 done
 log "done"
