@@ -220,7 +220,8 @@ def gref_update(values_BxTxM: jax.Array, strength_BxT: jax.Array,
   ``s_i' = relu(s_i - relu(u - sum_{j above i} s_j))``; then ``(v, d)`` goes
   to slot ``position``; the reading is
   ``sum_i min(s_i', relu(1 - sum_{j above i} s_j')) v_i``. Both "sums above"
-  are reverse exclusive cumsums, so there is no loop over elements.
+  are one matmul each (`_exclusive_sum_above`), so there is no loop over
+  elements.
 
   Args:
     values_BxTxM: stored vectors.
