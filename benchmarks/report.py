@@ -241,6 +241,21 @@ def cpu_comparison_table():
     name = os.path.basename(path)
     d = _load(name)
     plain = _steps(d)
+    # The scaled table beside the default (shares) one, where a run has both.
+    for key in ("ns22", "ns33"):
+      if key in plain and key + "_scaled" in plain:
+        r, cur = plain[key + "_scaled"], plain[key]
+        label = "scaled table (ns_stack) vs the default shares table"
+        if "commit" in d:
+          label += f", both at {d['commit']}"
+        if "conditions" in d:
+          label += f" ({d['conditions']})"
+        rows.append(
+            f"| `{name}` | {MODEL_LABELS[key]} | {label} | "
+            f"{_ms(r['min_step_s'])} / {_ms(r['cpu_step_s'])} | "
+            f"{_ms(cur['min_step_s'])} / {_ms(cur['cpu_step_s'])} | "
+            f"{r['min_step_s'] / cur['min_step_s']:.2f}× / "
+            f"{r['cpu_step_s'] / cur['cpu_step_s']:.2f}× |")
     for r in d.get("steps", []):
       if r.get("variant", "current") == "current":
         continue

@@ -33,8 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
   # NS-RNN: number of stack symbols S, including the bottom symbol 0.
   config.num_stack_symbols = 2
   # NS-RNN: dynamic program, "shares" (exact for any finite log-weights) or
-  # "scaled" (1.01-1.04x faster steps on CPU; float32 can flush when the
-  # weights decay fast: models.NS_TABLES).
+  # "scaled" (1.3x slower steps on CPU; float32 can flush when the weights
+  # decay fast: models.NS_TABLES).
   config.stack_table = "shares"
   # NS-RNN: strings the stack runs at once, a divisor of the batch (0 =
   # automatic: on CPU chunks whose table fits 12 MiB, on accelerators all).

@@ -69,7 +69,8 @@ MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
 #     stored as posterior shares): exact for any finite log-weights, in
 #     float32 too. The default.
 #   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):
-#     1.01-1.04x faster per train step on CPU, but in float32 it flushes
+#     1.3x slower per train step on CPU (README, "Later CPU runs"), and in
+#     float32 it flushes
 #     entries that dominate α when the weights decay fast (readings off by
 #     0.12 for 3 × log-softmax weights at n = 80; a trained marked-reversal
 #     model on random strings: 0.19; ns_stack module docstring).
@@ -745,7 +746,8 @@ class NSLM(LanguageModel):
 
   ``table`` picks the dynamic program (``NS_TABLES``): 'shares'
   (``rns_stack`` with the CoNLL 2020 semantics: frozen bottom, top-symbol
-  reading; exact) or 'scaled' (``ns_stack``; faster, can flush in float32).
+  reading; exact) or 'scaled' (``ns_stack``; slower on CPU since the
+  shares update runs in fewer ops, and can flush in float32).
 
   ``trace`` adds ``actions``: a dict of probabilities ``push`` and
   ``repl`` [B, T, Q, S, Q, S] and ``pop`` [B, T, Q, S, Q]; ``readings``
@@ -957,7 +959,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     broadcast_bottom_vector: VRNS: the authors' broadcast bottom vector
       (``vrns_stack`` docstring) instead of the run-consistent one.
     stack_table: the NS-RNN's dynamic program, one of ``NS_TABLES`` (ns
-      only): 'shares' (exact) or 'scaled' (faster; can flush in float32).
+      only): 'shares' (exact) or 'scaled' (can flush in float32).
     stack_batch_chunk: strings per run of the NS-RNN's stack, 0 = automatic
       (``stack_batch_chunk``; ns only).
     scan_unroll: ``lax.scan`` unroll factor of the time loop (same values;
