@@ -70,10 +70,9 @@ MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
 #     float32 too. The default.
 #   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):
 #     1.3x slower per train step on CPU (README, "Later CPU runs"), and in
-#     float32 it flushes
-#     entries that dominate α when the weights decay fast (readings off by
-#     0.12 for 3 × log-softmax weights at n = 80; a trained marked-reversal
-#     model on random strings: 0.19; ns_stack module docstring).
+#     float32 it flushes entries that dominate α when the weights decay fast
+#     (readings off by 0.12 for 3 × log-softmax weights at n = 80; a trained
+#     marked-reversal model on random strings: 0.19; ns_stack docstring).
 NS_TABLES = ('shares', 'scaled')
 # Also the table of a config stored before ``stack_table`` existed (same
 # function as the 'scaled' table those runs used).
