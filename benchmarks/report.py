@@ -228,12 +228,26 @@ def train_step_table():
   return lines
 
 
+def _comparison_row(name, d, model_key, label, r, cur, at):
+  """One row of `cpu_comparison_table`: variant `r` against plain `cur`."""
+  if "commit" in d:
+    label += f", {at} {d['commit']}"
+  if "conditions" in d:
+    label += f" ({d['conditions']})"
+  return (f"| `{name}` | {MODEL_LABELS[model_key]} | {label} | "
+          f"{_ms(r['min_step_s'])} / {_ms(r['cpu_step_s'])} | "
+          f"{_ms(cur['min_step_s'])} / {_ms(cur['cpu_step_s'])} | "
+          f"{r['min_step_s'] / cur['min_step_s']:.2f}× / "
+          f"{r['cpu_step_s'] / cur['cpu_step_s']:.2f}× |")
+
+
 def cpu_comparison_table():
   """Later CPU runs of a variant against the plain step (train_step_cpu_*.json).
 
   Each file is one `benchmarks/train_step.py` run on CPU whose variants were
   timed interleaved with the plain step (e.g. `--baseline_ref` for a code
-  change, `--unroll`); the ratio is the figure to compare.
+  change, `--unroll`); the ratio is the figure to compare. A run with both
+  NS tables also gets the scaled table against the default (shares) one.
   """
   paths = sorted(glob.glob(os.path.join(RESULTS, "train_step_cpu_*.json")))
   rows = []
@@ -241,38 +255,19 @@ def cpu_comparison_table():
     name = os.path.basename(path)
     d = _load(name)
     plain = _steps(d)
-    # The scaled table beside the default (shares) one, where a run has both.
     for key in ("ns22", "ns33"):
       if key in plain and key + "_scaled" in plain:
-        r, cur = plain[key + "_scaled"], plain[key]
-        label = "scaled table (ns_stack) vs the default shares table"
-        if "commit" in d:
-          label += f", both at {d['commit']}"
-        if "conditions" in d:
-          label += f" ({d['conditions']})"
-        rows.append(
-            f"| `{name}` | {MODEL_LABELS[key]} | {label} | "
-            f"{_ms(r['min_step_s'])} / {_ms(r['cpu_step_s'])} | "
-            f"{_ms(cur['min_step_s'])} / {_ms(cur['cpu_step_s'])} | "
-            f"{r['min_step_s'] / cur['min_step_s']:.2f}× / "
-            f"{r['cpu_step_s'] / cur['cpu_step_s']:.2f}× |")
+        rows.append(_comparison_row(
+            name, d, key, "scaled table (ns_stack) vs the default shares "
+            "table", plain[key + "_scaled"], plain[key], "both at"))
     for r in d.get("steps", []):
       if r.get("variant", "current") == "current":
         continue
-      cur = plain[_model_key(r)]
       label = r["variant"]
       if label.startswith("baseline") and "baseline_ref" in d:
         label = f"before ({d['baseline_ref'][:7]})"
-      if "commit" in d:
-        label += f", plain at {d['commit']}"
-      if "conditions" in d:
-        label += f" ({d['conditions']})"
-      rows.append(
-          f"| `{name}` | {MODEL_LABELS[_model_key(r)]} | {label} | "
-          f"{_ms(r['min_step_s'])} / {_ms(r['cpu_step_s'])} | "
-          f"{_ms(cur['min_step_s'])} / {_ms(cur['cpu_step_s'])} | "
-          f"{r['min_step_s'] / cur['min_step_s']:.2f}× / "
-          f"{r['cpu_step_s'] / cur['cpu_step_s']:.2f}× |")
+      rows.append(_comparison_row(name, d, _model_key(r), label, r,
+                                  plain[_model_key(r)], "plain at"))
   if not rows:
     return []
   return ["Later CPU runs (cpu: AMD EPYC (2 cores)), each in one process "
