@@ -210,10 +210,12 @@ def _replace_rows(col, k_rep, prec):
                      prec).reshape((bsz, ny, nr) + col.shape[3:])
 
 
-# Public names of the guarded primitives and the column kernel (used by
-# rns_stack).
+# Public names of the guarded primitives and the column kernels (used by
+# rns_stack; replace_rows by its versions before e89574a, which
+# benchmarks/train_step.py --baseline_ref loads against this module).
 logsumexp_guarded = _lse
 safe_log = _safe_log
+replace_rows = _replace_rows
 mix_column = _mix_column
 
 MATMUL_PRECISIONS = ("highest", "high", "default")
