@@ -910,20 +910,22 @@ def auto_scan_unroll(name: str, backend: str | None = None) -> int:
   return 1
 
 
+def _check_int(name: str, value, minimum: int, what: str) -> int:
+  """`value` as an int ≥ `minimum` (bools refused); `what` names the range."""
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+      or value < minimum):
+    raise ValueError(f'{name} must be {what}, got {value!r}')
+  return int(value)
+
+
 def _check_auto_or_positive_int(name: str, value) -> int:
   """`value` as an int: 0 (automatic) or a positive integer."""
-  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-      or value < 0):
-    raise ValueError(f'{name} must be 0 (automatic) or a positive integer, '
-                     f'got {value!r}')
-  return int(value)
+  return _check_int(name, value, 0, '0 (automatic) or a positive integer')
 
 
 def _check_positive_int(name: str, value) -> int:
-  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-      or value < 1):
-    raise ValueError(f'{name} must be a positive integer, got {value!r}')
-  return int(value)
+  """`value` as a positive int."""
+  return _check_int(name, value, 1, 'a positive integer')
 
 
 def get(name: str, vocab_size: int, hidden_size: int = 20,

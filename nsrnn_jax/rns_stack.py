@@ -283,6 +283,33 @@ def _finite_max(x, axis):
   return lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
 
 
+def _column_views(prev, cs, p, ring=False):
+  """What update j contracts of column j−1 and the column sums.
+
+  Shared by `_local` and `_local_bwd` (the backward rebuilds these views
+  rather than keeping them as residuals: they are table-row-sized).
+
+  Returns:
+    left [N]: the columns k ≤ j−2 (in time order those before p; in a ring
+      window every column but p, since the slot after p holds the oldest
+      time, not a later one);
+    c_left [b, y, k, t]: their column sums (0 elsewhere);
+    c_prev [b, s, z]: column j−1's sums c_{j−1}[s, z];
+    prev_t [b, y, (z, s), (k, t)]: prev with its rows (times k, states t)
+      last, one copy that both of its contractions take as it stands (XLA
+      made one transposed copy per einsum).
+  """
+  idx = jnp.arange(cs.shape[2])
+  left = idx != p if ring else idx < p
+  c_left = jnp.where(left[None, None, :, None], cs, 0)
+  c_prev = jnp.swapaxes(
+      lax.dynamic_index_in_dim(cs, p, axis=2, keepdims=False), 1, 2)
+  b, nz, ns_, nk, nt, ny = prev.shape
+  prev_t = jnp.transpose(prev, (0, 5, 1, 2, 3, 4)).reshape(
+      b, ny, nz * ns_, nk * nt)
+  return left, c_left, c_prev, prev_t
+
+
 def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
            pop_BxQxSxQ, prec, ring=False, residuals=False):
   """The column-sized part of update j (everything but the pop matmul).
@@ -303,19 +330,8 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   """
   dtype = prev.dtype
   flush = _flush(dtype)
-  idx = jnp.arange(cs.shape[2])
-  # Columns k ≤ j−2: in time order those before p; in a ring window every
-  # column but p (the slot after p holds the oldest time, not a later one).
-  left = idx != p if ring else idx < p
-  c_left = jnp.where(left[None, None, :, None], cs, 0)
-  c_prev = jnp.swapaxes(
-      lax.dynamic_index_in_dim(cs, p, axis=2, keepdims=False), 1, 2)
-  # prev as [b, y, (z, s), (k, t)] (rows of prev = times k, states t), one
-  # copy that both of its contractions below take as it stands (XLA made
-  # one transposed copy per einsum).
+  left, c_left, c_prev, prev_t = _column_views(prev, cs, p, ring)
   b, nz, ns_, nk, nt, ny = prev.shape
-  prev_t = jnp.transpose(prev, (0, 5, 1, 2, 3, 4)).reshape(
-      b, ny, nz * ns_, nk * nt)
   # W[y,s,z] = Σ_{k,t} c_k[t,y] H_{k,j−1}[t,y,s,z].
   w = jnp.swapaxes(lax.dot_general(
       prev_t, c_left.reshape(b, ny, nk * nt),
@@ -422,12 +438,7 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec):
   b, nz, ns_, nk, nt, ny = prev.shape
   nr = kern.shape[1]
   fs = nz * ns_
-  left = jnp.arange(nk) < p
-  c_left = jnp.where(left[None, None, :, None], cs, 0)          # b y k t
-  c_prev = jnp.swapaxes(
-      lax.dynamic_index_in_dim(cs, p, axis=2, keepdims=False), 1, 2)
-  prev_t = jnp.transpose(prev, (0, 5, 1, 2, 3, 4)).reshape(b, ny, fs,
-                                                           nk * nt)
+  left, c_left, c_prev, prev_t = _column_views(prev, cs, p)
   # a_hat = a_j − log_z, log_z = logsumexp(a_j), inc = log_z + m.
   alive = jnp.isfinite(jnp.max(a_hat, axis=(1, 2)))              # b
   e = jnp.exp(a_hat)                                               # b r y
