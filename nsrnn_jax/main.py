@@ -32,7 +32,7 @@ _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 1,
     "On the CPU backend, split each batch over this many devices (one per "
     "core to use; the batch size must be a multiple). 2 on 2 cores: NS-RNN "
-    "steps 1.4-2.1x faster, LSTM/JM/Gref steps slightly slower.")
+    "steps 1.3-2.1x faster, LSTM/JM/Gref steps slightly slower.")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", cli.DEFAULT_COMPILATION_CACHE,
     "Directory of the persistent XLA compilation cache ('' = off): later "

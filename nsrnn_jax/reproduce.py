@@ -26,7 +26,7 @@ go one after another: on 2 cores, K vmapped train steps (n=60, B=10) gave
 throughput of K sequential steps (only the LSTM gained, 2.3x at K=5, and its
 runs take minutes anyway), while 20 NS-RNNs on an H200 gave 8.2x (README
 "Benchmarks"). The choice is printed. `--cpu_devices=2` splits each batch
-over two CPU devices (both cores of one run; NS-RNN steps 1.4-2.1x faster on
+over two CPU devices (both cores of one run; NS-RNN steps 1.3-2.1x faster on
 2 cores); two runs of one core each use the same two cores as well.
 
 Resuming. Every run checkpoints every epoch under `--workdir`; rerunning the
