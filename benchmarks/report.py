@@ -466,9 +466,43 @@ def data_table():
   return lines
 
 
+def profile_table():
+  """Where a train step's time goes, by kind of op (profile_step_*.json)."""
+  out = []
+  for path in sorted(glob.glob(os.path.join(RESULTS, "profile_step_*.json"))):
+    name = os.path.basename(path)
+    d = _load(name)
+    kinds = []
+    for m in d["models"]:
+      for k in m["by_kind_ms_per_step"]:
+        if k not in kinds:
+          kinds.append(k)
+    out += [f"Where the train step's time goes (`benchmarks/profile_step.py`, "
+            f"`{name}`, {_device(d)}; batch {d['batch']}, n = {d['length']}; "
+            "exclusive time of each traced XLA op, summed over the runtime's "
+            "threads, as a share of that total; matmuls with an operand of "
+            f"≥ {d['table_elements']:,} elements count as table-sized):", "",
+            "| model | step (untraced) | " + " | ".join(kinds) + " | "
+            "largest op |", "|---|---|" + "---|" * len(kinds) + "---|"]
+    for m in d["models"]:
+      busy = m["busy_ms_per_step"] or 1.0
+      shares = " | ".join(
+          f"{100 * m['by_kind_ms_per_step'].get(k, 0.0) / busy:.0f}%"
+          for k in kinds)
+      top = m["top_ops"][0]
+      out.append(f"| {MODEL_LABELS.get(m['model'], m['model'])} | "
+                 f"{_ms(m['step_ms_untraced_best'] / 1e3)} | {shares} | "
+                 f"{top['kind']} {top['shape'].split('{')[0]}, "
+                 f"{top['us_per_call']:.0f} µs × {top['calls_per_step']:.0f} "
+                 "per step |")
+    out.append("")
+  return out[:-1]
+
+
 def benchmarks_block():
   out = []
-  for part in (train_step_table(), cpu_comparison_table(), gpu_suite_line(),
+  for part in (train_step_table(), cpu_comparison_table(), profile_table(),
+               gpu_suite_line(),
                gpu_variants_table(),
                gpu_budget_table(), stack_table(),
                scale_table(), data_table()):

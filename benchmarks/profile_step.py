@@ -1,0 +1,253 @@
+"""Benchmark: where one training step's time goes, op by op.
+
+Traces a few full train steps (the same program as `benchmarks/train_step.py`:
+batch 10, length 80, full float32) with `jax.profiler`, reads the trace back
+(`jax.profiler.ProfileData`) and charges every traced XLA op its exclusive
+time (its own span minus the spans of the ops it contains, e.g. a while loop
+minus its body's ops), matched to the compiled HLO by instruction name. It
+prints, per model, the time by kind of op (table-sized matmuls, other
+matmuls, elementwise/reduction fusions, copies and slices, loop overhead,
+runtime) and the ops that take the most, with their shape and source line,
+and saves JSON.
+
+Which trace lines count: on a GPU the device's "XLA Ops" line (device
+time; host-side launch events are left out so nothing is counted twice);
+on the CPU the XLA:CPU runtime's threads. XLA:CPU splits some ops over
+its threads, so the CPU's "busy" total can exceed the step's wall time;
+shares of the busy total are the figure to read. The tracer adds its own
+overhead; the untraced step time is printed beside it.
+
+  python benchmarks/profile_step.py [--models=ns22,ns33] [--steps=3]
+      [--top=12] [--out=benchmarks/results/profile_step_<backend>.json]
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+
+import machine
+import train_step
+
+# `%name = shape opcode(...)` of an HLO instruction; shape may be a tuple.
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\([^=]*?\)|\S+)\s+([\w-]+)\(")
+_KIND = re.compile(r"kind=(\w+)")
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+# Matmul-like ops that read a table-sized operand (≥ this many elements).
+TABLE_ELEMENTS = 100_000
+
+
+def hlo_instructions(hlo_text):
+  """{instruction name: {opcode, shape, kind, source, largest operand}}.
+
+  The largest operand is counted in elements, from the operands' own
+  instructions (a fusion's line names its operands, not their shapes).
+  """
+  found, operands = {}, {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, shape, opcode = m.groups()
+    kind = _KIND.search(line)
+    src = _OP_NAME.search(line)
+    args = line[m.end():].split(")", 1)[0]
+    operands[name] = re.findall(r"%([\w.-]+)", args)
+    found[name] = {"opcode": opcode, "shape": shape,
+                   "kind": kind.group(1) if kind else "",
+                   "source": "/".join(src.group(1).split("/")[-2:])
+                             if src else ""}
+  for name, info in found.items():
+    info["largest_operand"] = max(
+        (_elements(found[o]["shape"]) for o in operands[name] if o in found),
+        default=0)
+  return found
+
+
+def _elements(shape):
+  """Elements of an array shape like f32[20,162,2]{2,1,0} (0 for tuples)."""
+  m = re.match(r"^\w+\[([\d,]*)\]", shape)
+  if not m:
+    return 0
+  n = 1
+  for d in m.group(1).split(","):
+    if d:
+      n *= int(d)
+  return n
+
+
+def category(name, info):
+  """The kind of op an event is, for the per-kind totals."""
+  if info is None:
+    # On the CPU this includes the ops XLA:CPU does not trace one by one
+    # (its small loop fusions run inside their loop body's executor).
+    return "runtime, untraced ops"
+  op, kind = info["opcode"], info["kind"]
+  matmul = (op in ("dot", "custom-call") or "ynn" in name or "gemm" in name
+            or (kind == "kCustom" and info["source"].endswith("dot_general")))
+  if matmul:
+    return ("matmul, table-sized" if info["largest_operand"]
+            >= TABLE_ELEMENTS else "matmul, small")
+  if op in ("while", "conditional", "call"):
+    return "loop overhead (while, untraced work)"
+  if op in ("copy", "dynamic-update-slice", "dynamic-slice", "pad",
+            "concatenate", "slice", "transpose", "broadcast") or any(
+                w in name for w in ("copy", "slice", "pad", "broadcast")):
+    return "copies, slices, pads"
+  return "elementwise / reduction fusions"
+
+
+def _exclusive_times(events):
+  """{name: [exclusive ns, count]} of one trace line (nested spans)."""
+  out = collections.defaultdict(lambda: [0, 0])
+  stack = []                      # [end, name, start, time of children]
+
+  def close(item):
+    end, name, start, children = item
+    out[name][0] += (end - start) - children
+    out[name][1] += 1
+    if stack:
+      stack[-1][3] += end - start
+
+  for start, end, name in sorted(events, key=lambda e: (e[0], -e[1])):
+    while stack and stack[-1][0] <= start:
+      close(stack.pop())
+    stack.append([end, name, start, 0])
+  while stack:
+    close(stack.pop())
+  return out
+
+
+def read_trace(trace_dir, hlo):
+  """{name: [exclusive ns, count]} over the trace lines that count."""
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                          recursive=True))[-1]
+  profile = jax.profiler.ProfileData.from_file(path)
+  lines = []
+  for plane in profile.planes:
+    for line in plane.lines:
+      events = [(e.start_ns, e.start_ns + e.duration_ns, e.name)
+                for e in line.events]
+      matched = sum(e[1] - e[0] for e in events if e[2] in hlo)
+      lines.append((plane.name, line.name, events, matched))
+  device = [l for l in lines if l[0].startswith("/device:") and l[3]
+            and "XLA Ops" in l[1]]
+  if device:
+    chosen = device
+  else:                            # CPU: the XLA:CPU runtime's threads.
+    chosen = [l for l in lines if l[1].startswith("tf_XLA")]
+  total = collections.defaultdict(lambda: [0, 0])
+  for _, _, events, _ in chosen:
+    for name, (ns, count) in _exclusive_times(events).items():
+      if "wait for completion" in name:   # idle, not work
+        continue
+      total[name][0] += ns
+      total[name][1] += count
+  return total, [f"{p} / {l}" for p, l, _, _ in chosen]
+
+
+def profile_model(name, steps, top, trace_root):
+  """Step time untraced and traced, and the per-op / per-kind breakdown."""
+  v = train_step.Variant(name, "current", 80, "highest")
+  compiled = v.step.lower(v.state, v.batch).compile()
+  hlo = hlo_instructions(compiled.as_text())
+  for _ in range(3):
+    jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
+  best = float("inf")
+  for _ in range(5):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
+    best = min(best, time.perf_counter() - start)
+  trace_dir = os.path.join(trace_root, name)
+  jax.profiler.start_trace(trace_dir)
+  start = time.perf_counter()
+  for _ in range(steps):
+    jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
+  traced = (time.perf_counter() - start) / steps
+  jax.profiler.stop_trace()
+  times, lines = read_trace(trace_dir, hlo)
+  busy = sum(ns for ns, _ in times.values()) / steps
+  kinds = collections.Counter()
+  for op, (ns, _) in times.items():
+    kinds[category(op, hlo.get(op))] += ns / steps
+  ops = []
+  for op, (ns, count) in sorted(times.items(), key=lambda kv: -kv[1][0])[:top]:
+    info = hlo.get(op) or {}
+    ops.append({"op": op, "kind": category(op, hlo.get(op)),
+                "ms_per_step": ns / steps / 1e6,
+                "calls_per_step": count / steps,
+                "us_per_call": ns / count / 1e3 if count else 0.0,
+                "shape": info.get("shape", ""),
+                "source": info.get("source", "")})
+  return {"model": name, "step_ms_untraced_best": best * 1e3,
+          "step_ms_traced_mean": traced * 1e3, "steps_traced": steps,
+          "busy_ms_per_step": busy / 1e6, "trace_lines": lines,
+          "by_kind_ms_per_step": {k: t / 1e6 for k, t in kinds.most_common()},
+          "top_ops": ops}
+
+
+def print_result(r):
+  print(f"\n{r['model']}: step {r['step_ms_untraced_best']:.2f} ms untraced "
+        f"(best), {r['step_ms_traced_mean']:.2f} ms traced; busy "
+        f"{r['busy_ms_per_step']:.2f} ms per step on "
+        f"{len(r['trace_lines'])} trace line(s)")
+  busy = r["busy_ms_per_step"] or 1.0
+  for kind, ms in r["by_kind_ms_per_step"].items():
+    print(f"  {kind:40s} {ms:9.2f} ms  {100 * ms / busy:5.1f}%")
+  print(f"  {'op':34s} {'ms/step':>8s} {'calls':>6s} {'us/call':>8s}  "
+        f"shape / source")
+  for o in r["top_ops"]:
+    print(f"  {o['op'][:34]:34s} {o['ms_per_step']:8.2f} "
+          f"{o['calls_per_step']:6.0f} {o['us_per_call']:8.1f}  "
+          f"{o['shape'][:32]} {o['source'][-48:]}")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", default="ns22,ns33",
+                      help=f"of {','.join(train_step.SETTINGS)}")
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--top", type=int, default=12)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+  names = [m for m in args.models.split(",") if m]
+  unknown = [m for m in names if m not in train_step.SETTINGS]
+  if unknown or args.steps < 1 or args.top < 1:
+    sys.exit(f"error: unknown model(s) {unknown} (known: "
+             f"{', '.join(train_step.SETTINGS)}), or --steps/--top < 1"
+             if unknown else "error: --steps and --top must be >= 1")
+  info = machine.machine_info()
+  print(f"profile of one train step on {machine.device_label(info)} "
+        f"(batch {train_step.BATCH}, length 80, full float32)")
+  results = []
+  with tempfile.TemporaryDirectory() as trace_root:
+    for name in names:
+      r = profile_model(name, args.steps, args.top, trace_root)
+      print_result(r)
+      results.append(r)
+  out = args.out or os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), "results",
+      f"profile_step_{info['backend']}.json")
+  with open(out, "w") as f:
+    json.dump({"benchmark": "profile_step", "machine": info,
+               "device": machine.device_label(info),
+               "date": time.strftime("%Y-%m-%d"), "batch": train_step.BATCH,
+               "length": 80, "table_elements": TABLE_ELEMENTS,
+               "models": results}, f, indent=1)
+  print(f"saved {out}")
+
+
+if __name__ == "__main__":
+  main()

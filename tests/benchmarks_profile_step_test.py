@@ -1,0 +1,74 @@
+"""benchmarks/profile_step.py reads traces and HLO correctly.
+
+Oracles: exclusive times of hand-made nested spans; a traced jitted
+program whose matmul runs a known number of times (the trace must count
+exactly those calls and classify the op by its operands' size).
+"""
+
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def profile_step():
+  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+  spec = importlib.util.spec_from_file_location(
+      "benchmarks_profile_step",
+      os.path.join(REPO, "benchmarks", "profile_step.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_exclusive_times_subtract_children(profile_step):
+  # loop [0, 100) holds a [10, 30) and b [40, 45); c [200, 210) stands alone;
+  # a second loop [300, 350) holds a [300, 320) (same start as its parent).
+  events = [(0, 100, "loop"), (10, 30, "a"), (40, 45, "b"), (200, 210, "c"),
+            (300, 350, "loop"), (300, 320, "a")]
+  out = profile_step._exclusive_times(events)
+  assert out["loop"] == [(100 - 25) + (50 - 20), 2]
+  assert out["a"] == [40, 2]
+  assert out["b"] == [5, 1]
+  assert out["c"] == [10, 1]
+
+
+def test_elements_of_shapes(profile_step):
+  assert profile_step._elements("f32[20,162,2]{2,1,0}") == 6480
+  assert profile_step._elements("f32[]") == 1
+  assert profile_step._elements("(f32[2], s32[])") == 0
+
+
+def test_trace_counts_every_call_of_a_traced_matmul(profile_step, tmp_path):
+  big = profile_step.TABLE_ELEMENTS + 4096       # a "table-sized" operand
+  table = jnp.ones((big // 64, 64), jnp.float32)
+  vec = jnp.ones((3, big // 64), jnp.float32)
+
+  def body(i, carry):
+    # Depends on i, so XLA cannot hoist the matmul out of the loop.
+    return carry + lax.dot(vec * i, table, precision=lax.Precision.HIGHEST)
+
+  steps, trips = 2, 7
+  f = jax.jit(lambda v, t: lax.fori_loop(0, trips, body,
+                                         jnp.zeros((3, 64), jnp.float32)))
+  compiled = f.lower(vec, table).compile()
+  hlo = profile_step.hlo_instructions(compiled.as_text())
+  compiled(vec, table).block_until_ready()
+  jax.profiler.start_trace(str(tmp_path))
+  for _ in range(steps):
+    compiled(vec, table).block_until_ready()
+  jax.profiler.stop_trace()
+  times, lines = profile_step.read_trace(str(tmp_path), hlo)
+  assert lines
+  dots = {n: c for n, (_, c) in times.items()
+          if n in hlo and profile_step.category(n, hlo[n])
+          == "matmul, table-sized"}
+  assert list(dots.values()) == [steps * trips], (dots, hlo.keys())
+  assert all(ns >= 0 for ns, _ in times.values())
