@@ -20,6 +20,9 @@
 #   scale      20 vmapped NS-RNNs at length 80, scan_unroll 1 and 8
 #   precision  NS train steps at JAX's default (reduced) matmul precision
 #   cmdbuf     LSTM and NS (unroll 8) with XLA command buffers incl. WHILE
+#   profile    where each model's train step spends its GPU time, op by op
+#              (benchmarks/profile_step.py; device time of the "XLA Ops"
+#              trace line: which kernels of an update dominate)
 #   fewerops   NS train step against its code before the fewer-ops update
 #              (0bd0077; README "Later CPU runs"), and Gref against its
 #              cumsum form (--gref_cumsum). The device's copy of the
@@ -32,7 +35,8 @@
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, bench.log and one
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
-# ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json). Copy them to
+# ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
+# profile_step_gpu.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # Installs nothing beyond the package: the wheels in ./.whl that the image
@@ -46,9 +50,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf fewerops)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|fewerops) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -124,6 +128,10 @@ for p in "${phases[@]}"; do
         XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
         -- $TS --models=lstm,ns22 --unroll=8 --repeats=9 \
         --out "$OUT/train_step_gpu_cmdbuf.json" ;;
+    profile)
+      bench "profile of the train steps, op by op" 150 -- \
+        benchmarks/profile_step.py --models=ns22,ns33,jm,gref,lstm --top=15 \
+        --out "$OUT/profile_step_gpu.json" ;;
     fewerops)
       bench "NS train step vs 0bd0077 (before fewer ops per update)" 120 -- \
         $TS --models=ns22,ns33 --baseline_ref=0bd0077 --repeats=9 \

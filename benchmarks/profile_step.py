@@ -10,8 +10,9 @@ matmuls, elementwise/reduction fusions, copies and slices, loop overhead,
 runtime) and the ops that take the most, with their shape and source line,
 and saves JSON.
 
-Which trace lines count: on a GPU the device's "XLA Ops" line (device
-time; host-side launch events are left out so nothing is counted twice);
+Which trace lines count: on a GPU the device's "XLA Ops" line, or its
+stream lines with each kernel charged to its HLO op (device time;
+host-side launch events are left out so nothing is counted twice);
 on the CPU the XLA:CPU runtime's threads. XLA:CPU splits some ops over
 its threads, so the CPU's "busy" total can exceed the step's wall time;
 shares of the busy total are the figure to read. The tracer adds its own
@@ -130,32 +131,45 @@ def _exclusive_times(events):
   return out
 
 
+def _op_name(event):
+  """The HLO instruction an event ran: its `hlo_op` stat (GPU kernels) or
+  its name (XLA:CPU's events and the derived "XLA Ops" line)."""
+  for key, value in event.stats:
+    if key in ("hlo_op", "hlo_op_name"):
+      return str(value)
+  return event.name
+
+
 def read_trace(trace_dir, hlo):
-  """{name: [exclusive ns, count]} over the trace lines that count."""
+  """{name: [exclusive ns, count]} over the trace lines that count.
+
+  A device plane (GPU/TPU): its "XLA Ops" line if the trace has one, else
+  its stream lines (kernels, named by their `hlo_op` stat). Otherwise the
+  host's XLA:CPU runtime threads.
+  """
   path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
                           recursive=True))[-1]
   profile = jax.profiler.ProfileData.from_file(path)
-  lines = []
+  chosen = []
   for plane in profile.planes:
-    for line in plane.lines:
-      events = [(e.start_ns, e.start_ns + e.duration_ns, e.name)
-                for e in line.events]
-      matched = sum(e[1] - e[0] for e in events if e[2] in hlo)
-      lines.append((plane.name, line.name, events, matched))
-  device = [l for l in lines if l[0].startswith("/device:") and l[3]
-            and "XLA Ops" in l[1]]
-  if device:
-    chosen = device
-  else:                            # CPU: the XLA:CPU runtime's threads.
-    chosen = [l for l in lines if l[1].startswith("tf_XLA")]
+    lines = list(plane.lines)
+    if plane.name.startswith("/device:"):
+      ops = [l for l in lines if l.name == "XLA Ops"]
+      chosen += [(plane.name, l) for l in
+                 (ops or [l for l in lines if l.name.startswith("Stream")])]
+  if not chosen:                   # CPU: the XLA:CPU runtime's threads.
+    chosen = [(plane.name, l) for plane in profile.planes
+              for l in plane.lines if l.name.startswith("tf_XLA")]
   total = collections.defaultdict(lambda: [0, 0])
-  for _, _, events, _ in chosen:
+  for _, line in chosen:
+    events = [(e.start_ns, e.start_ns + e.duration_ns, _op_name(e))
+              for e in line.events]
     for name, (ns, count) in _exclusive_times(events).items():
       if "wait for completion" in name:   # idle, not work
         continue
       total[name][0] += ns
       total[name][1] += count
-  return total, [f"{p} / {l}" for p, l, _, _ in chosen]
+  return total, [f"{p} / {l.name}" for p, l in chosen]
 
 
 def profile_model(name, steps, top, trace_root):
