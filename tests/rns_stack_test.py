@@ -418,11 +418,29 @@ def test_no_updates():
   assert [g.shape for g in grads] == [a.shape for a in acts]
 
 
-def _uneven_blocks(num_steps):
+def _uneven_blocks(num_steps, table_bytes=0):
   """Several uneven time blocks even for tiny T (the library uses one block
   below T = 48)."""
+  del table_bytes
   edges = sorted({1, 2, 4, 5, num_steps + 1} & set(range(1, num_steps + 2)))
   return list(zip(edges[:-1], edges[1:]))
+
+
+def test_large_tables_get_more_time_blocks():
+  # Blocks partition updates 1..T in order; tables of >= LARGE_TABLE_BYTES
+  # get up to LARGE_TABLE_BLOCKS blocks of >= 12 updates, others keep
+  # ns_stack's blocking (whose equivalence the test below checks for any
+  # blocking).
+  big = rns_stack.LARGE_TABLE_BYTES
+  for t, table_bytes, want in [(80, 0, 3), (80, big - 1, 3), (80, big, 6),
+                               (30, big, 2), (10, big, 1), (200, big, 6)]:
+    blocks = rns_stack._time_blocks(t, table_bytes)
+    assert len(blocks) == want, (t, table_bytes, blocks)
+    assert blocks[0][0] == 1 and blocks[-1][1] == t + 1
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    if table_bytes >= big and want > 1:
+      assert min(j1 - j0 for j0, j1 in blocks) >= 12
+  assert rns_stack._time_blocks(80, 0) == ns_stack.time_blocks(80)
 
 
 def test_time_blocks_change_nothing(x64, monkeypatch):
