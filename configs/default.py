@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   # decay fast: models.NS_TABLES).
   config.stack_table = "shares"
   # NS-RNN: strings the stack runs at once, a divisor of the batch (0 =
-  # automatic: on CPU chunks whose table fits 12 MiB, on accelerators all).
+  # automatic: on CPU chunks whose table fits 6 MiB, on accelerators all).
   config.stack_batch_chunk = 0
   # JM/Gref: stack embedding size m (grid value; the paper does not publish
   # the selected value, 20 is the middle of the grid).

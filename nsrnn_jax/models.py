@@ -713,10 +713,11 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
 
 
 # On CPU the stack runs the batch in chunks whose table fits this many bytes:
-# larger tables ran slower per string (2 AMD EPYC cores, train step at
-# n = 80: Q = S = 2 fastest at 10-20 strings, 4-9 MiB; Q = S = 3 at 2-5
-# strings, 4-11 MiB, 1.25x faster than 10 strings, 22 MiB): cache-bound.
-CPU_TABLE_BUDGET_BYTES = 12 * 2**20
+# larger tables ran slower per string (2 AMD EPYC cores, L2 1 MiB per core,
+# L3 16 MiB; train step at n = 80): Q = S = 2 fastest at 10-20 strings
+# (4-9 MiB); Q = S = 3 at 2 strings (4.4 MB), since the fewer-ops update
+# 1.07-1.26x faster than 5 (10.9 MB) and 1.6x faster than 10: cache-bound.
+CPU_TABLE_BUDGET_BYTES = 6 * 2**20
 
 
 def stack_batch_chunk(requested: int, batch: int, steps: int,

@@ -67,8 +67,8 @@ left operand, so neither direction transposes the table.
 `limited_stack` runs the same step on a D × D sliding window.
 
 Blocking (ns_stack's technique): the updates are split into up to 4 static
-time blocks (up to 6 for tables of ≥ 8 MiB: `LARGE_TABLE_BYTES`); block
-[j0, j1) is one `lax.scan` over the table sliced to the
+time blocks (on CPU up to 6 for tables of ≥ 8 MiB: `LARGE_TABLE_BYTES`);
+block [j0, j1) is one `lax.scan` over the table sliced to the
 time points ≤ j1, the only ones it reads or writes, so the padded table is
 not swept in full at every step. The column sums c_k are carried (written
 with their column) rather than recomputed from the table, so the pop matmul
@@ -573,12 +573,13 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
 # ---------------------------------------------------------------------------
 
 
-# Tables at least this large are swept in more, shorter time blocks (up
-# to LARGE_TABLE_BLOCKS, each of ≥ 12 updates): each update then reads
-# less of the padded table, for longer compiles. Train step, n = 80, 2 AMD
-# EPYC cores (L3 16 MiB): Q = S = 3 on chunks of 5 strings (a 10.9 MB
-# table) 1.25x faster with 6 blocks than with 3; Q = S = 2 on 10 strings
-# (4.3 MB) no faster, so smaller tables keep ns_stack's blocking.
+# On CPU, tables at least this large are swept in more, shorter time
+# blocks (up to LARGE_TABLE_BLOCKS, each of ≥ 12 updates): each update then
+# reads less of the padded table, for longer compiles. Train step, n = 80,
+# 2 AMD EPYC cores (L3 16 MiB): Q = S = 3 on chunks of 5 strings (a 10.9 MB
+# table) 1.17x faster with 6 blocks than with 3; Q = S = 2 on 10 strings
+# (4.3 MB) no faster, so smaller tables keep ns_stack's blocking. Not
+# measured on accelerators, which keep it too.
 LARGE_TABLE_BYTES = 8 * 2**20
 LARGE_TABLE_BLOCKS = 6
 
@@ -586,7 +587,7 @@ LARGE_TABLE_BLOCKS = 6
 def _time_blocks(num_steps, table_bytes=0):
   """Static time blocks [j0, j1) of the sweeps over a table of this size."""
   blocks = _default_time_blocks(num_steps)
-  if table_bytes >= LARGE_TABLE_BYTES:
+  if table_bytes >= LARGE_TABLE_BYTES and jax.default_backend() == "cpu":
     nb = min(LARGE_TABLE_BLOCKS, num_steps // 12)
     if nb > len(blocks):
       edges = [1 + (num_steps * b) // nb for b in range(nb + 1)]

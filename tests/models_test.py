@@ -657,15 +657,15 @@ def test_ns_stack_chunk_is_sized_by_the_model_float_type(monkeypatch, dtype,
 def test_stack_batch_chunk_choice(monkeypatch):
   monkeypatch.setattr(jax, 'default_backend', lambda: 'cpu')
   # Automatic on CPU: the largest divisor of the batch whose float32 table,
-  # B·(T+2)²·Q²·S²·4 bytes, fits 12 MiB: Q = S = 3 at T = 80 is 2.2 MB a
-  # string (5 of 10), Q = S = 2 is 0.43 MB (all 10).
-  assert models.stack_batch_chunk(0, 10, 80, 3, 3) == 5
+  # B·(T+2)²·Q²·S²·4 bytes, fits 6 MiB: Q = S = 3 at T = 80 is 2.2 MB a
+  # string (2 of 10), Q = S = 2 is 0.43 MB (all 10).
+  assert models.stack_batch_chunk(0, 10, 80, 3, 3) == 2
   assert models.stack_batch_chunk(0, 10, 80, 2, 2) == 10
   assert models.stack_batch_chunk(0, 7, 400, 3, 3) == 1
   # float64 tables take twice the bytes: Q = S = 3 (4.4 MB a string) fits
-  # 2 strings, Q = S = 2 (0.86 MB) still all 10.
-  assert models.stack_batch_chunk(0, 10, 80, 3, 3, itemsize=8) == 2
-  assert models.stack_batch_chunk(0, 10, 80, 2, 2, itemsize=8) == 10
+  # 1 string, Q = S = 2 (0.86 MB) 7, so 5 (a divisor of 10).
+  assert models.stack_batch_chunk(0, 10, 80, 3, 3, itemsize=8) == 1
+  assert models.stack_batch_chunk(0, 10, 80, 2, 2, itemsize=8) == 5
   # Requested: the largest divisor <= N.
   assert models.stack_batch_chunk(3, 10, 80, 2, 2) == 2
   assert models.stack_batch_chunk(20, 10, 80, 3, 3) == 10

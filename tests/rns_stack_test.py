@@ -426,12 +426,15 @@ def _uneven_blocks(num_steps, table_bytes=0):
   return list(zip(edges[:-1], edges[1:]))
 
 
-def test_large_tables_get_more_time_blocks():
-  # Blocks partition updates 1..T in order; tables of >= LARGE_TABLE_BYTES
-  # get up to LARGE_TABLE_BLOCKS blocks of >= 12 updates, others keep
-  # ns_stack's blocking (whose equivalence the test below checks for any
-  # blocking).
+def test_large_tables_get_more_time_blocks(monkeypatch):
+  # Blocks partition updates 1..T in order; on CPU tables of >=
+  # LARGE_TABLE_BYTES get up to LARGE_TABLE_BLOCKS blocks of >= 12
+  # updates, others keep ns_stack's blocking (whose equivalence the test
+  # below checks for any blocking), as do accelerators.
   big = rns_stack.LARGE_TABLE_BYTES
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert rns_stack._time_blocks(80, big) == ns_stack.time_blocks(80)
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   for t, table_bytes, want in [(80, 0, 3), (80, big - 1, 3), (80, big, 6),
                                (30, big, 2), (10, big, 1), (200, big, 6)]:
     blocks = rns_stack._time_blocks(t, table_bytes)
