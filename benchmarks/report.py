@@ -477,8 +477,12 @@ def profile_table():
       for k in m["by_kind_ms_per_step"]:
         if k not in kinds:
           kinds.append(k)
+    when = "".join(f"; {x}" for x in (
+        f"code at {d['commit']}" if "commit" in d else "",
+        d.get("conditions", "")) if x)
     out += [f"Where the train step's time goes (`benchmarks/profile_step.py`, "
-            f"`{name}`, {_device(d)}; batch {d['batch']}, n = {d['length']}; "
+            f"`{name}`, {_device(d)}{when}; batch {d['batch']}, n = "
+            f"{d['length']}; "
             "exclusive time of each traced XLA op, summed over the runtime's "
             "threads, as a share of that total; matmuls with an operand of "
             f"≥ {d['table_elements']:,} elements count as table-sized):", "",
