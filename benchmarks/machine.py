@@ -8,6 +8,7 @@ load average (other jobs on shared cores skew timings) and the XLA flags;
 
 import os
 import platform
+import subprocess
 import time
 
 import jax
@@ -17,10 +18,26 @@ import numpy as np
 from nsrnn_jax import parallel
 
 
+def source_revision():
+  """The checkout's short commit, with "+changes" if tracked files differ
+  from it; None without git (e.g. a copied tree on a device machine)."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True)
+    dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain",
+                            "--untracked-files=no"],
+                           capture_output=True, text=True, check=True)
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def machine_info():
   """A JSON-able description of the machine and software (for results)."""
   devices = jax.devices()
   return {
+      "source_revision": source_revision(),
       "backend": jax.default_backend(),
       "device_kind": devices[0].device_kind,
       "device_count": len(devices),

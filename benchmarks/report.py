@@ -228,10 +228,17 @@ def train_step_table():
   return lines
 
 
+def _commit(d):
+  """The code a results file measured: its "commit" (set by hand in older
+  files) or the revision the benchmark recorded itself."""
+  return d.get("commit") or (d.get("machine") or {}).get("source_revision")
+
+
 def _comparison_row(name, d, model_key, label, r, cur, at):
   """One row of `cpu_comparison_table`: variant `r` against plain `cur`."""
-  if "commit" in d:
-    label += f", {at} {d['commit']}"
+  commit = _commit(d)
+  if commit:
+    label += f", {at} {commit}"
   if "conditions" in d:
     label += f" ({d['conditions']})"
   return (f"| `{name}` | {MODEL_LABELS[model_key]} | {label} | "
@@ -478,7 +485,7 @@ def profile_table():
         if k not in kinds:
           kinds.append(k)
     when = "".join(f"; {x}" for x in (
-        f"code at {d['commit']}" if "commit" in d else "",
+        f"code at {_commit(d)}" if _commit(d) else "",
         d.get("conditions", "")) if x)
     out += [f"Where the train step's time goes (`benchmarks/profile_step.py`, "
             f"`{name}`, {_device(d)}{when}; batch {d['batch']}, n = "
