@@ -46,6 +46,7 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\([^=]*?\)|\S+)\s+([\w-]+)\(")
 _KIND = re.compile(r"kind=(\w+)")
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # Matmul-like ops that read a table-sized operand (≥ this many elements).
 TABLE_ELEMENTS = 100_000
 
@@ -66,8 +67,10 @@ def hlo_instructions(hlo_text):
     src = _OP_NAME.search(line)
     args = line[m.end():].split(")", 1)[0]
     operands[name] = re.findall(r"%([\w.-]+)", args)
+    target = _TARGET.search(line)
     found[name] = {"opcode": opcode, "shape": shape,
                    "kind": kind.group(1) if kind else "",
+                   "target": target.group(1) if target else "",
                    "source": "/".join(src.group(1).split("/")[-2:])
                              if src else ""}
   for name, info in found.items():
@@ -95,9 +98,12 @@ def category(name, info):
     # On the CPU this includes the ops XLA:CPU does not trace one by one
     # (its small loop fusions run inside their loop body's executor).
     return "runtime, untraced ops"
-  op, kind = info["opcode"], info["kind"]
-  matmul = (op in ("dot", "custom-call") or "ynn" in name or "gemm" in name
-            or (kind == "kCustom" and info["source"].endswith("dot_general")))
+  op = info["opcode"]
+  # A dot, a fusion around one (XLA:CPU's YNNPACK fusions also take
+  # reductions: the source line tells them apart), or a GEMM library call.
+  matmul = (op == "dot" or "gemm" in name
+            or info["source"].endswith("dot_general")
+            or re.search(r"gemm|matmul|cublas", info.get("target", ""), re.I))
   if matmul:
     return ("matmul, table-sized" if info["largest_operand"]
             >= TABLE_ELEMENTS else "matmul, small")
