@@ -146,26 +146,29 @@ def _op_name(event):
   return event.name
 
 
-def read_trace(trace_dir, hlo):
-  """{name: [exclusive ns, count]} over the trace lines that count.
+def counted_lines(planes):
+  """[(plane name, line)] of a trace whose events count as work.
 
   A device plane (GPU/TPU): its "XLA Ops" line if the trace has one, else
   its stream lines (kernels, named by their `hlo_op` stat). Otherwise the
   host's XLA:CPU runtime threads.
   """
-  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
-                          recursive=True))[-1]
-  profile = jax.profiler.ProfileData.from_file(path)
+  # The profiler's planes and lines are iterators: read them once.
+  planes = [(plane.name, list(plane.lines)) for plane in planes]
   chosen = []
-  for plane in profile.planes:
-    lines = list(plane.lines)
-    if plane.name.startswith("/device:"):
+  for name, lines in planes:
+    if name.startswith("/device:"):
       ops = [l for l in lines if l.name == "XLA Ops"]
-      chosen += [(plane.name, l) for l in
+      chosen += [(name, l) for l in
                  (ops or [l for l in lines if l.name.startswith("Stream")])]
   if not chosen:                   # CPU: the XLA:CPU runtime's threads.
-    chosen = [(plane.name, l) for plane in profile.planes
-              for l in plane.lines if l.name.startswith("tf_XLA")]
+    chosen = [(name, l) for name, lines in planes
+              for l in lines if l.name.startswith("tf_XLA")]
+  return chosen
+
+
+def charge(chosen):
+  """{op name: [exclusive ns, count]} summed over the chosen lines."""
   total = collections.defaultdict(lambda: [0, 0])
   for _, line in chosen:
     events = [(e.start_ns, e.start_ns + e.duration_ns, _op_name(e))
@@ -175,7 +178,15 @@ def read_trace(trace_dir, hlo):
         continue
       total[name][0] += ns
       total[name][1] += count
-  return total, [f"{p} / {l.name}" for p, l in chosen]
+  return total
+
+
+def read_trace(trace_dir):
+  """({op name: [exclusive ns, count]}, [the lines counted]) of a trace."""
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                          recursive=True))[-1]
+  chosen = counted_lines(jax.profiler.ProfileData.from_file(path).planes)
+  return charge(chosen), [f"{p} / {l.name}" for p, l in chosen]
 
 
 def profile_model(name, steps, top, trace_root):
@@ -197,7 +208,7 @@ def profile_model(name, steps, top, trace_root):
     jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
   traced = (time.perf_counter() - start) / steps
   jax.profiler.stop_trace()
-  times, lines = read_trace(trace_dir, hlo)
+  times, lines = read_trace(trace_dir)
   busy = sum(ns for ns, _ in times.values()) / steps
   kinds = collections.Counter()
   for op, (ns, _) in times.items():

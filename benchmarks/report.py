@@ -500,12 +500,14 @@ def profile_table():
       shares = " | ".join(
           f"{100 * m['by_kind_ms_per_step'].get(k, 0.0) / busy:.0f}%"
           for k in kinds)
-      top = m["top_ops"][0]
+      top = m["top_ops"][0] if m["top_ops"] else None
+      largest = (f"{top['kind']} {top['shape'].split('{')[0]}, "
+                 f"{top['us_per_call']:.0f} µs × {top['calls_per_step']:.0f} "
+                 "per step" if top else "no traced op (trace lines: "
+                 f"{', '.join(m['trace_lines']) or 'none'})")
       out.append(f"| {MODEL_LABELS.get(m['model'], m['model'])} | "
                  f"{_ms(m['step_ms_untraced_best'] / 1e3)} | {shares} | "
-                 f"{top['kind']} {top['shape'].split('{')[0]}, "
-                 f"{top['us_per_call']:.0f} µs × {top['calls_per_step']:.0f} "
-                 "per step |")
+                 f"{largest} |")
     out.append("")
   return out[:-1]
 

@@ -8,6 +8,7 @@ exactly those calls and classify the op by its operands' size).
 import importlib.util
 import os
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -65,10 +66,48 @@ def test_trace_counts_every_call_of_a_traced_matmul(profile_step, tmp_path):
   for _ in range(steps):
     compiled(vec, table).block_until_ready()
   jax.profiler.stop_trace()
-  times, lines = profile_step.read_trace(str(tmp_path), hlo)
+  times, lines = profile_step.read_trace(str(tmp_path))
   assert lines
   dots = {n: c for n, (_, c) in times.items()
           if n in hlo and profile_step.category(n, hlo[n])
           == "matmul, table-sized"}
   assert list(dots.values()) == [steps * trips], (dots, hlo.keys())
   assert all(ns >= 0 for ns, _ in times.values())
+
+
+def _line(name, events):
+  """A trace line of (start, end, name[, hlo_op stat]) events."""
+  return types.SimpleNamespace(name=name, events=[
+      types.SimpleNamespace(start_ns=e[0], duration_ns=e[1] - e[0],
+                            name=e[2], stats=[("hlo_op", e[3])] if
+                            len(e) > 3 else []) for e in events])
+
+
+def _plane(name, *lines):
+  return types.SimpleNamespace(name=name, lines=list(lines))
+
+
+def test_gpu_traces_count_device_time_once(profile_step):
+  # A GPU trace as the profiler writes it: host threads that launch the
+  # ops, the device's kernels on a stream (named by CUDA, with an hlo_op
+  # stat) and, in some versions, a derived "XLA Ops" line.
+  host = _plane("/host:CPU", _line("tf_XLAGpuThread/1",
+                                   [(0, 50, "fusion.1"), (60, 70, "dot.2")]))
+  stream = _line("Stream #13(Compute)", [(5, 25, "loop_add_kernel", "fusion.1"),
+                                         (30, 90, "gemm_kernel", "dot.2")])
+  ops = _line("XLA Ops", [(5, 25, "fusion.1"), (30, 90, "dot.2")])
+  modules = _line("XLA Modules", [(0, 100, "jit_step")])
+  with_ops = profile_step.counted_lines(
+      [host, _plane("/device:GPU:0", modules, stream, ops)])
+  assert [l.name for _, l in with_ops] == ["XLA Ops"]
+  assert dict(profile_step.charge(with_ops)) == {"fusion.1": [20, 1],
+                                                "dot.2": [60, 1]}
+  # Without the derived line: the stream's kernels, charged to their ops.
+  streams = profile_step.counted_lines(
+      [host, _plane("/device:GPU:0", modules, stream)])
+  assert [l.name for _, l in streams] == ["Stream #13(Compute)"]
+  assert dict(profile_step.charge(streams)) == {"fusion.1": [20, 1],
+                                               "dot.2": [60, 1]}
+  # No device plane (CPU): the XLA runtime's host threads.
+  cpu = profile_step.counted_lines([host])
+  assert [l.name for _, l in cpu] == ["tf_XLAGpuThread/1"]
