@@ -256,9 +256,9 @@ def main():
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in train_step.SETTINGS]
   if unknown or args.steps < 1 or args.top < 1:
-    sys.exit(f"error: unknown model(s) {unknown} (known: "
-             f"{', '.join(train_step.SETTINGS)}), or --steps/--top < 1"
-             if unknown else "error: --steps and --top must be >= 1")
+    parser.error(f"unknown model(s) {', '.join(unknown)} (known: "
+                 f"{', '.join(train_step.SETTINGS)})" if unknown
+                 else "--steps and --top must be >= 1")
   info = machine.machine_info()
   print(f"profile of one train step on {machine.device_label(info)} "
         f"(batch {train_step.BATCH}, length 80, full float32)")
