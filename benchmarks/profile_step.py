@@ -230,6 +230,7 @@ def profile_model(name, steps, top, trace_root):
 
 
 def print_result(r):
+  """One model's profile as a table on stdout."""
   print(f"\n{r['model']}: step {r['step_ms_untraced_best']:.2f} ms untraced "
         f"(best), {r['step_ms_traced_mean']:.2f} ms traced; busy "
         f"{r['busy_ms_per_step']:.2f} ms per step on "
