@@ -734,14 +734,16 @@ def _check_actions(push, repl, pop):
   return b, t, q, s
 
 
-def _time_blocks(num_steps):
+def _time_blocks(num_steps, num_blocks=None):
   """Static blocks [j0, j1) of updates; block b only touches table[:j1, :j1].
 
   Each block is its own lax.scan over a table sliced to the rows/columns it
   can reach, so the padded triangle is not swept in full at every step
   (4 blocks do ~47% of the padded work; more blocks cost compile time).
+  num_blocks: how many (near-equal) blocks; None = up to 4 of ≥ 24 updates.
   """
-  nb = max(1, min(4, num_steps // 24))
+  nb = (max(1, min(4, num_steps // 24)) if num_blocks is None
+        else max(1, num_blocks))
   edges = [1 + (num_steps * b) // nb for b in range(nb + 1)]
   return [(j0, j1) for j0, j1 in zip(edges[:-1], edges[1:]) if j1 > j0]
 

@@ -590,8 +590,7 @@ def _time_blocks(num_steps, table_bytes=0):
   if table_bytes >= LARGE_TABLE_BYTES and jax.default_backend() == "cpu":
     nb = min(LARGE_TABLE_BLOCKS, num_steps // 12)
     if nb > len(blocks):
-      edges = [1 + (num_steps * b) // nb for b in range(nb + 1)]
-      blocks = [(j0, j1) for j0, j1 in zip(edges[:-1], edges[1:]) if j1 > j0]
+      blocks = _default_time_blocks(num_steps, nb)
   return blocks
 
 
