@@ -13,13 +13,20 @@ and saves JSON.
 Which trace lines count: on a GPU the device's "XLA Ops" line, or its
 stream lines with each kernel charged to its HLO op (device time;
 host-side launch events are left out so nothing is counted twice);
-on the CPU the XLA:CPU runtime's threads. XLA:CPU splits some ops over
+on the CPU the XLA:CPU runtime's threads. On a GPU, XLA by default
+launches runs of kernels as one CUDA graph ("command buffer"), whose trace
+event names none of the ops inside and times the launch, not the kernels:
+so this benchmark turns command buffers off (XLA_FLAGS
+--xla_gpu_enable_command_buffer=, set before JAX starts) unless
+--command_buffers is given, and the untraced step time it prints is then
+that of the program without them. XLA:CPU splits some ops over
 its threads, so the CPU's "busy" total can exceed the step's wall time;
 shares of the busy total are the figure to read. The tracer adds its own
 overhead; the untraced step time is printed beside it.
 
   python benchmarks/profile_step.py [--models=ns22,ns33] [--steps=3]
-      [--top=12] [--out=benchmarks/results/profile_step_<backend>.json]
+      [--top=12] [--command_buffers]
+      [--out=benchmarks/results/profile_step_<backend>.json]
 """
 
 import argparse
@@ -94,6 +101,8 @@ def _elements(shape):
 
 def category(name, info):
   """The kind of op an event is, for the per-kind totals."""
+  if name.startswith("command_buffer"):
+    return "command buffers (CUDA graphs, ops not separable)"
   if info is None:
     # On the CPU this includes the ops XLA:CPU does not trace one by one
     # (its small loop fusions run inside their loop body's executor).
@@ -146,21 +155,27 @@ def _op_name(event):
   return event.name
 
 
-def counted_lines(planes):
+_Line = collections.namedtuple("_Line", "name events")
+
+
+def counted_lines(planes, host=False):
   """[(plane name, line)] of a trace whose events count as work.
 
   A device plane (GPU/TPU): its "XLA Ops" line if the trace has one, else
-  its stream lines (kernels, named by their `hlo_op` stat). Otherwise the
-  host's XLA:CPU runtime threads.
+  its stream lines (kernels, named by their `hlo_op` stat), where these
+  hold events. With `host` (the program ran on the CPU backend, though the
+  machine may have a GPU whose planes hold stray copies), or without such
+  lines: the host's XLA:CPU runtime threads.
   """
-  # The profiler's planes and lines are iterators: read them once.
-  planes = [(plane.name, list(plane.lines)) for plane in planes]
+  # The profiler's planes, lines and events are iterators: read them once.
+  planes = [(plane.name, [_Line(l.name, list(l.events)) for l in plane.lines])
+            for plane in planes]
   chosen = []
   for name, lines in planes:
-    if name.startswith("/device:"):
-      ops = [l for l in lines if l.name == "XLA Ops"]
-      chosen += [(name, l) for l in
-                 (ops or [l for l in lines if l.name.startswith("Stream")])]
+    if name.startswith("/device:") and not host:
+      ops = [l for l in lines if l.name == "XLA Ops" and l.events]
+      chosen += [(name, l) for l in (ops or [
+          l for l in lines if l.name.startswith("Stream") and l.events])]
   if not chosen:                   # CPU: the XLA:CPU runtime's threads.
     chosen = [(name, l) for name, lines in planes
               for l in lines if l.name.startswith("tf_XLA")]
@@ -181,11 +196,13 @@ def charge(chosen):
   return total
 
 
-def read_trace(trace_dir):
-  """({op name: [exclusive ns, count]}, [the lines counted]) of a trace."""
+def read_trace(trace_dir, host=False):
+  """({op name: [exclusive ns, count]}, [the lines counted]) of a trace;
+  `host`: the traced program ran on the CPU backend (`counted_lines`)."""
   path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
                           recursive=True))[-1]
-  chosen = counted_lines(jax.profiler.ProfileData.from_file(path).planes)
+  chosen = counted_lines(jax.profiler.ProfileData.from_file(path).planes,
+                         host)
   return charge(chosen), [f"{p} / {l.name}" for p, l in chosen]
 
 
@@ -208,7 +225,7 @@ def profile_model(name, steps, top, trace_root):
     jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
   traced = (time.perf_counter() - start) / steps
   jax.profiler.stop_trace()
-  times, lines = read_trace(trace_dir)
+  times, lines = read_trace(trace_dir, host=jax.default_backend() == "cpu")
   busy = sum(ns for ns, _ in times.values()) / steps
   kinds = collections.Counter()
   for op, (ns, _) in times.items():
@@ -253,6 +270,9 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--command_buffers", action="store_true",
+                      help="keep XLA's GPU command buffers (CUDA graphs) on; "
+                      "their kernels then cannot be told apart")
   args = parser.parse_args()
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in train_step.SETTINGS]
@@ -260,6 +280,11 @@ def main():
     parser.error(f"unknown model(s) {', '.join(unknown)} (known: "
                  f"{', '.join(train_step.SETTINGS)})" if unknown
                  else "--steps and --top must be >= 1")
+  if not args.command_buffers:
+    # Before JAX starts its backend (it reads XLA_FLAGS then); a no-op on
+    # CPU. The flag given last wins, so one already in XLA_FLAGS yields.
+    os.environ["XLA_FLAGS"] = ("--xla_gpu_enable_command_buffer= "
+                               + os.environ.get("XLA_FLAGS", ""))
   info = machine.machine_info()
   print(f"profile of one train step on {machine.device_label(info)} "
         f"(batch {train_step.BATCH}, length 80, full float32)")
@@ -277,6 +302,7 @@ def main():
                "device": machine.device_label(info),
                "date": time.strftime("%Y-%m-%d"), "batch": train_step.BATCH,
                "length": 80, "table_elements": TABLE_ELEMENTS,
+               "command_buffers": bool(args.command_buffers),
                "models": results}, f, indent=1)
   print(f"saved {out}")
 

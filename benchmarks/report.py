@@ -14,6 +14,7 @@ that both documents equal what this script generates.
 """
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -94,6 +95,16 @@ def _gpu_step_files():
   return [(n, _load(n)) for n in names]
 
 
+def _main_gpu_files():
+  """([(file name, results)], device) of the GPU device with the most
+  train-step files: tables that compare models across files take one
+  device's (the fullest set), never a mix."""
+  files = _gpu_step_files()
+  devices = collections.Counter(_device(d) for _, d in files)
+  device = devices.most_common(1)[0][0] if devices else None
+  return [(n, d) for n, d in files if _device(d) == device], device
+
+
 def _unroll(r):
   """The scan unroll factor a train_step row ran (older rows: from label)."""
   if "scan_unroll" in r:
@@ -128,7 +139,8 @@ def _gpu_full_precision():
   (models.auto_scan_unroll), whichever label it had when measured.
   """
   rows, sources = {}, []
-  for name, d in _gpu_step_files():
+  files, device = _main_gpu_files()
+  for name, d in files:
     if d.get("precision") != "highest" or "XLA_FLAGS" in d.get("env", {}):
       continue
     new = {k: r for k, r in _gpu_default_rows(d).items() if k not in rows}
@@ -137,7 +149,6 @@ def _gpu_full_precision():
       sources.append(f"`{name}`")
   if not rows:
     return None
-  device = _device(_gpu_step_files()[0][1])
   models = _models_module()
   unrolled = " and ".join(MODEL_LABELS[m] for m in models.GPU_UNROLLED_MODELS)
   return rows, (f"GPU: {', '.join(sources)} ({device}, precision highest, "
@@ -298,11 +309,12 @@ def gpu_suite_line():
             f"{d['wall_s']:.0f} s")
     if d["failed"]:
       tests = ", ".join(f"`{t.split('::')[-1]}`" for t in d["failed_tests"])
-      rerun = "" if d["fixes_rerun_on_gpu"] else ", not yet rerun on a GPU"
+      rerun = (f"; rerun {d['fixes_rerun']}" if "fixes_rerun" in d else
+               "" if d["fixes_rerun_on_gpu"] else ", not yet rerun on a GPU")
       text += (f"; failed: {tests} ({d['cause_of_failures']}; fixed in "
                f"{', '.join(d['fixed_in'])}{rerun})")
-    lines.append(text + ".")
-  return lines
+    lines += [text + ".", ""]
+  return lines[:-1]
 
 
 def gpu_variants_table():
@@ -311,15 +323,15 @@ def gpu_variants_table():
   if not files:
     return []
   lines = ["GPU train steps, batch 10, n = 80, every variant measured "
-           f"({_device(files[0][1])}; within one file the variants were "
+           "(within one file the variants were "
            "timed in alternation, so the ratio to that file's `current` row "
            "(the default when measured) is the figure to compare; below 1 = "
            "faster; host CPU time: the process's CPU time per step, all "
            "threads):", "",
-           "| file | model | variant | scan unroll | matmul precision | XLA "
-           "flags | compile | step median (best) | host CPU time | ratio to "
-           "current (best) | target |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| file | device | model | variant | scan unroll | matmul precision "
+           "| XLA flags | compile | step median (best) | host CPU time | ratio "
+           "to current (best) | target |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, d in files:
     flags = d.get("env", {}).get("XLA_FLAGS", "")
     flags = "command buffers incl. WHILE" if "WHILE" in flags else (
@@ -331,7 +343,8 @@ def gpu_variants_table():
       # Rows from before config.scan_unroll existed ran unroll 1 by default.
       unroll = _unroll(r)
       lines.append(
-          f"| `{name}` | {MODEL_LABELS[_model_key(r)]} | {r['variant']} | "
+          f"| `{name}` | {_device(d).removeprefix('gpu: ')} | "
+          f"{MODEL_LABELS[_model_key(r)]} | {r['variant']} | "
           f"{unroll} | {r['precision']} | {flags} | {_s(r['compile_s'])} | "
           f"{_ms(r['step_s'])} ({_ms(r['min_step_s'])}) | "
           f"{_ms(r.get('cpu_step_s'))} | {ratio} | {target} |")
@@ -346,9 +359,11 @@ def gpu_budget_table():
   a target leaves above it, spread over the 2·n sequential updates of a
   step (n forward, n backward), is the time the stack's own update may
   take. Compared with what it takes today: the model's best step minus the
-  same LSTM floor, per update. All figures from the GPU rows above.
+  same LSTM floor, per update. All figures from the GPU rows above, of
+  one device (`_main_gpu_files`).
   """
-  rows = [r for _, d in _gpu_step_files() for r in d.get("steps", [])
+  files, device = _main_gpu_files()
+  rows = [r for _, d in files for r in d.get("steps", [])
           if r.get("precision") == "highest"]
   lstm = [r for r in rows if r["model"] == "lstm"]
   if not lstm:
@@ -357,7 +372,8 @@ def gpu_budget_table():
   updates = 2 * floor["length"]
   per_update = floor["min_step_s"] / updates
   lines = [
-      "What the GPU targets leave for the stack (from the GPU rows above): "
+      f"What the GPU targets leave for the stack (from the {device} rows "
+      "above): "
       "every stack model's step contains its LSTM controller's, and the "
       f"bare LSTM's best step is {_ms(floor['min_step_s'])} (scan unroll "
       f"{_unroll(floor)}), {per_update * 1e6:.1f} µs for each of the "
@@ -479,6 +495,10 @@ def profile_table():
   for path in sorted(glob.glob(os.path.join(RESULTS, "profile_step_*.json"))):
     name = os.path.basename(path)
     d = _load(name)
+    if d.get("command_buffers"):
+      # A GPU trace with command buffers on names no kernel: nothing to
+      # share out (the file keeps the default program's untraced steps).
+      continue
     kinds = []
     for m in d["models"]:
       for k in m["by_kind_ms_per_step"]:

@@ -48,26 +48,30 @@ def test_elements_of_shapes(profile_step):
 
 
 def test_trace_counts_every_call_of_a_traced_matmul(profile_step, tmp_path):
+  # On the host's CPU device on any machine: a GPU backend would launch the
+  # loop body as one command buffer, whose trace names none of its ops.
+  cpu = jax.devices("cpu")[0]
   big = profile_step.TABLE_ELEMENTS + 4096       # a "table-sized" operand
-  table = jnp.ones((big // 64, 64), jnp.float32)
-  vec = jnp.ones((3, big // 64), jnp.float32)
+  table = jax.device_put(jnp.ones((big // 64, 64), jnp.float32), cpu)
+  vec = jax.device_put(jnp.ones((3, big // 64), jnp.float32), cpu)
 
-  def body(i, carry):
+  def body(i, carry, v, t):
     # Depends on i, so XLA cannot hoist the matmul out of the loop.
-    return carry + lax.dot(vec * i, table, precision=lax.Precision.HIGHEST)
+    return carry + lax.dot(v * i, t, precision=lax.Precision.HIGHEST)
 
   steps, trips = 2, 7
-  f = jax.jit(lambda v, t: lax.fori_loop(0, trips, body,
-                                         jnp.zeros((3, 64), jnp.float32)))
+  f = jax.jit(lambda v, t: lax.fori_loop(
+      0, trips, lambda i, c: body(i, c, v, t), jnp.zeros((3, 64), v.dtype)))
   compiled = f.lower(vec, table).compile()
+  assert compiled.input_shardings[0][0].device_set == {cpu}
   hlo = profile_step.hlo_instructions(compiled.as_text())
   compiled(vec, table).block_until_ready()
   jax.profiler.start_trace(str(tmp_path))
   for _ in range(steps):
     compiled(vec, table).block_until_ready()
   jax.profiler.stop_trace()
-  times, lines = profile_step.read_trace(str(tmp_path))
-  assert lines
+  times, lines = profile_step.read_trace(str(tmp_path), host=True)
+  assert lines and all("/device:" not in l for l in lines), lines
   dots = {n: c for n, (_, c) in times.items()
           if n in hlo and profile_step.category(n, hlo[n])
           == "matmul, table-sized"}
@@ -108,6 +112,22 @@ def test_gpu_traces_count_device_time_once(profile_step):
   assert [l.name for _, l in streams] == ["Stream #13(Compute)"]
   assert dict(profile_step.charge(streams)) == {"fusion.1": [20, 1],
                                                "dot.2": [60, 1]}
-  # No device plane (CPU): the XLA runtime's host threads.
+  # No device plane (CPU), or one whose lines hold no events (the program
+  # ran on the host): the XLA runtime's host threads.
   cpu = profile_step.counted_lines([host])
   assert [l.name for _, l in cpu] == ["tf_XLAGpuThread/1"]
+  idle = profile_step.counted_lines(
+      [host, _plane("/device:GPU:0", _line("XLA Ops", []),
+                    _line("Stream #13(Compute)", []))])
+  assert [l.name for _, l in idle] == ["tf_XLAGpuThread/1"]
+  # A program run on the CPU backend of a GPU machine, whose GPU plane holds
+  # a stray copy: `host` picks the host's threads all the same.
+  copies = _plane("/device:GPU:0", _line("XLA Ops", [(0, 5, "MemcpyD2H")]))
+  assert [l.name for _, l in profile_step.counted_lines(
+      [host, copies], host=True)] == ["tf_XLAGpuThread/1"]
+  assert [l.name for _, l in profile_step.counted_lines(
+      [host, copies])] == ["XLA Ops"]
+  # A command buffer (CUDA graph) is its own kind: its event times the
+  # launch of many kernels, none of which it names.
+  assert profile_step.category("command_buffer_12", None).startswith(
+      "command buffers")

@@ -118,3 +118,14 @@ def test_gpu_budget_table_arithmetic(report, monkeypatch):
                   "LSTM's update) | 50.0 µs (unroll 8) | 5.0× |"]
   # Reduced-precision rows are not full float32: JM has no row.
   assert not [l for l in lines if l.startswith("| JM")]
+  # Files of another GPU (fewer of them) never mix in: its faster LSTM row
+  # would lower the floor, its NS row the "today" figure.
+  h100 = {"device": "gpu: H100", "steps": [
+      row("lstm", 1e-3), row("ns22", 4e-3, stack_table="shares",
+                             target_s=3e-3)]}
+  h200 = {"device": "gpu: H200", "steps": steps}
+  monkeypatch.setattr(report, "_gpu_step_files", lambda: [
+      ("a.json", h100), ("b.json", h200), ("c.json", h200)])
+  mixed = report.gpu_budget_table()
+  assert "from the gpu: H200 rows" in mixed[0]
+  assert [l for l in mixed if l.startswith("| NS")] == rows

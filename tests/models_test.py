@@ -629,6 +629,7 @@ def test_automatic_scan_unroll_unrolls_lstm_and_jm_on_gpus_only(
   # NS-RNN everywhere and for everything on CPUs; an explicit value wins.
   def unroll(name, **kw):
     return models.get(name, _VOCAB, scan_unroll=0, **kw).scan_unroll
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'cpu')
   assert [unroll(n) for n in ('lstm', 'jm', 'gref', 'ns', 'rns')] == [1] * 5
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   assert [unroll(n) for n in ('lstm', 'jm', 'gref', 'ns', 'rns')] == [
