@@ -31,12 +31,16 @@
 #                  .baselines/0bd0077/nsrnn_jax && git show \
 #                  0bd0077:nsrnn_jax/$f.py > .baselines/0bd0077/nsrnn_jax/$f.py; done
 #              (untracked, so it travels; delete it afterwards)
+#   contractions NS train step with the update's column-sized contractions
+#              as multiply and sum (rns_stack.COLUMN_CONTRACTIONS =
+#              "reduce": 24 fewer dot_generals per step, fusible with the
+#              elementwise work around them) against the default dots
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, bench.log and one
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
-# profile_step_gpu.json). Copy them to
+# profile_step_gpu.json, ..._column_contractions.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # Installs nothing beyond the package: the wheels in ./.whl that the image
@@ -50,9 +54,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -139,6 +143,10 @@ for p in "${phases[@]}"; do
       bench "Gref train step vs its cumsum form, unroll 1/8" 60 -- \
         $TS --models=gref --gref_cumsum --unroll=1,8 --repeats=9 \
         --out "$OUT/train_step_gpu_gref_matmul.json" ;;
+    contractions)
+      bench "NS train step, column contractions by sum vs dots" 120 -- \
+        $TS --models=ns22,ns33 --column_contractions --repeats=9 \
+        --out "$OUT/train_step_gpu_column_contractions.json" ;;
   esac
 done
 log "done"

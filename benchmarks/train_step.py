@@ -26,6 +26,12 @@ Variants (each adds rows; the plain row is always measured):
                         ref from before the field runs the whole batch)
   --gref_cumsum         Gref with its "sum of the strengths above" by
                         lax.cumsum, as before it became one matmul
+  --column_contractions the NS models (shares table) with
+                        rns_stack.COLUMN_CONTRACTIONS = "reduce" (the
+                        update's column-sized contractions as multiply and
+                        sum); each row of the model records the
+                        dot_general count of its lowered step, which shows
+                        the setting took
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
@@ -184,11 +190,15 @@ class Variant:
   """One compiled train step (a fresh jit, traced with its own stack).
 
   `stacks` maps a stack module's name in models.py ("ns_stack",
-  "rns_stack") to the module to trace with instead.
+  "rns_stack") to the module to trace with instead; `patches`, (object,
+  attribute, value) triples, are set likewise while the step is traced.
+  With `count_dots`, `dots` is the number of dot_generals in the lowered
+  step (traced under the same stacks and patches).
   """
 
   def __init__(self, name, label, length, precision, stacks=None,
-               num_devices=None, overrides=None):
+               num_devices=None, overrides=None, patches=(),
+               count_dots=False):
     self.name, self.label = name, label
     config = _config(name, precision, overrides)
     model = models.build(config, vocab_size=3)
@@ -211,9 +221,16 @@ class Variant:
     self.state, self.batch = state, batch
     stacks = stacks or {}
     saved = {k: getattr(models, k) for k in stacks}
+    saved_patches = [(o, a, getattr(o, a)) for o, a, _ in patches]
     for k, module in stacks.items():
       setattr(models, k, module)
+    for o, a, value in patches:
+      setattr(o, a, value)
+    self.dots = None
     try:
+      if count_dots:
+        self.dots = self.step.lower(state, batch).as_text().count(
+            "dot_general")
       start, cpu_start = time.perf_counter(), time.process_time()
       s, m = self.step(state, batch)
       jax.block_until_ready(m["loss"])
@@ -224,6 +241,8 @@ class Variant:
     finally:
       for k, module in saved.items():
         setattr(models, k, module)
+      for o, a, value in saved_patches:
+        setattr(o, a, value)
     self.times, self.cpu_times = [], []
 
   def time_once(self):
@@ -246,9 +265,17 @@ def cumsum_sum_above(strength_BxT, precision="highest"):
 
 
 def bench_model(name, length, repeats, precision, unrolls, baseline,
-                cpu_devices, batch_chunks=(), gref_cumsum=False):
+                cpu_devices, batch_chunks=(), gref_cumsum=False,
+                column_contractions=False):
   """Rows for one model: every variant, timed in alternation."""
-  variants = [Variant(name, "current", length, precision)]
+  reduce = (column_contractions and SETTINGS[name]["model"] == "ns"
+            and SETTINGS[name]["stack_table"] == "shares")
+  variants = [Variant(name, "current", length, precision, count_dots=reduce)]
+  if reduce:
+    variants.append(Variant(
+        name, "column contractions by sum", length, precision,
+        patches=[(rns_stack, "COLUMN_CONTRACTIONS", "reduce")],
+        count_dots=True))
   if gref_cumsum and name == "gref":
     variants.append(Variant(name, "sum above by lax.cumsum", length,
                             precision,
@@ -305,6 +332,8 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
            "cpu_times_s": v.cpu_times, "matmul_gflops_cpu_time": cpu_rate,
            "target_s": TARGETS_S.get(backend, {}).get(name),
            "scan_unroll": unroll_of.get(v.label, auto_unroll)}
+    if v.dots is not None:
+      row["dot_generals"] = v.dots
     if is_ns:
       row["stack_table"] = SETTINGS[name]["stack_table"]
       q, s = SETTINGS[name]["num_states"], SETTINGS[name]["num_stack_symbols"]
@@ -326,7 +355,9 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
     print(f"{name:5s} {v.label:26s} compile {v.compile_s:6.1f} s  step "
           f"median {row['step_s'] * 1e3:8.2f} ms  min "
           f"{row['min_step_s'] * 1e3:8.2f} ms  CPU time "
-          f"{row['cpu_step_s'] * 1e3:8.2f} ms{ratio}", flush=True)
+          f"{row['cpu_step_s'] * 1e3:8.2f} ms{ratio}"
+          + (f", {v.dots} dot_generals" if v.dots is not None else ""),
+          flush=True)
   for row in rows[1:]:
     row["min_step_over_current"] = row["min_step_s"] / rows[0]["min_step_s"]
     row["cpu_step_over_current"] = row["cpu_step_s"] / rows[0]["cpu_step_s"]
@@ -416,6 +447,9 @@ def main():
                       "(NS models; the plain row is automatic)")
   parser.add_argument("--gref_cumsum", action="store_true",
                       help="add a Gref variant with the cumsum it had before")
+  parser.add_argument("--column_contractions", action="store_true",
+                      help="add an NS variant with the update's column-sized "
+                      "contractions as multiply and sum")
   parser.add_argument("--compile_study", action="store_true")
   parser.add_argument("--study_model", default="ns22,jm",
                       help="comma-separated models for --compile_study")
@@ -477,7 +511,7 @@ def main():
           name, args.length, args.repeats, args.precision, unrolls, baseline,
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
-          args.gref_cumsum)
+          args.gref_cumsum, args.column_contractions)
       save()
   if args.compile_study:
     out["compile_study"] = []

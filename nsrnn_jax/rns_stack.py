@@ -116,7 +116,6 @@ from nsrnn_jax.ns_stack import backtrace
 from nsrnn_jax.ns_stack import check_precision
 from nsrnn_jax.ns_stack import check_unroll
 from nsrnn_jax.ns_stack import lax_precision
-from nsrnn_jax.ns_stack import mix_column as _mix_column
 from nsrnn_jax.ns_stack import replay_with_heights
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
 from nsrnn_jax.ns_stack import safe_log as _safe_log
@@ -284,6 +283,57 @@ def _finite_max(x, axis):
   return lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
 
 
+# How `_local` and `_local_bwd` contract column-sized operands (never the
+# table): "dot" (lax.dot_general) or "reduce" (a multiply and a sum, which
+# XLA can fuse with the elementwise work around it: fewer kernels per
+# update, and full float32 whatever the matmul precision). An experiment
+# for GPUs, where an update is a chain of small kernels each with a floor
+# of a few µs (README, the H100 profile); read when an update is traced, so
+# set it before tracing (benchmarks/train_step.py --column_contractions).
+# "dot" everywhere until "reduce" is measured faster on a GPU.
+COLUMN_CONTRACTIONS = "dot"
+COLUMN_CONTRACTION_MODES = ("dot", "reduce")
+
+
+def dot_by_sum(lhs, rhs, dimension_numbers):
+  """`lax.dot_general(lhs, rhs, dimension_numbers)` as a multiply and a sum.
+
+  Same output layout (batch axes, then lhs's free axes, then rhs's); the
+  contracted axes go last so that the sum runs over contiguous memory.
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+  rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+  lhs = jnp.transpose(lhs, list(lb) + lf + list(lc))
+  rhs = jnp.transpose(rhs, list(rb) + rf + list(rc))
+  nb = len(lb)
+  batch = lhs.shape[:nb]
+  l_free, r_free = lhs.shape[nb:nb + len(lf)], rhs.shape[nb:nb + len(rf)]
+  size = int(np.prod(lhs.shape[nb + len(lf):], dtype=np.int64))
+  lhs = lhs.reshape(batch + (int(np.prod(l_free, dtype=np.int64)), 1, size))
+  rhs = rhs.reshape(batch + (1, int(np.prod(r_free, dtype=np.int64)), size))
+  return jnp.sum(lhs * rhs, axis=-1).reshape(batch + l_free + r_free)
+
+
+def _column_dot(lhs, rhs, dimension_numbers, prec):
+  """A column-sized contraction, as `COLUMN_CONTRACTIONS` says."""
+  if COLUMN_CONTRACTIONS not in COLUMN_CONTRACTION_MODES:
+    raise ValueError(
+        f"rns_stack.COLUMN_CONTRACTIONS must be one of "
+        f"{COLUMN_CONTRACTION_MODES}, got {COLUMN_CONTRACTIONS!r}")
+  if COLUMN_CONTRACTIONS == "reduce":
+    return dot_by_sum(lhs, rhs, dimension_numbers)
+  return lax.dot_general(lhs, rhs, dimension_numbers, precision=prec)
+
+
+def _column_mix(k_BxOxC, col_BxCxL, prec):
+  """`ns_stack.mix_column` through `_column_dot`."""
+  bsz, nc = col_BxCxL.shape[:2]
+  out = _column_dot(k_BxOxC, col_BxCxL.reshape(bsz, nc, -1),
+                    (((2,), (1,)), ((0,), (0,))), prec)
+  return out.reshape((bsz, k_BxOxC.shape[1]) + col_BxCxL.shape[2:])
+
+
 def _column_views(prev, cs, p, ring=False):
   """What update j contracts of column j−1 and the column sums.
 
@@ -334,9 +384,9 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   left, c_left, c_prev, prev_t = _column_views(prev, cs, p, ring)
   b, nz, ns_, nk, nt, ny = prev.shape
   # W[y,s,z] = Σ_{k,t} c_k[t,y] H_{k,j−1}[t,y,s,z].
-  w = jnp.swapaxes(lax.dot_general(
+  w = jnp.swapaxes(_column_dot(
       prev_t, c_left.reshape(b, ny, nk * nt),
-      (((3,), (2,)), ((0, 1), (0, 1))), precision=prec).reshape(
+      (((3,), (2,)), ((0, 1), (0, 1))), prec).reshape(
           b, ny, nz, ns_), 2, 3)                               # b y s z
   a_prev = a_prev_BxQxS
   ok_r = c_prev > flush
@@ -378,18 +428,18 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   push_row = jnp.swapaxes(kern[..., :fs], 1, 2).reshape(
       b, ny, -1, nq, nx)                                          # b y r q x
   # Replace rows: prev ⊗ K^R (K^R ≤ 1/c_prev; masked where c_prev flushed),
-  # the weights as [b, (y, r), (z, s)] for `_mix_column`.
+  # the weights as [b, (y, r), (z, s)] for `_column_mix`.
   k_rep = jnp.transpose(kern[..., fs:2 * fs].reshape(b, -1, ny, nq, nx),
                         (0, 2, 1, 4, 3)).reshape(b, -1, nx * nq)
-  col = _mix_column(k_rep, prev.reshape((b, -1) + prev.shape[3:]),
+  col = _column_mix(k_rep, prev.reshape((b, -1) + prev.shape[3:]),
                     prec).reshape((b, ny, -1) + prev.shape[3:])
   # Pop rows: M̃_k[t,y,r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r].
   k_pop = jnp.transpose(kern[..., 2 * fs:].reshape(b, -1, ny, nq, nx),
                         (0, 2, 1, 4, 3)).reshape(b, ny, -1, nx * nq)  # b y r zs
   # [b, y, r, k, t]: the pop matmul's left operand as it stands ([R, K·T]
   # per (b, y); 1.2x faster on XLA:CPU than contracting a [K·T, R] operand).
-  mt = lax.dot_general(k_pop, prev_t, (((3,), (2,)), ((0, 1), (0, 1))),
-                       precision=prec).reshape(b, ny, -1, nk, nt)
+  mt = _column_dot(k_pop, prev_t, (((3,), (2,)), ((0, 1), (0, 1))),
+                   prec).reshape(b, ny, -1, nk, nt)
   mt = jnp.where((c_left > flush)[:, :, None], mt, 0)
   # The push row goes in as a one-row slice update: a one-hot product here
   # made XLA recompute the push row per table entry and, in the backward,
@@ -452,18 +502,18 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec):
   prev_l = prev.reshape(b, fs, -1)                                 # b zs L
   k_rep = jnp.transpose(kern[..., fs:2 * fs].reshape(b, nr, ny, ns_, nz),
                         (0, 2, 1, 4, 3)).reshape(b, ny * nr, fs)
-  k_rep_ct = lax.dot_general(col_l, prev_l, (((2,), (2,)), ((0,), (0,))),
-                             precision=prec)                        # b yr zs
-  d_prev = lax.dot_general(k_rep, col_l, (((1,), (1,)), ((0,), (0,))),
-                           precision=prec).reshape(prev.shape)
+  k_rep_ct = _column_dot(col_l, prev_l, (((2,), (2,)), ((0,), (0,))),
+                         prec)                                      # b yr zs
+  d_prev = _column_dot(k_rep, col_l, (((1,), (1,)), ((0,), (0,))),
+                       prec).reshape(prev.shape)
   mt_ct = jnp.where((c_left > flush)[:, :, None], mt_ct, 0).reshape(
       b, ny, nr, nk * nt)
   k_pop = jnp.transpose(kern[..., 2 * fs:].reshape(b, nr, ny, ns_, nz),
                         (0, 2, 1, 4, 3)).reshape(b, ny, nr, fs)
-  k_pop_ct = lax.dot_general(mt_ct, prev_t, (((3,), (3,)), ((0, 1), (0, 1))),
-                             precision=prec)                        # b y r zs
-  prev_t_ct = lax.dot_general(k_pop, mt_ct, (((2,), (2,)), ((0, 1), (0, 1))),
-                              precision=prec)                       # b y zs kt
+  k_pop_ct = _column_dot(mt_ct, prev_t, (((3,), (3,)), ((0, 1), (0, 1))),
+                         prec)                                      # b y r zs
+  prev_t_ct = _column_dot(k_pop, mt_ct, (((2,), (2,)), ((0, 1), (0, 1))),
+                          prec)                                     # b y zs kt
   # The kernels' cotangents on [b, r, y, F] (F = push (q,x), replace and
   # pop (s,z)), then through kern = exp(x) (zero where masked or clamped).
   def to_ryf(x_byrzs):                       # [b, y, r, z, s] -> [b, r, y, F]
@@ -494,7 +544,8 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec):
   # w = Σ_{kt} prev_t[b,y,(z,s),kt] c_left[b,y,kt].
   w_zs = jnp.swapaxes(w_ct, 2, 3).reshape(b, ny, fs)
   prev_t_ct = prev_t_ct + w_zs[..., None] * c_left.reshape(b, ny, 1, -1)
-  c_left_ct = jnp.einsum("byzk,byz->byk", prev_t, w_zs, precision=prec)
+  c_left_ct = _column_dot(prev_t, w_zs, (((2,), (2,)), ((0, 1), (0, 1))),
+                          prec)                                     # b y kt
   d_cs = jnp.where(left[None, None, :, None],
                    c_left_ct.reshape(cs.shape), 0)
   d_cs = d_cs.at[:, :, p].add(jnp.swapaxes(c_prev_ct, 1, 2))

@@ -284,12 +284,66 @@ def test_custom_vjp_equals_autodiff_of_log_space(x64, bottom, q, s, steps):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
 
 
-@pytest.mark.parametrize("bottom,q,s,kind,dtype", [
-    ("frozen", 2, 2, "unnorm", "float64"), ("fixed", 2, 3, "norm", "float64"),
-    ("frozen", 3, 2, "huge", "float64"), ("fixed", 2, 2, "neginf", "float64"),
-    ("frozen", 2, 2, "unnorm", "float32")])
+@pytest.fixture
+def contractions(request, monkeypatch):
+  """rns_stack.COLUMN_CONTRACTIONS set to the test's parameter (default
+  "dot"), with JAX's caches cleared around it: a trace under the other
+  setting must not be reused."""
+  mode = getattr(request, "param", "dot")
+  jax.clear_caches()
+  monkeypatch.setattr(rns_stack, "COLUMN_CONTRACTIONS", mode)
+  yield mode
+  jax.clear_caches()
+
+
+def test_dot_by_sum_equals_dot_general(x64):
+  rng = np.random.default_rng(3)
+  cases = [((2, 3, 4), (2, 4, 5), (((2,), (1,)), ((0,), (0,)))),
+           ((2, 3, 4, 6), (2, 3, 6), (((3,), (2,)), ((0, 1), (0, 1)))),
+           ((2, 5, 3), (3, 2, 7), (((2,), (0,)), ((0,), (1,)))),
+           ((4, 3, 2), (2, 3, 5), (((1, 2), (1, 0)), ((), ())))]
+  for ls, rs, dims in cases:
+    lhs, rhs = rng.normal(size=ls), rng.normal(size=rs)
+    want = lax.dot_general(lhs, rhs, dims, precision=lax.Precision.HIGHEST)
+    got = rns_stack.dot_by_sum(jnp.asarray(lhs), jnp.asarray(rhs), dims)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("contractions", ["dot", "reduce"], indirect=True)
+def test_column_contractions_setting_reaches_the_update(contractions):
+  # "reduce" leaves the table-sized pop matmul the update's only dot; "dot"
+  # also contracts W, the replace rows and M̃ as dots.
+  rng = np.random.default_rng(0)
+  q = s = 2
+  b, n = 2, 5
+  g = jnp.asarray(rng.random((b, s, n, q, n, q, s)), jnp.float32)
+  acts = tuple(jnp.asarray(a[:, 0], jnp.float32)
+               for a in _actions(rng, b, 1, q, s, "unnorm"))
+  a_prev = jnp.zeros((b, q, s), jnp.float32)
+  jaxpr = str(jax.make_jaxpr(rns_stack.update)(g, 2, a_prev, *acts))
+  assert jaxpr.count("dot_general") == (1 if contractions == "reduce" else 4)
+
+
+def test_unknown_column_contractions_is_a_clear_error(monkeypatch):
+  monkeypatch.setattr(rns_stack, "COLUMN_CONTRACTIONS", "einsum")
+  rng = np.random.default_rng(0)
+  acts = _actions(rng, 1, 2, 2, 2, "unnorm")
+  with pytest.raises(ValueError, match="COLUMN_CONTRACTIONS must be one of"):
+    jax.make_jaxpr(lambda *a: rns_stack.run(*a))(*acts)
+
+
+@pytest.mark.parametrize("bottom,q,s,kind,dtype,contractions", [
+    ("frozen", 2, 2, "unnorm", "float64", "dot"),
+    ("fixed", 2, 3, "norm", "float64", "dot"),
+    ("frozen", 3, 2, "huge", "float64", "dot"),
+    ("fixed", 2, 2, "neginf", "float64", "dot"),
+    ("frozen", 2, 2, "unnorm", "float32", "dot"),
+    ("frozen", 2, 3, "unnorm", "float64", "reduce"),
+    ("frozen", 2, 2, "unnorm", "float32", "reduce")],
+                         indirect=["contractions"])
 def test_hand_vjp_of_an_update_equals_autodiff(x64, bottom, q, s, kind,
-                                               dtype):
+                                               dtype, contractions):
   # The backward sweep's `_local_bwd` (from the forward's residuals) against
   # jax.vjp of `_local` itself, at every update of a real sweep (flushed
   # column sums at the frozen bottom, −inf actions, shifted huge weights),
@@ -358,8 +412,9 @@ def _tanh_params(rng, q, s, size):
           "wo": rng.normal(size=(_H, _V))}
 
 
+@pytest.mark.parametrize("contractions", ["dot", "reduce"], indirect=True)
 @pytest.mark.parametrize("bottom,reading", [("fixed", "state")])
-def test_run_coupled_equals_plain_scan(x64, bottom, reading):
+def test_run_coupled_equals_plain_scan(x64, bottom, reading, contractions):
   q, s, b, t = 2, 2, 2, 6
   rng = np.random.default_rng(7)
   step_fn, size = _tanh_controller(q, s, reading)
