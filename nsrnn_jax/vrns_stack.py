@@ -84,6 +84,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nsrnn_jax import ns_stack
+
 Array = jax.Array
 
 __all__ = [
@@ -363,16 +365,15 @@ def time_blocks_of(num_steps, max_blocks=None):
     max_blocks: at most this many blocks (None: min(8, T // 8), at least 1).
   """
   if max_blocks is None:
-    max_blocks = _MAX_BLOCKS
-    nb = max(1, min(max_blocks, num_steps // 8))
+    nb = max(1, min(_MAX_BLOCKS, num_steps // 8))
   else:
     if (isinstance(max_blocks, bool)
         or not isinstance(max_blocks, (int, np.integer)) or max_blocks < 1):
       raise ValueError(f"time_blocks must be a positive integer or None, "
                        f"got {max_blocks!r}")
-    nb = max(1, min(int(max_blocks), num_steps))
-  edges = [1 + (num_steps * b) // nb for b in range(nb + 1)]
-  return [(j0, j1) for j0, j1 in zip(edges[:-1], edges[1:]) if j1 > j0]
+    nb = min(int(max_blocks), num_steps)
+  # The same near-equal edges as the other stacks' blocks.
+  return ns_stack.time_blocks(num_steps, nb)
 
 
 _MAX_BLOCKS = 8
