@@ -31,10 +31,11 @@
 #                  .baselines/0bd0077/nsrnn_jax && git show \
 #                  0bd0077:nsrnn_jax/$f.py > .baselines/0bd0077/nsrnn_jax/$f.py; done
 #              (untracked, so it travels; delete it afterwards)
-#   contractions NS train step with the update's column-sized contractions
-#              as multiply and sum (rns_stack.COLUMN_CONTRACTIONS =
-#              "reduce": 24 fewer dot_generals per step, fusible with the
-#              elementwise work around them) against the default dots
+#   contractions NS train step with the update's contractions as
+#              multiply and sum (rns_stack.COLUMN_CONTRACTIONS = "reduce":
+#              the column-sized ones; TABLE_CONTRACTIONS too: all of them),
+#              fusible with the elementwise work around them, against the
+#              default dots
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, bench.log and one
@@ -144,7 +145,7 @@ for p in "${phases[@]}"; do
         $TS --models=gref --gref_cumsum --unroll=1,8 --repeats=9 \
         --out "$OUT/train_step_gpu_gref_matmul.json" ;;
     contractions)
-      bench "NS train step, column contractions by sum vs dots" 120 -- \
+      bench "NS train step, contractions by sum vs dots" 150 -- \
         $TS --models=ns22,ns33 --column_contractions --repeats=9 \
         --out "$OUT/train_step_gpu_column_contractions.json" ;;
   esac

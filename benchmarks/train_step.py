@@ -29,9 +29,10 @@ Variants (each adds rows; the plain row is always measured):
   --column_contractions the NS models (shares table) with
                         rns_stack.COLUMN_CONTRACTIONS = "reduce" (the
                         update's column-sized contractions as multiply and
-                        sum); each row of the model records the
-                        dot_general count of its lowered step, which shows
-                        the setting took
+                        sum), and with TABLE_CONTRACTIONS = "reduce" too
+                        (every contraction of the stack); each row of the
+                        model records the dot_general count of its lowered
+                        step, which shows the setting took
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
@@ -272,10 +273,13 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
             and SETTINGS[name]["stack_table"] == "shares")
   variants = [Variant(name, "current", length, precision, count_dots=reduce)]
   if reduce:
-    variants.append(Variant(
-        name, "column contractions by sum", length, precision,
-        patches=[(rns_stack, "COLUMN_CONTRACTIONS", "reduce")],
-        count_dots=True))
+    column = (rns_stack, "COLUMN_CONTRACTIONS", "reduce")
+    variants += [
+        Variant(name, "column contractions by sum", length, precision,
+                patches=[column], count_dots=True),
+        Variant(name, "all stack contractions by sum", length, precision,
+                patches=[column, (rns_stack, "TABLE_CONTRACTIONS", "reduce")],
+                count_dots=True)]
   if gref_cumsum and name == "gref":
     variants.append(Variant(name, "sum above by lax.cumsum", length,
                             precision,

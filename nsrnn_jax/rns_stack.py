@@ -283,16 +283,21 @@ def _finite_max(x, axis):
   return lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
 
 
-# How `_local` and `_local_bwd` contract column-sized operands (never the
-# table): "dot" (lax.dot_general) or "reduce" (a multiply and a sum, which
-# XLA can fuse with the elementwise work around it: fewer kernels per
-# update, and full float32 whatever the matmul precision). An experiment
-# for GPUs, where an update is a chain of small kernels each with a floor
-# of a few µs (README, the H100 profile); read when an update is traced, so
-# set it before tracing (benchmarks/train_step.py --column_contractions).
-# "dot" everywhere until "reduce" is measured faster on a GPU.
+# How an update contracts its operands: "dot" (lax.dot_general) or
+# "reduce" (a multiply and a sum, which XLA can fuse with the elementwise
+# work around it: fewer kernels per update, and full float32 whatever the
+# matmul precision). COLUMN_CONTRACTIONS: the column-sized ones of `_local`
+# and `_local_bwd` (W, the replace rows, M̃ and their cotangents);
+# TABLE_CONTRACTIONS: the table-sized ones (the pop product G·M̃, and in
+# the backward M̃'s cotangent and the W-table product), whose few output
+# rows (R = Q) pad a GEMM kernel's tile. An experiment for GPUs, where an
+# update is a chain of small kernels each with a floor of a few µs (README,
+# the H100 profile); read when an update is traced, so set them before
+# tracing (benchmarks/train_step.py --column_contractions). "dot" until
+# "reduce" is measured faster on a GPU (on 2 CPU cores it is slower).
 COLUMN_CONTRACTIONS = "dot"
-COLUMN_CONTRACTION_MODES = ("dot", "reduce")
+TABLE_CONTRACTIONS = "dot"
+CONTRACTION_MODES = ("dot", "reduce")
 
 
 def dot_by_sum(lhs, rhs, dimension_numbers):
@@ -315,15 +320,32 @@ def dot_by_sum(lhs, rhs, dimension_numbers):
   return jnp.sum(lhs * rhs, axis=-1).reshape(batch + l_free + r_free)
 
 
+def _contraction_mode(name):
+  mode = globals()[name]
+  if mode not in CONTRACTION_MODES:
+    raise ValueError(f"rns_stack.{name} must be one of {CONTRACTION_MODES}, "
+                     f"got {mode!r}")
+  return mode
+
+
 def _column_dot(lhs, rhs, dimension_numbers, prec):
   """A column-sized contraction, as `COLUMN_CONTRACTIONS` says."""
-  if COLUMN_CONTRACTIONS not in COLUMN_CONTRACTION_MODES:
-    raise ValueError(
-        f"rns_stack.COLUMN_CONTRACTIONS must be one of "
-        f"{COLUMN_CONTRACTION_MODES}, got {COLUMN_CONTRACTIONS!r}")
-  if COLUMN_CONTRACTIONS == "reduce":
+  if _contraction_mode("COLUMN_CONTRACTIONS") == "reduce":
     return dot_by_sum(lhs, rhs, dimension_numbers)
   return lax.dot_general(lhs, rhs, dimension_numbers, precision=prec)
+
+
+def _table_dot(lhs, rhs, rhs_contracting, prec):
+  """A table-sized product [B, M, K] · rhs -> [B, M, N], as
+  `TABLE_CONTRACTIONS` says; rhs is [B, K, N] (rhs_contracting = 1) or
+  [B, N, K] (2). As a sum, each operand keeps its own axis order (the
+  table is never transposed, not even inside a fusion)."""
+  if _contraction_mode("TABLE_CONTRACTIONS") == "reduce":
+    if rhs_contracting == 1:                     # joint [B, M, K, N]
+      return jnp.sum(lhs[:, :, :, None] * rhs[:, None], axis=2)
+    return jnp.sum(lhs[:, :, None, :] * rhs[:, None], axis=3)   # [B,M,N,K]
+  return lax.dot_general(lhs, rhs, (((2,), (rhs_contracting,)), ((0,), (0,))),
+                         precision=prec)
 
 
 def _column_mix(k_BxOxC, col_BxCxL, prec):
@@ -571,9 +593,8 @@ def _pop_matmul(g, mt, prec):
   """
   bsz, ny, nk, nt = g.shape[:4]
   nr = mt.shape[2]
-  out = lax.dot_general(
-      mt.reshape(bsz * ny, nr, nk * nt), g.reshape(bsz * ny, nk * nt, -1),
-      (((2,), (1,)), ((0,), (0,))), precision=prec)
+  out = _table_dot(mt.reshape(bsz * ny, nr, nk * nt),
+                   g.reshape(bsz * ny, nk * nt, -1), 1, prec)
   return out.reshape((bsz, ny, nr) + g.shape[4:])
 
 
@@ -835,17 +856,16 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
           (jnp.minimum(j + 1, num_steps) - j0) * nr, axis=1))
       k = j + 1                                     # index of column j
       e_col = lax.dynamic_index_in_dim(e_p, k, axis=2, keepdims=False)
-      left = lax.dot_general(e_col.reshape(bsz * ny, nr, -1), w_tab,
-                             (((2,), (1,)), ((0,), (0,))), precision=prec)
+      left = _table_dot(e_col.reshape(bsz * ny, nr, -1), w_tab, 1, prec)
       left = left.reshape(bsz, ny, nr, n, nq, nx)
       cs_k = lax.dynamic_index_in_dim(cs_bar, k, axis=2, keepdims=False)
       col_ct = prev_hat + left + cs_k[:, :, :, None, None, None]
       # [b·y, (k, t), r] with the table as the left operand (measured
       # faster than W·Gᵀ: 1.3-2.5x for these shapes on XLA:CPU), then the
       # small result to M̃'s layout.
-      mt_ct = jnp.transpose(lax.dot_general(
-          g_t, col_ct.reshape(bsz * ny, nr, -1), (((2,), (2,)), ((0,), (0,))),
-          precision=prec).reshape(bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
+      mt_ct = jnp.transpose(_table_dot(
+          g_t, col_ct.reshape(bsz * ny, nr, -1), 2, prec).reshape(
+              bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
       a_ct = a_ct + la_bar
       prev = lax.dynamic_slice_in_dim(g_t, j * nr, nr, axis=1).reshape(
           bsz, ny, nr, n, nq, nx)

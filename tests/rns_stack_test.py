@@ -286,12 +286,16 @@ def test_custom_vjp_equals_autodiff_of_log_space(x64, bottom, q, s, steps):
 
 @pytest.fixture
 def contractions(request, monkeypatch):
-  """rns_stack.COLUMN_CONTRACTIONS set to the test's parameter (default
-  "dot"), with JAX's caches cleared around it: a trace under the other
-  setting must not be reused."""
+  """The test's parameter (default "dot"): "reduce" sets
+  rns_stack.COLUMN_CONTRACTIONS, "reduce_all" TABLE_CONTRACTIONS too; JAX's
+  caches are cleared around it, so that no trace under another setting is
+  reused."""
   mode = getattr(request, "param", "dot")
   jax.clear_caches()
-  monkeypatch.setattr(rns_stack, "COLUMN_CONTRACTIONS", mode)
+  monkeypatch.setattr(rns_stack, "COLUMN_CONTRACTIONS",
+                      "dot" if mode == "dot" else "reduce")
+  monkeypatch.setattr(rns_stack, "TABLE_CONTRACTIONS",
+                      "reduce" if mode == "reduce_all" else "dot")
   yield mode
   jax.clear_caches()
 
@@ -310,10 +314,12 @@ def test_dot_by_sum_equals_dot_general(x64):
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
 
 
-@pytest.mark.parametrize("contractions", ["dot", "reduce"], indirect=True)
-def test_column_contractions_setting_reaches_the_update(contractions):
-  # "reduce" leaves the table-sized pop matmul the update's only dot; "dot"
-  # also contracts W, the replace rows and M̃ as dots.
+@pytest.mark.parametrize("contractions", ["dot", "reduce", "reduce_all"],
+                         indirect=True)
+def test_contractions_setting_reaches_the_update(contractions):
+  # "dot": W, the replace rows, M̃ and the pop product are dots; "reduce"
+  # leaves the table-sized pop product the update's only dot; "reduce_all"
+  # none.
   rng = np.random.default_rng(0)
   q = s = 2
   b, n = 2, 5
@@ -322,14 +328,16 @@ def test_column_contractions_setting_reaches_the_update(contractions):
                for a in _actions(rng, b, 1, q, s, "unnorm"))
   a_prev = jnp.zeros((b, q, s), jnp.float32)
   jaxpr = str(jax.make_jaxpr(rns_stack.update)(g, 2, a_prev, *acts))
-  assert jaxpr.count("dot_general") == (1 if contractions == "reduce" else 4)
+  assert jaxpr.count("dot_general") == {"dot": 4, "reduce": 1,
+                                        "reduce_all": 0}[contractions]
 
 
-def test_unknown_column_contractions_is_a_clear_error(monkeypatch):
-  monkeypatch.setattr(rns_stack, "COLUMN_CONTRACTIONS", "einsum")
+@pytest.mark.parametrize("name", ["COLUMN_CONTRACTIONS", "TABLE_CONTRACTIONS"])
+def test_unknown_contractions_is_a_clear_error(monkeypatch, name):
+  monkeypatch.setattr(rns_stack, name, "einsum")
   rng = np.random.default_rng(0)
   acts = _actions(rng, 1, 2, 2, 2, "unnorm")
-  with pytest.raises(ValueError, match="COLUMN_CONTRACTIONS must be one of"):
+  with pytest.raises(ValueError, match=f"{name} must be one of"):
     jax.make_jaxpr(lambda *a: rns_stack.run(*a))(*acts)
 
 
@@ -412,7 +420,8 @@ def _tanh_params(rng, q, s, size):
           "wo": rng.normal(size=(_H, _V))}
 
 
-@pytest.mark.parametrize("contractions", ["dot", "reduce"], indirect=True)
+@pytest.mark.parametrize("contractions", ["dot", "reduce", "reduce_all"],
+                         indirect=True)
 @pytest.mark.parametrize("bottom,reading", [("fixed", "state")])
 def test_run_coupled_equals_plain_scan(x64, bottom, reading, contractions):
   q, s, b, t = 2, 2, 2, 6
