@@ -283,10 +283,11 @@ def _finite_max(x, axis):
   return lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
 
 
-# How an update contracts its operands: "dot" (lax.dot_general) or
-# "reduce" (a multiply and a sum, which XLA can fuse with the elementwise
-# work around it: fewer kernels per update, and full float32 whatever the
-# matmul precision). COLUMN_CONTRACTIONS: the column-sized ones of `_local`
+# How an update contracts its operands (every stack built on it: the
+# NS-RNN's shares table, the RNS-RNN, the memory-limited stack): "dot"
+# (lax.dot_general) or "reduce" (a multiply and a sum, which XLA can fuse
+# with the elementwise work around it: fewer kernels per update, and full
+# float32 whatever the matmul precision). COLUMN_CONTRACTIONS: the column-sized ones of `_local`
 # and `_local_bwd` (W, the replace rows, M̃ and their cotangents);
 # TABLE_CONTRACTIONS: the table-sized ones (the pop product G·M̃, and in
 # the backward M̃'s cotangent and the W-table product), whose few output
