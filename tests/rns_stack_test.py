@@ -332,6 +332,31 @@ def test_contractions_setting_reaches_the_update(contractions):
                                         "reduce_all": 0}[contractions]
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_contractions_by_sum_give_the_same_update(x64, monkeypatch, ring):
+  # One update (eager, so nothing traced under one setting is reused under
+  # another), in time order and on a ring window (the memory-limited
+  # stack's), under every combination of the two settings.
+  rng = np.random.default_rng(4)
+  q, s, b, n = 2, 3, 2, 6
+  g = jnp.asarray(rng.random((b, s, n, q, n, q, s)))
+  acts = tuple(jnp.asarray(a[:, 0]) for a in _actions(rng, b, 1, q, s,
+                                                        "unnorm"))
+  a_prev = jnp.asarray(rng.normal(size=(b, q, s)))
+  outs = {}
+  for column in ("dot", "reduce"):
+    for table in ("dot", "reduce"):
+      monkeypatch.setattr(rns_stack, "COLUMN_CONTRACTIONS", column)
+      monkeypatch.setattr(rns_stack, "TABLE_CONTRACTIONS", table)
+      outs[column, table] = rns_stack.update(g, 3, a_prev, *acts, ring=ring)
+  want = outs["dot", "dot"]
+  assert np.all(np.isfinite(want[0])) and np.any(want[0] > 0)
+  for key, got in outs.items():
+    for gv, wv in zip(got, want):
+      np.testing.assert_allclose(gv, wv, rtol=1e-12, atol=1e-14,
+                                 err_msg=str(key))
+
+
 @pytest.mark.parametrize("name", ["COLUMN_CONTRACTIONS", "TABLE_CONTRACTIONS"])
 def test_unknown_contractions_is_a_clear_error(monkeypatch, name):
   monkeypatch.setattr(rns_stack, name, "einsum")
