@@ -35,13 +35,14 @@
 #              multiply and sum (rns_stack.COLUMN_CONTRACTIONS = "reduce":
 #              the column-sized ones; TABLE_CONTRACTIONS too: all of them),
 #              fusible with the elementwise work around them, against the
-#              default dots
+#              default dots; then the profile of the all-by-sum step
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, bench.log and one
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
-# profile_step_gpu.json, ..._column_contractions.json). Copy them to
+# profile_step_gpu.json, ..._column_contractions.json,
+# profile_step_gpu_reduce_all.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # Installs nothing beyond the package: the wheels in ./.whl that the image
@@ -147,7 +148,10 @@ for p in "${phases[@]}"; do
     contractions)
       bench "NS train step, contractions by sum vs dots" 150 -- \
         $TS --models=ns22,ns33 --column_contractions --repeats=9 \
-        --out "$OUT/train_step_gpu_column_contractions.json" ;;
+        --out "$OUT/train_step_gpu_column_contractions.json"
+      bench "profile of the NS step, all contractions by sum" 90 -- \
+        benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
+        --contractions=reduce_all --out "$OUT/profile_step_gpu_reduce_all.json" ;;
   esac
 done
 log "done"

@@ -25,8 +25,11 @@ shares of the busy total are the figure to read. The tracer adds its own
 overhead; the untraced step time is printed beside it.
 
   python benchmarks/profile_step.py [--models=ns22,ns33] [--steps=3]
-      [--top=12] [--command_buffers]
+      [--top=12] [--command_buffers] [--contractions=dot|reduce|reduce_all]
       [--out=benchmarks/results/profile_step_<backend>.json]
+
+--contractions traces the stack's update with rns_stack.COLUMN_CONTRACTIONS
+= "reduce" ("reduce"), and TABLE_CONTRACTIONS too ("reduce_all").
 """
 
 import argparse
@@ -47,6 +50,7 @@ import jax
 
 import machine
 import train_step
+from nsrnn_jax import rns_stack
 
 # `%name = shape opcode(...)` of an HLO instruction; shape may be a tuple.
 _INSTRUCTION = re.compile(
@@ -206,10 +210,27 @@ def read_trace(trace_dir, host=False):
   return charge(chosen), [f"{p} / {l.name}" for p, l in chosen]
 
 
-def profile_model(name, steps, top, trace_root):
+def contraction_patches(mode):
+  """`train_step.Variant` patches for --contractions (rns_stack settings)."""
+  return [(rns_stack, "COLUMN_CONTRACTIONS",
+           "dot" if mode == "dot" else "reduce"),
+          (rns_stack, "TABLE_CONTRACTIONS",
+           "reduce" if mode == "reduce_all" else "dot")]
+
+
+def profile_model(name, steps, top, trace_root, contractions="dot"):
   """Step time untraced and traced, and the per-op / per-kind breakdown."""
-  v = train_step.Variant(name, "current", 80, "highest")
-  compiled = v.step.lower(v.state, v.batch).compile()
+  patches = contraction_patches(contractions)
+  v = train_step.Variant(name, "current", 80, "highest", patches=patches)
+  # Lowered under the same settings (the HLO names the ops traced).
+  saved = [(o, a, getattr(o, a)) for o, a, _ in patches]
+  for o, a, value in patches:
+    setattr(o, a, value)
+  try:
+    compiled = v.step.lower(v.state, v.batch).compile()
+  finally:
+    for o, a, value in saved:
+      setattr(o, a, value)
   hlo = hlo_instructions(compiled.as_text())
   for _ in range(3):
     jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
@@ -270,6 +291,9 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--contractions", default="dot",
+                      choices=("dot", "reduce", "reduce_all"),
+                      help="the stack update's contractions (rns_stack)")
   parser.add_argument("--command_buffers", action="store_true",
                       help="keep XLA's GPU command buffers (CUDA graphs) on; "
                       "their kernels then cannot be told apart")
@@ -291,7 +315,8 @@ def main():
   results = []
   with tempfile.TemporaryDirectory() as trace_root:
     for name in names:
-      r = profile_model(name, args.steps, args.top, trace_root)
+      r = profile_model(name, args.steps, args.top, trace_root,
+                        args.contractions)
       print_result(r)
       results.append(r)
   out = args.out or os.path.join(
@@ -303,6 +328,7 @@ def main():
                "date": time.strftime("%Y-%m-%d"), "batch": train_step.BATCH,
                "length": 80, "table_elements": TABLE_ELEMENTS,
                "command_buffers": bool(args.command_buffers),
+               "contractions": args.contractions,
                "models": results}, f, indent=1)
   print(f"saved {out}")
 

@@ -506,7 +506,9 @@ def profile_table():
           kinds.append(k)
     when = "".join(f"; {x}" for x in (
         f"code at {_commit(d)}" if _commit(d) else "",
-        d.get("conditions", "")) if x)
+        d.get("conditions", ""),
+        f"the stack's contractions: {d['contractions']} (rns_stack)"
+        if d.get("contractions", "dot") != "dot" else "") if x)
     out += [f"Where the train step's time goes (`benchmarks/profile_step.py`, "
             f"`{name}`, {_device(d)}{when}; batch {d['batch']}, n = "
             f"{d['length']}; "
