@@ -41,7 +41,7 @@
 # a few phases): env.txt, tests.log, bench.log and one
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
-# profile_step_gpu.json, ..._column_contractions.json,
+# profile_step_gpu.json, ..._contractions_by_sum.json,
 # profile_step_gpu_reduce_all.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
@@ -147,8 +147,8 @@ for p in "${phases[@]}"; do
         --out "$OUT/train_step_gpu_gref_matmul.json" ;;
     contractions)
       bench "NS train step, contractions by sum vs dots" 150 -- \
-        $TS --models=ns22,ns33 --column_contractions --repeats=9 \
-        --out "$OUT/train_step_gpu_column_contractions.json"
+        $TS --models=ns22,ns33 --contractions_by_sum --repeats=9 \
+        --out "$OUT/train_step_gpu_contractions_by_sum.json"
       bench "profile of the NS step, all contractions by sum" 90 -- \
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --contractions=reduce_all --out "$OUT/profile_step_gpu_reduce_all.json" ;;

@@ -26,7 +26,8 @@ Variants (each adds rows; the plain row is always measured):
                         ref from before the field runs the whole batch)
   --gref_cumsum         Gref with its "sum of the strengths above" by
                         lax.cumsum, as before it became one matmul
-  --column_contractions the NS models (shares table) with
+  --contractions_by_sum
+                        the NS models (shares table) with
                         rns_stack.COLUMN_CONTRACTIONS = "reduce" (the
                         update's column-sized contractions as multiply and
                         sum), and with TABLE_CONTRACTIONS = "reduce" too
@@ -267,9 +268,9 @@ def cumsum_sum_above(strength_BxT, precision="highest"):
 
 def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
-                column_contractions=False):
+                contractions_by_sum=False):
   """Rows for one model: every variant, timed in alternation."""
-  reduce = (column_contractions and SETTINGS[name]["model"] == "ns"
+  reduce = (contractions_by_sum and SETTINGS[name]["model"] == "ns"
             and SETTINGS[name]["stack_table"] == "shares")
   variants = [Variant(name, "current", length, precision, count_dots=reduce)]
   if reduce:
@@ -451,9 +452,10 @@ def main():
                       "(NS models; the plain row is automatic)")
   parser.add_argument("--gref_cumsum", action="store_true",
                       help="add a Gref variant with the cumsum it had before")
-  parser.add_argument("--column_contractions", action="store_true",
-                      help="add an NS variant with the update's column-sized "
-                      "contractions as multiply and sum")
+  parser.add_argument("--contractions_by_sum", action="store_true",
+                      help="add NS variants with the stack update's "
+                      "column-sized, then all, contractions as multiply and "
+                      "sum (rns_stack)")
   parser.add_argument("--compile_study", action="store_true")
   parser.add_argument("--study_model", default="ns22,jm",
                       help="comma-separated models for --compile_study")
@@ -515,7 +517,7 @@ def main():
           name, args.length, args.repeats, args.precision, unrolls, baseline,
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
-          args.gref_cumsum, args.column_contractions)
+          args.gref_cumsum, args.contractions_by_sum)
       save()
   if args.compile_study:
     out["compile_study"] = []

@@ -287,14 +287,15 @@ def _finite_max(x, axis):
 # NS-RNN's shares table, the RNS-RNN, the memory-limited stack): "dot"
 # (lax.dot_general) or "reduce" (a multiply and a sum, which XLA can fuse
 # with the elementwise work around it: fewer kernels per update, and full
-# float32 whatever the matmul precision). COLUMN_CONTRACTIONS: the column-sized ones of `_local`
-# and `_local_bwd` (W, the replace rows, M̃ and their cotangents);
+# float32 whatever the matmul precision). COLUMN_CONTRACTIONS: the
+# column-sized ones of `_local` and `_local_bwd` (W, the replace rows, M̃
+# and their cotangents);
 # TABLE_CONTRACTIONS: the table-sized ones (the pop product G·M̃, and in
 # the backward M̃'s cotangent and the W-table product), whose few output
 # rows (R = Q) pad a GEMM kernel's tile. An experiment for GPUs, where an
 # update is a chain of small kernels each with a floor of a few µs (README,
 # the H100 profile); read when an update is traced, so set them before
-# tracing (benchmarks/train_step.py --column_contractions). "dot" until
+# tracing (benchmarks/train_step.py --contractions_by_sum). "dot" until
 # "reduce" is measured faster on a GPU (on 2 CPU cores it is slower).
 COLUMN_CONTRACTIONS = "dot"
 TABLE_CONTRACTIONS = "dot"
