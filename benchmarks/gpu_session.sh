@@ -38,7 +38,8 @@
 #              default dots; then the profile of the all-by-sum step
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
-# a few phases): env.txt, tests.log, bench.log and one
+# a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
+# benchmarks/suite_record.py: add the cause of any failure), bench.log and one
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
 # profile_step_gpu.json, ..._contractions_by_sum.json,
@@ -106,11 +107,17 @@ for p in "${phases[@]}"; do
       log "test suite (limit $secs s)"
       xdist=()
       $PY -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-14}")
+      xml=$(mktemp --suffix=.xml)
       env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS timeout "$secs" \
         "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" --durations=25 \
-        tests > "$OUT/tests.log" 2>&1
+        --junitxml="$xml" tests > "$OUT/tests.log" 2>&1
       echo "pytest exit code $? (${xdist[*]:-no xdist})" | tee -a "$OUT/tests.log" "$OUT/bench.log"
-      tail -n 3 "$OUT/tests.log" >> "$OUT/bench.log" ;;
+      tail -n 3 "$OUT/tests.log" >> "$OUT/bench.log"
+      # The record for results/gpu_suite_<gpu>.json (README's suite line).
+      "$PY" benchmarks/suite_record.py "$xml" --out "$OUT/gpu_suite.json" \
+        --command "python3 -m pytest -q -p no:cacheprovider ${xdist[*]} tests" \
+        --environment "JAX_DEFAULT_MATMUL_PRECISION and XLA_FLAGS unset; XLA_PYTHON_CLIENT_PREALLOCATE=false (the workers share the GPU's memory)" \
+        >> "$OUT/bench.log" 2>&1 ;;
     ns)
       bench "NS train step, full float32, unroll 1/8" 170 -- $TS \
         --models=ns22,ns33 --unroll=1,8 --repeats=9 \

@@ -305,14 +305,18 @@ def gpu_suite_line():
     text = (f"Test suite on a GPU (`{name}`, {d['device']}, jax "
             f"{d['packages']['jax']}, commit {d['commit']}, {d['date']}; "
             f"{d['environment']}): {d['passed']} passed, {d['failed']} "
-            f"failed, {d['skipped']} skipped, {d['xfailed']} xfailed in "
+            f"failed, "
+            + (f"{d['errors']} errors, " if d.get("errors") else "")
+            + f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
             f"{d['wall_s']:.0f} s")
-    if d["failed"]:
+    if d["failed"] or d.get("errors"):
       tests = ", ".join(f"`{t.split('::')[-1]}`" for t in d["failed_tests"])
       rerun = (f"; rerun {d['fixes_rerun']}" if "fixes_rerun" in d else
                "" if d["fixes_rerun_on_gpu"] else ", not yet rerun on a GPU")
-      text += (f"; failed: {tests} ({d['cause_of_failures']}; fixed in "
-               f"{', '.join(d['fixed_in'])}{rerun})")
+      fixed = (f"fixed in {', '.join(d['fixed_in'])}" if d["fixed_in"]
+               else "not fixed yet")
+      text += (f"; failed: {tests} ({d['cause_of_failures']}; {fixed}"
+               f"{rerun})")
     lines += [text + ".", ""]
   return lines[:-1]
 

@@ -1,0 +1,119 @@
+"""The test suite's result as a results record, from pytest's JUnit XML.
+
+`benchmarks/gpu_session.sh` runs the suite with `--junitxml` and calls this,
+so the record behind README's "Test suite on a GPU" lines
+(`results/gpu_suite_<gpu>.json`, rendered by `report.py`) comes back from
+the device machine ready to commit instead of being copied from a log by
+hand. Counts, failed and skipped tests, the device, the packages and the
+code's revision are filled in; what only a person can say (the cause of
+failures, the commits that fix them) is left for them to write.
+
+  python benchmarks/suite_record.py REPORT.xml --out gpu_suite_h100.json \
+      [--command "python -m pytest ..."] [--environment "..."]
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import machine
+
+PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin",
+            "flax", "optax", "orbax-checkpoint", "ml_collections", "pytest",
+            "pytest-xdist")
+TO_WRITE = "to be written by whoever reads the failures"
+
+
+def _node_id(case, root):
+  """pytest's node id of a JUnit testcase: classname "tests.x_test" (or
+  "tests.x_test.TestClass") and name "test_y[param]" -> "tests/x_test.py::
+  [TestClass::]test_y[param]" (the module path checked against `root`)."""
+  parts = case.get("classname", "").split(".")
+  for cut in range(len(parts), 0, -1):
+    path = "/".join(parts[:cut]) + ".py"
+    if os.path.exists(os.path.join(root, path)):
+      return "::".join([path] + parts[cut:] + [case.get("name", "")])
+  return "::".join(parts + [case.get("name", "")])
+
+
+def parse(xml_path, root="."):
+  """{passed, failed, errors, skipped, xfailed, wall_s, failed_tests,
+  skipped_tests} of a pytest JUnit XML report."""
+  tree = ElementTree.parse(xml_path)
+  suites = ([tree.getroot()] if tree.getroot().tag == "testsuite"
+            else list(tree.getroot().iter("testsuite")))
+  out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0,
+         "wall_s": sum(float(s.get("time", 0)) for s in suites),
+         "failed_tests": [], "skipped_tests": []}
+  for case in (c for s in suites for c in s.iter("testcase")):
+    node = _node_id(case, root)
+    failure = case.find("failure")
+    error = case.find("error")
+    skipped = case.find("skipped")
+    if failure is not None:
+      out["failed"] += 1
+      out["failed_tests"].append(node)
+    elif error is not None:
+      out["errors"] += 1
+      out["failed_tests"].append(node)
+    elif skipped is not None and skipped.get("type") == "pytest.xfail":
+      out["xfailed"] += 1
+    elif skipped is not None:
+      out["skipped"] += 1
+      out["skipped_tests"].append(f"{node} ({skipped.get('message', '')})")
+    else:
+      out["passed"] += 1
+  return out
+
+
+def record(xml_path, root, command, environment):
+  """The results record: `parse` plus the machine, packages and code."""
+  info = machine.machine_info()
+  versions = {}
+  for name in PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  result = parse(xml_path, root)
+  d = {"note": "the test suite's result, written by benchmarks/"
+               "suite_record.py from pytest's JUnit XML report",
+       "device": machine.device_label(info), "date": time.strftime("%Y-%m-%d"),
+       "commit": info.get("source_revision"),
+       "python": sys.version.split()[0], "packages": versions,
+       "command": command, "environment": environment, **result}
+  if result["failed"] or result["errors"]:
+    d.update(cause_of_failures=TO_WRITE, fixed_in=[],
+             fixes_rerun_on_gpu=False)
+  return d
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("report", help="pytest --junitxml output")
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--root", default=".",
+                      help="the directory pytest ran in (for test paths)")
+  parser.add_argument("--command", default="")
+  parser.add_argument("--environment", default="")
+  args = parser.parse_args()
+  try:
+    d = record(args.report, args.root, args.command, args.environment)
+  except (OSError, ElementTree.ParseError) as e:
+    parser.error(f"cannot read {args.report}: {e}")
+  with open(args.out, "w") as f:
+    json.dump(d, f, indent=1)
+  print(f"{d['passed']} passed, {d['failed']} failed, {d['errors']} errors, "
+        f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
+        f"{d['wall_s']:.0f} s on {d['device']}; saved {args.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,123 @@
+"""benchmarks/suite_record.py counts a real pytest JUnit report correctly.
+
+Oracle: a small suite whose outcomes are known by construction (2 passed, 1
+failed, 1 error, 1 skipped, 1 xfailed), run by pytest in a subprocess.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SUITE = textwrap.dedent("""
+    import pytest
+
+    @pytest.fixture
+    def broken():
+      raise RuntimeError("fixture fails")
+
+    @pytest.mark.parametrize("x", [1, 2])
+    def test_passes(x):
+      assert x > 0
+
+    def test_fails():
+      assert 1 == 2
+
+    def test_errors(broken):
+      pass
+
+    def test_skipped():
+      pytest.skip("not here")
+
+    @pytest.mark.xfail(reason="known")
+    def test_xfails():
+      assert False
+
+    class TestGroup:
+      def test_in_class_fails(self):
+        assert False
+""")
+
+
+@pytest.fixture(scope="module")
+def suite_record():
+  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+  spec = importlib.util.spec_from_file_location(
+      "benchmarks_suite_record",
+      os.path.join(REPO, "benchmarks", "suite_record.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _run_suite(tmp_path):
+  pkg = tmp_path / "sub"
+  pkg.mkdir()
+  (pkg / "sample_test.py").write_text(_SUITE)
+  xml = tmp_path / "report.xml"
+  subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
+                  "no:cacheprovider", "-p", "no:xdist",
+                  f"--junitxml={xml}", "sub/sample_test.py"],
+                 cwd=tmp_path, capture_output=True, check=False)
+  return xml
+
+
+def test_counts_of_a_real_report(suite_record, tmp_path):
+  got = suite_record.parse(str(_run_suite(tmp_path)), str(tmp_path))
+  assert {k: got[k] for k in ("passed", "failed", "errors", "skipped",
+                              "xfailed")} == {
+                                  "passed": 2, "failed": 2, "errors": 1,
+                                  "skipped": 1, "xfailed": 1}
+  assert sorted(got["failed_tests"]) == [
+      "sub/sample_test.py::TestGroup::test_in_class_fails",
+      "sub/sample_test.py::test_errors",
+      "sub/sample_test.py::test_fails"]
+  assert got["skipped_tests"] == [
+      "sub/sample_test.py::test_skipped (not here)"]
+  assert got["wall_s"] > 0
+
+
+def test_cli_writes_a_record_report_py_can_render(suite_record, tmp_path):
+  xml = _run_suite(tmp_path)
+  out = tmp_path / "gpu_suite_x.json"
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
+       str(xml), "--out", str(out), "--root", str(tmp_path),
+       "--command", "pytest sub", "--environment", "defaults"],
+      capture_output=True, text=True, check=False)
+  assert run.returncode == 0, run.stderr
+  assert "2 passed, 2 failed, 1 errors" in run.stdout
+  d = json.loads(out.read_text())
+  assert d["command"] == "pytest sub" and d["failed"] == 2
+  # What a person must write is marked so, never invented.
+  assert d["cause_of_failures"] == suite_record.TO_WRITE
+  assert d["fixed_in"] == [] and d["fixes_rerun_on_gpu"] is False
+  assert d["packages"]["pytest"]
+  # report.py renders it (the README line for GPU suites).
+  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+  spec = importlib.util.spec_from_file_location(
+      "benchmarks_report_for_suite",
+      os.path.join(REPO, "benchmarks", "report.py"))
+  report = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(report)
+  report.RESULTS = str(tmp_path)
+  line = report.gpu_suite_line()
+  assert len(line) == 1 and "2 passed, 2 failed" in line[0]
+  assert "not fixed yet" in line[0]
+
+
+def test_unreadable_report_is_a_clear_error(tmp_path):
+  bad = tmp_path / "bad.xml"
+  bad.write_text("<testsuite><testcase")
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
+       str(bad), "--out", str(tmp_path / "x.json")],
+      capture_output=True, text=True, check=False)
+  assert run.returncode == 2
+  assert "cannot read" in run.stderr and "Traceback" not in run.stderr
