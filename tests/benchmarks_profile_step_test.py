@@ -5,9 +5,6 @@ program whose matmul runs a known number of times (the trace must count
 exactly those calls and classify the op by its operands' size).
 """
 
-import importlib.util
-import os
-import sys
 import types
 
 import jax
@@ -15,18 +12,10 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
-def profile_step():
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  spec = importlib.util.spec_from_file_location(
-      "benchmarks_profile_step",
-      os.path.join(REPO, "benchmarks", "profile_step.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def profile_step(load_benchmark):
+  return load_benchmark("profile_step")
 
 
 def test_exclusive_times_subtract_children(profile_step):

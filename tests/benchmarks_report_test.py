@@ -5,7 +5,6 @@ a README edited by hand (or JSON committed without rerunning the report)
 fails here.
 """
 
-import importlib.util
 import json
 import os
 
@@ -15,12 +14,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def report():
-  spec = importlib.util.spec_from_file_location(
-      "benchmarks_report", os.path.join(REPO, "benchmarks", "report.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def report(load_benchmark):
+  return load_benchmark("report")
 
 
 def test_readme_tables_are_generated_from_results(report):

@@ -4,7 +4,6 @@ Oracle: a small suite whose outcomes are known by construction (2 passed, 1
 failed, 1 error, 1 skipped, 1 xfailed), run by pytest in a subprocess.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -46,14 +45,8 @@ _SUITE = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def suite_record():
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  spec = importlib.util.spec_from_file_location(
-      "benchmarks_suite_record",
-      os.path.join(REPO, "benchmarks", "suite_record.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def suite_record(load_benchmark):
+  return load_benchmark("suite_record")
 
 
 def _run_suite(tmp_path):
@@ -83,7 +76,8 @@ def test_counts_of_a_real_report(suite_record, tmp_path):
   assert got["wall_s"] > 0
 
 
-def test_cli_writes_a_record_report_py_can_render(suite_record, tmp_path):
+def test_cli_writes_a_record_report_py_can_render(suite_record, load_benchmark,
+                                                  tmp_path):
   xml = _run_suite(tmp_path)
   out = tmp_path / "gpu_suite_x.json"
   run = subprocess.run(
@@ -100,12 +94,7 @@ def test_cli_writes_a_record_report_py_can_render(suite_record, tmp_path):
   assert d["fixed_in"] == [] and d["fixes_rerun_on_gpu"] is False
   assert d["packages"]["pytest"]
   # report.py renders it (the README line for GPU suites).
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  spec = importlib.util.spec_from_file_location(
-      "benchmarks_report_for_suite",
-      os.path.join(REPO, "benchmarks", "report.py"))
-  report = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(report)
+  report = load_benchmark("report")
   report.RESULTS = str(tmp_path)
   line = report.gpu_suite_line()
   assert len(line) == 1 and "2 passed, 2 failed" in line[0]

@@ -6,6 +6,9 @@ pytest-xdist workers. On a GPU, memory preallocation is off (unless the
 user set XLA_PYTHON_CLIENT_PREALLOCATE), so that the workers share it.
 
 * `x64`: float64 inside one test (`jax.enable_x64` context).
+* `load_benchmark`: `load_benchmark("report")` imports benchmarks/report.py
+  as a fresh module (benchmarks/ is no package; its scripts import their
+  siblings, so benchmarks/ goes on sys.path).
 * `fast_compile`: XLA's most expensive optimisations off for one module
   (compilation dominates the tiny models of the training tests); the flag
   is restored when the module's tests are done. Use it with
@@ -19,8 +22,10 @@ The repository root is on sys.path through setup.cfg (`pythonpath = .`), so
 `python -m pytest` alike.
 """
 
+import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 
 # On a GPU, JAX takes 75% of its memory at start-up by default; the xdist
@@ -66,6 +71,25 @@ def pytest_unconfigure(config):
     shutil.rmtree(_created_cache_dir, ignore_errors=True)
 
 _FAST_COMPILE_FLAG = "jax_disable_most_optimizations"
+
+
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "benchmarks")
+
+
+def _load_benchmark(name):
+  if _BENCHMARKS not in sys.path:
+    sys.path.insert(0, _BENCHMARKS)
+  spec = importlib.util.spec_from_file_location(
+      f"benchmarks_{name}", os.path.join(_BENCHMARKS, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+  return _load_benchmark
 
 
 @pytest.fixture
