@@ -220,17 +220,9 @@ def contraction_patches(mode):
 
 def profile_model(name, steps, top, trace_root, contractions="dot"):
   """Step time untraced and traced, and the per-op / per-kind breakdown."""
-  patches = contraction_patches(contractions)
-  v = train_step.Variant(name, "current", 80, "highest", patches=patches)
-  # Lowered under the same settings (the HLO names the ops traced).
-  saved = [(o, a, getattr(o, a)) for o, a, _ in patches]
-  for o, a, value in patches:
-    setattr(o, a, value)
-  try:
-    compiled = v.step.lower(v.state, v.batch).compile()
-  finally:
-    for o, a, value in saved:
-      setattr(o, a, value)
+  v = train_step.Variant(name, "current", 80, "highest",
+                         patches=contraction_patches(contractions))
+  compiled = v.lower().compile()
   hlo = hlo_instructions(compiled.as_text())
   for _ in range(3):
     jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])

@@ -52,6 +52,7 @@ in results/reference_pytorch.json, never here.
 """
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -188,6 +189,19 @@ def load_baseline(ref, stack="ns_stack"):
   return run_coupled
 
 
+@contextlib.contextmanager
+def patched(patches):
+  """(object, attribute, value) triples set for the block, then restored."""
+  saved = [(o, a, getattr(o, a)) for o, a, _ in patches]
+  for o, a, value in patches:
+    setattr(o, a, value)
+  try:
+    yield
+  finally:
+    for o, a, value in saved:
+      setattr(o, a, value)
+
+
 class Variant:
   """One compiled train step (a fresh jit, traced with its own stack).
 
@@ -221,31 +235,25 @@ class Variant:
       # A fresh function object: its own trace, not shared with variants.
       self.step = jax.jit(lambda s, b: train.train_step(s, b))
     self.state, self.batch = state, batch
-    stacks = stacks or {}
-    saved = {k: getattr(models, k) for k in stacks}
-    saved_patches = [(o, a, getattr(o, a)) for o, a, _ in patches]
-    for k, module in stacks.items():
-      setattr(models, k, module)
-    for o, a, value in patches:
-      setattr(o, a, value)
-    self.dots = None
-    try:
-      if count_dots:
-        self.dots = self.step.lower(state, batch).as_text().count(
-            "dot_general")
+    # A stack module swapped in is one more patch, of models.
+    self.patches = list(patches) + [
+        (models, k, module) for k, module in (stacks or {}).items()]
+    self.dots = (self.lower().as_text().count("dot_general") if count_dots
+                 else None)
+    with patched(self.patches):
       start, cpu_start = time.perf_counter(), time.process_time()
       s, m = self.step(state, batch)
       jax.block_until_ready(m["loss"])
-      if self.keep_state:
-        self.state = s
-      self.compile_s = time.perf_counter() - start
-      self.compile_cpu_s = time.process_time() - cpu_start
-    finally:
-      for k, module in saved.items():
-        setattr(models, k, module)
-      for o, a, value in saved_patches:
-        setattr(o, a, value)
+    if self.keep_state:
+      self.state = s
+    self.compile_s = time.perf_counter() - start
+    self.compile_cpu_s = time.process_time() - cpu_start
     self.times, self.cpu_times = [], []
+
+  def lower(self):
+    """The step lowered (traced) under this variant's stacks and patches."""
+    with patched(self.patches):
+      return self.step.lower(self.state, self.batch)
 
   def time_once(self):
     start, cpu_start = time.perf_counter(), time.process_time()

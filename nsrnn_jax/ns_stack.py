@@ -179,7 +179,7 @@ def _safe_log(x):
   return jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), -jnp.inf)
 
 
-def _mix_column(k_BxOxC, col_BxCxL, prec):
+def _mix_column(k_BxOxC, col_BxCxL, prec, dot_general=None):
   """out[b, o, ...] = Σ_c k[b, o, c] col[b, c, ...] for a column-sized `col`.
 
   `col` is [B, C, L...] (C short, e.g. a table column's (top, state) pair
@@ -188,12 +188,19 @@ def _mix_column(k_BxOxC, col_BxCxL, prec):
   the equivalent einsum (e.g. "bzsiqx,bszry->byriqx") as [L, O] then a
   transpose, 2.8x slower.
 
+  `dot_general(lhs, rhs, dimension_numbers, prec)` contracts instead of
+  `lax.dot_general` when given (rns_stack's `COLUMN_CONTRACTIONS`).
+
   Returns:
     [B, O, L...].
   """
   bsz, nc = col_BxCxL.shape[:2]
-  out = lax.dot_general(k_BxOxC, col_BxCxL.reshape(bsz, nc, -1),
-                        (((2,), (1,)), ((0,), (0,))), precision=prec)
+  dims = (((2,), (1,)), ((0,), (0,)))
+  if dot_general is None:
+    out = lax.dot_general(k_BxOxC, col_BxCxL.reshape(bsz, nc, -1), dims,
+                          precision=prec)
+  else:
+    out = dot_general(k_BxOxC, col_BxCxL.reshape(bsz, nc, -1), dims, prec)
   return out.reshape((bsz, k_BxOxC.shape[1]) + col_BxCxL.shape[2:])
 
 

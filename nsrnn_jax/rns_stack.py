@@ -116,6 +116,7 @@ from nsrnn_jax.ns_stack import backtrace
 from nsrnn_jax.ns_stack import check_precision
 from nsrnn_jax.ns_stack import check_unroll
 from nsrnn_jax.ns_stack import lax_precision
+from nsrnn_jax.ns_stack import mix_column as _mix_column
 from nsrnn_jax.ns_stack import replay_with_heights
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
 from nsrnn_jax.ns_stack import safe_log as _safe_log
@@ -350,14 +351,6 @@ def _table_dot(lhs, rhs, rhs_contracting, prec):
                          precision=prec)
 
 
-def _column_mix(k_BxOxC, col_BxCxL, prec):
-  """`ns_stack.mix_column` through `_column_dot`."""
-  bsz, nc = col_BxCxL.shape[:2]
-  out = _column_dot(k_BxOxC, col_BxCxL.reshape(bsz, nc, -1),
-                    (((2,), (1,)), ((0,), (0,))), prec)
-  return out.reshape((bsz, k_BxOxC.shape[1]) + col_BxCxL.shape[2:])
-
-
 def _column_views(prev, cs, p, ring=False):
   """What update j contracts of column j−1 and the column sums.
 
@@ -452,11 +445,11 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   push_row = jnp.swapaxes(kern[..., :fs], 1, 2).reshape(
       b, ny, -1, nq, nx)                                          # b y r q x
   # Replace rows: prev ⊗ K^R (K^R ≤ 1/c_prev; masked where c_prev flushed),
-  # the weights as [b, (y, r), (z, s)] for `_column_mix`.
+  # the weights as [b, (y, r), (z, s)] for `_mix_column`.
   k_rep = jnp.transpose(kern[..., fs:2 * fs].reshape(b, -1, ny, nq, nx),
                         (0, 2, 1, 4, 3)).reshape(b, -1, nx * nq)
-  col = _column_mix(k_rep, prev.reshape((b, -1) + prev.shape[3:]),
-                    prec).reshape((b, ny, -1) + prev.shape[3:])
+  col = _mix_column(k_rep, prev.reshape((b, -1) + prev.shape[3:]), prec,
+                    _column_dot).reshape((b, ny, -1) + prev.shape[3:])
   # Pop rows: M̃_k[t,y,r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r].
   k_pop = jnp.transpose(kern[..., 2 * fs:].reshape(b, -1, ny, nq, nx),
                         (0, 2, 1, 4, 3)).reshape(b, ny, -1, nx * nq)  # b y r zs

@@ -365,15 +365,14 @@ def time_blocks_of(num_steps, max_blocks=None):
     max_blocks: at most this many blocks (None: min(8, T // 8), at least 1).
   """
   if max_blocks is None:
-    nb = max(1, min(_MAX_BLOCKS, num_steps // 8))
-  else:
-    if (isinstance(max_blocks, bool)
+    max_blocks = min(_MAX_BLOCKS, num_steps // 8)
+  elif (isinstance(max_blocks, bool)
         or not isinstance(max_blocks, (int, np.integer)) or max_blocks < 1):
-      raise ValueError(f"time_blocks must be a positive integer or None, "
-                       f"got {max_blocks!r}")
-    nb = min(int(max_blocks), num_steps)
-  # The same near-equal edges as the other stacks' blocks.
-  return ns_stack.time_blocks(num_steps, nb)
+    raise ValueError(f"time_blocks must be a positive integer or None, "
+                     f"got {max_blocks!r}")
+  # The same near-equal edges as the other stacks' blocks (at least one
+  # block, at most one per update).
+  return ns_stack.time_blocks(num_steps, int(max_blocks))
 
 
 _MAX_BLOCKS = 8
