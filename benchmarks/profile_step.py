@@ -218,24 +218,41 @@ def contraction_patches(mode):
            "reduce" if mode == "reduce_all" else "dot")]
 
 
-def profile_model(name, steps, top, trace_root, contractions="dot"):
-  """Step time untraced and traced, and the per-op / per-kind breakdown."""
+def profile_model(name, steps, top, trace_root, contractions="dot",
+                  num_devices=None):
+  """Step time untraced and traced, and the per-op / per-kind breakdown.
+
+  num_devices: None profiles the plain jitted step on one device; N, the
+  data-parallel step with the batch split over N devices (loop.py's, what
+  `main --cpu_devices=N` runs); its trace sums the devices' threads.
+  """
   v = train_step.Variant(name, "current", 80, "highest",
-                         patches=contraction_patches(contractions))
+                         patches=contraction_patches(contractions),
+                         num_devices=num_devices)
   compiled = v.lower().compile()
   hlo = hlo_instructions(compiled.as_text())
+  state = v.state
+
+  def run_once():
+    # The data-parallel step donates its state: carry the returned one.
+    nonlocal state
+    s, m = compiled(state, v.batch)
+    jax.block_until_ready(m["loss"])
+    if v.keep_state:
+      state = s
+
   for _ in range(3):
-    jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
+    run_once()
   best = float("inf")
   for _ in range(5):
     start = time.perf_counter()
-    jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
+    run_once()
     best = min(best, time.perf_counter() - start)
   trace_dir = os.path.join(trace_root, name)
   jax.profiler.start_trace(trace_dir)
   start = time.perf_counter()
   for _ in range(steps):
-    jax.block_until_ready(compiled(v.state, v.batch)[1]["loss"])
+    run_once()
   traced = (time.perf_counter() - start) / steps
   jax.profiler.stop_trace()
   times, lines = read_trace(trace_dir, host=jax.default_backend() == "cpu")
@@ -286,16 +303,22 @@ def main():
   parser.add_argument("--contractions", default="dot",
                       choices=("dot", "reduce", "reduce_all"),
                       help="the stack update's contractions (rns_stack)")
+  parser.add_argument("--cpu_devices", type=int, default=1,
+                      help="profile the data-parallel step with the batch "
+                      "split over this many CPU devices")
   parser.add_argument("--command_buffers", action="store_true",
                       help="keep XLA's GPU command buffers (CUDA graphs) on; "
                       "their kernels then cannot be told apart")
   args = parser.parse_args()
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in train_step.SETTINGS]
-  if unknown or args.steps < 1 or args.top < 1:
+  if unknown or args.steps < 1 or args.top < 1 or args.cpu_devices < 1:
     parser.error(f"unknown model(s) {', '.join(unknown)} (known: "
                  f"{', '.join(train_step.SETTINGS)})" if unknown
-                 else "--steps and --top must be >= 1")
+                 else "--steps, --top and --cpu_devices must be >= 1")
+  if args.cpu_devices > 1:
+    # Before JAX starts its backend; only the CPU backend is split.
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   if not args.command_buffers:
     # Before JAX starts its backend (it reads XLA_FLAGS then); a no-op on
     # CPU. The flag given last wins, so one already in XLA_FLAGS yields.
@@ -308,7 +331,8 @@ def main():
   with tempfile.TemporaryDirectory() as trace_root:
     for name in names:
       r = profile_model(name, args.steps, args.top, trace_root,
-                        args.contractions)
+                        args.contractions,
+                        args.cpu_devices if args.cpu_devices > 1 else None)
       print_result(r)
       results.append(r)
   out = args.out or os.path.join(
@@ -321,6 +345,7 @@ def main():
                "length": 80, "table_elements": TABLE_ELEMENTS,
                "command_buffers": bool(args.command_buffers),
                "contractions": args.contractions,
+               "cpu_devices": args.cpu_devices,
                "models": results}, f, indent=1)
   print(f"saved {out}")
 

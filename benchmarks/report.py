@@ -512,7 +512,10 @@ def profile_table():
         f"code at {_commit(d)}" if _commit(d) else "",
         d.get("conditions", ""),
         f"the stack's contractions: {d['contractions']} (rns_stack)"
-        if d.get("contractions", "dot") != "dot" else "") if x)
+        if d.get("contractions", "dot") != "dot" else "",
+        f"the batch split over {d['cpu_devices']} CPU devices "
+        "(`--cpu_devices`; time summed over the devices' threads)"
+        if d.get("cpu_devices", 1) > 1 else "") if x)
     out += [f"Where the train step's time goes (`benchmarks/profile_step.py`, "
             f"`{name}`, {_device(d)}{when}; batch {d['batch']}, n = "
             f"{d['length']}; "
