@@ -311,8 +311,8 @@ def gpu_suite_line():
             f"{d['wall_s']:.0f} s")
     if d["failed"] or d.get("errors"):
       tests = ", ".join(f"`{t.split('::')[-1]}`" for t in d["failed_tests"])
-      rerun = (f"; rerun {d['fixes_rerun']}" if "fixes_rerun" in d else
-               "" if d["fixes_rerun_on_gpu"] else ", not yet rerun on a GPU")
+      rerun = (f"; rerun {d['fixes_rerun']}" if d.get("fixes_rerun")
+               else ", not yet rerun on a GPU")
       fixed = (f"fixed in {', '.join(d['fixed_in'])}" if d["fixed_in"]
                else "not fixed yet")
       text += (f"; failed: {tests} ({d['cause_of_failures']}; {fixed}"

@@ -90,8 +90,9 @@ def record(xml_path, root, command, environment):
        "python": sys.version.split()[0], "packages": versions,
        "command": command, "environment": environment, **result}
   if result["failed"] or result["errors"]:
-    d.update(cause_of_failures=TO_WRITE, fixed_in=[],
-             fixes_rerun_on_gpu=False)
+    # fixes_rerun: null until the fixes have run on a GPU, then what that
+    # rerun showed (written by hand, like the cause).
+    d.update(cause_of_failures=TO_WRITE, fixed_in=[], fixes_rerun=None)
   return d
 
 

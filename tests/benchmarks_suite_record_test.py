@@ -91,7 +91,7 @@ def test_cli_writes_a_record_report_py_can_render(suite_record, load_benchmark,
   assert d["command"] == "pytest sub" and d["failed"] == 2
   # What a person must write is marked so, never invented.
   assert d["cause_of_failures"] == suite_record.TO_WRITE
-  assert d["fixed_in"] == [] and d["fixes_rerun_on_gpu"] is False
+  assert d["fixed_in"] == [] and d["fixes_rerun"] is None
   assert d["packages"]["pytest"]
   # report.py renders it (the README line for GPU suites).
   report = load_benchmark("report")
