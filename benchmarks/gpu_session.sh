@@ -36,6 +36,9 @@
 #              the column-sized ones; TABLE_CONTRACTIONS too: all of them),
 #              fusible with the elementwise work around them, against the
 #              default dots; then the profile of the all-by-sum step
+#   pallas     NS train step with each forward update as one Pallas (Triton)
+#              kernel (rns_stack.FORWARD_UPDATE = "pallas",
+#              nsrnn_jax/stack_kernels.py) against the XLA update
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -43,7 +46,7 @@
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
 # profile_step_gpu.json, ..._contractions_by_sum.json,
-# profile_step_gpu_reduce_all.json). Copy them to
+# profile_step_gpu_reduce_all.json, train_step_gpu_pallas_forward.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # Installs nothing beyond the package: the wheels in ./.whl that the image
@@ -57,9 +60,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -159,6 +162,10 @@ for p in "${phases[@]}"; do
       bench "profile of the NS step, all contractions by sum" 90 -- \
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --contractions=reduce_all --out "$OUT/profile_step_gpu_reduce_all.json" ;;
+    pallas)
+      bench "NS train step, forward updates as one Pallas kernel each" 150 -- \
+        $TS --models=ns22,ns33 --pallas_forward --repeats=9 \
+        --out "$OUT/train_step_gpu_pallas_forward.json" ;;
   esac
 done
 log "done"

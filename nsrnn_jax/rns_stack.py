@@ -302,6 +302,16 @@ COLUMN_CONTRACTIONS = "dot"
 TABLE_CONTRACTIONS = "dot"
 CONTRACTION_MODES = ("dot", "reduce")
 
+# How the forward sweeps compute an update of the unlimited table: "xla"
+# (`_local` and the pop product as XLA ops) or "pallas" (the whole update,
+# column write included, as one Pallas kernel: `stack_kernels`; Triton on a
+# GPU, Pallas's interpreter on CPU, where it is only for tests). Same
+# values and the same residuals, so the backward sweep is shared. An
+# experiment for GPUs (issue 11), not measured on one yet; read when the
+# forward is traced.
+FORWARD_UPDATE = "xla"
+FORWARD_UPDATE_MODES = ("xla", "pallas")
+
 
 def dot_by_sum(lhs, rhs, dimension_numbers):
   """`lax.dot_general(lhs, rhs, dimension_numbers)` as a multiply and a sum.
@@ -329,6 +339,13 @@ def _contraction_mode(name):
     raise ValueError(f"rns_stack.{name} must be one of {CONTRACTION_MODES}, "
                      f"got {mode!r}")
   return mode
+
+
+def _forward_update_mode():
+  if FORWARD_UPDATE not in FORWARD_UPDATE_MODES:
+    raise ValueError(f"rns_stack.FORWARD_UPDATE must be one of "
+                     f"{FORWARD_UPDATE_MODES}, got {FORWARD_UPDATE!r}")
+  return FORWARD_UPDATE
 
 
 def _column_dot(lhs, rhs, dimension_numbers, prec):
@@ -672,7 +689,7 @@ def _initial(b, t, q, s, bottom, dtype):
   return g, jnp.sum(g, axis=(4, 5, 6)), la, jnp.zeros((b, t + 1), dtype)
 
 
-def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
+def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
                     unroll=1):
   """Runs updates 1..T in static time blocks (shared by run / run_coupled).
 
@@ -685,10 +702,9 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
     t: number of updates T.
     init: (g, cs, la, lm) from `_initial`.
     xs_T: time-major per-update inputs (pytree, leading axis T).
-    local_fn: (j, extra, x_j, prev, cs, a_prev) -> (extra, (col_local, mt,
-      a_hat, inc[, residuals]), ys_j): the column-sized part of update j
-      (`_local`, preceded by the controller step for `run_coupled`); with
-      keep_mt, built to return `_local`'s residuals too.
+    actions_fn: (j, extra, x_j, a_prev) -> (extra, (push, repl, pop),
+      ys_j): update j's action log-weights (x_j itself for `run`; the
+      controller step for `run_coupled`).
     extra0: initial extra carry (controller carry, or ()).
     prec: lax precision.
     keep_mt: also return every update's M̃ and `_local` residuals (for
@@ -701,6 +717,10 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
   """
   g, cs, la, lm = init
   num_pts = g.shape[2]
+  fused = _forward_update_mode() == "pallas"
+  if fused:
+    # Imported on use: Pallas is needed only by this opt-in path.
+    from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
   extra, ys_all, mts, a_hats, lms, res_all = extra0, [], [], [], [], []
   # T = 0: one empty block.
   blocks = _time_blocks(t, _table_bytes(g)) or [(1, 1)]
@@ -722,13 +742,22 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
     def body(carry, inp):
       extra, g, cs, cs_col, a_prev, lm_prev = carry
       j, x_j = inp
+      extra, acts, ys = actions_fn(j, extra, x_j, a_prev)
+      if fused:
+        # One kernel: update j, column j and its sums written in place.
+        g, cs, mt, a_hat, inc, res = stack_kernels.forward_update(
+            g, cs, j, a_prev, *acts)
+        lm_j = lm_prev + inc
+        kept = (mt, res) if keep_mt else None
+        return ((extra, g, cs, cs_col, a_hat, lm_j),
+                (ys, kept, a_hat, lm_j))
       # Column j − 1's sums are written one update late, before anything
       # reads cs, and fenced: XLA then updates cs in place instead of
       # copying it twice per update (as ns_stack's backward does for W).
       cs = lax.optimization_barrier(
           lax.dynamic_update_index_in_dim(cs, cs_col, j, axis=2))
       prev = lax.dynamic_index_in_dim(g, j, axis=2, keepdims=False)
-      extra, parts, ys = local_fn(j, extra, x_j, prev, cs, a_prev)
+      parts = _local(prev, cs, j, a_prev, *acts, prec, residuals=keep_mt)
       col, mt, a_hat, inc = parts[:4]
       col = col + _pop_matmul(g, mt, prec)          # column j, index j + 1
       g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
@@ -742,7 +771,8 @@ def _forward_blocks(t, init, xs_T, local_fn, extra0, prec, keep_mt,
     (extra, g, cs, cs_col, a_prev, lm_prev), (ys, kept, a_hat, lm_j) = (
         lax.scan(body, (extra, g, cs, cs_col, a_prev, lm_prev),
                  (jnp.arange(j0, j1), x_blk), unroll=unroll))
-    cs = lax.dynamic_update_index_in_dim(cs, cs_col, j1, axis=2)
+    if not fused:
+      cs = lax.dynamic_update_index_in_dim(cs, cs_col, j1, axis=2)
     ys_all.append(ys)
     a_hats.append(a_hat)
     lms.append(lm_j)
@@ -795,8 +825,9 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
     la_ct: cotangent of log α̂ [B, T+1, Q, S]; inc_ct: of the increments,
       [B, T+1] (entry j for update j).
     local_vjp: (j, extra, x_j, prev, cs, a_prev, a_hat, res_j, cts) ->
-      (extra, d_prev, d_cs, d_a_prev, ys_j): the VJP of `_forward_blocks`'
-      local_fn with cts = (col_local_ct, mt_ct, a_hat_ct, inc_ct).
+      (extra, d_prev, d_cs, d_a_prev, ys_j): the VJP of update j's
+      column-sized part (`_forward_blocks`' actions_fn, then `_local`) with
+      cts = (col_local_ct, mt_ct, a_hat_ct, inc_ct).
     extra_init: initial backward extra carry.
     prec: lax precision.
     unroll: `lax.scan` unroll factor (same values).
@@ -894,12 +925,10 @@ def _increment_cotangents(lm_ct):
   return jnp.flip(jnp.cumsum(jnp.flip(lm_ct, 1), axis=1), 1)
 
 
-def _actions_local(prec, residuals=False):
-  """local_fn of `run`: the per-update inputs are the actions themselves."""
-  def local_fn(j, extra, acts, prev, cs, a_prev):
-    return extra, _local(prev, cs, j, a_prev, *acts, prec,
-                         residuals=residuals), None
-  return local_fn
+def _given_actions(j, extra, acts, a_prev):
+  """actions_fn of `run`: the per-update inputs are the actions themselves."""
+  del j, a_prev
+  return extra, acts, None
 
 
 def _forward(push, repl, pop, bottom, precision, keep_mt=False, unroll=1):
@@ -909,7 +938,7 @@ def _forward(push, repl, pop, bottom, precision, keep_mt=False, unroll=1):
   xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
   g, cs, la, lm, _, _, mt, res = _forward_blocks(
       t, _initial(b, t, q, s, bottom, push.dtype), xs_T,
-      _actions_local(prec, keep_mt), (), prec, keep_mt, unroll)
+      _given_actions, (), prec, keep_mt, unroll)
   return g, cs, la, lm, mt, res
 
 
@@ -988,14 +1017,14 @@ def _run_jit(push, repl, pop, bottom, precision, unroll):
 # ---------------------------------------------------------------------------
 
 
-def _coupled_local(step_fn, reading, params, prec, residuals=False):
-  """local_fn of `run_coupled`: controller step j, then update j's part."""
-  def local_fn(j, ctrl, x, prev, cs, a_prev, params=params):
+def _controller_actions(step_fn, reading, params):
+  """actions_fn of `run_coupled`: controller step j reads ρ_{j−1}."""
+  def actions_fn(j, ctrl, x, a_prev, params=params):
+    del j
     rho, _ = readout(a_prev, reading)
     new_ctrl, acts, out = step_fn(params, ctrl, x, rho)
-    return new_ctrl, _local(prev, cs, j, a_prev, *acts, prec,
-                            residuals=residuals), (out, ctrl)
-  return local_fn
+    return new_ctrl, acts, (out, ctrl)
+  return actions_fn
 
 
 def _float_dtype(tree):
@@ -1012,7 +1041,7 @@ def _coupled_forward(step_fn, q, s, bottom, reading, precision, unroll,
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
   init = _initial(b, t, q, s, bottom, _float_dtype(params))
   g, cs, la, lm, _, (outs, ctrls), mt, lres = _forward_blocks(
-      t, init, xs_T, _coupled_local(step_fn, reading, params, prec, keep_mt),
+      t, init, xs_T, _controller_actions(step_fn, reading, params),
       init_carry, prec, keep_mt, unroll)
   return outs, la, lm, g, cs, ctrls, (mt, lres)
 

@@ -1,0 +1,287 @@
+"""A Pallas kernel for one forward update of the share-table stack (GPU).
+
+An experiment for issue 11's GPU targets. On a GPU the NS-RNN's step is
+bound by the number of small kernels per update (README, the H100 profile:
+~20 kernels of 2-9 µs each), not by the table's bytes. This module computes
+the whole forward update j of `rns_stack` — the column-sized part
+(`rns_stack._local`: W, α_j, the kernels, M̃, the replace and push rows),
+the pop product G·M̃, the write of column j into the table and of its
+column sums — as one `pallas_call`, with the residuals that
+`rns_stack._local_bwd` reads, so the existing backward sweep is unchanged.
+
+Status: correct (tests/stack_kernels_test.py checks it against
+`rns_stack._local` + `_pop_matmul` in Pallas's interpret mode on CPU, in
+float64 and float32, and that it lowers to a Triton kernel for CUDA, which
+catches unsupported operations and shapes without a GPU); not yet
+measured on a GPU, and not wired into the sweeps.
+
+Layout: every operand is passed flattened, and the kernel reads and
+writes it through gathers and scatters with index arrays of power-of-two
+shapes (the Triton lowering needs power-of-two array shapes; Q·S, N·Q and
+the row tiles are padded and masked). One program per batch element.
+Sizes inside: F = Q·S flattened pairs (state, symbol) padded to FP, rows
+of α terms (r, y) likewise, KT = N·Q (column, state) pairs padded to KTP,
+L = N·Q·S table rows in tiles of LT.
+
+Shape legend (as in rns_stack): B batch, Y/X/Z stack symbols, N time
+points of the (block-sized) table, T/Q/R states.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+# Table rows per tile of the column (a power of two) and table columns
+# (column, state pairs) per step of the pop product.
+ROW_TILE = 128
+_NEG_INF = float("-inf")
+KT_CHUNK = 32
+
+
+def _pow2(n):
+  return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _flush(dtype):
+  return float(jnp.finfo(dtype).tiny) * 1e3
+
+
+def _load(ref, idx, mask, other):
+  """Gather ref[idx] where mask, else `other` (masked lanes never read)."""
+  return plt.load(ref.at[idx], mask=mask, other=other)
+
+
+def _store(ref, idx, val, mask):
+  """Scatter val to ref[idx] where mask."""
+  plt.store(ref.at[idx], val, mask=mask)
+
+
+def _max_finite(x):
+  """Max of the finite entries of x (−inf if none)."""
+  return jnp.max(jnp.where(jnp.isfinite(x), x, -jnp.inf))
+
+
+def _finite_max(*xs):
+  """Max of the finite entries of all xs (0 if none): rns_stack's shift."""
+  m = _max_finite(xs[0])
+  for x in xs[1:]:
+    m = jnp.maximum(m, _max_finite(x))
+  return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
+                   cs_in_ref, g_ref, cs_ref, mt_ref, a_hat_ref, inc_ref,
+                   res_ref, w_ref, *, q, s, n, barrier):
+  """One batch element's update j (p = axis index of time j − 1)."""
+  b = pl.program_id(0)
+  dtype = a_prev_ref.dtype
+  flush = _flush(dtype)
+  cap = float(-np.log(flush) - 2.0)
+  qs, nl = q * s, n * q * s
+  fp, ktp = _pow2(qs), _pow2(n * q)
+  p = p_ref[0]
+  f = jnp.arange(fp)                   # flattened (state, symbol) pair
+  f_ok = f < qs
+  f_st, f_sy = f // s, f % s           # (q, x) or (s, z) of a pair
+  row = f                              # α rows (r, y), r·S + y
+  r_of, y_of = row // s, row % s
+  kt = jnp.arange(ktp)                 # (column k, state t), k·Q + t
+  kt_ok = kt < n * q
+  k_of, t_of = kt // q, kt % q
+
+  def tab(y, k, t, i_q_x):
+    """Flat index of G[b, y, k, t, (i, q, x)] (i_q_x = the row index)."""
+    return (((b * s + y) * n + k) * q + t) * nl + i_q_x
+
+  def cs_at(y, k, t):
+    return ((b * s + y) * n + k) * q + t
+
+  # α̂_{j−1}[q, x] and the column sums c_{j−1}[s, z] = cs[b, z, p, s].
+  a_prev = _load(a_prev_ref, b * qs + f, f_ok, _NEG_INF)             # [F]
+  c_prev = _load(cs_in_ref, cs_at(f_sy, p, f_st), f_ok, 0.0)
+  ok_r = c_prev > flush
+  a_rep = jnp.where(ok_r, a_prev + jnp.log(jnp.where(ok_r, c_prev, 1.0)),
+                    _NEG_INF)
+  # c_left[y, k, t] (columns k < p) and column p's entries on row (k, t, y)
+  # for every pair (s, z): prev_t[y][(s, z), (k, t)] = H_{k,j−1}[t,y,s,z].
+  left = kt_ok & (k_of < p)
+  c_left, prev_t, w_rows = [], [], []
+  for y in range(s):
+    c_left.append(_load(cs_in_ref, cs_at(y, k_of, t_of), left, 0.0))   # [KT]
+    idx = tab(f_sy[:, None], p, f_st[:, None],
+              (k_of[None, :] * q + t_of[None, :]) * s + y)
+    pt = _load(g_in_ref, idx, f_ok[:, None] & kt_ok[None, :], 0.0)  # [F,KT]
+    prev_t.append(pt)
+    w_rows.append(jnp.sum(pt * c_left[y][None, :], axis=1))           # [F]
+  # The three families of terms on [rows (r, y), F]: push from (q, x),
+  # replace and pop from (s, z).
+  rf_ok = (row < qs)[:, None] & f_ok[None, :]
+  act_idx = (b * qs + f[None, :]) * qs + row[:, None]
+  pu = _load(push_ref, act_idx, rf_ok, _NEG_INF)
+  re = _load(repl_ref, act_idx, rf_ok, _NEG_INF)
+  po = _load(pop_ref, (b * qs + f[None, :]) * q + r_of[:, None], rf_ok,
+             _NEG_INF)
+  w_row_of = jnp.zeros((fp, fp), dtype)
+  for y in range(s):
+    sel = (y_of == y)[:, None]
+    w_row_of = jnp.where(sel, w_rows[y][None, :], w_row_of)
+  ok_w = w_row_of > flush
+  log_w = jnp.where(ok_w, jnp.log(jnp.where(ok_w, w_row_of, 1.0)),
+                    _NEG_INF)
+  lhs_pu = jnp.broadcast_to(a_prev[None, :], (fp, fp))
+  lhs_re = jnp.broadcast_to(a_rep[None, :], (fp, fp))
+  lhs_po = log_w + a_prev[None, :]
+  # One shift m for all terms (a gradient constant in rns_stack).
+  m = _finite_max(lhs_pu + pu, lhs_re + re, lhs_po + po)
+  fams = []
+  for lhs, act in ((lhs_pu, pu), (lhs_re, re), (lhs_po, po)):
+    act = act - m
+    fams.append((act, lhs + act))
+  # a_j[r, y] = logsumexp over the three families' terms.
+  row_max = functools.reduce(jnp.maximum,
+                             [jnp.max(t, axis=1) for _, t in fams])
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  tot = sum(jnp.sum(jnp.exp(t - row_max[:, None]), axis=1) for _, t in fams)
+  ok_j = tot > 0
+  a_j = jnp.where(ok_j, jnp.log(jnp.where(ok_j, tot, 1.0)) + row_max,
+                  _NEG_INF)
+  kerns = []
+  for fam, (act, terms) in enumerate(fams):
+    x = a_prev[None, :] + act - a_j[:, None]
+    ok = jnp.isfinite(terms) & jnp.isfinite(x)
+    xm = jnp.where(ok, x, 0.0)
+    kern = jnp.where(ok, jnp.exp(jnp.minimum(xm, cap)), 0.0)
+    kd = jnp.where(x < cap, kern, 0.0)
+    sm = jnp.where(ok, jnp.exp(jnp.where(ok, terms - a_j[:, None], 0.0)),
+                   0.0)
+    kerns.append(kern)
+    # res[kind, b, r, y, fam·QS + f]
+    for kind, val in enumerate((kern, kd, sm)):
+      idx = (((kind * pl.num_programs(0) + b) * qs + row[:, None]) * 3 * qs
+             + fam * qs + f[None, :])
+      _store(res_ref, idx, val, rf_ok)
+  for y in range(s):
+    _store(w_ref, (b * s + y) * qs + f, w_rows[y], f_ok)
+  # log Σα_j − m and α̂_j.
+  a_valid = jnp.where(row < qs, a_j, _NEG_INF)
+  zmax = _finite_max(a_valid)
+  ztot = jnp.sum(jnp.exp(a_valid - zmax))
+  log_z = jnp.where(ztot > 0, jnp.log(jnp.where(ztot > 0, ztot, 1.0)) + zmax,
+                    _NEG_INF)
+  alive = jnp.isfinite(log_z)
+  a_hat = jnp.where(alive, a_j - jnp.where(alive, log_z, 0.0), _NEG_INF)
+  _store(a_hat_ref, b * qs + row, a_hat, row < qs)
+  _store(inc_ref, b + jnp.arange(1), jnp.broadcast_to(log_z + m, (1,)),
+         jnp.arange(1) < 1)
+  k_push, k_rep, k_pop = kerns
+  rp = _pow2(q)
+  r_idx = jnp.arange(rp)
+  n_tiles = -(-nl // ROW_TILE)
+  n_chunks = -(-(n * q) // KT_CHUNK)
+  for y in range(s):
+    # This symbol's kernels as [r, pair]: rows (r, y) of the families.
+    def rows_of(kern, y=y):
+      sel = (row[None, :, None] == (r_idx * s + y)[:, None, None])
+      return jnp.sum(jnp.where(sel, kern[None, :, :], 0.0), axis=1)  # [R,F]
+    kr_y, kp_y, kpu_y = rows_of(k_rep), rows_of(k_pop), rows_of(k_push)
+    # M̃_k[t, y, r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r], zero where
+    # c_k flushed (and for k ≥ p).
+    mt = jnp.sum(kp_y[:, :, None] * prev_t[y][None, :, :], axis=1)  # [R,KT]
+    mt = jnp.where((c_left[y] > flush)[None, :], mt, 0.0)
+    r_ok = (r_idx < q)[:, None]
+    _store(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q) + kt[None, :],
+           mt, r_ok & kt_ok[None, :])
+    # The pop product reads M̃ back in chunks (a value cannot be sliced in
+    # Triton): make this program's stores visible to all of its threads
+    # (the interpreter runs one thread and has no barrier).
+    if barrier:
+      plt.debug_barrier()
+    sums = []
+    for tile in range(n_tiles):
+      li = tile * ROW_TILE + jnp.arange(ROW_TILE)
+      l_ok = li < nl
+      # Replace rows: Σ_{s,z} K^R[y,(s,z),r] H_{i,j−1}[q,x,s,z].
+      prev = _load(g_in_ref, tab(f_sy[:, None], p, f_st[:, None],
+                                 li[None, :]),
+                   f_ok[:, None] & l_ok[None, :], 0.0)                # [F,L]
+      col = jnp.sum(kr_y[:, :, None] * prev[None, :, :], axis=1)     # [R,L]
+      # The push row (row i = p): K^U[(q, x), r] at its (q, x).
+      on_p = (li // qs == p) & l_ok
+      pick = (f[:, None] == (li % qs)[None, :])
+      push = jnp.sum(jnp.where(pick[None], kpu_y[:, :, None], 0.0), axis=1)
+      col = col + jnp.where(on_p[None, :], push, 0.0)
+
+      # The pop product Σ_{k,t} M̃[y, r, (k, t)] G[y, (k, t), rows].
+      def chunk(c, acc, y=y, li=li, l_ok=l_ok, r_ok=r_ok):
+        kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
+        kc_ok = kc < n * q
+        mtc = _load(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q)
+                    + kc[None, :], r_ok & kc_ok[None, :], 0.0)        # [R,KC]
+        gc = _load(g_in_ref, tab(y, kc[:, None] // q, kc[:, None] % q,
+                              li[None, :]),
+                   kc_ok[:, None] & l_ok[None, :], 0.0)               # [KC,L]
+        return acc + jnp.sum(mtc[:, :, None] * gc[None, :, :], axis=1)
+      col = jax.lax.fori_loop(0, n_chunks, chunk, col)
+      _store(g_ref, tab(y, p + 1, r_idx[:, None], li[None, :]), col,
+             r_ok & l_ok[None, :])
+      sums.append(jnp.sum(jnp.where(l_ok[None, :], col, 0.0), axis=1))
+    _store(cs_ref, cs_at(y, p + 1, r_idx), sum(sums), r_idx < q)
+
+
+def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
+  """Update j on a share table, as `rns_stack`'s forward sweep does it.
+
+  Args:
+    g: the table [B, Y, N, T, N, Q, X] (`rns_stack.initial_table` layout).
+    cs: its column sums [B, Y, N, T]; column p (time j − 1) must be set.
+    p: axis index of time j − 1 (traced int), with p + 1 < N: column j
+      is written at axis index p + 1 (unchecked, as p is traced; the
+      sweeps' block tables always have that room).
+    a_prev: log α̂_{j−1} [B, Q, S]; push, repl [B, Q, S, Q, S]; pop
+      [B, Q, S, Q]: update j's log-weights.
+    interpret: run in Pallas's interpreter; None: on the CPU backend (where
+      it is only for tests: slow), not on a GPU (Triton).
+
+  Returns:
+    (g, cs, mt, a_hat, inc, (kern_kd_sm, w)): the table and sums with
+    column j written at axis index p + 1, and the outputs of
+    `rns_stack._local(..., residuals=True)`: M̃ [B, Y, R, N, T], α̂_j
+    [B, R, Y], inc [B] and the residuals ([3, B, R, Y, 3·Q·S], W
+    [B, Y, S, Z]).
+  """
+  if interpret is None:
+    backend = jax.default_backend()
+    if backend not in ("cpu", "gpu"):
+      raise ValueError("the Pallas forward update runs on GPUs (Triton) "
+                       f"and, interpreted, on CPU; not on {backend!r}")
+    interpret = backend == "cpu"
+  bsz, s, n, q = g.shape[:4]
+  dtype = g.dtype
+  qs = q * s
+  kernel = functools.partial(_update_kernel, q=q, s=s, n=n,
+                             barrier=not interpret)
+  flat = lambda x: x.reshape(-1)
+  out_shapes = [
+      jax.ShapeDtypeStruct((g.size,), dtype),
+      jax.ShapeDtypeStruct((cs.size,), dtype),
+      jax.ShapeDtypeStruct((bsz * s * q * n * q,), dtype),
+      jax.ShapeDtypeStruct((bsz * qs,), dtype),
+      jax.ShapeDtypeStruct((bsz,), dtype),
+      jax.ShapeDtypeStruct((3 * bsz * qs * 3 * qs,), dtype),
+      jax.ShapeDtypeStruct((bsz * s * qs,), dtype)]
+  params = None if interpret else plt.CompilerParams(num_warps=4)
+  outs = pl.pallas_call(
+      kernel, grid=(bsz,), out_shape=out_shapes,
+      input_output_aliases={5: 0, 6: 1}, interpret=interpret,
+      compiler_params=params)(
+          jnp.reshape(jnp.asarray(p, jnp.int32), (1,)), flat(a_prev),
+          flat(push), flat(repl), flat(pop), flat(g), flat(cs))
+  g2, cs2, mt, a_hat, inc, res, w = outs
+  return (g2.reshape(g.shape), cs2.reshape(cs.shape),
+          mt.reshape(bsz, s, q, n, q), a_hat.reshape(bsz, q, s), inc,
+          (res.reshape(3, bsz, q, s, 3 * qs), w.reshape(bsz, s, q, s)))

@@ -1,0 +1,189 @@
+"""Tests for nsrnn_jax.stack_kernels (the Pallas forward update, GPU).
+
+On CPU the kernel runs in Pallas's interpreter, which executes the same
+kernel body (index arithmetic, masks, gathers and scatters) on the host.
+Oracles: `rns_stack`'s XLA update (`_local` + the pop product) on tables
+that real sweeps produced, the brute-force PDA (`pda_oracle`), and plain
+XLA gradients. Whether the kernel compiles for a GPU is checked by lowering
+it for CUDA, which runs the Triton lowering (unsupported operations and
+non-power-of-two shapes fail there) without a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pda_oracle
+from nsrnn_jax import rns_stack
+from nsrnn_jax import stack_kernels
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _actions(rng, batch, steps, q, s, kind):
+  """'unnorm' (N(0,1)·3), 'huge' (N(0,1)·10 + 50) or 'neginf' (with −inf
+  entries: zero weights) log-weights for `steps` updates."""
+  shapes = [(batch, steps, q, s, q, s)] * 2 + [(batch, steps, q, s, q)]
+  acts = [rng.normal(size=sh) for sh in shapes]
+  if kind == "unnorm":
+    return tuple(3 * a for a in acts)
+  if kind == "huge":
+    return tuple(10 * a + 50 for a in acts)
+  assert kind == "neginf"
+  return tuple(np.where(rng.random(a.shape) < p, -np.inf, 3 * a)
+               for a, p in zip(acts, (0.15, 0.3, 0.3)))
+
+
+@jax.jit
+def _xla_update(g, cs, p, a_prev, push, repl, pop):
+  """Update p of the forward sweep as rns_stack computes it with XLA ops."""
+  prec = lax.Precision.HIGHEST
+  prev = g[:, :, p]
+  # pylint: disable=protected-access
+  col, mt, a_hat, inc, res = rns_stack._local(
+      prev, cs, p, a_prev, push, repl, pop, prec, residuals=True)
+  col = col + rns_stack._pop_matmul(g, mt, prec)
+  return (g.at[:, :, p + 1].set(col),
+          cs.at[:, :, p + 1].set(jnp.sum(col, axis=(3, 4, 5))),
+          mt, a_hat, inc, res)
+
+
+def _table_after(push, repl, pop, done, bottom, num_points):
+  """The table, column sums and log α̂ after `done` updates of a real
+  sweep, zero-padded to `num_points` time points."""
+  g, cs, la, _, _, _ = rns_stack._forward(  # pylint: disable=protected-access
+      push[:, :done], repl[:, :done], pop[:, :done], bottom, "highest")
+  pad = num_points - g.shape[2]
+  g = jnp.pad(g, [(0, 0), (0, 0), (0, pad), (0, 0), (0, pad), (0, 0), (0, 0)])
+  cs = jnp.pad(cs, [(0, 0), (0, 0), (0, pad), (0, 0)])
+  return g, cs, la[:, -1]
+
+
+def _assert_same(got, want, atol):
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+  fin = np.isfinite(want)
+  np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("b,q,s,done,extra,kind,bottom", [
+    (2, 2, 2, 4, 3, "unnorm", "frozen"),  # Q = S = 2; free columns after it
+    (2, 2, 3, 0, 2, "neginf", "fixed"),   # update 1, Q ≠ S, zero weights
+    (1, 3, 2, 6, 1, "huge", "frozen"),    # column j is the table's last
+    (1, 3, 3, 20, 5, "unnorm", "fixed"),  # rows over two tiles, KT chunks
+])
+def test_update_equals_the_xla_update(x64, b, q, s, done, extra, kind,
+                                      bottom):
+  rng = np.random.default_rng(7 * done + q + 10 * s)
+  push, repl, pop = (jnp.asarray(a) for a in
+                     _actions(rng, b, done + 1, q, s, kind))
+  num_points = done + 2 + extra    # time points −1 .. done, and more
+  g, cs, a_prev = _table_after(push, repl, pop, done, bottom, num_points)
+  acts = (push[:, done], repl[:, done], pop[:, done])
+  p = done + 1                       # axis index of time j − 1 = done
+  want = _xla_update(g, cs, p, a_prev, *acts)
+  got = jax.jit(stack_kernels.forward_update)(g, cs, p, a_prev, *acts)
+  for w, x in zip(jax.tree_util.tree_leaves(want),
+                  jax.tree_util.tree_leaves(got)):
+    _assert_same(x, w, 1e-12)
+  # A kernel that wrote nothing but column p + 1 leaves the rest as it was.
+  np.testing.assert_array_equal(np.delete(np.asarray(got[0]), p + 1, 2),
+                                np.delete(np.asarray(g), p + 1, 2))
+
+
+def test_update_float32():
+  rng = np.random.default_rng(3)
+  push, repl, pop = (jnp.asarray(a, jnp.float32) for a in
+                     _actions(rng, 1, 5, 2, 3, "unnorm"))
+  g, cs, a_prev = _table_after(push, repl, pop, 4, "frozen", 7)
+  acts = (push[:, 4], repl[:, 4], pop[:, 4])
+  want = _xla_update(g, cs, 5, a_prev, *acts)
+  got = jax.jit(stack_kernels.forward_update)(g, cs, 5, a_prev, *acts)
+  for w, x in zip(jax.tree_util.tree_leaves(want),
+                  jax.tree_util.tree_leaves(got)):
+    assert x.dtype == jnp.float32
+    _assert_same(x, w, 2e-6)
+
+
+@pytest.fixture
+def pallas_forward(monkeypatch):
+  """rns_stack's forward sweeps on the Pallas update; JAX's caches are
+  cleared around it, so that no trace under the other setting is reused."""
+  jax.clear_caches()
+  monkeypatch.setattr(rns_stack, "FORWARD_UPDATE", "pallas")
+  yield
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("bottom", ["frozen", "fixed"])
+def test_sweep_on_the_kernel_matches_explicit_stacks(x64, pallas_forward,
+                                                     bottom):
+  q, s, steps = 2, 2, 5
+  rng = np.random.default_rng(5)
+  push, repl, pop = _actions(rng, 2, steps, q, s, "neginf")
+  hat, mass = (np.asarray(a) for a in rns_stack.run(push, repl, pop, bottom))
+  got = hat + mass[..., None, None]
+  for b in range(2):
+    want = pda_oracle.alpha(push[b], repl[b], pop[b], bottom=bottom)
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got[b]), fin)
+    np.testing.assert_allclose(got[b][fin], want[fin], rtol=0, atol=1e-9)
+
+
+def test_gradients_through_the_kernel_equal_the_xla_sweeps(x64, monkeypatch):
+  # The backward sweep is shared: it must read the kernel's residuals, table
+  # and column sums exactly as it reads the XLA forward's.
+  q, s, steps = 2, 3, 7
+  rng = np.random.default_rng(9)
+  push, repl, pop = (jnp.asarray(a) for a in
+                     _actions(rng, 2, steps, q, s, "unnorm"))
+  c = jnp.asarray(rng.normal(size=(2, steps + 1, q * s)))
+
+  def loss(push, repl, pop):
+    hat, mass = rns_stack.run(push, repl, pop, "frozen")
+    return jnp.sum(c * rns_stack.readout(hat)[0]) + 0.01 * jnp.sum(mass)
+
+  def value_and_grads():
+    jax.clear_caches()
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(push, repl, pop)
+
+  want = value_and_grads()
+  monkeypatch.setattr(rns_stack, "FORWARD_UPDATE", "pallas")
+  got = value_and_grads()
+  monkeypatch.undo()
+  jax.clear_caches()
+  for x, w in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(x, w, rtol=0, atol=1e-12)
+
+
+def test_unknown_forward_update_is_a_clear_error(monkeypatch):
+  monkeypatch.setattr(rns_stack, "FORWARD_UPDATE", "triton")
+  jax.clear_caches()
+  z = np.zeros((1, 2, 1, 1, 1, 1))
+  with pytest.raises(ValueError, match="FORWARD_UPDATE must be one of"):
+    rns_stack.run(z, z, np.zeros((1, 2, 1, 1, 1)))
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("b,q,s,n", [(10, 2, 2, 82), (10, 3, 3, 82),
+                                     (2, 2, 3, 7)])
+def test_kernel_lowers_to_triton_for_cuda(b, q, s, n):
+  # The paper's n = 80 (82 time points) at Q = S = 2 and 3, and a ragged
+  # shape: lowering for CUDA runs the Triton lowering on this machine.
+  f32 = jnp.float32
+  shapes = [(b, s, n, q, n, q, s), (b, s, n, q), (), (b, q, s),
+            (b, q, s, q, s), (b, q, s, q, s), (b, q, s, q)]
+  args = [jax.ShapeDtypeStruct(sh, jnp.int32 if sh == () else f32)
+          for sh in shapes]
+  kernel = lambda *a: stack_kernels.forward_update(*a, interpret=False)
+  exported = jax.export.export(
+      jax.jit(kernel), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+          "__gpu$xla.gpu.triton")])(*args)
+  assert exported.mlir_module().count("xla.gpu.triton") == 1
