@@ -18,7 +18,8 @@ measured on a GPU, and not wired into the sweeps.
 Layout: every operand is passed flattened, and the kernel reads and
 writes it through gathers and scatters with index arrays of power-of-two
 shapes (the Triton lowering needs power-of-two array shapes; Q·S, N·Q and
-the row tiles are padded and masked). One program per batch element.
+the row tiles are padded and masked). One program per (batch element,
+symbol y of column j).
 Sizes inside: F = Q·S flattened pairs (state, symbol) padded to FP, rows
 of α terms (r, y) likewise, KT = N·Q (column, state) pairs padded to KTP,
 L = N·Q·S table rows in tiles of LT.
@@ -77,8 +78,11 @@ def _finite_max(*xs):
 def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
                    cs_in_ref, g_ref, cs_ref, mt_ref, a_hat_ref, inc_ref,
                    res_ref, w_ref, *, q, s, n, barrier):
-  """One batch element's update j (p = axis index of time j − 1)."""
-  b = pl.program_id(0)
+  """Update j of batch element b, column j's symbol y (p = axis index of
+  time j − 1). Every program computes α_j (it needs all symbols' W); the
+  column-sized outputs shared by the symbols are written by y = 0's."""
+  b, y_own = pl.program_id(0), pl.program_id(1)
+  first = y_own == 0
   dtype = a_prev_ref.dtype
   flush = _flush(dtype)
   cap = float(-np.log(flush) - 2.0)
@@ -110,14 +114,13 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   # c_left[y, k, t] (columns k < p) and column p's entries on row (k, t, y)
   # for every pair (s, z): prev_t[y][(s, z), (k, t)] = H_{k,j−1}[t,y,s,z].
   left = kt_ok & (k_of < p)
-  c_left, prev_t, w_rows = [], [], []
+  w_rows = []
   for y in range(s):
-    c_left.append(_load(cs_in_ref, cs_at(y, k_of, t_of), left, 0.0))   # [KT]
+    c_left = _load(cs_in_ref, cs_at(y, k_of, t_of), left, 0.0)        # [KT]
     idx = tab(f_sy[:, None], p, f_st[:, None],
               (k_of[None, :] * q + t_of[None, :]) * s + y)
     pt = _load(g_in_ref, idx, f_ok[:, None] & kt_ok[None, :], 0.0)  # [F,KT]
-    prev_t.append(pt)
-    w_rows.append(jnp.sum(pt * c_left[y][None, :], axis=1))           # [F]
+    w_rows.append(jnp.sum(pt * c_left[None, :], axis=1))              # [F]
   # The three families of terms on [rows (r, y), F]: push from (q, x),
   # replace and pop from (s, z).
   rf_ok = (row < qs)[:, None] & f_ok[None, :]
@@ -164,9 +167,9 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
     for kind, val in enumerate((kern, kd, sm)):
       idx = (((kind * pl.num_programs(0) + b) * qs + row[:, None]) * 3 * qs
              + fam * qs + f[None, :])
-      _store(res_ref, idx, val, rf_ok)
+      _store(res_ref, idx, val, rf_ok & first)
   for y in range(s):
-    _store(w_ref, (b * s + y) * qs + f, w_rows[y], f_ok)
+    _store(w_ref, (b * s + y) * qs + f, w_rows[y], f_ok & first)
   # log Σα_j − m and α̂_j.
   a_valid = jnp.where(row < qs, a_j, _NEG_INF)
   zmax = _finite_max(a_valid)
@@ -175,62 +178,67 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
                     _NEG_INF)
   alive = jnp.isfinite(log_z)
   a_hat = jnp.where(alive, a_j - jnp.where(alive, log_z, 0.0), _NEG_INF)
-  _store(a_hat_ref, b * qs + row, a_hat, row < qs)
+  _store(a_hat_ref, b * qs + row, a_hat, (row < qs) & first)
   _store(inc_ref, b + jnp.arange(1), jnp.broadcast_to(log_z + m, (1,)),
-         jnp.arange(1) < 1)
+         (jnp.arange(1) < 1) & first)
   k_push, k_rep, k_pop = kerns
   rp = _pow2(q)
   r_idx = jnp.arange(rp)
   n_tiles = -(-nl // ROW_TILE)
   n_chunks = -(-(n * q) // KT_CHUNK)
-  for y in range(s):
-    # This symbol's kernels as [r, pair]: rows (r, y) of the families.
-    def rows_of(kern, y=y):
-      sel = (row[None, :, None] == (r_idx * s + y)[:, None, None])
-      return jnp.sum(jnp.where(sel, kern[None, :, :], 0.0), axis=1)  # [R,F]
-    kr_y, kp_y, kpu_y = rows_of(k_rep), rows_of(k_pop), rows_of(k_push)
-    # M̃_k[t, y, r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r], zero where
-    # c_k flushed (and for k ≥ p).
-    mt = jnp.sum(kp_y[:, :, None] * prev_t[y][None, :, :], axis=1)  # [R,KT]
-    mt = jnp.where((c_left[y] > flush)[None, :], mt, 0.0)
-    r_ok = (r_idx < q)[:, None]
-    _store(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q) + kt[None, :],
-           mt, r_ok & kt_ok[None, :])
-    # The pop product reads M̃ back in chunks (a value cannot be sliced in
-    # Triton): make this program's stores visible to all of its threads
-    # (the interpreter runs one thread and has no barrier).
-    if barrier:
-      plt.debug_barrier()
-    sums = []
-    for tile in range(n_tiles):
-      li = tile * ROW_TILE + jnp.arange(ROW_TILE)
-      l_ok = li < nl
-      # Replace rows: Σ_{s,z} K^R[y,(s,z),r] H_{i,j−1}[q,x,s,z].
-      prev = _load(g_in_ref, tab(f_sy[:, None], p, f_st[:, None],
-                                 li[None, :]),
-                   f_ok[:, None] & l_ok[None, :], 0.0)                # [F,L]
-      col = jnp.sum(kr_y[:, :, None] * prev[None, :, :], axis=1)     # [R,L]
-      # The push row (row i = p): K^U[(q, x), r] at its (q, x).
-      on_p = (li // qs == p) & l_ok
-      pick = (f[:, None] == (li % qs)[None, :])
-      push = jnp.sum(jnp.where(pick[None], kpu_y[:, :, None], 0.0), axis=1)
-      col = col + jnp.where(on_p[None, :], push, 0.0)
+  # This program's symbol y: its kernels as [r, pair] (rows (r, y) of the
+  # families), M̃ and column j's rows of symbol y.
+  y = y_own
 
-      # The pop product Σ_{k,t} M̃[y, r, (k, t)] G[y, (k, t), rows].
-      def chunk(c, acc, y=y, li=li, l_ok=l_ok, r_ok=r_ok):
-        kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
-        kc_ok = kc < n * q
-        mtc = _load(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q)
-                    + kc[None, :], r_ok & kc_ok[None, :], 0.0)        # [R,KC]
-        gc = _load(g_in_ref, tab(y, kc[:, None] // q, kc[:, None] % q,
-                              li[None, :]),
-                   kc_ok[:, None] & l_ok[None, :], 0.0)               # [KC,L]
-        return acc + jnp.sum(mtc[:, :, None] * gc[None, :, :], axis=1)
-      col = jax.lax.fori_loop(0, n_chunks, chunk, col)
-      _store(g_ref, tab(y, p + 1, r_idx[:, None], li[None, :]), col,
-             r_ok & l_ok[None, :])
-      sums.append(jnp.sum(jnp.where(l_ok[None, :], col, 0.0), axis=1))
-    _store(cs_ref, cs_at(y, p + 1, r_idx), sum(sums), r_idx < q)
+  def rows_of(kern):
+    sel = (row[None, :, None] == (r_idx * s + y)[:, None, None])
+    return jnp.sum(jnp.where(sel, kern[None, :, :], 0.0), axis=1)    # [R,F]
+  kr_y, kp_y, kpu_y = rows_of(k_rep), rows_of(k_pop), rows_of(k_push)
+  c_left_y = _load(cs_in_ref, cs_at(y, k_of, t_of), left, 0.0)       # [KT]
+  prev_t_y = _load(g_in_ref, tab(f_sy[:, None], p, f_st[:, None],
+                                 (k_of[None, :] * q + t_of[None, :]) * s + y),
+                   f_ok[:, None] & kt_ok[None, :], 0.0)               # [F,KT]
+  # M̃_k[t, y, r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r], zero where
+  # c_k flushed (and for k ≥ p).
+  mt = jnp.sum(kp_y[:, :, None] * prev_t_y[None, :, :], axis=1)     # [R,KT]
+  mt = jnp.where((c_left_y > flush)[None, :], mt, 0.0)
+  r_ok = (r_idx < q)[:, None]
+  _store(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q) + kt[None, :],
+         mt, r_ok & kt_ok[None, :])
+  # The pop product reads M̃ back in chunks (a value cannot be sliced in
+  # Triton): make this program's stores visible to all of its threads
+  # (the interpreter runs one thread and has no barrier).
+  if barrier:
+    plt.debug_barrier()
+  sums = []
+  for tile in range(n_tiles):
+    li = tile * ROW_TILE + jnp.arange(ROW_TILE)
+    l_ok = li < nl
+    # Replace rows: Σ_{s,z} K^R[y,(s,z),r] H_{i,j−1}[q,x,s,z].
+    prev = _load(g_in_ref, tab(f_sy[:, None], p, f_st[:, None], li[None, :]),
+                 f_ok[:, None] & l_ok[None, :], 0.0)                  # [F,L]
+    col = jnp.sum(kr_y[:, :, None] * prev[None, :, :], axis=1)       # [R,L]
+    # The push row (row i = p): K^U[(q, x), r] at its (q, x).
+    on_p = (li // qs == p) & l_ok
+    pick = (f[:, None] == (li % qs)[None, :])
+    push = jnp.sum(jnp.where(pick[None], kpu_y[:, :, None], 0.0), axis=1)
+    col = col + jnp.where(on_p[None, :], push, 0.0)
+
+    # The pop product Σ_{k,t} M̃[y, r, (k, t)] G[y, (k, t), rows].
+    def chunk(c, acc, li=li, l_ok=l_ok):
+      kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
+      kc_ok = kc < n * q
+      mtc = _load(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q)
+                  + kc[None, :], r_ok & kc_ok[None, :], 0.0)          # [R,KC]
+      gc = _load(g_in_ref, tab(y, kc[:, None] // q, kc[:, None] % q,
+                               li[None, :]),
+                 kc_ok[:, None] & l_ok[None, :], 0.0)                 # [KC,L]
+      return acc + jnp.sum(mtc[:, :, None] * gc[None, :, :], axis=1)
+    col = jax.lax.fori_loop(0, n_chunks, chunk, col)
+    _store(g_ref, tab(y, p + 1, r_idx[:, None], li[None, :]), col,
+           r_ok & l_ok[None, :])
+    sums.append(jnp.sum(jnp.where(l_ok[None, :], col, 0.0), axis=1))
+  _store(cs_ref, cs_at(y, p + 1, r_idx), sum(sums), r_idx < q)
 
 
 def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
@@ -276,7 +284,7 @@ def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
       jax.ShapeDtypeStruct((bsz * s * qs,), dtype)]
   params = None if interpret else plt.CompilerParams(num_warps=4)
   outs = pl.pallas_call(
-      kernel, grid=(bsz,), out_shape=out_shapes,
+      kernel, grid=(bsz, s), out_shape=out_shapes,
       input_output_aliases={5: 0, 6: 1}, interpret=interpret,
       compiler_params=params)(
           jnp.reshape(jnp.asarray(p, jnp.int32), (1,)), flat(a_prev),
