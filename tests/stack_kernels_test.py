@@ -108,6 +108,26 @@ def test_update_float32():
     _assert_same(x, w, 2e-6)
 
 
+def test_vmapped_update_equals_separate_updates(x64):
+  # grid.py vmaps K models' train steps: the kernel batched over models.
+  rng = np.random.default_rng(4)
+  inputs = []
+  for _ in range(2):
+    push, repl, pop = (jnp.asarray(a) for a in
+                       _actions(rng, 2, 5, 2, 3, "unnorm"))
+    g, cs, a_prev = _table_after(push, repl, pop, 4, "frozen", 7)
+    inputs.append((g, cs, a_prev, push[:, 4], repl[:, 4], pop[:, 4]))
+  stacked = [jnp.stack(a) for a in zip(*inputs)]
+  update = lambda g, cs, a, *acts: stack_kernels.forward_update(
+      g, cs, 5, a, *acts)
+  got = jax.jit(jax.vmap(update))(*stacked)
+  for k, (g, cs, a_prev, *acts) in enumerate(inputs):
+    want = _xla_update(g, cs, 5, a_prev, *acts)
+    for w, x in zip(jax.tree_util.tree_leaves(want),
+                    jax.tree_util.tree_leaves(got)):
+      _assert_same(x[k], w, 1e-12)
+
+
 @pytest.fixture
 def pallas_forward(monkeypatch):
   """rns_stack's forward sweeps on the Pallas update; JAX's caches are
