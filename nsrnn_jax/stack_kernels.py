@@ -9,11 +9,14 @@ the pop product G·M̃, the write of column j into the table and of its
 column sums — as one `pallas_call`, with the residuals that
 `rns_stack._local_bwd` reads, so the existing backward sweep is unchanged.
 
-Status: correct (tests/stack_kernels_test.py checks it against
-`rns_stack._local` + `_pop_matmul` in Pallas's interpret mode on CPU, in
-float64 and float32, and that it lowers to a Triton kernel for CUDA, which
-catches unsupported operations and shapes without a GPU); not yet
-measured on a GPU, and not wired into the sweeps.
+Use: `rns_stack.FORWARD_UPDATE = "pallas"` (before tracing) runs the
+forward sweeps on it. Status: correct (tests/stack_kernels_test.py checks
+it in Pallas's interpret mode on CPU against `rns_stack._local` +
+`_pop_matmul` on tables of real sweeps, in float64 and float32, batched
+under vmap, and through whole sweeps against the brute-force PDA and the
+XLA gradients; and that it lowers to one Triton kernel for CUDA, which
+catches unsupported operations and shapes without a GPU); not yet timed
+on a GPU (`benchmarks/train_step.py --pallas_forward`).
 
 Layout: every operand is passed flattened, and the kernel reads and
 writes it through gathers and scatters with index arrays of power-of-two
@@ -22,7 +25,7 @@ the row tiles are padded and masked). One program per (batch element,
 symbol y of column j).
 Sizes inside: F = Q·S flattened pairs (state, symbol) padded to FP, rows
 of α terms (r, y) likewise, KT = N·Q (column, state) pairs padded to KTP,
-L = N·Q·S table rows in tiles of LT.
+L = N·Q·S table rows in tiles of ROW_TILE.
 
 Shape legend (as in rns_stack): B batch, Y/X/Z stack symbols, N time
 points of the (block-sized) table, T/Q/R states.
@@ -37,19 +40,18 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from nsrnn_jax import rns_stack
+
 # Table rows per tile of the column (a power of two) and table columns
 # (column, state pairs) per step of the pop product.
 ROW_TILE = 128
-_NEG_INF = float("-inf")
 KT_CHUNK = 32
+# A Python float: array constants cannot be captured by a Triton kernel.
+_NEG_INF = float("-inf")
 
 
 def _pow2(n):
   return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-def _flush(dtype):
-  return float(jnp.finfo(dtype).tiny) * 1e3
 
 
 def _load(ref, idx, mask, other):
@@ -84,7 +86,8 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   b, y_own = pl.program_id(0), pl.program_id(1)
   first = y_own == 0
   dtype = a_prev_ref.dtype
-  flush = _flush(dtype)
+  # rns_stack's flush of shares and clamp of kernels (`_exp_share`).
+  flush = rns_stack._flush(dtype)  # pylint: disable=protected-access
   cap = float(-np.log(flush) - 2.0)
   qs, nl = q * s, n * q * s
   fp, ktp = _pow2(qs), _pow2(n * q)
