@@ -36,9 +36,9 @@
 #              the column-sized ones; TABLE_CONTRACTIONS too: all of them),
 #              fusible with the elementwise work around them, against the
 #              default dots; then the profile of the all-by-sum step
-#   pallas     NS train step with each forward update as one Pallas (Triton)
-#              kernel (rns_stack.FORWARD_UPDATE = "pallas",
-#              nsrnn_jax/stack_kernels.py) against the XLA update
+#   pallas     NS train step with the stack's updates as Pallas (Triton)
+#              kernels (rns_stack.UPDATE_KERNELS = "pallas",
+#              nsrnn_jax/stack_kernels.py) against the XLA updates
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -46,7 +46,7 @@
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
 # profile_step_gpu.json, ..._contractions_by_sum.json,
-# profile_step_gpu_reduce_all.json, train_step_gpu_pallas_forward.json). Copy them to
+# profile_step_gpu_reduce_all.json, train_step_gpu_pallas_kernels.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # Installs nothing beyond the package: the wheels in ./.whl that the image
@@ -163,9 +163,9 @@ for p in "${phases[@]}"; do
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --contractions=reduce_all --out "$OUT/profile_step_gpu_reduce_all.json" ;;
     pallas)
-      bench "NS train step, forward updates as one Pallas kernel each" 150 -- \
-        $TS --models=ns22,ns33 --pallas_forward --repeats=9 \
-        --out "$OUT/train_step_gpu_pallas_forward.json" ;;
+      bench "NS train step, the stack's updates as Pallas kernels" 150 -- \
+        $TS --models=ns22,ns33 --pallas_kernels --repeats=9 \
+        --out "$OUT/train_step_gpu_pallas_kernels.json" ;;
   esac
 done
 log "done"

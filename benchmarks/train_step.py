@@ -34,11 +34,12 @@ Variants (each adds rows; the plain row is always measured):
                         (every contraction of the stack); each row of the
                         model records the dot_general count of its lowered
                         step, which shows the setting took
-  --pallas_forward      the NS models (shares table) with the forward
-                        sweep's updates as one Pallas kernel each
-                        (rns_stack.FORWARD_UPDATE = "pallas",
-                        nsrnn_jax/stack_kernels.py; for GPUs: on CPU it
-                        runs interpreted, for correctness only)
+  --pallas_kernels      the NS models (shares table) with the stack's
+                        updates as Pallas kernels (rns_stack.UPDATE_KERNELS
+                        = "pallas", nsrnn_jax/stack_kernels.py: one per
+                        forward update, one for the backward's table part;
+                        for GPUs: on CPU they run interpreted, for
+                        correctness only)
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
@@ -281,12 +282,12 @@ def cumsum_sum_above(strength_BxT, precision="highest"):
 
 def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
-                contractions_by_sum=False, pallas_forward=False):
+                contractions_by_sum=False, pallas_kernels=False):
   """Rows for one model: every variant, timed in alternation."""
   on_shares = (SETTINGS[name]["model"] == "ns"
                and SETTINGS[name]["stack_table"] == "shares")
   reduce = contractions_by_sum and on_shares
-  pallas = pallas_forward and on_shares
+  pallas = pallas_kernels and on_shares
   # The dot_general count of each lowered step shows that a setting took.
   variants = [Variant(name, "current", length, precision,
                       count_dots=reduce or pallas)]
@@ -300,8 +301,8 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 count_dots=True)]
   if pallas:
     variants.append(Variant(
-        name, "forward update as one Pallas kernel", length, precision,
-        patches=[(rns_stack, "FORWARD_UPDATE", "pallas")], count_dots=True))
+        name, "updates as Pallas kernels", length, precision,
+        patches=[(rns_stack, "UPDATE_KERNELS", "pallas")], count_dots=True))
   if gref_cumsum and name == "gref":
     variants.append(Variant(name, "sum above by lax.cumsum", length,
                             precision,
@@ -473,9 +474,9 @@ def main():
                       "(NS models; the plain row is automatic)")
   parser.add_argument("--gref_cumsum", action="store_true",
                       help="add a Gref variant with the cumsum it had before")
-  parser.add_argument("--pallas_forward", action="store_true",
-                      help="add NS variants with each forward update as one "
-                      "Pallas kernel (stack_kernels; GPUs)")
+  parser.add_argument("--pallas_kernels", action="store_true",
+                      help="add NS variants with the stack's updates as "
+                      "Pallas kernels (stack_kernels; GPUs)")
   parser.add_argument("--contractions_by_sum", action="store_true",
                       help="add NS variants with the stack update's "
                       "column-sized, then all, contractions as multiply and "
@@ -541,7 +542,7 @@ def main():
           name, args.length, args.repeats, args.precision, unrolls, baseline,
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
-          args.gref_cumsum, args.contractions_by_sum, args.pallas_forward)
+          args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels)
       save()
   if args.compile_study:
     out["compile_study"] = []

@@ -302,15 +302,15 @@ COLUMN_CONTRACTIONS = "dot"
 TABLE_CONTRACTIONS = "dot"
 CONTRACTION_MODES = ("dot", "reduce")
 
-# How the forward sweeps compute an update of the unlimited table: "xla"
-# (`_local` and the pop product as XLA ops) or "pallas" (the whole update,
-# column write included, as one Pallas kernel: `stack_kernels`; Triton on a
-# GPU, Pallas's interpreter on CPU, where it is only for tests). Same
-# values and the same residuals, so the backward sweep is shared. An
-# experiment for GPUs (issue 11), not measured on one yet; read when the
-# forward is traced.
-FORWARD_UPDATE = "xla"
-FORWARD_UPDATE_MODES = ("xla", "pallas")
+# How the sweeps over the unlimited table compute an update: "xla" (XLA
+# ops) or "pallas" (`stack_kernels`: the whole forward update, column write
+# included, as one Pallas kernel, and in the backward the table-sized part
+# (W table write, column cotangent, M̃'s cotangent) as another; `_local_bwd`
+# stays XLA). Triton on a GPU, Pallas's interpreter on CPU, where it is only
+# for tests. Same values and gradients. An experiment for GPUs (issue 11),
+# not measured on one yet; read when the sweeps are traced.
+UPDATE_KERNELS = "xla"
+UPDATE_KERNEL_MODES = ("xla", "pallas")
 
 
 def dot_by_sum(lhs, rhs, dimension_numbers):
@@ -341,11 +341,12 @@ def _contraction_mode(name):
   return mode
 
 
-def _forward_update_mode():
-  if FORWARD_UPDATE not in FORWARD_UPDATE_MODES:
-    raise ValueError(f"rns_stack.FORWARD_UPDATE must be one of "
-                     f"{FORWARD_UPDATE_MODES}, got {FORWARD_UPDATE!r}")
-  return FORWARD_UPDATE
+def _update_kernels():
+  """True: the sweeps run on `stack_kernels` (UPDATE_KERNELS = "pallas")."""
+  if UPDATE_KERNELS not in UPDATE_KERNEL_MODES:
+    raise ValueError(f"rns_stack.UPDATE_KERNELS must be one of "
+                     f"{UPDATE_KERNEL_MODES}, got {UPDATE_KERNELS!r}")
+  return UPDATE_KERNELS == "pallas"
 
 
 def _column_dot(lhs, rhs, dimension_numbers, prec):
@@ -717,7 +718,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   """
   g, cs, la, lm = init
   num_pts = g.shape[2]
-  fused = _forward_update_mode() == "pallas"
+  fused = _update_kernels()
   if fused:
     # Imported on use: Pallas is needed only by this opt-in path.
     from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
@@ -837,6 +838,9 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
   """
   num_steps = mt_all.shape[0]
   bsz, ny, npt, nr, _, nq, nx = g.shape
+  fused = _update_kernels()
+  if fused:
+    from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
   # e_all[b, y, k, t, j', r] = M̃_{j'+1}[b, y, r, k, t].
   e_all = jnp.transpose(mt_all, (1, 2, 4, 5, 0, 3))
   dtype = g.dtype
@@ -875,23 +879,29 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
     def body(carry, inp, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n):
       w_tab, w_next, prev_hat, cs_bar, la_bar, extra = carry
       j, x_j, a_ct, i_ct, a_prev, a_hat, res_j = inp
-      # W_{j+1} is written one step late, before the W table is read, and
-      # fenced, so XLA updates it in place (ns_stack's measured layout).
-      w_tab = lax.optimization_barrier(lax.dynamic_update_slice_in_dim(
-          w_tab, w_next.reshape(bsz * ny, nr, -1),
-          (jnp.minimum(j + 1, num_steps) - j0) * nr, axis=1))
-      k = j + 1                                     # index of column j
-      e_col = lax.dynamic_index_in_dim(e_p, k, axis=2, keepdims=False)
-      left = _table_dot(e_col.reshape(bsz * ny, nr, -1), w_tab, 1, prec)
-      left = left.reshape(bsz, ny, nr, n, nq, nx)
-      cs_k = lax.dynamic_index_in_dim(cs_bar, k, axis=2, keepdims=False)
-      col_ct = prev_hat + left + cs_k[:, :, :, None, None, None]
-      # [b·y, (k, t), r] with the table as the left operand (measured
-      # faster than W·Gᵀ: 1.3-2.5x for these shapes on XLA:CPU), then the
-      # small result to M̃'s layout.
-      mt_ct = jnp.transpose(_table_dot(
-          g_t, col_ct.reshape(bsz * ny, nr, -1), 2, prec).reshape(
-              bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
+      if fused:
+        # One kernel for what the XLA ops below do.
+        w_tab, col_ct, mt_ct = stack_kernels.backward_table_update(
+            g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j, j0, num_steps)
+      else:
+        # W_{j+1} is written one step late, before the W table is read,
+        # and fenced, so XLA updates it in place (ns_stack's measured
+        # layout).
+        w_tab = lax.optimization_barrier(lax.dynamic_update_slice_in_dim(
+            w_tab, w_next.reshape(bsz * ny, nr, -1),
+            (jnp.minimum(j + 1, num_steps) - j0) * nr, axis=1))
+        k = j + 1                                   # index of column j
+        e_col = lax.dynamic_index_in_dim(e_p, k, axis=2, keepdims=False)
+        left = _table_dot(e_col.reshape(bsz * ny, nr, -1), w_tab, 1, prec)
+        left = left.reshape(bsz, ny, nr, n, nq, nx)
+        cs_k = lax.dynamic_index_in_dim(cs_bar, k, axis=2, keepdims=False)
+        col_ct = prev_hat + left + cs_k[:, :, :, None, None, None]
+        # [b·y, (k, t), r] with the table as the left operand (measured
+        # faster than W·Gᵀ: 1.3-2.5x for these shapes on XLA:CPU), then
+        # the small result to M̃'s layout.
+        mt_ct = jnp.transpose(_table_dot(
+            g_t, col_ct.reshape(bsz * ny, nr, -1), 2, prec).reshape(
+                bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
       a_ct = a_ct + la_bar
       prev = lax.dynamic_slice_in_dim(g_t, j * nr, nr, axis=1).reshape(
           bsz, ny, nr, n, nq, nx)

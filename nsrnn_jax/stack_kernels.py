@@ -1,4 +1,4 @@
-"""A Pallas kernel for one forward update of the share-table stack (GPU).
+"""Pallas kernels for the share-table stack's updates (GPU).
 
 An experiment for issue 11's GPU targets. On a GPU the NS-RNN's step is
 bound by the number of small kernels per update (README, the H100 profile:
@@ -6,17 +6,20 @@ bound by the number of small kernels per update (README, the H100 profile:
 the whole forward update j of `rns_stack` — the column-sized part
 (`rns_stack._local`: W, α_j, the kernels, M̃, the replace and push rows),
 the pop product G·M̃, the write of column j into the table and of its
-column sums — as one `pallas_call`, with the residuals that
-`rns_stack._local_bwd` reads, so the existing backward sweep is unchanged.
+column sums — as one `pallas_call` (`forward_update`), with the residuals
+that `rns_stack._local_bwd` reads; and the table-sized part of the
+backward's update j — W_{j+1} written into the W table, column j's
+cotangent (the W-table product) and M̃_j's (the table product) — as
+another (`backward_table_update`). `_local_bwd` stays XLA ops.
 
-Use: `rns_stack.FORWARD_UPDATE = "pallas"` (before tracing) runs the
-forward sweeps on it. Status: correct (tests/stack_kernels_test.py checks
-it in Pallas's interpret mode on CPU against `rns_stack._local` +
-`_pop_matmul` on tables of real sweeps, in float64 and float32, batched
-under vmap, and through whole sweeps against the brute-force PDA and the
-XLA gradients; and that it lowers to one Triton kernel for CUDA, which
+Use: `rns_stack.UPDATE_KERNELS = "pallas"` (before tracing) runs the
+sweeps on them. Status: correct (tests/stack_kernels_test.py checks them
+in Pallas's interpret mode on CPU against rns_stack's XLA ops, the
+forward update on tables of real sweeps in float64 and float32 and
+batched under vmap, and whole sweeps against the brute-force PDA and the
+XLA gradients; and that each lowers to one Triton kernel for CUDA, which
 catches unsupported operations and shapes without a GPU); not yet timed
-on a GPU (`benchmarks/train_step.py --pallas_forward`).
+on a GPU (`benchmarks/train_step.py --pallas_kernels`).
 
 Layout: every operand is passed flattened, and the kernel reads and
 writes it through gathers and scatters with index arrays of power-of-two
@@ -244,6 +247,17 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   _store(cs_ref, cs_at(y, p + 1, r_idx), sum(sums), r_idx < q)
 
 
+def _interpret(interpret):
+  """None: interpret on the CPU backend, Triton on a GPU."""
+  if interpret is not None:
+    return interpret
+  backend = jax.default_backend()
+  if backend not in ("cpu", "gpu"):
+    raise ValueError("the Pallas stack kernels run on GPUs (Triton) and, "
+                     f"interpreted, on CPU; not on {backend!r}")
+  return backend == "cpu"
+
+
 def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
   """Update j on a share table, as `rns_stack`'s forward sweep does it.
 
@@ -265,12 +279,7 @@ def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
     [B, R, Y], inc [B] and the residuals ([3, B, R, Y, 3·Q·S], W
     [B, Y, S, Z]).
   """
-  if interpret is None:
-    backend = jax.default_backend()
-    if backend not in ("cpu", "gpu"):
-      raise ValueError("the Pallas forward update runs on GPUs (Triton) "
-                       f"and, interpreted, on CPU; not on {backend!r}")
-    interpret = backend == "cpu"
+  interpret = _interpret(interpret)
   bsz, s, n, q = g.shape[:4]
   dtype = g.dtype
   qs = q * s
@@ -296,3 +305,113 @@ def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
   return (g2.reshape(g.shape), cs2.reshape(cs.shape),
           mt.reshape(bsz, s, q, n, q), a_hat.reshape(bsz, q, s), inc,
           (res.reshape(3, bsz, q, s, 3 * qs), w.reshape(bsz, s, q, s)))
+
+
+def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
+                           g_ref, w_in_ref, w_ref, col_ct_ref, mt_ct_ref, *,
+                           q, s, n, rows, row0, num_steps, barrier):
+  """Update j's table-sized backward work for batch element b, symbol y."""
+  del w_in_ref                          # aliased with w_ref
+  b, y = pl.program_id(0), pl.program_id(1)
+  by = b * s + y
+  nl = n * q * s                        # table rows (i, q, x)
+  j = j_ref[0]
+  k = j + 1                             # axis index of column j
+  rp = _pow2(q)
+  r_idx = jnp.arange(rp)
+  r_ok = (r_idx < q)[:, None]
+  n_tiles = -(-nl // ROW_TILE)
+  tiles = [t * ROW_TILE + jnp.arange(ROW_TILE) for t in range(n_tiles)]
+  # W_{j+1} (the cotangent of column j + 1) into its rows of the W table,
+  # written one update late as in the XLA sweep.
+  w_row = (jnp.minimum(j + 1, num_steps) - row0) * q
+  for li in tiles:
+    l_ok = (li < nl)[None, :]
+    val = _load(w_next_ref, (by * q + r_idx[:, None]) * nl + li[None, :],
+                r_ok & l_ok, 0.0)
+    _store(w_ref, (by * rows + w_row + r_idx[:, None]) * nl + li[None, :],
+           val, r_ok & l_ok)
+  if barrier:                           # its rows are read back below
+    plt.debug_barrier()
+  # Column j's cotangent: the later updates' pops through it (M̃_{j'}[k]
+  # against their W's), what update j + 1 sent back, and its column sums'.
+  n_wc = -(-rows // KT_CHUNK)
+  cs_k = _load(cs_bar_ref, (by * n + k) * q + r_idx, r_idx < q, 0.0)  # [R]
+  col_cts = []
+  for li in tiles:
+    l_ok = li < nl
+
+    def w_chunk(c, acc, li=li, l_ok=l_ok):
+      jr = c * KT_CHUNK + jnp.arange(KT_CHUNK)
+      jr_ok = jr < rows
+      e = _load(e_ref, ((by * n + k) * q + r_idx[:, None]) * rows
+                + jr[None, :], r_ok & jr_ok[None, :], 0.0)          # [R,C]
+      w = _load(w_ref, (by * rows + jr[:, None]) * nl + li[None, :],
+                jr_ok[:, None] & l_ok[None, :], 0.0)                # [C,L]
+      return acc + jnp.sum(e[:, :, None] * w[None, :, :], axis=1)
+    left = jax.lax.fori_loop(0, n_wc, w_chunk,
+                             jnp.zeros((rp, ROW_TILE), w_next_ref.dtype))
+    idx = (by * q + r_idx[:, None]) * nl + li[None, :]
+    ok = r_ok & l_ok[None, :]
+    col_ct = (_load(prev_hat_ref, idx, ok, 0.0) + left
+              + cs_k[:, None])
+    col_ct = jnp.where(ok, col_ct, 0.0)
+    _store(col_ct_ref, idx, col_ct, ok)
+    col_cts.append(col_ct)
+  # M̃_j's cotangent: Σ_{i,q,x} G[(k, t), (i, q, x)] col_ct[r, (i, q, x)].
+  n_kc = -(-(n * q) // KT_CHUNK)
+
+  def kt_chunk(c, carry):
+    kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
+    kc_ok = kc < n * q
+    acc = jnp.zeros((rp, KT_CHUNK), w_next_ref.dtype)
+    for li, col_ct in zip(tiles, col_cts):
+      g = _load(g_ref, (by * n * q + kc[:, None]) * nl + li[None, :],
+                kc_ok[:, None] & (li < nl)[None, :], 0.0)           # [KC,L]
+      acc = acc + jnp.sum(col_ct[:, None, :] * g[None, :, :], axis=2)
+    _store(mt_ct_ref, (by * q + r_idx[:, None]) * (n * q) + kc[None, :],
+           acc, r_ok & kc_ok[None, :])
+    return carry
+  jax.lax.fori_loop(0, n_kc, kt_chunk, 0)
+
+
+def backward_table_update(g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j,
+                          row0, num_steps, interpret=None):
+  """Update j's table-sized backward work, as `rns_stack`'s reverse sweep.
+
+  Args:
+    g_t: the block's table as [B·Y, N·R, N·Q·X] (rows (k, t), columns
+      (i, q, x)).
+    w_tab: the W table [B·Y, rows, N·Q·X]: row (j' − row0)·R + r holds the
+      cotangent of column j' (updates row0 .. num_steps).
+    w_next: the cotangent of column j + 1, [B, Y, R, N, Q, X].
+    e_p: M̃ of the updates row0 .. num_steps, [B, Y, N (k), R (t),
+      rows] (e_p[b, y, k, t, (j' − row0)·R + r] = M̃_{j'}[b, y, r, k, t]).
+    prev_hat: the cotangent update j + 1 sent to column j [B, Y, R, N, Q,
+      X]; cs_bar: the column sums' cotangents [B, Y, N, R].
+    j: the update (traced int); row0, num_steps: static.
+    interpret: as for `forward_update`.
+
+  Returns:
+    (w_tab with W_{j+1} written at its rows, col_ct [B, Y, R, N, Q, X] (the
+    cotangent of column j), mt_ct [B, Y, R, N, T] (of M̃_j)).
+  """
+  interpret = _interpret(interpret)
+  bsz, s, q, n = prev_hat.shape[:4]
+  rows = w_tab.shape[1]
+  dtype = g_t.dtype
+  kernel = functools.partial(_backward_table_kernel, q=q, s=s, n=n,
+                             rows=rows, row0=row0, num_steps=num_steps,
+                             barrier=not interpret)
+  flat = lambda x: x.reshape(-1)
+  w2, col_ct, mt_ct = pl.pallas_call(
+      kernel, grid=(bsz, s),
+      out_shape=[jax.ShapeDtypeStruct((w_tab.size,), dtype),
+                 jax.ShapeDtypeStruct((prev_hat.size,), dtype),
+                 jax.ShapeDtypeStruct((bsz * s * q * n * q,), dtype)],
+      input_output_aliases={6: 0}, interpret=interpret,
+      compiler_params=None if interpret else plt.CompilerParams(num_warps=4))(
+          jnp.reshape(jnp.asarray(j, jnp.int32), (1,)), flat(w_next),
+          flat(e_p), flat(prev_hat), flat(cs_bar), flat(g_t), flat(w_tab))
+  return (w2.reshape(w_tab.shape), col_ct.reshape(prev_hat.shape),
+          mt_ct.reshape(bsz, s, q, n, q))

@@ -1,12 +1,13 @@
-"""Tests for nsrnn_jax.stack_kernels (the Pallas forward update, GPU).
+"""Tests for nsrnn_jax.stack_kernels (the stack's updates as Pallas kernels).
 
-On CPU the kernel runs in Pallas's interpreter, which executes the same
-kernel body (index arithmetic, masks, gathers and scatters) on the host.
-Oracles: `rns_stack`'s XLA update (`_local` + the pop product) on tables
-that real sweeps produced, the brute-force PDA (`pda_oracle`), and plain
-XLA gradients. Whether the kernel compiles for a GPU is checked by lowering
-it for CUDA, which runs the Triton lowering (unsupported operations and
-non-power-of-two shapes fail there) without a GPU.
+On CPU the kernels run in Pallas's interpreter, which executes the same
+kernel bodies (index arithmetic, masks, gathers and scatters) on the host.
+Oracles: `rns_stack`'s XLA ops for the same work (`_local` + the pop
+product on tables that real sweeps produced; the reverse sweep's W-table
+and table products), the brute-force PDA (`pda_oracle`), and the XLA
+sweeps' gradients. Whether the kernels compile for a GPU is checked by
+lowering them for CUDA, which runs the Triton lowering (unsupported
+operations and non-power-of-two shapes fail there) without a GPU.
 """
 
 import jax
@@ -128,19 +129,62 @@ def test_vmapped_update_equals_separate_updates(x64):
       _assert_same(x[k], w, 1e-12)
 
 
+@jax.jit
+def _xla_backward_table(g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j, row0,
+                        num_steps):
+  """The reverse sweep's table-sized work for update j, as rns_stack's XLA
+  ops do it (`_backward_blocks`)."""
+  b, y, r, n = prev_hat.shape[:4]
+  w_tab = lax.dynamic_update_slice_in_dim(
+      w_tab, w_next.reshape(b * y, r, -1),
+      (jnp.minimum(j + 1, num_steps) - row0) * r, axis=1)
+  e_col = lax.dynamic_index_in_dim(e_p, j + 1, axis=2, keepdims=False)
+  hi = lax.Precision.HIGHEST
+  left = lax.dot_general(e_col.reshape(b * y, r, -1), w_tab,
+                         (((2,), (1,)), ((0,), (0,))), precision=hi)
+  cs_k = lax.dynamic_index_in_dim(cs_bar, j + 1, axis=2, keepdims=False)
+  col_ct = prev_hat + left.reshape(prev_hat.shape) + cs_k[..., None, None,
+                                                           None]
+  mt = lax.dot_general(g_t, col_ct.reshape(b * y, r, -1),
+                       (((2,), (2,)), ((0,), (0,))), precision=hi)
+  return w_tab, col_ct, jnp.transpose(mt.reshape(b, y, n, r, r),
+                                      (0, 1, 4, 2, 3))
+
+
+@pytest.mark.parametrize("b,q,s,n,steps,row0,j", [
+    (2, 2, 2, 9, 12, 5, 7),
+    (1, 3, 2, 12, 11, 4, 10),      # the sweep's first update: j + 1 = T
+    (2, 2, 3, 30, 40, 20, 25),     # rows over tiles, W rows over chunks
+])
+def test_backward_table_update_equals_the_xla_ops(x64, b, q, s, n, steps,
+                                                  row0, j):
+  rng = np.random.default_rng(n + j)
+  rows = (steps - row0 + 1) * q
+  arrays = [jnp.asarray(rng.normal(size=sh)) for sh in [
+      (b * s, n * q, n * q * s), (b * s, rows, n * q * s),
+      (b, s, q, n, q, s), (b, s, n, q, rows), (b, s, q, n, q, s),
+      (b, s, n, q)]]
+  want = _xla_backward_table(*arrays, j, row0, steps)
+  got = jax.jit(stack_kernels.backward_table_update, static_argnums=(7, 8))(
+      *arrays, j, row0, steps)
+  for w, x in zip(want, got):
+    assert x.shape == w.shape
+    np.testing.assert_allclose(x, w, rtol=1e-13, atol=1e-11)
+
+
 @pytest.fixture
-def pallas_forward(monkeypatch):
-  """rns_stack's forward sweeps on the Pallas update; JAX's caches are
-  cleared around it, so that no trace under the other setting is reused."""
+def pallas_kernels(monkeypatch):
+  """rns_stack's sweeps on the Pallas kernels; JAX's caches are cleared
+  around it, so that no trace under the other setting is reused."""
   jax.clear_caches()
-  monkeypatch.setattr(rns_stack, "FORWARD_UPDATE", "pallas")
+  monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "pallas")
   yield
   monkeypatch.undo()
   jax.clear_caches()
 
 
 @pytest.mark.parametrize("bottom", ["frozen", "fixed"])
-def test_sweep_on_the_kernel_matches_explicit_stacks(x64, pallas_forward,
+def test_sweep_on_the_kernels_matches_explicit_stacks(x64, pallas_kernels,
                                                      bottom):
   q, s, steps = 2, 2, 5
   rng = np.random.default_rng(5)
@@ -154,10 +198,13 @@ def test_sweep_on_the_kernel_matches_explicit_stacks(x64, pallas_forward,
     np.testing.assert_allclose(got[b][fin], want[fin], rtol=0, atol=1e-9)
 
 
-def test_gradients_through_the_kernel_equal_the_xla_sweeps(x64, monkeypatch):
-  # The backward sweep is shared: it must read the kernel's residuals, table
-  # and column sums exactly as it reads the XLA forward's.
-  q, s, steps = 2, 3, 7
+def test_gradients_through_the_kernels_equal_the_xla_sweeps(x64,
+                                                            monkeypatch):
+  # Both kernels in a sweep: the reverse sweep's must read the forward
+  # kernel's residuals, table and column sums as the XLA ops do, and hand
+  # on the same column cotangents (3 uneven time blocks: the W table and
+  # the carries are cut at every block boundary).
+  q, s, steps = 2, 3, 13
   rng = np.random.default_rng(9)
   push, repl, pop = (jnp.asarray(a) for a in
                      _actions(rng, 2, steps, q, s, "unnorm"))
@@ -171,8 +218,10 @@ def test_gradients_through_the_kernel_equal_the_xla_sweeps(x64, monkeypatch):
     jax.clear_caches()
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(push, repl, pop)
 
+  monkeypatch.setattr(rns_stack, "_time_blocks",
+                      lambda t, table_bytes=0: [(1, 4), (4, 9), (9, t + 1)])
   want = value_and_grads()
-  monkeypatch.setattr(rns_stack, "FORWARD_UPDATE", "pallas")
+  monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "pallas")
   got = value_and_grads()
   monkeypatch.undo()
   jax.clear_caches()
@@ -182,10 +231,10 @@ def test_gradients_through_the_kernel_equal_the_xla_sweeps(x64, monkeypatch):
 
 
 def test_unknown_forward_update_is_a_clear_error(monkeypatch):
-  monkeypatch.setattr(rns_stack, "FORWARD_UPDATE", "triton")
+  monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "triton")
   jax.clear_caches()
   z = np.zeros((1, 2, 1, 1, 1, 1))
-  with pytest.raises(ValueError, match="FORWARD_UPDATE must be one of"):
+  with pytest.raises(ValueError, match="UPDATE_KERNELS must be one of"):
     rns_stack.run(z, z, np.zeros((1, 2, 1, 1, 1)))
   monkeypatch.undo()
   jax.clear_caches()
@@ -193,7 +242,7 @@ def test_unknown_forward_update_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("b,q,s,n", [(10, 2, 2, 82), (10, 3, 3, 82),
                                      (2, 2, 3, 7)])
-def test_kernel_lowers_to_triton_for_cuda(b, q, s, n):
+def test_kernels_lower_to_triton_for_cuda(b, q, s, n):
   # The paper's n = 80 (82 time points) at Q = S = 2 and 3, and a ragged
   # shape: lowering for CUDA runs the Triton lowering on this machine.
   f32 = jnp.float32
@@ -201,9 +250,24 @@ def test_kernel_lowers_to_triton_for_cuda(b, q, s, n):
             (b, q, s, q, s), (b, q, s, q, s), (b, q, s, q)]
   args = [jax.ShapeDtypeStruct(sh, jnp.int32 if sh == () else f32)
           for sh in shapes]
-  kernel = lambda *a: stack_kernels.forward_update(*a, interpret=False)
+  forward = lambda *a: stack_kernels.forward_update(*a, interpret=False)
+  assert _triton_calls(forward, args) == 1
+  # The reverse sweep's kernel in the last of 3 time blocks of T = n − 2.
+  steps, row0 = n - 2, max(1, 2 * (n - 2) // 3)
+  rows = (steps - row0 + 1) * q
+  args = [jax.ShapeDtypeStruct(sh, f32) for sh in [
+      (b * s, n * q, n * q * s), (b * s, rows, n * q * s),
+      (b, s, q, n, q, s), (b, s, n, q, rows), (b, s, q, n, q, s),
+      (b, s, n, q)]] + [jax.ShapeDtypeStruct((), jnp.int32)]
+  backward = lambda *a: stack_kernels.backward_table_update(
+      *a[:6], a[6], row0, steps, interpret=False)
+  assert _triton_calls(backward, args) == 1
+
+
+def _triton_calls(fn, args):
+  """Triton kernels in `fn` lowered for CUDA (runs the Triton lowering)."""
   exported = jax.export.export(
-      jax.jit(kernel), platforms=["cuda"],
+      jax.jit(fn), platforms=["cuda"],
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
           "__gpu$xla.gpu.triton")])(*args)
-  assert exported.mlir_module().count("xla.gpu.triton") == 1
+  return exported.mlir_module().count("xla.gpu.triton")
