@@ -304,9 +304,9 @@ CONTRACTION_MODES = ("dot", "reduce")
 
 # How the sweeps over the unlimited table compute an update: "xla" (XLA
 # ops) or "pallas" (`stack_kernels`: the whole forward update, column write
-# included, as one Pallas kernel, and in the backward the table-sized part
-# (W table write, column cotangent, M̃'s cotangent) as another; `_local_bwd`
-# stays XLA). Triton on a GPU, Pallas's interpreter on CPU, where it is only
+# included, as one Pallas kernel; in the backward, the table-sized part (W
+# table write, column cotangent, M̃'s cotangent) as one and `_local_bwd` as
+# another). Triton on a GPU, Pallas's interpreter on CPU, where it is only
 # for tests. Same values and gradients. An experiment for GPUs (issue 11),
 # not measured on one yet; read when the sweeps are traced.
 UPDATE_KERNELS = "xla"
@@ -594,6 +594,14 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec):
   d_po = jnp.transpose(jnp.sum(acts_ct[..., 2 * fs:], axis=2).reshape(
       b, nr, ns_, nz), (0, 2, 3, 1))                                 # b s z r
   return d_prev, d_cs, d_a, d_pu, d_re, d_po
+
+
+def _stack_bwd(prev, cs, p, a_hat, res, cts, prec):
+  """`_local_bwd`, or its Pallas kernel under UPDATE_KERNELS = "pallas"."""
+  if _update_kernels():
+    from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
+    return stack_kernels.local_bwd(prev, cs, p, a_hat, res, cts)
+  return _local_bwd(prev, cs, p, a_hat, res, cts, prec)
 
 
 def _pop_matmul(g, mt, prec):
@@ -971,7 +979,7 @@ def _tables_bwd(bottom, precision, unroll, res, cts):
 
   def local_vjp(j, extra, acts, prev, cs_p, a_prev, a_hat, res_j, cts):
     del acts, a_prev
-    d_prev, d_cs, d_a, *d_acts = _local_bwd(prev, cs_p, j, a_hat, res_j, cts,
+    d_prev, d_cs, d_a, *d_acts = _stack_bwd(prev, cs_p, j, a_hat, res_j, cts,
                                             prec)
     return extra, d_prev, d_cs, d_a, tuple(d_acts)
 
@@ -1101,7 +1109,7 @@ def _coupled_bwd(step_fn, q, s, bottom, reading, precision, unroll, res,
       return new_ctrl, out, acts
 
     (_, _, acts), vjp = jax.vjp(ctrl, params, ctrl_prev, a_prev)
-    d_prev, d_cs, d_a, *d_acts = _local_bwd(prev, cs_p, j, a_hat, res_j, cts,
+    d_prev, d_cs, d_a, *d_acts = _stack_bwd(prev, cs_p, j, a_hat, res_j, cts,
                                             prec)
     acts_ct = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(acts), d_acts)

@@ -7,19 +7,21 @@ the whole forward update j of `rns_stack` — the column-sized part
 (`rns_stack._local`: W, α_j, the kernels, M̃, the replace and push rows),
 the pop product G·M̃, the write of column j into the table and of its
 column sums — as one `pallas_call` (`forward_update`), with the residuals
-that `rns_stack._local_bwd` reads; and the table-sized part of the
-backward's update j — W_{j+1} written into the W table, column j's
-cotangent (the W-table product) and M̃_j's (the table product) — as
-another (`backward_table_update`). `_local_bwd` stays XLA ops.
+that the backward reads; the table-sized part of the backward's update j
+— W_{j+1} written into the W table, column j's cotangent (the W-table
+product) and M̃_j's (the table product) — as a second
+(`backward_table_update`), and the column-sized part (`rns_stack.
+_local_bwd`) as a third (`local_bwd`). The controller stays XLA ops.
 
 Use: `rns_stack.UPDATE_KERNELS = "pallas"` (before tracing) runs the
-sweeps on them. Status: correct (tests/stack_kernels_test.py checks them
-in Pallas's interpret mode on CPU against rns_stack's XLA ops, the
-forward update on tables of real sweeps in float64 and float32 and
-batched under vmap, and whole sweeps against the brute-force PDA and the
-XLA gradients; and that each lowers to one Triton kernel for CUDA, which
-catches unsupported operations and shapes without a GPU); not yet timed
-on a GPU (`benchmarks/train_step.py --pallas_kernels`).
+sweeps on them. Status: correct (tests/stack_kernels_test.py checks each
+in Pallas's interpret mode on CPU against rns_stack's XLA ops on the
+tables and residuals of real sweeps, in float64 and float32 and batched
+under vmap; whole sweeps, plain and coupled to a controller, against the
+brute-force PDA and the XLA gradients; and that each lowers to one Triton
+kernel for CUDA, which catches unsupported operations and shapes without
+a GPU); not yet timed on a GPU (`benchmarks/train_step.py
+--pallas_kernels`).
 
 Layout: every operand is passed flattened, and the kernel reads and
 writes it through gathers and scatters with index arrays of power-of-two
@@ -63,7 +65,14 @@ def _load(ref, idx, mask, other):
 
 
 def _store(ref, idx, val, mask):
-  """Scatter val to ref[idx] where mask."""
+  """Scatter val to ref[idx] where mask.
+
+  Masked lanes get an index past the end: Triton never touches them, and
+  Pallas's interpreter (a gather, then a scatter of the old values where
+  masked) drops them, instead of writing a stale value over a lane that
+  the same store writes (padded lanes' indices can land on real entries).
+  """
+  idx = jnp.where(mask, idx, ref.shape[0])
   plt.store(ref.at[idx], val, mask=mask)
 
 
@@ -415,3 +424,164 @@ def backward_table_update(g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j,
           flat(e_p), flat(prev_hat), flat(cs_bar), flat(g_t), flat(w_tab))
   return (w2.reshape(w_tab.shape), col_ct.reshape(prev_hat.shape),
           mt_ct.reshape(bsz, s, q, n, q))
+
+
+def _local_bwd_kernel(p_ref, prev_ref, cs_ref, a_hat_ref, res_ref, w_ref,
+                      col_ct_ref, mt_ct_ref, a_hat_ct_ref, inc_ct_ref,
+                      d_prev_ref, d_cs_ref, d_a_ref, d_pu_ref, d_re_ref,
+                      d_po_ref, *, q, s, n, barrier):
+  """`rns_stack._local_bwd` for batch element b (time order, no ring)."""
+  b = pl.program_id(0)
+  dtype = a_hat_ref.dtype
+  flush = rns_stack._flush(dtype)  # pylint: disable=protected-access
+  qs, nl = q * s, n * q * s
+  fp, ktp, rp = _pow2(qs), _pow2(n * q), _pow2(q)
+  p = p_ref[0]
+  f = jnp.arange(fp)                   # pair (s, z) or (q, x): s·S + z
+  f_ok = f < qs
+  f_st, f_sy = f // s, f % s
+  row = f                              # α rows (r, y): r·S + y
+  row_ok = row < qs
+  r_of, y_of = row // s, row % s
+  rf_ok = row_ok[:, None] & f_ok[None, :]
+  r_idx = jnp.arange(rp)
+  kt = jnp.arange(ktp)                 # (column k, state t): k·Q + t
+  kt_ok = kt < n * q
+  left = kt_ok & (kt // q < p)
+  tile_n = ROW_TILE // 2
+  n_tiles = -(-nl // tile_n)
+  tiles = [t * tile_n + jnp.arange(tile_n) for t in range(n_tiles)]
+
+  def prev_at(pair, rows):             # prev[b, z, s, rows] of pair (s, z)
+    return ((b * s + pair % s) * q + pair // s) * nl + rows
+
+  # The forward's residuals and the cotangents of a_hat and inc.
+  nb = pl.num_programs(0)
+  fams = []
+  for fam in range(3):
+    kind_vals = []
+    for kind in range(3):
+      idx = (((kind * nb + b) * qs + row[:, None]) * 3 * qs + fam * qs
+             + f[None, :])
+      kind_vals.append(_load(res_ref, idx, rf_ok, 0.0))
+    fams.append(kind_vals)                               # kern, kd, sm
+  a_hat = _load(a_hat_ref, b * qs + row, row_ok, _NEG_INF)
+  a_hat_ct = _load(a_hat_ct_ref, b * qs + row, row_ok, 0.0)
+  inc_ct = jnp.sum(_load(inc_ct_ref, b + jnp.arange(1), jnp.arange(1) < 1,
+                         0.0))
+  alive = jnp.isfinite(jnp.max(a_hat))
+  lz_ct = inc_ct - jnp.sum(a_hat_ct)
+  aj_ct = jnp.where(alive & row_ok, a_hat_ct + jnp.exp(a_hat) * lz_ct, 0.0)
+  # The push row's cotangent: row p of col_ct at (q, x).
+  push_ct = _load(col_ct_ref, ((b * s + y_of[:, None]) * q + r_of[:, None])
+                  * nl + p * qs + f[None, :], rf_ok, 0.0)        # [row, F]
+  c_prev = _load(cs_ref, ((b * s + f_sy) * n + p) * q + f_st, f_ok, 0.0)
+  # The replace mix: K^R's cotangent Σ_rows col_ct ⊗ prev, and prev's
+  # (kept per tile, added below).
+  k_rep = fams[1][0]
+  k_rep_ct = jnp.zeros((fp, fp), dtype)
+  d_prev_rep = []
+  for li in tiles:
+    l_ok = li < nl
+    colt = _load(col_ct_ref, ((b * s + y_of[:, None]) * q + r_of[:, None])
+                 * nl + li[None, :], row_ok[:, None] & l_ok[None, :], 0.0)
+    prevt = _load(prev_ref, prev_at(f[:, None], li[None, :]),
+                  f_ok[:, None] & l_ok[None, :], 0.0)            # [F, L]
+    k_rep_ct = k_rep_ct + jnp.sum(colt[:, None, :] * prevt[None, :, :],
+                                  axis=2)
+    d_prev_rep.append(jnp.sum(k_rep[:, :, None] * colt[:, None, :], axis=0))
+  # The pop mix, per symbol y: K^P's cotangent and prev_t's.
+  k_pop = fams[2][0]
+  k_pop_ct = jnp.zeros((fp, fp), dtype)
+  prev_ts, c_lefts, prev_t_cts = [], [], []
+  for y in range(s):
+    c_left = _load(cs_ref, ((b * s + y) * n + kt // q) * q + kt % q, left,
+                   0.0)                                          # [KT]
+    prev_t = _load(prev_ref, prev_at(f[:, None], kt[None, :] * s + y),
+                   f_ok[:, None] & kt_ok[None, :], 0.0)          # [F, KT]
+    mt_ct = _load(mt_ct_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q)
+                  + kt[None, :], (r_idx < q)[:, None] & kt_ok[None, :], 0.0)
+    mt_ct = jnp.where((c_left > flush)[None, :], mt_ct, 0.0)     # [R, KT]
+    kp_ct_y = jnp.sum(mt_ct[:, None, :] * prev_t[None, :, :], axis=2)  # [R,F]
+    sel = ((r_of[:, None] == r_idx[None, :]) & (y_of == y)[:, None])
+    k_pop_ct = k_pop_ct + jnp.sum(
+        jnp.where(sel[:, :, None], kp_ct_y[None, :, :], 0.0), axis=1)
+    kp_y = jnp.sum(jnp.where(
+        (row[None, :, None] == (r_idx * s + y)[:, None, None]),
+        k_pop[None, :, :], 0.0), axis=1)                         # [R, F]
+    prev_t_cts.append(jnp.sum(kp_y[:, :, None] * mt_ct[:, None, :], axis=0))
+    prev_ts.append(prev_t)
+    c_lefts.append(c_left)
+  # Through kern = exp(x) and a_j = logsumexp(terms).
+  kern_cts = (push_ct, k_rep_ct, k_pop_ct)
+  x_cts = [kc * fam[1] for kc, fam in zip(kern_cts, fams)]
+  aj_ct = aj_ct - sum(jnp.sum(x, axis=1) for x in x_cts)
+  terms_cts = [aj_ct[:, None] * fam[2] for fam in fams]
+  acts_cts = [x + t for x, t in zip(x_cts, terms_cts)]
+  d_a = (sum(jnp.sum(x, axis=0) for x in x_cts)
+         + jnp.sum(terms_cts[0], axis=0) + jnp.sum(terms_cts[2], axis=0))
+  ok_r = c_prev > flush
+  rep_ct = jnp.where(ok_r & f_ok, jnp.sum(terms_cts[1], axis=0), 0.0)
+  d_a = d_a + rep_ct
+  c_prev_ct = jnp.where(ok_r, rep_ct / jnp.where(ok_r, c_prev, 1.0), 0.0)
+  _store(d_a_ref, b * qs + f, d_a, f_ok)
+  act_idx = (b * qs + f[None, :]) * qs + row[:, None]
+  _store(d_pu_ref, act_idx, acts_cts[0], rf_ok)
+  _store(d_re_ref, act_idx, acts_cts[1], rf_ok)
+  d_po = jnp.sum(jnp.where((r_of[None, :] == r_idx[:, None])[:, :, None],
+                           acts_cts[2][None, :, :], 0.0), axis=1)   # [R, F]
+  _store(d_po_ref, (b * qs + f[None, :]) * q + r_idx[:, None], d_po,
+         (r_idx < q)[:, None] & f_ok[None, :])
+  # W's cotangent per y, then prev_t's share of d_prev and the column sums'.
+  for y in range(s):
+    w = _load(w_ref, (b * s + y) * qs + f, f_ok, 0.0)
+    lhs_ct = jnp.sum(jnp.where((y_of == y)[:, None], terms_cts[2], 0.0),
+                     axis=0)                                     # [F]
+    ok_w = w > flush
+    w_ct = jnp.where(ok_w, lhs_ct / jnp.where(ok_w, w, 1.0), 0.0)
+    pt_ct = prev_t_cts[y] + w_ct[:, None] * c_lefts[y][None, :]  # [F, KT]
+    _store(d_prev_ref, prev_at(f[:, None], kt[None, :] * s + y), pt_ct,
+           f_ok[:, None] & kt_ok[None, :])
+    c_left_ct = jnp.sum(prev_ts[y] * w_ct[:, None], axis=0)      # [KT]
+    _store(d_cs_ref, ((b * s + y) * n + kt // q) * q + kt % q,
+           jnp.where(left, c_left_ct, 0.0), kt_ok)
+  if barrier:                      # both are added to just below
+    plt.debug_barrier()
+  # d_cs[z, p, s] += c_prev_ct[(s, z)] (column p is not in `left`: 0 so far).
+  _store(d_cs_ref, ((b * s + f_sy) * n + p) * q + f_st, c_prev_ct, f_ok)
+  for li, rep in zip(tiles, d_prev_rep):
+    idx = prev_at(f[:, None], li[None, :])
+    ok = f_ok[:, None] & (li < nl)[None, :]
+    _store(d_prev_ref, idx, _load(d_prev_ref, idx, ok, 0.0) + rep, ok)
+
+
+def local_bwd(prev, cs, p, a_hat, res, cts, interpret=None):
+  """`rns_stack._local_bwd` (time order, no ring) as one Pallas kernel.
+
+  Args and returns as `rns_stack._local_bwd` (without the precision):
+  prev [B, Z, S, N, Q, X], cs [B, Y, N, T], p (traced int), a_hat [B, R, Y],
+  res ([3, B, R, Y, 3·Q·S], W [B, Y, S, Z]) and cts (col_ct
+  [B, Y, R, N, Q, X], mt_ct [B, Y, R, N, T], a_hat_ct [B, R, Y], inc_ct
+  [B]) -> cotangents of (prev, cs, a_prev [B, Q, S], push, repl, pop).
+  """
+  interpret = _interpret(interpret)
+  bsz, s, q, n = prev.shape[:4]
+  qs = q * s
+  dtype = prev.dtype
+  col_ct, mt_ct, a_hat_ct, inc_ct = cts
+  kernel = functools.partial(_local_bwd_kernel, q=q, s=s, n=n,
+                             barrier=not interpret)
+  flat = lambda x: jnp.reshape(x, (-1,)).astype(dtype)
+  shapes = [prev.shape, cs.shape, (bsz, q, s), (bsz, q, s, q, s),
+            (bsz, q, s, q, s), (bsz, q, s, q)]
+  outs = pl.pallas_call(
+      kernel, grid=(bsz,),
+      out_shape=[jax.ShapeDtypeStruct((int(np.prod(sh)),), dtype)
+                 for sh in shapes],
+      interpret=interpret,
+      compiler_params=None if interpret else plt.CompilerParams(num_warps=4))(
+          jnp.reshape(jnp.asarray(p, jnp.int32), (1,)), flat(prev), flat(cs),
+          flat(a_hat), flat(res[0]), flat(res[1]), flat(col_ct), flat(mt_ct),
+          flat(a_hat_ct), flat(inc_ct))
+  del qs
+  return tuple(o.reshape(sh) for o, sh in zip(outs, shapes))

@@ -70,21 +70,31 @@ def _assert_same(got, want, atol):
   np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("b,q,s,done,extra,kind,bottom", [
+# (batch, Q, S, updates done, free columns after column j, actions, bottom)
+_UPDATES = [
     (2, 2, 2, 4, 3, "unnorm", "frozen"),  # Q = S = 2; free columns after it
     (2, 2, 3, 0, 2, "neginf", "fixed"),   # update 1, Q ≠ S, zero weights
     (1, 3, 2, 6, 1, "huge", "frozen"),    # column j is the table's last
     (1, 3, 3, 20, 5, "unnorm", "fixed"),  # rows over two tiles, KT chunks
-])
-def test_update_equals_the_xla_update(x64, b, q, s, done, extra, kind,
-                                      bottom):
+]
+
+
+def _update_inputs(b, q, s, done, extra, kind, bottom):
+  """(g, cs, p, a_prev, push, repl, pop) of update done + 1 of a sweep."""
   rng = np.random.default_rng(7 * done + q + 10 * s)
   push, repl, pop = (jnp.asarray(a) for a in
                      _actions(rng, b, done + 1, q, s, kind))
   num_points = done + 2 + extra    # time points −1 .. done, and more
   g, cs, a_prev = _table_after(push, repl, pop, done, bottom, num_points)
-  acts = (push[:, done], repl[:, done], pop[:, done])
   p = done + 1                       # axis index of time j − 1 = done
+  return g, cs, p, a_prev, push[:, done], repl[:, done], pop[:, done]
+
+
+@pytest.mark.parametrize("b,q,s,done,extra,kind,bottom", _UPDATES)
+def test_update_equals_the_xla_update(x64, b, q, s, done, extra, kind,
+                                      bottom):
+  g, cs, p, a_prev, *acts = _update_inputs(b, q, s, done, extra, kind,
+                                           bottom)
   want = _xla_update(g, cs, p, a_prev, *acts)
   got = jax.jit(stack_kernels.forward_update)(g, cs, p, a_prev, *acts)
   for w, x in zip(jax.tree_util.tree_leaves(want),
@@ -127,6 +137,25 @@ def test_vmapped_update_equals_separate_updates(x64):
     for w, x in zip(jax.tree_util.tree_leaves(want),
                     jax.tree_util.tree_leaves(got)):
       _assert_same(x[k], w, 1e-12)
+
+
+@pytest.mark.parametrize("b,q,s,done,extra,kind,bottom", _UPDATES)
+def test_local_bwd_equals_the_xla_vjp(x64, b, q, s, done, extra, kind,
+                                      bottom):
+  # On the residuals of a real update and random cotangents.
+  g, cs, p, a_prev, *acts = _update_inputs(b, q, s, done, extra, kind,
+                                           bottom)
+  g, cs, mt, a_hat, inc, res = _xla_update(g, cs, p, a_prev, *acts)
+  rng = np.random.default_rng(done)
+  cts = tuple(jnp.asarray(rng.normal(size=x.shape))
+              for x in (g[:, :, p + 1], mt, a_hat, inc))
+  prev = g[:, :, p]
+  want = jax.jit(lambda *a: rns_stack._local_bwd(  # pylint: disable=protected-access
+      *a, lax.Precision.HIGHEST))(prev, cs, p, a_hat, res, cts)
+  got = jax.jit(stack_kernels.local_bwd)(prev, cs, p, a_hat, res, cts)
+  for w, x in zip(want, got):
+    assert x.shape == w.shape
+    np.testing.assert_allclose(x, w, rtol=1e-12, atol=1e-12)
 
 
 @jax.jit
@@ -204,7 +233,7 @@ def test_gradients_through_the_kernels_equal_the_xla_sweeps(x64,
   # kernel's residuals, table and column sums as the XLA ops do, and hand
   # on the same column cotangents (3 uneven time blocks: the W table and
   # the carries are cut at every block boundary).
-  q, s, steps = 2, 3, 13
+  q, s, steps = 2, 3, 10
   rng = np.random.default_rng(9)
   push, repl, pop = (jnp.asarray(a) for a in
                      _actions(rng, 2, steps, q, s, "unnorm"))
@@ -219,7 +248,7 @@ def test_gradients_through_the_kernels_equal_the_xla_sweeps(x64,
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(push, repl, pop)
 
   monkeypatch.setattr(rns_stack, "_time_blocks",
-                      lambda t, table_bytes=0: [(1, 4), (4, 9), (9, t + 1)])
+                      lambda t, table_bytes=0: [(1, 4), (4, 7), (7, t + 1)])
   want = value_and_grads()
   monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "pallas")
   got = value_and_grads()
@@ -230,7 +259,48 @@ def test_gradients_through_the_kernels_equal_the_xla_sweeps(x64,
     np.testing.assert_allclose(x, w, rtol=0, atol=1e-12)
 
 
-def test_unknown_forward_update_is_a_clear_error(monkeypatch):
+def test_coupled_gradients_through_the_kernels_equal_the_xla_sweeps(
+    x64, monkeypatch):
+  # The NS-RNN's recurrence: a controller reads ρ_{j−1} and emits update
+  # j's actions (frozen bottom, symbol reading, as models.run_ns_stack).
+  q, s, b, t, h, v = 2, 2, 2, 9, 4, 3
+  rng = np.random.default_rng(12)
+  params = {"wx": rng.normal(size=(v, h)), "wr": rng.normal(size=(s, h)),
+            "wh": 0.5 * rng.normal(size=(h, h)),
+            "wa": rng.normal(size=(h, q * s * (2 * q * s + q))),
+            "wo": rng.normal(size=(h, v))}
+
+  def step_fn(p, c, x, rho):
+    c = jnp.tanh(jax.nn.one_hot(x, v, dtype=rho.dtype) @ p["wx"]
+                 + rho @ p["wr"] + c @ p["wh"])
+    acts = rns_stack.split_action_logits(c @ p["wa"], q, s, True)
+    return c, acts, c @ p["wo"]
+
+  xs = jnp.asarray(rng.integers(0, v, size=(b, t)))
+  h0 = jnp.asarray(0.1 * rng.normal(size=(b, h)))
+  c = jnp.asarray(rng.normal(size=(b, t, v)))
+
+  def loss(p, h0):
+    outs, hat, lm = rns_stack.run_coupled(step_fn, p, h0, xs, q, s,
+                                          "frozen", "symbol")
+    return (jnp.sum(c * outs) + jnp.sum(rns_stack.readout(hat, "symbol")[0])
+            + 0.01 * jnp.sum(lm))
+
+  def value_and_grads():
+    jax.clear_caches()
+    return jax.value_and_grad(loss, argnums=(0, 1))(params, h0)
+
+  want = value_and_grads()
+  monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "pallas")
+  got = value_and_grads()
+  monkeypatch.undo()
+  jax.clear_caches()
+  for x, w in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(x, w, rtol=1e-10, atol=1e-12)
+
+
+def test_unknown_update_kernels_is_a_clear_error(monkeypatch):
   monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "triton")
   jax.clear_caches()
   z = np.zeros((1, 2, 1, 1, 1, 1))
@@ -262,6 +332,13 @@ def test_kernels_lower_to_triton_for_cuda(b, q, s, n):
   backward = lambda *a: stack_kernels.backward_table_update(
       *a[:6], a[6], row0, steps, interpret=False)
   assert _triton_calls(backward, args) == 1
+  sd = lambda *sh: jax.ShapeDtypeStruct(sh, f32)
+  args = (sd(b, s, q, n, q, s), sd(b, s, n, q),
+          jax.ShapeDtypeStruct((), jnp.int32), sd(b, q, s),
+          (sd(3, b, q, s, 3 * q * s), sd(b, s, q, s)),
+          (sd(b, s, q, n, q, s), sd(b, s, q, n, q), sd(b, q, s), sd(b)))
+  local = lambda *a: stack_kernels.local_bwd(*a, interpret=False)
+  assert _triton_calls(local, args) == 1
 
 
 def _triton_calls(fn, args):
