@@ -38,7 +38,8 @@
 #              default dots; then the profile of the all-by-sum step
 #   pallas     NS train step with the stack's updates as Pallas (Triton)
 #              kernels (rns_stack.UPDATE_KERNELS = "pallas",
-#              nsrnn_jax/stack_kernels.py) against the XLA updates
+#              nsrnn_jax/stack_kernels.py) against the XLA updates; then
+#              the profile of that step
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -46,7 +47,8 @@
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
 # profile_step_gpu.json, ..._contractions_by_sum.json,
-# profile_step_gpu_reduce_all.json, train_step_gpu_pallas_kernels.json). Copy them to
+# profile_step_gpu_reduce_all.json, train_step_gpu_pallas_kernels.json,
+# profile_step_gpu_pallas.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # Installs nothing beyond the package: the wheels in ./.whl that the image
@@ -165,7 +167,10 @@ for p in "${phases[@]}"; do
     pallas)
       bench "NS train step, the stack's updates as Pallas kernels" 150 -- \
         $TS --models=ns22,ns33 --pallas_kernels --repeats=9 \
-        --out "$OUT/train_step_gpu_pallas_kernels.json" ;;
+        --out "$OUT/train_step_gpu_pallas_kernels.json"
+      bench "profile of the NS step on the Pallas kernels" 90 -- \
+        benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
+        --update_kernels=pallas --out "$OUT/profile_step_gpu_pallas.json" ;;
   esac
 done
 log "done"

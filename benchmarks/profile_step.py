@@ -26,10 +26,13 @@ overhead; the untraced step time is printed beside it.
 
   python benchmarks/profile_step.py [--models=ns22,ns33] [--steps=3]
       [--top=12] [--command_buffers] [--contractions=dot|reduce|reduce_all]
+      [--update_kernels=xla|pallas] [--cpu_devices=N]
       [--out=benchmarks/results/profile_step_<backend>.json]
 
 --contractions traces the stack's update with rns_stack.COLUMN_CONTRACTIONS
-= "reduce" ("reduce"), and TABLE_CONTRACTIONS too ("reduce_all").
+= "reduce" ("reduce"), and TABLE_CONTRACTIONS too ("reduce_all");
+--update_kernels=pallas with rns_stack.UPDATE_KERNELS = "pallas" (the
+stack's updates as Pallas kernels: stack_kernels).
 """
 
 import argparse
@@ -210,16 +213,18 @@ def read_trace(trace_dir, host=False):
   return charge(chosen), [f"{p} / {l.name}" for p, l in chosen]
 
 
-def contraction_patches(mode):
-  """`train_step.Variant` patches for --contractions (rns_stack settings)."""
+def contraction_patches(mode, update_kernels="xla"):
+  """`train_step.Variant` patches for --contractions and --update_kernels
+  (rns_stack settings)."""
   return [(rns_stack, "COLUMN_CONTRACTIONS",
            "dot" if mode == "dot" else "reduce"),
           (rns_stack, "TABLE_CONTRACTIONS",
-           "reduce" if mode == "reduce_all" else "dot")]
+           "reduce" if mode == "reduce_all" else "dot"),
+          (rns_stack, "UPDATE_KERNELS", update_kernels)]
 
 
 def profile_model(name, steps, top, trace_root, contractions="dot",
-                  num_devices=None):
+                  num_devices=None, update_kernels="xla"):
   """Step time untraced and traced, and the per-op / per-kind breakdown.
 
   num_devices: None profiles the plain jitted step on one device; N, the
@@ -227,7 +232,8 @@ def profile_model(name, steps, top, trace_root, contractions="dot",
   `main --cpu_devices=N` runs); its trace sums the devices' threads.
   """
   v = train_step.Variant(name, "current", 80, "highest",
-                         patches=contraction_patches(contractions),
+                         patches=contraction_patches(contractions,
+                                                     update_kernels),
                          num_devices=num_devices)
   compiled = v.lower().compile()
   hlo = hlo_instructions(compiled.as_text())
@@ -303,6 +309,9 @@ def main():
   parser.add_argument("--contractions", default="dot",
                       choices=("dot", "reduce", "reduce_all"),
                       help="the stack update's contractions (rns_stack)")
+  parser.add_argument("--update_kernels", default="xla",
+                      choices=rns_stack.UPDATE_KERNEL_MODES,
+                      help="the stack's updates as XLA ops or Pallas kernels")
   parser.add_argument("--cpu_devices", type=int, default=1,
                       help="profile the data-parallel step with the batch "
                       "split over this many CPU devices")
@@ -332,7 +341,8 @@ def main():
     for name in names:
       r = profile_model(name, args.steps, args.top, trace_root,
                         args.contractions,
-                        args.cpu_devices if args.cpu_devices > 1 else None)
+                        args.cpu_devices if args.cpu_devices > 1 else None,
+                        args.update_kernels)
       print_result(r)
       results.append(r)
   out = args.out or os.path.join(
@@ -345,6 +355,7 @@ def main():
                "length": 80, "table_elements": TABLE_ELEMENTS,
                "command_buffers": bool(args.command_buffers),
                "contractions": args.contractions,
+               "update_kernels": args.update_kernels,
                "cpu_devices": args.cpu_devices,
                "models": results}, f, indent=1)
   print(f"saved {out}")

@@ -513,6 +513,8 @@ def profile_table():
         d.get("conditions", ""),
         f"the stack's contractions: {d['contractions']} (rns_stack)"
         if d.get("contractions", "dot") != "dot" else "",
+        "the stack's updates as Pallas kernels (rns_stack.UPDATE_KERNELS)"
+        if d.get("update_kernels", "xla") != "xla" else "",
         f"the batch split over {d['cpu_devices']} CPU devices "
         "(`--cpu_devices`; time summed over the devices' threads)"
         if d.get("cpu_devices", 1) > 1 else "") if x)
