@@ -448,6 +448,7 @@ def _local_bwd_kernel(p_ref, prev_ref, cs_ref, a_hat_ref, res_ref, w_ref,
   kt = jnp.arange(ktp)                 # (column k, state t): k·Q + t
   kt_ok = kt < n * q
   left = kt_ok & (kt // q < p)
+  # Half tiles: the replace mix's products are [pairs, pairs, rows].
   tile_n = ROW_TILE // 2
   n_tiles = -(-nl // tile_n)
   tiles = [t * tile_n + jnp.arange(tile_n) for t in range(n_tiles)]
@@ -566,7 +567,6 @@ def local_bwd(prev, cs, p, a_hat, res, cts, interpret=None):
   """
   interpret = _interpret(interpret)
   bsz, s, q, n = prev.shape[:4]
-  qs = q * s
   dtype = prev.dtype
   col_ct, mt_ct, a_hat_ct, inc_ct = cts
   kernel = functools.partial(_local_bwd_kernel, q=q, s=s, n=n,
@@ -583,5 +583,4 @@ def local_bwd(prev, cs, p, a_hat, res, cts, interpret=None):
           jnp.reshape(jnp.asarray(p, jnp.int32), (1,)), flat(prev), flat(cs),
           flat(a_hat), flat(res[0]), flat(res[1]), flat(col_ct), flat(mt_ct),
           flat(a_hat_ct), flat(inc_ct))
-  del qs
   return tuple(o.reshape(sh) for o, sh in zip(outs, shapes))
