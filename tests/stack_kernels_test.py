@@ -227,6 +227,21 @@ def test_sweep_on_the_kernels_matches_explicit_stacks(x64, pallas_kernels,
     np.testing.assert_allclose(got[b][fin], want[fin], rtol=0, atol=1e-9)
 
 
+def _assert_kernels_give_the_same(compute, monkeypatch, rtol):
+  """`compute()` (a pytree) traced afresh on the XLA sweeps, then on the
+  kernels (rns_stack.UPDATE_KERNELS = "pallas"): the same to 1e-12."""
+  jax.clear_caches()
+  want = compute()
+  monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "pallas")
+  jax.clear_caches()
+  got = compute()
+  monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "xla")
+  jax.clear_caches()
+  for x, w in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(x, w, rtol=rtol, atol=1e-12)
+
+
 def test_gradients_through_the_kernels_equal_the_xla_sweeps(x64,
                                                             monkeypatch):
   # Both kernels in a sweep: the reverse sweep's must read the forward
@@ -243,20 +258,11 @@ def test_gradients_through_the_kernels_equal_the_xla_sweeps(x64,
     hat, mass = rns_stack.run(push, repl, pop, "frozen")
     return jnp.sum(c * rns_stack.readout(hat)[0]) + 0.01 * jnp.sum(mass)
 
-  def value_and_grads():
-    jax.clear_caches()
-    return jax.value_and_grad(loss, argnums=(0, 1, 2))(push, repl, pop)
-
   monkeypatch.setattr(rns_stack, "_time_blocks",
                       lambda t, table_bytes=0: [(1, 4), (4, 7), (7, t + 1)])
-  want = value_and_grads()
-  monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "pallas")
-  got = value_and_grads()
-  monkeypatch.undo()
-  jax.clear_caches()
-  for x, w in zip(jax.tree_util.tree_leaves(got),
-                  jax.tree_util.tree_leaves(want)):
-    np.testing.assert_allclose(x, w, rtol=0, atol=1e-12)
+  _assert_kernels_give_the_same(
+      lambda: jax.value_and_grad(loss, argnums=(0, 1, 2))(push, repl, pop),
+      monkeypatch, rtol=0)
 
 
 def test_coupled_gradients_through_the_kernels_equal_the_xla_sweeps(
@@ -286,18 +292,9 @@ def test_coupled_gradients_through_the_kernels_equal_the_xla_sweeps(
     return (jnp.sum(c * outs) + jnp.sum(rns_stack.readout(hat, "symbol")[0])
             + 0.01 * jnp.sum(lm))
 
-  def value_and_grads():
-    jax.clear_caches()
-    return jax.value_and_grad(loss, argnums=(0, 1))(params, h0)
-
-  want = value_and_grads()
-  monkeypatch.setattr(rns_stack, "UPDATE_KERNELS", "pallas")
-  got = value_and_grads()
-  monkeypatch.undo()
-  jax.clear_caches()
-  for x, w in zip(jax.tree_util.tree_leaves(got),
-                  jax.tree_util.tree_leaves(want)):
-    np.testing.assert_allclose(x, w, rtol=1e-10, atol=1e-12)
+  _assert_kernels_give_the_same(
+      lambda: jax.value_and_grad(loss, argnums=(0, 1))(params, h0),
+      monkeypatch, rtol=1e-10)
 
 
 def test_unknown_update_kernels_is_a_clear_error(monkeypatch):
