@@ -51,6 +51,9 @@ from nsrnn_jax import rns_stack
 # (column, state pairs) per step of the pop product.
 ROW_TILE = 128
 KT_CHUNK = 32
+# Warps per Triton program. These three sizes are first guesses, not tuned
+# on a GPU yet; they are read when a kernel is traced.
+NUM_WARPS = 4
 # A Python float: array constants cannot be captured by a Triton kernel.
 _NEG_INF = float("-inf")
 
@@ -267,6 +270,10 @@ def _interpret(interpret):
   return backend == "cpu"
 
 
+def _compiler_params(interpret):
+  return None if interpret else plt.CompilerParams(num_warps=NUM_WARPS)
+
+
 def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
   """Update j on a share table, as `rns_stack`'s forward sweep does it.
 
@@ -303,7 +310,7 @@ def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
       jax.ShapeDtypeStruct((bsz,), dtype),
       jax.ShapeDtypeStruct((3 * bsz * qs * 3 * qs,), dtype),
       jax.ShapeDtypeStruct((bsz * s * qs,), dtype)]
-  params = None if interpret else plt.CompilerParams(num_warps=4)
+  params = _compiler_params(interpret)
   outs = pl.pallas_call(
       kernel, grid=(bsz, s), out_shape=out_shapes,
       input_output_aliases={5: 0, 6: 1}, interpret=interpret,
@@ -419,7 +426,7 @@ def backward_table_update(g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j,
                  jax.ShapeDtypeStruct((prev_hat.size,), dtype),
                  jax.ShapeDtypeStruct((bsz * s * q * n * q,), dtype)],
       input_output_aliases={6: 0}, interpret=interpret,
-      compiler_params=None if interpret else plt.CompilerParams(num_warps=4))(
+      compiler_params=_compiler_params(interpret))(
           jnp.reshape(jnp.asarray(j, jnp.int32), (1,)), flat(w_next),
           flat(e_p), flat(prev_hat), flat(cs_bar), flat(g_t), flat(w_tab))
   return (w2.reshape(w_tab.shape), col_ct.reshape(prev_hat.shape),
@@ -579,7 +586,7 @@ def local_bwd(prev, cs, p, a_hat, res, cts, interpret=None):
       out_shape=[jax.ShapeDtypeStruct((int(np.prod(sh)),), dtype)
                  for sh in shapes],
       interpret=interpret,
-      compiler_params=None if interpret else plt.CompilerParams(num_warps=4))(
+      compiler_params=_compiler_params(interpret))(
           jnp.reshape(jnp.asarray(p, jnp.int32), (1,)), flat(prev), flat(cs),
           flat(a_hat), flat(res[0]), flat(res[1]), flat(col_ct), flat(mt_ct),
           flat(a_hat_ct), flat(inc_ct))
