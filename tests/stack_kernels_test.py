@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 
 import pda_oracle
+from nsrnn_jax import models
 from nsrnn_jax import rns_stack
 from nsrnn_jax import stack_kernels
 
@@ -295,6 +296,26 @@ def test_coupled_gradients_through_the_kernels_equal_the_xla_sweeps(
   _assert_kernels_give_the_same(
       lambda: jax.value_and_grad(loss, argnums=(0, 1))(params, h0),
       monkeypatch, rtol=1e-10)
+
+
+def test_ns_rnn_on_the_kernels_equals_the_xla_sweeps(x64, monkeypatch):
+  # The NS-RNN language model (Flax LSTM controller, the stack on chunks of
+  # 2 strings under lax.map): its loss and parameter gradient.
+  vocab = 3
+  model = models.get("ns", vocab, hidden_size=4, dtype=jnp.float64,
+                     stack_batch_chunk=2)
+  rng = np.random.default_rng(6)
+  symbols = jnp.asarray(rng.integers(0, vocab, size=(4, 7)), jnp.int32)
+  params = model.init(jax.random.key(0), symbols)["params"]
+  params = jax.tree.map(
+      lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+
+  def loss(p):
+    return -jnp.sum(models.sequence_log_prob(
+        model.apply({"params": p}, symbols), symbols))
+
+  _assert_kernels_give_the_same(lambda: jax.value_and_grad(loss)(params),
+                                monkeypatch, rtol=1e-10)
 
 
 def test_unknown_update_kernels_is_a_clear_error(monkeypatch):
