@@ -38,8 +38,10 @@
 #              default dots; then the profile of the all-by-sum step
 #   pallas     NS train step with the stack's updates as Pallas (Triton)
 #              kernels (rns_stack.UPDATE_KERNELS = "pallas",
-#              nsrnn_jax/stack_kernels.py) against the XLA updates; then
-#              the profile of that step
+#              nsrnn_jax/stack_kernels.py) against the XLA updates, at
+#              the default tiles and at each of KERNEL_TILES (ROW_TILE x
+#              KT_CHUNK x NUM_WARPS triples)
+#   pallas_profile  the profile of the NS step on the Pallas kernels
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -62,9 +64,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -165,9 +167,11 @@ for p in "${phases[@]}"; do
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --contractions=reduce_all --out "$OUT/profile_step_gpu_reduce_all.json" ;;
     pallas)
-      bench "NS train step, the stack's updates as Pallas kernels" 150 -- \
-        $TS --models=ns22,ns33 --pallas_kernels --repeats=9 \
-        --out "$OUT/train_step_gpu_pallas_kernels.json"
+      bench "NS train step, the stack's updates as Pallas kernels" 210 -- \
+        $TS --models=ns33,ns22 --pallas_kernels --repeats=7 \
+        --kernel_tiles="${KERNEL_TILES:-64x16x4,128x16x8,256x16x8,128x32x8}" \
+        --out "$OUT/train_step_gpu_pallas_kernels.json" ;;
+    pallas_profile)
       bench "profile of the NS step on the Pallas kernels" 90 -- \
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --update_kernels=pallas --out "$OUT/profile_step_gpu_pallas.json" ;;

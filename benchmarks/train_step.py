@@ -40,6 +40,9 @@ Variants (each adds rows; the plain row is always measured):
                         forward update, one for the backward's table part;
                         for GPUs: on CPU they run interpreted, for
                         correctness only)
+  --kernel_tiles 128x32x4,64x16x4
+                        with --pallas_kernels: one more Pallas variant per
+                        (stack_kernels.ROW_TILE, KT_CHUNK, NUM_WARPS) triple
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
@@ -87,6 +90,7 @@ from nsrnn_jax import models
 from nsrnn_jax import ns_stack
 from nsrnn_jax import parallel
 from nsrnn_jax import rns_stack
+from nsrnn_jax import stack_kernels
 from nsrnn_jax import train
 
 BATCH = 10
@@ -282,8 +286,13 @@ def cumsum_sum_above(strength_BxT, precision="highest"):
 
 def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
-                contractions_by_sum=False, pallas_kernels=False):
-  """Rows for one model: every variant, timed in alternation."""
+                contractions_by_sum=False, pallas_kernels=False,
+                kernel_tiles=()):
+  """Rows for one model: every variant, timed in alternation.
+
+  `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS) triples of
+  stack_kernels, one more Pallas variant each (with `pallas_kernels`).
+  """
   on_shares = (SETTINGS[name]["model"] == "ns"
                and SETTINGS[name]["stack_table"] == "shares")
   reduce = contractions_by_sum and on_shares
@@ -300,9 +309,16 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 patches=[column, (rns_stack, "TABLE_CONTRACTIONS", "reduce")],
                 count_dots=True)]
   if pallas:
+    on_kernels = (rns_stack, "UPDATE_KERNELS", "pallas")
     variants.append(Variant(
         name, "updates as Pallas kernels", length, precision,
-        patches=[(rns_stack, "UPDATE_KERNELS", "pallas")], count_dots=True))
+        patches=[on_kernels], count_dots=True))
+    for rows, chunk, warps in kernel_tiles:
+      variants.append(Variant(
+          name, f"Pallas kernels {rows}/{chunk}/{warps}", length, precision,
+          patches=[on_kernels, (stack_kernels, "ROW_TILE", rows),
+                   (stack_kernels, "KT_CHUNK", chunk),
+                   (stack_kernels, "NUM_WARPS", warps)]))
   if gref_cumsum and name == "gref":
     variants.append(Variant(name, "sum above by lax.cumsum", length,
                             precision,
@@ -477,6 +493,11 @@ def main():
   parser.add_argument("--pallas_kernels", action="store_true",
                       help="add NS variants with the stack's updates as "
                       "Pallas kernels (stack_kernels; GPUs)")
+  parser.add_argument("--kernel_tiles", default="",
+                      help="with --pallas_kernels: comma-separated "
+                      "ROWSxCHUNKxWARPS triples (stack_kernels.ROW_TILE, "
+                      "KT_CHUNK, NUM_WARPS; powers of two), one more "
+                      "variant each")
   parser.add_argument("--contractions_by_sum", action="store_true",
                       help="add NS variants with the stack update's "
                       "column-sized, then all, contractions as multiply and "
@@ -507,6 +528,17 @@ def main():
   out["env"] = {k: os.environ[k] for k in
                 ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION") if k in os.environ}
   names = [n for n in args.models.split(",") if n]
+  try:
+    kernel_tiles = [tuple(int(v) for v in t.split("x"))
+                    for t in args.kernel_tiles.split(",") if t]
+  except ValueError:
+    kernel_tiles = [()]
+  if any(len(t) != 3 or min(t) < 1 or any(v & (v - 1) for v in t)
+         for t in kernel_tiles):
+    parser.error(f"--kernel_tiles {args.kernel_tiles!r}: want ROWSxCHUNKxWARPS "
+                 "triples of powers of two, e.g. 128x32x4,64x16x4")
+  if kernel_tiles and not args.pallas_kernels:
+    parser.error("--kernel_tiles needs --pallas_kernels")
   unrolls = [int(u) for u in args.unroll.split(",") if u]
   baseline = None
   if args.baseline_ref:
@@ -542,7 +574,8 @@ def main():
           name, args.length, args.repeats, args.precision, unrolls, baseline,
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
-          args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels)
+          args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
+          kernel_tiles)
       save()
   if args.compile_study:
     out["compile_study"] = []

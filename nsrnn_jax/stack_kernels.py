@@ -202,8 +202,13 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   k_push, k_rep, k_pop = kerns
   rp = _pow2(q)
   r_idx = jnp.arange(rp)
-  n_tiles = -(-nl // ROW_TILE)
-  n_chunks = -(-(n * q) // KT_CHUNK)
+  # Only the triangle: column j's rows are i ≤ j − 1 (axis indices ≤ p; a
+  # segment starts before it ends), so later row tiles are left as the
+  # table has them (zero: a sweep's fresh column), and M̃ is zero at
+  # columns k ≥ p, so the pop product reads G's columns k < p only. Both
+  # counts are traced: a third of the full rectangle's reads on average.
+  live_tiles = ((p + 1) * qs + ROW_TILE - 1) // ROW_TILE
+  live_chunks = (p * q + KT_CHUNK - 1) // KT_CHUNK
   # This program's symbol y: its kernels as [r, pair] (rows (r, y) of the
   # families), M̃ and column j's rows of symbol y.
   y = y_own
@@ -228,8 +233,8 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   # (the interpreter runs one thread and has no barrier).
   if barrier:
     plt.debug_barrier()
-  sums = []
-  for tile in range(n_tiles):
+
+  def tile_body(tile, total):
     li = tile * ROW_TILE + jnp.arange(ROW_TILE)
     l_ok = li < nl
     # Replace rows: Σ_{s,z} K^R[y,(s,z),r] H_{i,j−1}[q,x,s,z].
@@ -243,7 +248,7 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
     col = col + jnp.where(on_p[None, :], push, 0.0)
 
     # The pop product Σ_{k,t} M̃[y, r, (k, t)] G[y, (k, t), rows].
-    def chunk(c, acc, li=li, l_ok=l_ok):
+    def chunk(c, acc):
       kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
       kc_ok = kc < n * q
       mtc = _load(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q)
@@ -252,11 +257,13 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
                                li[None, :]),
                  kc_ok[:, None] & l_ok[None, :], 0.0)                 # [KC,L]
       return acc + jnp.sum(mtc[:, :, None] * gc[None, :, :], axis=1)
-    col = jax.lax.fori_loop(0, n_chunks, chunk, col)
+    col = jax.lax.fori_loop(0, live_chunks, chunk, col)
     _store(g_ref, tab(y, p + 1, r_idx[:, None], li[None, :]), col,
            r_ok & l_ok[None, :])
-    sums.append(jnp.sum(jnp.where(l_ok[None, :], col, 0.0), axis=1))
-  _store(cs_ref, cs_at(y, p + 1, r_idx), sum(sums), r_idx < q)
+    return total + jnp.sum(jnp.where(l_ok[None, :], col, 0.0), axis=1)
+  total = jax.lax.fori_loop(0, live_tiles, tile_body,
+                            jnp.zeros((rp,), dtype))
+  _store(cs_ref, cs_at(y, p + 1, r_idx), total, r_idx < q)
 
 
 def _interpret(interpret):
