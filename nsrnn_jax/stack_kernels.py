@@ -359,6 +359,11 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
   # Column j's cotangent: the later updates' pops through it (M̃_{j'}[k]
   # against their W's), what update j + 1 sent back, and its column sums'.
   n_wc = -(-rows // KT_CHUNK)
+  # Only updates j' > j + 1 pop through column j (M̃_{j'} is zero at axis
+  # indices ≥ j', the input's contract), so the W rows of earlier ones
+  # are skipped.
+  first_row = jnp.maximum((k + 1 - row0) * q, 0)
+  first_wc = first_row // KT_CHUNK
   cs_k = _load(cs_bar_ref, (by * n + k) * q + r_idx, r_idx < q, 0.0)  # [R]
   col_cts = []
   for li in tiles:
@@ -366,13 +371,13 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
 
     def w_chunk(c, acc, li=li, l_ok=l_ok):
       jr = c * KT_CHUNK + jnp.arange(KT_CHUNK)
-      jr_ok = jr < rows
+      jr_ok = (jr < rows) & (jr >= first_row)
       e = _load(e_ref, ((by * n + k) * q + r_idx[:, None]) * rows
                 + jr[None, :], r_ok & jr_ok[None, :], 0.0)          # [R,C]
       w = _load(w_ref, (by * rows + jr[:, None]) * nl + li[None, :],
                 jr_ok[:, None] & l_ok[None, :], 0.0)                # [C,L]
       return acc + jnp.sum(e[:, :, None] * w[None, :, :], axis=1)
-    left = jax.lax.fori_loop(0, n_wc, w_chunk,
+    left = jax.lax.fori_loop(first_wc, n_wc, w_chunk,
                              jnp.zeros((rp, ROW_TILE), w_next_ref.dtype))
     idx = (by * q + r_idx[:, None]) * nl + li[None, :]
     ok = r_ok & l_ok[None, :]
@@ -381,21 +386,36 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
     col_ct = jnp.where(ok, col_ct, 0.0)
     _store(col_ct_ref, idx, col_ct, ok)
     col_cts.append(col_ct)
-  # M̃_j's cotangent: Σ_{i,q,x} G[(k, t), (i, q, x)] col_ct[r, (i, q, x)].
+  # M̃_j's cotangent: Σ_{i,q,x} G[(k', t), (i, q, x)] col_ct[r, (i, q, x)],
+  # at the columns k' < j only (axis indices; M̃_j is zero at the others,
+  # so their cotangent is unused: written as zero), and over the rows
+  # i < k' < j only (G's triangle: the loads of later rows are masked
+  # off, so they read no memory).
   n_kc = -(-(n * q) // KT_CHUNK)
+  live_kt = j * q
 
   def kt_chunk(c, carry):
     kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
     kc_ok = kc < n * q
     acc = jnp.zeros((rp, KT_CHUNK), w_next_ref.dtype)
     for li, col_ct in zip(tiles, col_cts):
+      live = (li < nl) & (li < j * q * s)
       g = _load(g_ref, (by * n * q + kc[:, None]) * nl + li[None, :],
-                kc_ok[:, None] & (li < nl)[None, :], 0.0)           # [KC,L]
+                (kc < live_kt)[:, None] & live[None, :], 0.0)       # [KC,L]
       acc = acc + jnp.sum(col_ct[:, None, :] * g[None, :, :], axis=2)
     _store(mt_ct_ref, (by * q + r_idx[:, None]) * (n * q) + kc[None, :],
            acc, r_ok & kc_ok[None, :])
     return carry
-  jax.lax.fori_loop(0, n_kc, kt_chunk, 0)
+  live_chunks = (live_kt + KT_CHUNK - 1) // KT_CHUNK
+  jax.lax.fori_loop(0, live_chunks, kt_chunk, 0)
+
+  def zero_chunk(c, carry):
+    kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
+    _store(mt_ct_ref, (by * q + r_idx[:, None]) * (n * q) + kc[None, :],
+           jnp.zeros((rp, KT_CHUNK), w_next_ref.dtype),
+           r_ok & (kc < n * q)[None, :])
+    return carry
+  jax.lax.fori_loop(live_chunks, n_kc, zero_chunk, 0)
 
 
 def backward_table_update(g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j,
@@ -415,9 +435,14 @@ def backward_table_update(g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j,
     j: the update (traced int); row0, num_steps: static.
     interpret: as for `forward_update`.
 
+  The inputs are a sweep's: the table is a triangle (column k's rows are
+  i < k, axis indices) and M̃_{j'} is zero at columns k ≥ j'; the kernel
+  reads only those parts.
+
   Returns:
     (w_tab with W_{j+1} written at its rows, col_ct [B, Y, R, N, Q, X] (the
-    cotangent of column j), mt_ct [B, Y, R, N, T] (of M̃_j)).
+    cotangent of column j), mt_ct [B, Y, R, N, T] (of M̃_j; zero at the
+    columns k ≥ j, where M̃_j is zero)).
   """
   interpret = _interpret(interpret)
   bsz, s, q, n = prev_hat.shape[:4]

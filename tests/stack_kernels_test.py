@@ -190,11 +190,22 @@ def test_backward_table_update_equals_the_xla_ops(x64, b, q, s, n, steps,
                                                   row0, j):
   rng = np.random.default_rng(n + j)
   rows = (steps - row0 + 1) * q
-  arrays = [jnp.asarray(rng.normal(size=sh)) for sh in [
+  arrays = [rng.normal(size=sh) for sh in [
       (b * s, n * q, n * q * s), (b * s, rows, n * q * s),
       (b, s, q, n, q, s), (b, s, n, q, rows), (b, s, q, n, q, s),
       (b, s, n, q)]]
-  want = _xla_backward_table(*arrays, j, row0, steps)
+  # A sweep's structure, which the kernel skips: the table is a triangle
+  # (column k's rows i < k) and M̃_{j'} is zero at columns k ≥ j'.
+  col_k = np.arange(n)
+  arrays[0] *= np.repeat(np.repeat(col_k[:, None] > col_k[None, :], q, 0),
+                         q * s, 1)
+  j_of_row = row0 + np.arange(rows) // q
+  arrays[3] *= (col_k[:, None, None] < j_of_row[None, None, :])
+  arrays = [jnp.asarray(a) for a in arrays]
+  want = list(_xla_backward_table(*arrays, j, row0, steps))
+  # M̃_j's cotangent at the columns k ≥ j is unused (M̃_j is zero there):
+  # the kernel writes zero.
+  want[2] = want[2] * (col_k[:, None] < j)
   got = jax.jit(stack_kernels.backward_table_update, static_argnums=(7, 8))(
       *arrays, j, row0, steps)
   for w, x in zip(want, got):
