@@ -27,7 +27,8 @@ Layout: every operand is passed flattened, and the kernel reads and
 writes it through gathers and scatters with index arrays of power-of-two
 shapes (the Triton lowering needs power-of-two array shapes; Q·S, N·Q and
 the row tiles are padded and masked). One program per (batch element,
-symbol y of column j).
+symbol y of column j). Only a sweep's triangle is read: column k's rows
+i < k, and M̃_j's columns k < j (the loops' trip counts are traced).
 Sizes inside: F = Q·S flattened pairs (state, symbol) padded to FP, rows
 of α terms (r, y) likewise, KT = N·Q (column, state) pairs padded to KTP,
 L = N·Q·S table rows in tiles of ROW_TILE.
