@@ -291,8 +291,11 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
   """Rows for one model: every variant, timed in alternation.
 
   `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS) triples of
-  stack_kernels, one more Pallas variant each (with `pallas_kernels`).
+  stack_kernels, one more Pallas variant each (with `pallas_kernels`);
+  one that fails to compile gives a row with its error instead (an
+  "error" field, no times).
   """
+  failed = []
   on_shares = (SETTINGS[name]["model"] == "ns"
                and SETTINGS[name]["stack_table"] == "shares")
   reduce = contractions_by_sum and on_shares
@@ -314,11 +317,20 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
         name, "updates as Pallas kernels", length, precision,
         patches=[on_kernels], count_dots=True))
     for rows, chunk, warps in kernel_tiles:
-      variants.append(Variant(
-          name, f"Pallas kernels {rows}/{chunk}/{warps}", length, precision,
-          patches=[on_kernels, (stack_kernels, "ROW_TILE", rows),
-                   (stack_kernels, "KT_CHUNK", chunk),
-                   (stack_kernels, "NUM_WARPS", warps)]))
+      label = f"Pallas kernels {rows}/{chunk}/{warps}"
+      try:
+        variants.append(Variant(
+            name, label, length, precision,
+            patches=[on_kernels, (stack_kernels, "ROW_TILE", rows),
+                     (stack_kernels, "KT_CHUNK", chunk),
+                     (stack_kernels, "NUM_WARPS", warps)]))
+      except Exception as e:  # pylint: disable=broad-except
+        # A tile size the GPU cannot compile (registers, shared memory)
+        # is a result of the sweep, not the end of it.
+        failed.append({"model": name, "variant": label,
+                       "error": f"{type(e).__name__}: {e}"[:500]})
+        print(f"{name:5s} {label:26s} failed: {failed[-1]['error'][:200]}",
+              flush=True)
   if gref_cumsum and name == "gref":
     variants.append(Variant(name, "sum above by lax.cumsum", length,
                             precision,
@@ -404,7 +416,7 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
   for row in rows[1:]:
     row["min_step_over_current"] = row["min_step_s"] / rows[0]["min_step_s"]
     row["cpu_step_over_current"] = row["cpu_step_s"] / rows[0]["cpu_step_s"]
-  return rows
+  return rows + failed
 
 
 def compile_study(name, lengths, buckets, repeats, precision, epochs=100,
@@ -570,12 +582,17 @@ def main():
   if names:
     out["steps"] = []
     for name in names:
-      out["steps"] += bench_model(
+      rows = bench_model(
           name, args.length, args.repeats, args.precision, unrolls, baseline,
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
           args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
           kernel_tiles)
+      # Variants that did not compile are kept apart from the timed rows.
+      out["steps"] += [r for r in rows if "error" not in r]
+      failed = [r for r in rows if "error" in r]
+      if failed:
+        out.setdefault("failed_variants", []).extend(failed)
       save()
   if args.compile_study:
     out["compile_study"] = []
