@@ -543,9 +543,41 @@ def profile_table():
   return out[:-1]
 
 
+def kernel_resources_table():
+  """The Pallas stack kernels compiled for a GPU (kernel_resources.json)."""
+  d = _load("kernel_resources.json")
+  if d is None:
+    return []
+  names = ("forward_update", "backward_table_update", "local_bwd")
+  out = [f"The Pallas stack kernels compiled for {d['target']} on a CPU "
+         "machine, without a GPU (`benchmarks/kernel_resources.py`, "
+         f"`kernel_resources.json`; triton {d['triton']}, jax {d['jax']}; "
+         f"batch {d['batch']}, n = {d['length']}, float32; "
+         + (f"code at {_commit(d)}; " if _commit(d) else "")
+         + "registers per thread, spilled bytes, compile time of the three; "
+         "static, no timing):", "",
+         "| Q=S | tiles (rows/chunk/warps) | "
+         + " | ".join(f"`{n}` registers" for n in names)
+         + " | spilled | compile |", "|---|---|" + "---|" * len(names)
+         + "---|---|"]
+  groups = {}
+  for r in d["kernels"]:
+    key = (r["q"], r["row_tile"], r["kt_chunk"], r["num_warps"])
+    groups.setdefault(key, {})[r["kernel"]] = r
+  for (q, rows, chunk, warps), by in groups.items():
+    ok = [by[n] for n in names if n in by and "error" not in by[n]]
+    regs = " | ".join(str(by[n]["reg"]) if n in by and "error" not in by[n]
+                      else "failed" for n in names)
+    out.append(f"| {q} | {rows}/{chunk}/{warps} | {regs} | "
+               f"{max((r['local'] for r in ok), default=0)} B | "
+               f"{sum(r['compile_s'] for r in ok):.1f} s |")
+  return out
+
+
 def benchmarks_block():
   out = []
   for part in (train_step_table(), cpu_comparison_table(), profile_table(),
+               kernel_resources_table(),
                gpu_suite_line(),
                gpu_variants_table(),
                gpu_budget_table(), stack_table(),

@@ -52,6 +52,9 @@ from nsrnn_jax import rns_stack
 # (column, state pairs) per step of the pop product.
 ROW_TILE = 128
 KT_CHUNK = 32
+# Entries of local_bwd's [pairs, pairs, rows] products per tile (a power
+# of two): 16 rows at Q = S = 3, 256 at Q = S = 2.
+MIX_TILE_ELEMENTS = 4096
 # Warps per Triton program. These three sizes are first guesses, not tuned
 # on a GPU yet; they are read when a kernel is traced.
 NUM_WARPS = 4
@@ -106,16 +109,13 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   flush = rns_stack._flush(dtype)  # pylint: disable=protected-access
   cap = float(-np.log(flush) - 2.0)
   qs, nl = q * s, n * q * s
-  fp, ktp = _pow2(qs), _pow2(n * q)
+  fp = _pow2(qs)
   p = p_ref[0]
   f = jnp.arange(fp)                   # flattened (state, symbol) pair
   f_ok = f < qs
   f_st, f_sy = f // s, f % s           # (q, x) or (s, z) of a pair
   row = f                              # α rows (r, y), r·S + y
   r_of, y_of = row // s, row % s
-  kt = jnp.arange(ktp)                 # (column k, state t), k·Q + t
-  kt_ok = kt < n * q
-  k_of, t_of = kt // q, kt % q
 
   def tab(y, k, t, i_q_x):
     """Flat index of G[b, y, k, t, (i, q, x)] (i_q_x = the row index)."""
@@ -131,15 +131,31 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   a_rep = jnp.where(ok_r, a_prev + jnp.log(jnp.where(ok_r, c_prev, 1.0)),
                     _NEG_INF)
   # c_left[y, k, t] (columns k < p) and column p's entries on row (k, t, y)
-  # for every pair (s, z): prev_t[y][(s, z), (k, t)] = H_{k,j−1}[t,y,s,z].
-  left = kt_ok & (k_of < p)
+  # for every pair (s, z): prev_t[y][(s, z), (k, t)] = H_{k,j−1}[t,y,s,z],
+  # in chunks of KT_CHUNK pairs (k, t), as loops in the kernel (registers).
+  n_kc = -(-(n * q) // KT_CHUNK)
+  live_kc = (p * q + KT_CHUNK - 1) // KT_CHUNK    # the chunks with k < p
+
+  def kt_chunk(y, c):
+    """Chunk c of pairs (k, t): the pairs, which have k < p, c_left."""
+    kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
+    kc_left = (kc < n * q) & (kc // q < p)
+    return kc, kc_left, _load(cs_in_ref, cs_at(y, kc // q, kc % q), kc_left,
+                              0.0)
+
+  def prev_t(y, kc, kc_left):                                       # [F,KC]
+    return _load(g_in_ref, tab(f_sy[:, None], p, f_st[:, None],
+                               kc[None, :] * s + y),
+                 f_ok[:, None] & kc_left[None, :], 0.0)
+
   w_rows = []
   for y in range(s):
-    c_left = _load(cs_in_ref, cs_at(y, k_of, t_of), left, 0.0)        # [KT]
-    idx = tab(f_sy[:, None], p, f_st[:, None],
-              (k_of[None, :] * q + t_of[None, :]) * s + y)
-    pt = _load(g_in_ref, idx, f_ok[:, None] & kt_ok[None, :], 0.0)  # [F,KT]
-    w_rows.append(jnp.sum(pt * c_left[None, :], axis=1))              # [F]
+
+    def w_chunk(c, acc, y=y):
+      kc, kc_left, c_left = kt_chunk(y, c)
+      return acc + jnp.sum(prev_t(y, kc, kc_left) * c_left[None, :], axis=1)
+    w_rows.append(jax.lax.fori_loop(0, live_kc, w_chunk,
+                                    jnp.zeros((fp,), dtype)))          # [F]
   # The three families of terms on [rows (r, y), F]: push from (q, x),
   # replace and pop from (s, z).
   rf_ok = (row < qs)[:, None] & f_ok[None, :]
@@ -206,10 +222,9 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   # Only the triangle: column j's rows are i ≤ j − 1 (axis indices ≤ p; a
   # segment starts before it ends), so later row tiles are left as the
   # table has them (zero: a sweep's fresh column), and M̃ is zero at
-  # columns k ≥ p, so the pop product reads G's columns k < p only. Both
-  # counts are traced: a third of the full rectangle's reads on average.
+  # columns k ≥ p, so the pop product reads G's columns k < p only (the
+  # live_kc chunks). Both counts are traced: a third of the full rectangle's reads on average.
   live_tiles = ((p + 1) * qs + ROW_TILE - 1) // ROW_TILE
-  live_chunks = (p * q + KT_CHUNK - 1) // KT_CHUNK
   # This program's symbol y: its kernels as [r, pair] (rows (r, y) of the
   # families), M̃ and column j's rows of symbol y.
   y = y_own
@@ -218,17 +233,19 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
     sel = (row[None, :, None] == (r_idx * s + y)[:, None, None])
     return jnp.sum(jnp.where(sel, kern[None, :, :], 0.0), axis=1)    # [R,F]
   kr_y, kp_y, kpu_y = rows_of(k_rep), rows_of(k_pop), rows_of(k_push)
-  c_left_y = _load(cs_in_ref, cs_at(y, k_of, t_of), left, 0.0)       # [KT]
-  prev_t_y = _load(g_in_ref, tab(f_sy[:, None], p, f_st[:, None],
-                                 (k_of[None, :] * q + t_of[None, :]) * s + y),
-                   f_ok[:, None] & kt_ok[None, :], 0.0)               # [F,KT]
   # M̃_k[t, y, r] = Σ_{s,z} H_{k,j−1}[t,y,s,z] K^P[y,s,z,r], zero where
-  # c_k flushed (and for k ≥ p).
-  mt = jnp.sum(kp_y[:, :, None] * prev_t_y[None, :, :], axis=1)     # [R,KT]
-  mt = jnp.where((c_left_y > flush)[None, :], mt, 0.0)
+  # c_k flushed (and for k ≥ p: written too, it is a residual).
   r_ok = (r_idx < q)[:, None]
-  _store(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q) + kt[None, :],
-         mt, r_ok & kt_ok[None, :])
+
+  def mt_chunk(c, carry):
+    kc, kc_left, c_left = kt_chunk(y, c)
+    mt = jnp.sum(kp_y[:, :, None] * prev_t(y, kc, kc_left)[None, :, :],
+                 axis=1)                                            # [R,KC]
+    mt = jnp.where((c_left > flush)[None, :], mt, 0.0)
+    _store(mt_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q)
+           + kc[None, :], mt, r_ok & (kc < n * q)[None, :])
+    return carry
+  jax.lax.fori_loop(0, n_kc, mt_chunk, 0)
   # The pop product reads M̃ back in chunks (a value cannot be sliced in
   # Triton): make this program's stores visible to all of its threads
   # (the interpreter runs one thread and has no barrier).
@@ -258,7 +275,7 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
                                li[None, :]),
                  kc_ok[:, None] & l_ok[None, :], 0.0)                 # [KC,L]
       return acc + jnp.sum(mtc[:, :, None] * gc[None, :, :], axis=1)
-    col = jax.lax.fori_loop(0, live_chunks, chunk, col)
+    col = jax.lax.fori_loop(0, live_kc, chunk, col)
     _store(g_ref, tab(y, p + 1, r_idx[:, None], li[None, :]), col,
            r_ok & l_ok[None, :])
     return total + jnp.sum(jnp.where(l_ok[None, :], col, 0.0), axis=1)
@@ -345,16 +362,27 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
   r_idx = jnp.arange(rp)
   r_ok = (r_idx < q)[:, None]
   n_tiles = -(-nl // ROW_TILE)
-  tiles = [t * ROW_TILE + jnp.arange(ROW_TILE) for t in range(n_tiles)]
+  dtype = w_next_ref.dtype
+
+  def rows_of_tile(t):
+    li = t * ROW_TILE + jnp.arange(ROW_TILE)
+    return li, li < nl
+
+  # Every loop below is a loop in the kernel, not unrolled in Python: the
+  # program stays small (registers, compile time).
   # W_{j+1} (the cotangent of column j + 1) into its rows of the W table,
   # written one update late as in the XLA sweep.
   w_row = (jnp.minimum(j + 1, num_steps) - row0) * q
-  for li in tiles:
-    l_ok = (li < nl)[None, :]
+
+  def write_w(t, carry):
+    li, l_ok = rows_of_tile(t)
+    ok = r_ok & l_ok[None, :]
     val = _load(w_next_ref, (by * q + r_idx[:, None]) * nl + li[None, :],
-                r_ok & l_ok, 0.0)
+                ok, 0.0)
     _store(w_ref, (by * rows + w_row + r_idx[:, None]) * nl + li[None, :],
-           val, r_ok & l_ok)
+           val, ok)
+    return carry
+  jax.lax.fori_loop(0, n_tiles, write_w, 0)
   if barrier:                           # its rows are read back below
     plt.debug_barrier()
   # Column j's cotangent: the later updates' pops through it (M̃_{j'}[k]
@@ -366,11 +394,11 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
   first_row = jnp.maximum((k + 1 - row0) * q, 0)
   first_wc = first_row // KT_CHUNK
   cs_k = _load(cs_bar_ref, (by * n + k) * q + r_idx, r_idx < q, 0.0)  # [R]
-  col_cts = []
-  for li in tiles:
-    l_ok = li < nl
 
-    def w_chunk(c, acc, li=li, l_ok=l_ok):
+  def col_ct_tile(t, carry):
+    li, l_ok = rows_of_tile(t)
+
+    def w_chunk(c, acc):
       jr = c * KT_CHUNK + jnp.arange(KT_CHUNK)
       jr_ok = (jr < rows) & (jr >= first_row)
       e = _load(e_ref, ((by * n + k) * q + r_idx[:, None]) * rows
@@ -379,31 +407,39 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
                 jr_ok[:, None] & l_ok[None, :], 0.0)                # [C,L]
       return acc + jnp.sum(e[:, :, None] * w[None, :, :], axis=1)
     left = jax.lax.fori_loop(first_wc, n_wc, w_chunk,
-                             jnp.zeros((rp, ROW_TILE), w_next_ref.dtype))
+                             jnp.zeros((rp, ROW_TILE), dtype))
     idx = (by * q + r_idx[:, None]) * nl + li[None, :]
     ok = r_ok & l_ok[None, :]
     col_ct = (_load(prev_hat_ref, idx, ok, 0.0) + left
               + cs_k[:, None])
-    col_ct = jnp.where(ok, col_ct, 0.0)
-    _store(col_ct_ref, idx, col_ct, ok)
-    col_cts.append(col_ct)
+    _store(col_ct_ref, idx, jnp.where(ok, col_ct, 0.0), ok)
+    return carry
+  jax.lax.fori_loop(0, n_tiles, col_ct_tile, 0)
+  if barrier:                           # col_ct is read back below
+    plt.debug_barrier()
   # M̃_j's cotangent: Σ_{i,q,x} G[(k', t), (i, q, x)] col_ct[r, (i, q, x)],
   # at the columns k' < j only (axis indices; M̃_j is zero at the others,
   # so their cotangent is unused: written as zero), and over the rows
-  # i < k' < j only (G's triangle: the loads of later rows are masked
-  # off, so they read no memory).
+  # i < k' < j only (G's triangle).
   n_kc = -(-(n * q) // KT_CHUNK)
   live_kt = j * q
+  live_rows = j * q * s
+  live_tiles = (live_rows + ROW_TILE - 1) // ROW_TILE
 
   def kt_chunk(c, carry):
     kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
     kc_ok = kc < n * q
-    acc = jnp.zeros((rp, KT_CHUNK), w_next_ref.dtype)
-    for li, col_ct in zip(tiles, col_cts):
-      live = (li < nl) & (li < j * q * s)
+
+    def tile(t, acc):
+      li, l_ok = rows_of_tile(t)
+      live = l_ok & (li < live_rows)
+      col_ct = _load(col_ct_ref, (by * q + r_idx[:, None]) * nl + li[None, :],
+                     r_ok & live[None, :], 0.0)                     # [R,L]
       g = _load(g_ref, (by * n * q + kc[:, None]) * nl + li[None, :],
                 (kc < live_kt)[:, None] & live[None, :], 0.0)       # [KC,L]
-      acc = acc + jnp.sum(col_ct[:, None, :] * g[None, :, :], axis=2)
+      return acc + jnp.sum(col_ct[:, None, :] * g[None, :, :], axis=2)
+    acc = jax.lax.fori_loop(0, live_tiles, tile,
+                            jnp.zeros((rp, KT_CHUNK), dtype))
     _store(mt_ct_ref, (by * q + r_idx[:, None]) * (n * q) + kc[None, :],
            acc, r_ok & kc_ok[None, :])
     return carry
@@ -413,8 +449,7 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
   def zero_chunk(c, carry):
     kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
     _store(mt_ct_ref, (by * q + r_idx[:, None]) * (n * q) + kc[None, :],
-           jnp.zeros((rp, KT_CHUNK), w_next_ref.dtype),
-           r_ok & (kc < n * q)[None, :])
+           jnp.zeros((rp, KT_CHUNK), dtype), r_ok & (kc < n * q)[None, :])
     return carry
   jax.lax.fori_loop(live_chunks, n_kc, zero_chunk, 0)
 
@@ -475,7 +510,7 @@ def _local_bwd_kernel(p_ref, prev_ref, cs_ref, a_hat_ref, res_ref, w_ref,
   dtype = a_hat_ref.dtype
   flush = rns_stack._flush(dtype)  # pylint: disable=protected-access
   qs, nl = q * s, n * q * s
-  fp, ktp, rp = _pow2(qs), _pow2(n * q), _pow2(q)
+  fp, rp = _pow2(qs), _pow2(q)
   p = p_ref[0]
   f = jnp.arange(fp)                   # pair (s, z) or (q, x): s·S + z
   f_ok = f < qs
@@ -485,13 +520,14 @@ def _local_bwd_kernel(p_ref, prev_ref, cs_ref, a_hat_ref, res_ref, w_ref,
   r_of, y_of = row // s, row % s
   rf_ok = row_ok[:, None] & f_ok[None, :]
   r_idx = jnp.arange(rp)
-  kt = jnp.arange(ktp)                 # (column k, state t): k·Q + t
-  kt_ok = kt < n * q
-  left = kt_ok & (kt // q < p)
-  # Half tiles: the replace mix's products are [pairs, pairs, rows].
-  tile_n = ROW_TILE // 2
+  # The replace mix's products are [pairs, pairs, rows]: tiles of rows
+  # sized so that one holds at most MIX_TILE_ELEMENTS (registers).
+  tile_n = max(1, min(ROW_TILE, MIX_TILE_ELEMENTS // (fp * fp)))
   n_tiles = -(-nl // tile_n)
-  tiles = [t * tile_n + jnp.arange(tile_n) for t in range(n_tiles)]
+
+  def rows_of_tile(t):
+    li = t * tile_n + jnp.arange(tile_n)
+    return li, li < nl
 
   def prev_at(pair, rows):             # prev[b, z, s, rows] of pair (s, z)
     return ((b * s + pair % s) * q + pair // s) * nl + rows
@@ -517,42 +553,61 @@ def _local_bwd_kernel(p_ref, prev_ref, cs_ref, a_hat_ref, res_ref, w_ref,
   push_ct = _load(col_ct_ref, ((b * s + y_of[:, None]) * q + r_of[:, None])
                   * nl + p * qs + f[None, :], rf_ok, 0.0)        # [row, F]
   c_prev = _load(cs_ref, ((b * s + f_sy) * n + p) * q + f_st, f_ok, 0.0)
-  # The replace mix: K^R's cotangent Σ_rows col_ct ⊗ prev, and prev's
-  # (kept per tile, added below).
+  # The replace mix: K^R's cotangent Σ_rows col_ct ⊗ prev over the rows
+  # i < p of prev (column p's triangle: the later rows are zero), and
+  # prev's (added at the end). Loops in the kernel, not unrolled: the
+  # program stays small (registers, compile time).
   k_rep = fams[1][0]
-  k_rep_ct = jnp.zeros((fp, fp), dtype)
-  d_prev_rep = []
-  for li in tiles:
-    l_ok = li < nl
-    colt = _load(col_ct_ref, ((b * s + y_of[:, None]) * q + r_of[:, None])
+
+  def col_ct_rows(li, l_ok):
+    return _load(col_ct_ref, ((b * s + y_of[:, None]) * q + r_of[:, None])
                  * nl + li[None, :], row_ok[:, None] & l_ok[None, :], 0.0)
+
+  def rep_ct_tile(t, acc):
+    li, l_ok = rows_of_tile(t)
     prevt = _load(prev_ref, prev_at(f[:, None], li[None, :]),
                   f_ok[:, None] & l_ok[None, :], 0.0)            # [F, L]
-    k_rep_ct = k_rep_ct + jnp.sum(colt[:, None, :] * prevt[None, :, :],
-                                  axis=2)
-    d_prev_rep.append(jnp.sum(k_rep[:, :, None] * colt[:, None, :], axis=0))
-  # The pop mix, per symbol y: K^P's cotangent and prev_t's.
+    return acc + jnp.sum(col_ct_rows(li, l_ok)[:, None, :]
+                         * prevt[None, :, :], axis=2)
+  k_rep_ct = jax.lax.fori_loop(0, (p * qs + tile_n - 1) // tile_n,
+                               rep_ct_tile, jnp.zeros((fp, fp), dtype))
+  # The pop mix, per symbol y, over chunks of the (column, state) pairs
+  # (k, t): K^P's cotangent Σ_{k,t} M̃'s cotangent ⊗ prev_t, where M̃_j
+  # lives (k < p; the first loop stops there), and below, prev_t's.
   k_pop = fams[2][0]
-  k_pop_ct = jnp.zeros((fp, fp), dtype)
-  prev_ts, c_lefts, prev_t_cts = [], [], []
-  for y in range(s):
-    c_left = _load(cs_ref, ((b * s + y) * n + kt // q) * q + kt % q, left,
-                   0.0)                                          # [KT]
-    prev_t = _load(prev_ref, prev_at(f[:, None], kt[None, :] * s + y),
-                   f_ok[:, None] & kt_ok[None, :], 0.0)          # [F, KT]
+  n_kc = -(-(n * q) // KT_CHUNK)
+  live_kc = (p * q + KT_CHUNK - 1) // KT_CHUNK
+
+  def pop_chunk(y, c):
+    """Chunk c of pairs (k, t): pairs, in range, k < p, c_k, prev_t
+    [F, KC] and M̃'s cotangent [R, KC] (zero where c_k flushed)."""
+    kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
+    kc_ok = kc < n * q
+    kc_left = kc_ok & (kc // q < p)
+    c_left = _load(cs_ref, ((b * s + y) * n + kc // q) * q + kc % q, kc_left,
+                   0.0)
+    prev_t = _load(prev_ref, prev_at(f[:, None], kc[None, :] * s + y),
+                   f_ok[:, None] & kc_ok[None, :], 0.0)
     mt_ct = _load(mt_ct_ref, ((b * s + y) * q + r_idx[:, None]) * (n * q)
-                  + kt[None, :], (r_idx < q)[:, None] & kt_ok[None, :], 0.0)
-    mt_ct = jnp.where((c_left > flush)[None, :], mt_ct, 0.0)     # [R, KT]
-    kp_ct_y = jnp.sum(mt_ct[:, None, :] * prev_t[None, :, :], axis=2)  # [R,F]
+                  + kc[None, :], (r_idx < q)[:, None] & kc_ok[None, :], 0.0)
+    mt_ct = jnp.where((c_left > flush)[None, :], mt_ct, 0.0)
+    return kc, kc_ok, kc_left, c_left, prev_t, mt_ct
+
+  k_pop_ct = jnp.zeros((fp, fp), dtype)
+  kp_ys = []
+  for y in range(s):
+
+    def kp_ct_chunk(c, acc, y=y):
+      *_, prev_t, mt_ct = pop_chunk(y, c)
+      return acc + jnp.sum(mt_ct[:, None, :] * prev_t[None, :, :], axis=2)
+    kp_ct_y = jax.lax.fori_loop(0, live_kc, kp_ct_chunk,
+                                jnp.zeros((rp, fp), dtype))       # [R, F]
     sel = ((r_of[:, None] == r_idx[None, :]) & (y_of == y)[:, None])
     k_pop_ct = k_pop_ct + jnp.sum(
         jnp.where(sel[:, :, None], kp_ct_y[None, :, :], 0.0), axis=1)
-    kp_y = jnp.sum(jnp.where(
+    kp_ys.append(jnp.sum(jnp.where(
         (row[None, :, None] == (r_idx * s + y)[:, None, None]),
-        k_pop[None, :, :], 0.0), axis=1)                         # [R, F]
-    prev_t_cts.append(jnp.sum(kp_y[:, :, None] * mt_ct[:, None, :], axis=0))
-    prev_ts.append(prev_t)
-    c_lefts.append(c_left)
+        k_pop[None, :, :], 0.0), axis=1))                        # [R, F]
   # Through kern = exp(x) and a_j = logsumexp(terms).
   kern_cts = (push_ct, k_rep_ct, k_pop_ct)
   x_cts = [kc * fam[1] for kc, fam in zip(kern_cts, fams)]
@@ -573,27 +628,40 @@ def _local_bwd_kernel(p_ref, prev_ref, cs_ref, a_hat_ref, res_ref, w_ref,
                            acts_cts[2][None, :, :], 0.0), axis=1)   # [R, F]
   _store(d_po_ref, (b * qs + f[None, :]) * q + r_idx[:, None], d_po,
          (r_idx < q)[:, None] & f_ok[None, :])
-  # W's cotangent per y, then prev_t's share of d_prev and the column sums'.
+  # W's cotangent per y, then prev_t's share of d_prev and the column
+  # sums', chunk by chunk (zero at k ≥ p, written too).
   for y in range(s):
     w = _load(w_ref, (b * s + y) * qs + f, f_ok, 0.0)
     lhs_ct = jnp.sum(jnp.where((y_of == y)[:, None], terms_cts[2], 0.0),
                      axis=0)                                     # [F]
     ok_w = w > flush
     w_ct = jnp.where(ok_w, lhs_ct / jnp.where(ok_w, w, 1.0), 0.0)
-    pt_ct = prev_t_cts[y] + w_ct[:, None] * c_lefts[y][None, :]  # [F, KT]
-    _store(d_prev_ref, prev_at(f[:, None], kt[None, :] * s + y), pt_ct,
-           f_ok[:, None] & kt_ok[None, :])
-    c_left_ct = jnp.sum(prev_ts[y] * w_ct[:, None], axis=0)      # [KT]
-    _store(d_cs_ref, ((b * s + y) * n + kt // q) * q + kt % q,
-           jnp.where(left, c_left_ct, 0.0), kt_ok)
+
+    def prev_t_ct_chunk(c, carry, y=y, w_ct=w_ct):
+      kc, kc_ok, kc_left, c_left, prev_t, mt_ct = pop_chunk(y, c)
+      pt_ct = (jnp.sum(kp_ys[y][:, :, None] * mt_ct[:, None, :], axis=0)
+               + w_ct[:, None] * c_left[None, :])                # [F, KC]
+      _store(d_prev_ref, prev_at(f[:, None], kc[None, :] * s + y), pt_ct,
+             f_ok[:, None] & kc_ok[None, :])
+      c_left_ct = jnp.sum(prev_t * w_ct[:, None], axis=0)        # [KC]
+      _store(d_cs_ref, ((b * s + y) * n + kc // q) * q + kc % q,
+             jnp.where(kc_left, c_left_ct, 0.0), kc_ok)
+      return carry
+    jax.lax.fori_loop(0, n_kc, prev_t_ct_chunk, 0)
   if barrier:                      # both are added to just below
     plt.debug_barrier()
   # d_cs[z, p, s] += c_prev_ct[(s, z)] (column p is not in `left`: 0 so far).
   _store(d_cs_ref, ((b * s + f_sy) * n + p) * q + f_st, c_prev_ct, f_ok)
-  for li, rep in zip(tiles, d_prev_rep):
+
+  def add_rep_tile(t, carry):
+    li, l_ok = rows_of_tile(t)
+    rep = jnp.sum(k_rep[:, :, None] * col_ct_rows(li, l_ok)[:, None, :],
+                  axis=0)                                        # [F, L]
     idx = prev_at(f[:, None], li[None, :])
-    ok = f_ok[:, None] & (li < nl)[None, :]
+    ok = f_ok[:, None] & l_ok[None, :]
     _store(d_prev_ref, idx, _load(d_prev_ref, idx, ok, 0.0) + rep, ok)
+    return carry
+  jax.lax.fori_loop(0, n_tiles, add_rep_tile, 0)
 
 
 def local_bwd(prev, cs, p, a_hat, res, cts, interpret=None):

@@ -1,0 +1,52 @@
+"""benchmarks/kernel_resources.py captures the stack kernels' Triton IR.
+
+Oracles: each kernel lowers to one Triton function of its own name; and
+the IR does not grow with the sequence length, which is what keeps every
+loop over rows and columns a loop in the kernel (a loop unrolled in Python
+repeats its loads once per tile: the kernels then took 60 s to compile
+for a GPU and used all 255 registers). Compiling for a GPU needs the
+`triton` package, which CI does not install; that test skips without it.
+"""
+
+import pytest
+
+KERNELS = {"forward_update": "_update_kernel",
+           "backward_table_update": "_backward_table_kernel",
+           "local_bwd": "_local_bwd_kernel"}
+
+
+@pytest.fixture(scope="module")
+def kernel_resources(load_benchmark):
+  return load_benchmark("kernel_resources")
+
+
+@pytest.fixture(scope="module")
+def ir_by_length(kernel_resources):
+  """{length: {kernel: Triton IR}} at Q = S = 2, batch 2."""
+  out = {}
+  for length in (6, 30):
+    calls = kernel_resources.kernel_calls(2, 2, length, 2)
+    out[length] = {name: kernel_resources.triton_ir(fn, shapes)
+                   for name, (fn, shapes) in calls.items()}
+  return out
+
+
+def test_each_kernel_is_one_triton_function(ir_by_length):
+  for name, ir in ir_by_length[6].items():
+    assert ir.count("tt.func public") == 1
+    assert f"@{KERNELS[name]}(" in ir
+
+
+def test_kernel_code_does_not_grow_with_the_length(ir_by_length):
+  for name in KERNELS:
+    loads = [ir_by_length[n][name].count("tt.load") for n in (6, 30)]
+    assert loads[0] == loads[1] > 0, (name, loads)
+
+
+def test_kernels_compile_for_a_hopper_gpu(kernel_resources, ir_by_length):
+  triton = pytest.importorskip("triton")
+  for name, ir in ir_by_length[6].items():
+    usage = kernel_resources.compile_for_gpu(triton, ir, num_warps=4,
+                                             arch=90)
+    assert 0 < usage["reg"] <= 255, name
+    assert usage["local"] == 0, (name, usage)   # no spilled registers
