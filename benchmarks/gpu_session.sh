@@ -169,7 +169,7 @@ for p in "${phases[@]}"; do
     pallas)
       bench "NS train step, the stack's updates as Pallas kernels" 210 -- \
         $TS --models=ns33,ns22 --pallas_kernels --repeats=7 \
-        --kernel_tiles="${KERNEL_TILES:-64x16x4,128x16x8,256x16x8,128x32x8}" \
+        --kernel_tiles="${KERNEL_TILES:-64x16x4,128x16x8,64x16x8}" \
         --out "$OUT/train_step_gpu_pallas_kernels.json" ;;
     pallas_profile)
       bench "profile of the NS step on the Pallas kernels" 90 -- \

@@ -21,7 +21,8 @@ Needs the `triton` package, which the project does not depend on (about
   python -m pip install --target /tmp/triton triton
   python benchmarks/kernel_resources.py --triton_path=/tmp/triton \\
       [--qs=2,3] [--length=80] [--batch=10] \\
-      [--kernel_tiles=128x32x4,64x16x4,...] [--arch=90] \\
+      [--kernel_tiles=128x32x4,64x16x4,...] [--baseline_ref=REF] \\
+      [--arch=90] \\
       [--out=benchmarks/results/kernel_resources.json]
 
 --kernel_tiles takes ROWSxCHUNKxWARPS triples (stack_kernels.ROW_TILE,
@@ -34,6 +35,7 @@ block.
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -87,21 +89,23 @@ def captured_triton_ir():
     reg.lowering.lower_jaxpr_to_triton_module = build
 
 
-def kernel_calls(q, s, length, batch, dtype=jnp.float32):
+def kernel_calls(q, s, length, batch, dtype=jnp.float32,
+                 kernels=stack_kernels):
   """{kernel name: (function, argument shapes)} at a train step's sizes.
 
   The table has length + 1 time points (N); the backward's W table holds
-  every update's rows (one block); p and j are traced.
+  every update's rows (one block); p and j are traced. `kernels`: the
+  module (stack_kernels, or an older version of it).
   """
   n = length + 1
   rows = length * q
   shape = lambda *sh: jax.ShapeDtypeStruct(sh, dtype)
   index = jax.ShapeDtypeStruct((), jnp.int32)
   column = shape(batch, s, q, n, q, s)               # [B, Y, R, N, Q, X]
-  forward = functools.partial(stack_kernels.forward_update, interpret=False)
-  backward = functools.partial(stack_kernels.backward_table_update,
+  forward = functools.partial(kernels.forward_update, interpret=False)
+  backward = functools.partial(kernels.backward_table_update,
                                row0=1, num_steps=length, interpret=False)
-  local_bwd = functools.partial(stack_kernels.local_bwd, interpret=False)
+  local_bwd = functools.partial(kernels.local_bwd, interpret=False)
   return {
       "forward_update": (forward, (
           shape(batch, s, n, q, n, q, s), shape(batch, s, n, q), index,
@@ -166,6 +170,24 @@ def compile_for_gpu(triton, ir_text, num_warps, arch, num_stages=3):
   return usage
 
 
+def load_kernels_at(ref):
+  """nsrnn_jax/stack_kernels.py as of git `ref`, imported as a module of
+  its own (None if the file is not there); its imports of the package
+  resolve to the current code."""
+  import train_step
+  source = train_step._file_at(ref, "nsrnn_jax/stack_kernels.py")  # pylint: disable=protected-access
+  if source is None:
+    return None
+  path = os.path.join(tempfile.mkdtemp(), "stack_kernels_baseline.py")
+  with open(path, "w") as f:
+    f.write(source)
+  spec = importlib.util.spec_from_file_location("stack_kernels_baseline",
+                                                path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--triton_path", default=None,
@@ -174,9 +196,12 @@ def main():
                       help="comma-separated Q = S sizes")
   parser.add_argument("--length", type=int, default=80)
   parser.add_argument("--batch", type=int, default=10)
-  parser.add_argument("--kernel_tiles", default="64x16x4,128x16x8,256x16x8,"
-                      "128x32x8", help="ROWSxCHUNKxWARPS triples besides the "
+  parser.add_argument("--kernel_tiles", default="64x16x4,128x16x8,64x16x8",
+                      help="ROWSxCHUNKxWARPS triples besides the "
                       "default tiles")
+  parser.add_argument("--baseline_ref", default=None,
+                      help="also compile stack_kernels.py as of this git "
+                      "ref, at its own default tiles")
   parser.add_argument("--arch", type=int, default=90,
                       help="CUDA compute capability, e.g. 90 (H100/H200)")
   parser.add_argument("--out", default=os.path.join(
@@ -202,6 +227,14 @@ def main():
   default = (stack_kernels.ROW_TILE, stack_kernels.KT_CHUNK,
              stack_kernels.NUM_WARPS)
   tiles = [default] + [t for t in tiles if t != default]
+  versions = [("current", stack_kernels, tiles)]
+  if args.baseline_ref:
+    old = load_kernels_at(args.baseline_ref)
+    if old is None:
+      parser.error(f"--baseline_ref {args.baseline_ref}: no "
+                   "nsrnn_jax/stack_kernels.py at that ref")
+    versions.insert(0, (f"baseline {args.baseline_ref}", old,
+                        [(old.ROW_TILE, old.KT_CHUNK, old.NUM_WARPS)]))
   if (not sizes or min(sizes) < 1 or
       any(len(t) != 3 or min(t) < 1 or any(v & (v - 1) for v in t)
           for t in tiles)):
@@ -221,19 +254,20 @@ def main():
   print(f"Pallas stack kernels compiled for {out['target']} (triton "
         f"{triton.__version__}, jax {jax.__version__}) on "
         f"{out['device']}; batch {args.batch}, n = {args.length}")
-  print(f"{'Q=S':>3s} {'tiles':>10s}  {'kernel':22s} {'regs':>4s} "
+  print(f"{'code':>16s} {'Q=S':>3s} {'tiles':>10s}  {'kernel':22s} {'regs':>4s} "
         f"{'spill B':>7s} {'shared B':>8s} {'progs/SM':>8s} {'compile':>8s}")
-  for qs in sizes:
-    for rows, chunk, warps in tiles:
+  for (code, kernels, version_tiles), qs in (
+      (v, qs) for qs in sizes for v in versions):
+    for rows, chunk, warps in version_tiles:
       patches = {"ROW_TILE": rows, "KT_CHUNK": chunk, "NUM_WARPS": warps}
-      saved = {k: getattr(stack_kernels, k) for k in patches}
+      saved = {k: getattr(kernels, k) for k in patches}
       for k, v in patches.items():
-        setattr(stack_kernels, k, v)
+        setattr(kernels, k, v)
       try:
         for name, (fn, shapes) in kernel_calls(
-            qs, qs, args.length, args.batch).items():
-          row = {"q": qs, "s": qs, "kernel": name, "row_tile": rows,
-                 "kt_chunk": chunk, "num_warps": warps}
+            qs, qs, args.length, args.batch, kernels=kernels).items():
+          row = {"code": code, "q": qs, "s": qs, "kernel": name,
+                 "row_tile": rows, "kt_chunk": chunk, "num_warps": warps}
           try:
             row.update(compile_for_gpu(triton, triton_ir(fn, shapes), warps,
                                        args.arch))
@@ -245,11 +279,11 @@ def main():
             row["error"] = f"{type(e).__name__}: {e}"[:500]
             line = "failed: " + row["error"][:120]
           out["kernels"].append(row)
-          print(f"{qs:3d} {f'{rows}/{chunk}/{warps}':>10s}  {name:22s} "
-                f"{line}", flush=True)
+          print(f"{code:>16s} {qs:3d} {f'{rows}/{chunk}/{warps}':>10s}  "
+                f"{name:22s} {line}", flush=True)
       finally:
         for k, v in saved.items():
-          setattr(stack_kernels, k, v)
+          setattr(kernels, k, v)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
