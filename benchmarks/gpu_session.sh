@@ -42,6 +42,8 @@
 #              the default tiles and at each of KERNEL_TILES (ROW_TILE x
 #              KT_CHUNK x NUM_WARPS triples)
 #   pallas_profile  the profile of the NS step on the Pallas kernels
+#   pallas_scale    20 vmapped NS-RNNs at length 80 on the Pallas kernels
+#              (pallas_call batched over the model axis by vmap)
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -50,7 +52,7 @@
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
 # profile_step_gpu.json, ..._contractions_by_sum.json,
 # profile_step_gpu_reduce_all.json, train_step_gpu_pallas_kernels.json,
-# profile_step_gpu_pallas.json). Copy them to
+# profile_step_gpu_pallas.json, scale_gpu_pallas.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # Installs nothing beyond the package: the wheels in ./.whl that the image
@@ -64,9 +66,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile pallas_scale)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile|pallas_scale) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -175,6 +177,11 @@ for p in "${phases[@]}"; do
       bench "profile of the NS step on the Pallas kernels" 90 -- \
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --update_kernels=pallas --out "$OUT/profile_step_gpu_pallas.json" ;;
+    pallas_scale)
+      bench "scale: 20 vmapped NS-RNNs on the Pallas kernels" 90 -- \
+        benchmarks/scale.py --ks=20 --lengths=80 --steps=4 --repeats=3 \
+        --skip_devices --update_kernels=pallas \
+        --out "$OUT/scale_gpu_pallas.json" ;;
   esac
 done
 log "done"

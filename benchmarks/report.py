@@ -446,7 +446,9 @@ def scale_table():
   """K vmapped models vs K sequential runs (benchmarks/scale.py)."""
   lines = []
   unrolled = sorted(os.path.basename(p) for p in glob.glob(
-      os.path.join(RESULTS, "scale_gpu_unroll*.json")))
+      os.path.join(RESULTS, "scale_gpu_unroll*.json"))) + sorted(
+          os.path.basename(p) for p in glob.glob(
+              os.path.join(RESULTS, "scale_gpu_pallas*.json")))
   for name in ["scale_cpu.json", "scale_gpu.json", "scale_gpu_h200.json"] + \
       unrolled:
     d = _load(name)
@@ -459,6 +461,8 @@ def scale_table():
            f"all models at length {d['length']}")
     if "scan_unroll" in d:
       how += f", scan unroll {d['scan_unroll']}"
+    if d.get("update_kernels", "xla") != "xla":
+      how += ", the stack's updates as Pallas kernels"
     if not lines:
       lines += ["K NS-RNNs (Q=S=2, batch 10) vmapped in one program vs the "
                 "same K trained one after another (`scale.py`):", "",

@@ -43,6 +43,7 @@ import machine
 from configs import default
 from nsrnn_jax import grid
 from nsrnn_jax import parallel
+from nsrnn_jax import rns_stack
 from nsrnn_jax import train
 
 BATCH = 10
@@ -184,9 +185,16 @@ def main():
   parser.add_argument("--skip_devices", action="store_true")
   parser.add_argument("--scan_unroll", type=int, default=1,
                       help="config.scan_unroll of the models (K axis only)")
+  parser.add_argument("--update_kernels", default="xla",
+                      choices=rns_stack.UPDATE_KERNEL_MODES,
+                      help="rns_stack.UPDATE_KERNELS: 'pallas' runs the "
+                      "stack's updates as Pallas kernels (stack_kernels; "
+                      "GPUs), batched over K by vmap (K axis only)")
   parser.add_argument("--out", default=None,
                       help="default results/scale_<backend>.json")
   args = parser.parse_args()
+  # Read when the steps are traced, all of them after this.
+  rns_stack.UPDATE_KERNELS = args.update_kernels
   if args.devices_child:
     bench_devices_child(args.length, args.steps, args.repeats)
     return
@@ -206,6 +214,7 @@ def main():
                  "lengths": lengths, "length": args.length, "batch": BATCH,
                  "steps": args.steps, "repeats": args.repeats,
                  "scan_unroll": args.scan_unroll,
+                 "update_kernels": args.update_kernels,
                  "single_step_s_by_length": {
                      str(n): t for n, t in t_single.items()},
                  "model_axis": model_rows, "devices": list(device_rows)},
@@ -215,6 +224,7 @@ def main():
                                           args.repeats, save,
                                           args.scan_unroll)
   print(f"NS-RNN Q=S=2, batch {BATCH}, scan unroll {args.scan_unroll}, "
+        f"stack updates {args.update_kernels}, "
         f"lengths drawn from {lengths}, "
         f"{machine.device_label(info)}")
   print(f"{'K':>3} {'vmapped s/step':>15} {'vmapped str/s':>14} "
