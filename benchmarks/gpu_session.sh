@@ -40,7 +40,8 @@
 #              kernels (rns_stack.UPDATE_KERNELS = "pallas",
 #              nsrnn_jax/stack_kernels.py) against the XLA updates, at
 #              the default tiles and at each of KERNEL_TILES (ROW_TILE x
-#              KT_CHUNK x NUM_WARPS triples)
+#              KT_CHUNK x NUM_WARPS triples; a trailing g: a program per
+#              row tile, stack_kernels.ROW_GRID)
 #   pallas_profile  the profile of the NS step on the Pallas kernels
 #   pallas_scale    20 vmapped NS-RNNs at length 80 on the Pallas kernels
 #              (pallas_call batched over the model axis by vmap)
@@ -171,7 +172,7 @@ for p in "${phases[@]}"; do
     pallas)
       bench "NS train step, the stack's updates as Pallas kernels" 210 -- \
         $TS --models=ns33,ns22 --pallas_kernels --repeats=7 \
-        --kernel_tiles="${KERNEL_TILES:-64x16x4,128x16x8,64x16x8}" \
+        --kernel_tiles="${KERNEL_TILES:-64x16x4,128x16x8,64x16x4g,128x16x4g}" \
         --out "$OUT/train_step_gpu_pallas_kernels.json" ;;
     pallas_profile)
       bench "profile of the NS step on the Pallas kernels" 90 -- \

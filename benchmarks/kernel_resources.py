@@ -26,7 +26,7 @@ Needs the `triton` package, which the project does not depend on (about
       [--out=benchmarks/results/kernel_resources.json]
 
 --kernel_tiles takes ROWSxCHUNKxWARPS triples (stack_kernels.ROW_TILE,
-KT_CHUNK, NUM_WARPS), as train_step.py's flag; the default tiles always
+KT_CHUNK, NUM_WARPS; a trailing g sets ROW_GRID), as train_step.py's flag; the default tiles always
 come first. The kernels are compiled at the sizes of a train step's
 largest time block: a table of length + 1 time points, all updates in one
 block.
@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax import export
 
 import machine
+import train_step
 from nsrnn_jax import stack_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,11 +171,16 @@ def compile_for_gpu(triton, ir_text, num_warps, arch, num_stages=3):
   return usage
 
 
+def settings_of(kernels):
+  """A stack_kernels module's (ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID)."""
+  return (kernels.ROW_TILE, kernels.KT_CHUNK, kernels.NUM_WARPS,
+          getattr(kernels, "ROW_GRID", False))
+
+
 def load_kernels_at(ref):
   """nsrnn_jax/stack_kernels.py as of git `ref`, imported as a module of
   its own (None if the file is not there); its imports of the package
   resolve to the current code."""
-  import train_step
   source = train_step._file_at(ref, "nsrnn_jax/stack_kernels.py")  # pylint: disable=protected-access
   if source is None:
     return None
@@ -196,7 +202,8 @@ def main():
                       help="comma-separated Q = S sizes")
   parser.add_argument("--length", type=int, default=80)
   parser.add_argument("--batch", type=int, default=10)
-  parser.add_argument("--kernel_tiles", default="64x16x4,128x16x8,64x16x8",
+  parser.add_argument("--kernel_tiles",
+                      default="64x16x4,128x16x8,64x16x4g,128x16x4g",
                       help="ROWSxCHUNKxWARPS triples besides the "
                       "default tiles")
   parser.add_argument("--baseline_ref", default=None,
@@ -220,12 +227,15 @@ def main():
                  "DIR triton, then --triton_path=DIR")
   try:
     sizes = [int(x) for x in args.qs.split(",") if x]
-    tiles = [tuple(int(v) for v in t.split("x"))
-             for t in args.kernel_tiles.split(",") if t]
   except ValueError:
-    sizes, tiles = [], [()]
-  default = (stack_kernels.ROW_TILE, stack_kernels.KT_CHUNK,
-             stack_kernels.NUM_WARPS)
+    sizes = []
+  if not sizes or min(sizes) < 1:
+    parser.error(f"--qs {args.qs!r}: positive integers")
+  try:
+    tiles = train_step.parse_kernel_tiles(args.kernel_tiles)
+  except ValueError as e:
+    parser.error(f"--kernel_tiles: {e}")
+  default = settings_of(stack_kernels)
   tiles = [default] + [t for t in tiles if t != default]
   versions = [("current", stack_kernels, tiles)]
   if args.baseline_ref:
@@ -234,12 +244,7 @@ def main():
       parser.error(f"--baseline_ref {args.baseline_ref}: no "
                    "nsrnn_jax/stack_kernels.py at that ref")
     versions.insert(0, (f"baseline {args.baseline_ref}", old,
-                        [(old.ROW_TILE, old.KT_CHUNK, old.NUM_WARPS)]))
-  if (not sizes or min(sizes) < 1 or
-      any(len(t) != 3 or min(t) < 1 or any(v & (v - 1) for v in t)
-          for t in tiles)):
-    parser.error("--qs: positive integers; --kernel_tiles: ROWSxCHUNKxWARPS "
-                 "triples of powers of two")
+                        [settings_of(old)]))
   info = machine.machine_info()
   out = {"benchmark": "kernel_resources", "machine": info,
          "device": machine.device_label(info),
@@ -254,20 +259,20 @@ def main():
   print(f"Pallas stack kernels compiled for {out['target']} (triton "
         f"{triton.__version__}, jax {jax.__version__}) on "
         f"{out['device']}; batch {args.batch}, n = {args.length}")
-  print(f"{'code':>16s} {'Q=S':>3s} {'tiles':>10s}  {'kernel':22s} {'regs':>4s} "
+  print(f"{'code':>16s} {'Q=S':>3s} {'tiles':>15s}  {'kernel':22s} {'regs':>4s} "
         f"{'spill B':>7s} {'shared B':>8s} {'progs/SM':>8s} {'compile':>8s}")
   for (code, kernels, version_tiles), qs in (
       (v, qs) for qs in sizes for v in versions):
-    for rows, chunk, warps in version_tiles:
-      patches = {"ROW_TILE": rows, "KT_CHUNK": chunk, "NUM_WARPS": warps}
-      saved = {k: getattr(kernels, k) for k in patches}
-      for k, v in patches.items():
-        setattr(kernels, k, v)
-      try:
+    for tiles in version_tiles:
+      rows, chunk, warps, grid = tiles
+      patches = [p for p in train_step.tile_patches(tiles, kernels)
+                 if hasattr(kernels, p[1])]    # older code: no ROW_GRID
+      with train_step.patched(patches):
         for name, (fn, shapes) in kernel_calls(
             qs, qs, args.length, args.batch, kernels=kernels).items():
           row = {"code": code, "q": qs, "s": qs, "kernel": name,
-                 "row_tile": rows, "kt_chunk": chunk, "num_warps": warps}
+                 "row_tile": rows, "kt_chunk": chunk, "num_warps": warps,
+                 "row_grid": grid}
           try:
             row.update(compile_for_gpu(triton, triton_ir(fn, shapes), warps,
                                        args.arch))
@@ -279,11 +284,8 @@ def main():
             row["error"] = f"{type(e).__name__}: {e}"[:500]
             line = "failed: " + row["error"][:120]
           out["kernels"].append(row)
-          print(f"{code:>16s} {qs:3d} {f'{rows}/{chunk}/{warps}':>10s}  "
+          print(f"{code:>16s} {qs:3d} {train_step.tiles_label(tiles):>15s}  "
                 f"{name:22s} {line}", flush=True)
-      finally:
-        for k, v in saved.items():
-          setattr(kernels, k, v)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)

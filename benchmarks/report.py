@@ -560,20 +560,22 @@ def kernel_resources_table():
          + (f"code at {_commit(d)}; " if _commit(d) else "")
          + "registers per thread, spilled bytes, compile time of the three; "
          "static, no timing):", "",
-         "| code | Q=S | tiles (rows/chunk/warps) | "
+         "| code | Q=S | tiles (rows/chunk/warps; grid: a program per row "
+         "tile) | "
          + " | ".join(f"`{n}` registers" for n in names)
          + " | spilled | compile |", "|---|---|---|" + "---|" * len(names)
          + "---|---|"]
   groups = {}
   for r in d["kernels"]:
     key = (r.get("code", "current"), r["q"], r["row_tile"], r["kt_chunk"],
-           r["num_warps"])
+           r["num_warps"], r.get("row_grid", False))
     groups.setdefault(key, {})[r["kernel"]] = r
-  for (code, q, rows, chunk, warps), by in groups.items():
+  for (code, q, rows, chunk, warps, grid), by in groups.items():
     ok = [by[n] for n in names if n in by and "error" not in by[n]]
     regs = " | ".join(str(by[n]["reg"]) if n in by and "error" not in by[n]
                       else "failed" for n in names)
-    out.append(f"| {code} | {q} | {rows}/{chunk}/{warps} | {regs} | "
+    out.append(f"| {code} | {q} | {rows}/{chunk}/{warps}"
+               f"{' grid' if grid else ''} | {regs} | "
                f"{max((r['local'] for r in ok), default=0)} B | "
                f"{sum(r['compile_s'] for r in ok):.1f} s |")
   return out

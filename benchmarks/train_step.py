@@ -40,9 +40,10 @@ Variants (each adds rows; the plain row is always measured):
                         forward update, one for the backward's table part;
                         for GPUs: on CPU they run interpreted, for
                         correctness only)
-  --kernel_tiles 128x32x4,64x16x4
+  --kernel_tiles 128x32x4,64x16x4g
                         with --pallas_kernels: one more Pallas variant per
-                        (stack_kernels.ROW_TILE, KT_CHUNK, NUM_WARPS) triple
+                        (stack_kernels.ROW_TILE, KT_CHUNK, NUM_WARPS) triple;
+                        a trailing g: ROW_GRID (a program per row tile)
 
 With --compile_study it also measures what the compile strategy costs: the
 compile time of the train step and the step time at several lengths, and
@@ -284,13 +285,42 @@ def cumsum_sum_above(strength_BxT, precision="highest"):
                          axis=1)
 
 
+def parse_kernel_tiles(text):
+  """[(ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID)] of stack_kernels from
+  "ROWSxCHUNKxWARPS[g],...": powers of two; a trailing g sets ROW_GRID (a
+  program per row tile). ValueError on anything else."""
+  out = []
+  for t in (t for t in text.split(",") if t):
+    grid = t.endswith("g")
+    try:
+      sizes = [int(v) for v in t[:-1 if grid else None].split("x")]
+    except ValueError:
+      sizes = []
+    if len(sizes) != 3 or min(sizes) < 1 or any(v & (v - 1) for v in sizes):
+      raise ValueError(f"{t!r}: want ROWSxCHUNKxWARPS, powers of two, with "
+                       "g after for a program per row tile (e.g. 64x16x4g)")
+    out.append((*sizes, grid))
+  return out
+
+
+def tiles_label(tiles):
+  rows, chunk, warps, grid = tiles
+  return f"{rows}/{chunk}/{warps}" + (" grid" if grid else "")
+
+
+def tile_patches(tiles, module=stack_kernels):
+  """(module, attribute, value) patches that set those kernel settings."""
+  return [(module, k, v) for k, v in zip(
+      ("ROW_TILE", "KT_CHUNK", "NUM_WARPS", "ROW_GRID"), tiles)]
+
+
 def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
                 contractions_by_sum=False, pallas_kernels=False,
                 kernel_tiles=()):
   """Rows for one model: every variant, timed in alternation.
 
-  `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS) triples of
+  `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID) settings of
   stack_kernels, one more Pallas variant each (with `pallas_kernels`);
   one that fails to compile gives a row with its error instead (an
   "error" field, no times).
@@ -316,14 +346,12 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
     variants.append(Variant(
         name, "updates as Pallas kernels", length, precision,
         patches=[on_kernels], count_dots=True))
-    for rows, chunk, warps in kernel_tiles:
-      label = f"Pallas kernels {rows}/{chunk}/{warps}"
+    for tiles in kernel_tiles:
+      label = f"Pallas kernels {tiles_label(tiles)}"
       try:
         variants.append(Variant(
             name, label, length, precision,
-            patches=[on_kernels, (stack_kernels, "ROW_TILE", rows),
-                     (stack_kernels, "KT_CHUNK", chunk),
-                     (stack_kernels, "NUM_WARPS", warps)]))
+            patches=[on_kernels] + tile_patches(tiles)))
       except Exception as e:  # pylint: disable=broad-except
         # A tile size the GPU cannot compile (registers, shared memory)
         # is a result of the sweep, not the end of it.
@@ -508,8 +536,8 @@ def main():
   parser.add_argument("--kernel_tiles", default="",
                       help="with --pallas_kernels: comma-separated "
                       "ROWSxCHUNKxWARPS triples (stack_kernels.ROW_TILE, "
-                      "KT_CHUNK, NUM_WARPS; powers of two), one more "
-                      "variant each")
+                      "KT_CHUNK, NUM_WARPS; powers of two; a trailing g "
+                      "sets ROW_GRID), one more variant each")
   parser.add_argument("--contractions_by_sum", action="store_true",
                       help="add NS variants with the stack update's "
                       "column-sized, then all, contractions as multiply and "
@@ -541,14 +569,9 @@ def main():
                 ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION") if k in os.environ}
   names = [n for n in args.models.split(",") if n]
   try:
-    kernel_tiles = [tuple(int(v) for v in t.split("x"))
-                    for t in args.kernel_tiles.split(",") if t]
-  except ValueError:
-    kernel_tiles = [()]
-  if any(len(t) != 3 or min(t) < 1 or any(v & (v - 1) for v in t)
-         for t in kernel_tiles):
-    parser.error(f"--kernel_tiles {args.kernel_tiles!r}: want ROWSxCHUNKxWARPS "
-                 "triples of powers of two, e.g. 128x32x4,64x16x4")
+    kernel_tiles = parse_kernel_tiles(args.kernel_tiles)
+  except ValueError as e:
+    parser.error(f"--kernel_tiles: {e}")
   if kernel_tiles and not args.pallas_kernels:
     parser.error("--kernel_tiles needs --pallas_kernels")
   unrolls = [int(u) for u in args.unroll.split(",") if u]

@@ -55,6 +55,12 @@ KT_CHUNK = 32
 # Entries of local_bwd's [pairs, pairs, rows] products per tile (a power
 # of two): 16 rows at Q = S = 3, 256 at Q = S = 2.
 MIX_TILE_ELEMENTS = 4096
+# The grids of the forward and backward table kernels: one program per
+# (batch element, symbol), which loops over the table's row tiles (False),
+# or per (batch element, symbol, row tile) (True: more programs for a
+# GPU's multiprocessors; each forward one recomputes the column-sized
+# part, and the column sums and M̃'s cotangent are summed by atomic adds).
+ROW_GRID = False
 # Warps per Triton program. These three sizes are first guesses, not tuned
 # on a GPU yet; they are read when a kernel is traced.
 NUM_WARPS = 4
@@ -83,6 +89,19 @@ def _store(ref, idx, val, mask):
   plt.store(ref.at[idx], val, mask=mask)
 
 
+def _accumulate(ref, idx, val, mask, atomic):
+  """ref[idx] += val where mask, from programs that run at once.
+
+  On a GPU (`atomic`) an atomic add. Pallas's interpreter has no masked
+  atomics and runs the programs one after another, so there a plain read,
+  add and write makes the same sum.
+  """
+  if atomic:
+    plt.atomic_add(ref, idx, val, mask=mask)
+  else:
+    _store(ref, idx, _load(ref, idx, mask, 0.0) + val, mask)
+
+
 def _max_finite(x):
   """Max of the finite entries of x (−inf if none)."""
   return jnp.max(jnp.where(jnp.isfinite(x), x, -jnp.inf))
@@ -98,12 +117,14 @@ def _finite_max(*xs):
 
 def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
                    cs_in_ref, g_ref, cs_ref, mt_ref, a_hat_ref, inc_ref,
-                   res_ref, w_ref, *, q, s, n, barrier):
+                   res_ref, w_ref, *, q, s, n, barrier, row_grid):
   """Update j of batch element b, column j's symbol y (p = axis index of
   time j − 1). Every program computes α_j (it needs all symbols' W); the
   column-sized outputs shared by the symbols are written by y = 0's."""
   b, y_own = pl.program_id(0), pl.program_id(1)
-  first = y_own == 0
+  # With row_grid, one program per row tile too (grid axis 2).
+  tile_own = pl.program_id(2) if row_grid else 0
+  first = (y_own == 0) & (tile_own == 0)
   dtype = a_prev_ref.dtype
   # rns_stack's flush of shares and clamp of kernels (`_exp_share`).
   flush = rns_stack._flush(dtype)  # pylint: disable=protected-access
@@ -252,9 +273,9 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   if barrier:
     plt.debug_barrier()
 
-  def tile_body(tile, total):
+  def tile_body(tile, total, live=True):
     li = tile * ROW_TILE + jnp.arange(ROW_TILE)
-    l_ok = li < nl
+    l_ok = (li < nl) & live
     # Replace rows: Σ_{s,z} K^R[y,(s,z),r] H_{i,j−1}[q,x,s,z].
     prev = _load(g_in_ref, tab(f_sy[:, None], p, f_st[:, None], li[None, :]),
                  f_ok[:, None] & l_ok[None, :], 0.0)                  # [F,L]
@@ -275,13 +296,22 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
                                li[None, :]),
                  kc_ok[:, None] & l_ok[None, :], 0.0)                 # [KC,L]
       return acc + jnp.sum(mtc[:, :, None] * gc[None, :, :], axis=1)
-    col = jax.lax.fori_loop(0, live_kc, chunk, col)
+    col = jax.lax.fori_loop(0, jnp.where(live, live_kc, 0), chunk, col)
     _store(g_ref, tab(y, p + 1, r_idx[:, None], li[None, :]), col,
            r_ok & l_ok[None, :])
     return total + jnp.sum(jnp.where(l_ok[None, :], col, 0.0), axis=1)
-  total = jax.lax.fori_loop(0, live_tiles, tile_body,
-                            jnp.zeros((rp,), dtype))
-  _store(cs_ref, cs_at(y, p + 1, r_idx), total, r_idx < q)
+  if row_grid:
+    # This program's tile (if in the triangle); the column sums gather
+    # the tiles' partial sums (column j's sums start at zero in a sweep;
+    # `barrier` is False exactly when interpreted).
+    total = tile_body(tile_own, jnp.zeros((rp,), dtype),
+                      live=tile_own < live_tiles)
+    _accumulate(cs_ref, cs_at(y, p + 1, r_idx), total, r_idx < q,
+                atomic=barrier)
+  else:
+    total = jax.lax.fori_loop(0, live_tiles, tile_body,
+                              jnp.zeros((rp,), dtype))
+    _store(cs_ref, cs_at(y, p + 1, r_idx), total, r_idx < q)
 
 
 def _interpret(interpret):
@@ -325,7 +355,8 @@ def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
   dtype = g.dtype
   qs = q * s
   kernel = functools.partial(_update_kernel, q=q, s=s, n=n,
-                             barrier=not interpret)
+                             barrier=not interpret, row_grid=ROW_GRID)
+  grid = (bsz, s) + ((-(-(n * q * s) // ROW_TILE),) if ROW_GRID else ())
   flat = lambda x: x.reshape(-1)
   out_shapes = [
       jax.ShapeDtypeStruct((g.size,), dtype),
@@ -337,7 +368,7 @@ def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
       jax.ShapeDtypeStruct((bsz * s * qs,), dtype)]
   params = _compiler_params(interpret)
   outs = pl.pallas_call(
-      kernel, grid=(bsz, s), out_shape=out_shapes,
+      kernel, grid=grid, out_shape=out_shapes,
       input_output_aliases={5: 0, 6: 1}, interpret=interpret,
       compiler_params=params)(
           jnp.reshape(jnp.asarray(p, jnp.int32), (1,)), flat(a_prev),
@@ -349,10 +380,13 @@ def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
 
 
 def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
-                           g_ref, w_in_ref, w_ref, col_ct_ref, mt_ct_ref, *,
-                           q, s, n, rows, row0, num_steps, barrier):
-  """Update j's table-sized backward work for batch element b, symbol y."""
+                           g_ref, w_in_ref, *refs, q, s, n, rows, row0,
+                           num_steps, barrier, row_grid):
+  """Update j's table-sized backward work for batch element b, symbol y
+  (and with row_grid, one row tile: M̃'s cotangent is then summed over the
+  tiles' programs into zeros, an input aliased with it)."""
   del w_in_ref                          # aliased with w_ref
+  w_ref, col_ct_ref, mt_ct_ref = refs[-3:]   # after mt_ct's zeros (grid)
   b, y = pl.program_id(0), pl.program_id(1)
   by = b * s + y
   nl = n * q * s                        # table rows (i, q, x)
@@ -382,7 +416,12 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
     _store(w_ref, (by * rows + w_row + r_idx[:, None]) * nl + li[None, :],
            val, ok)
     return carry
-  jax.lax.fori_loop(0, n_tiles, write_w, 0)
+  # The tiles this program works on: all, or with row_grid its own.
+  tile_own = pl.program_id(2) if row_grid else None
+  if row_grid:
+    write_w(tile_own, 0)
+  else:
+    jax.lax.fori_loop(0, n_tiles, write_w, 0)
   if barrier:                           # its rows are read back below
     plt.debug_barrier()
   # Column j's cotangent: the later updates' pops through it (M̃_{j'}[k]
@@ -414,7 +453,10 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
               + cs_k[:, None])
     _store(col_ct_ref, idx, jnp.where(ok, col_ct, 0.0), ok)
     return carry
-  jax.lax.fori_loop(0, n_tiles, col_ct_tile, 0)
+  if row_grid:
+    col_ct_tile(tile_own, 0)
+  else:
+    jax.lax.fori_loop(0, n_tiles, col_ct_tile, 0)
   if barrier:                           # col_ct is read back below
     plt.debug_barrier()
   # M̃_j's cotangent: Σ_{i,q,x} G[(k', t), (i, q, x)] col_ct[r, (i, q, x)],
@@ -425,6 +467,11 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
   live_kt = j * q
   live_rows = j * q * s
   live_tiles = (live_rows + ROW_TILE - 1) // ROW_TILE
+  if row_grid:                          # own tile, if live
+    tile_range = (tile_own, jnp.where(tile_own < live_tiles, tile_own + 1,
+                                      tile_own))
+  else:
+    tile_range = (0, live_tiles)
 
   def kt_chunk(c, carry):
     kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
@@ -438,13 +485,19 @@ def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
       g = _load(g_ref, (by * n * q + kc[:, None]) * nl + li[None, :],
                 (kc < live_kt)[:, None] & live[None, :], 0.0)       # [KC,L]
       return acc + jnp.sum(col_ct[:, None, :] * g[None, :, :], axis=2)
-    acc = jax.lax.fori_loop(0, live_tiles, tile,
+    acc = jax.lax.fori_loop(*tile_range, tile,
                             jnp.zeros((rp, KT_CHUNK), dtype))
-    _store(mt_ct_ref, (by * q + r_idx[:, None]) * (n * q) + kc[None, :],
-           acc, r_ok & kc_ok[None, :])
+    idx = (by * q + r_idx[:, None]) * (n * q) + kc[None, :]
+    if row_grid:
+      _accumulate(mt_ct_ref, idx, acc, r_ok & kc_ok[None, :],
+                  atomic=barrier)
+    else:
+      _store(mt_ct_ref, idx, acc, r_ok & kc_ok[None, :])
     return carry
   live_chunks = (live_kt + KT_CHUNK - 1) // KT_CHUNK
   jax.lax.fori_loop(0, live_chunks, kt_chunk, 0)
+  if row_grid:                          # the rest is zero already
+    return
 
   def zero_chunk(c, carry):
     kc = c * KT_CHUNK + jnp.arange(KT_CHUNK)
@@ -486,17 +539,25 @@ def backward_table_update(g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j,
   dtype = g_t.dtype
   kernel = functools.partial(_backward_table_kernel, q=q, s=s, n=n,
                              rows=rows, row0=row0, num_steps=num_steps,
-                             barrier=not interpret)
+                             barrier=not interpret, row_grid=ROW_GRID)
   flat = lambda x: x.reshape(-1)
+  mt_ct_size = bsz * s * q * n * q
+  grid, aliases, extra = (bsz, s), {6: 0}, ()
+  if ROW_GRID:
+    # A program per row tile; M̃'s cotangent is summed into zeros.
+    grid += (-(-(n * q * s) // ROW_TILE),)
+    aliases[7] = 2
+    extra = (jnp.zeros((mt_ct_size,), dtype),)
   w2, col_ct, mt_ct = pl.pallas_call(
-      kernel, grid=(bsz, s),
+      kernel, grid=grid,
       out_shape=[jax.ShapeDtypeStruct((w_tab.size,), dtype),
                  jax.ShapeDtypeStruct((prev_hat.size,), dtype),
-                 jax.ShapeDtypeStruct((bsz * s * q * n * q,), dtype)],
-      input_output_aliases={6: 0}, interpret=interpret,
+                 jax.ShapeDtypeStruct((mt_ct_size,), dtype)],
+      input_output_aliases=aliases, interpret=interpret,
       compiler_params=_compiler_params(interpret))(
           jnp.reshape(jnp.asarray(j, jnp.int32), (1,)), flat(w_next),
-          flat(e_p), flat(prev_hat), flat(cs_bar), flat(g_t), flat(w_tab))
+          flat(e_p), flat(prev_hat), flat(cs_bar), flat(g_t), flat(w_tab),
+          *extra)
   return (w2.reshape(w_tab.shape), col_ct.reshape(prev_hat.shape),
           mt_ct.reshape(bsz, s, q, n, q))
 
