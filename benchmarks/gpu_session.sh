@@ -170,9 +170,9 @@ for p in "${phases[@]}"; do
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --contractions=reduce_all --out "$OUT/profile_step_gpu_reduce_all.json" ;;
     pallas)
-      bench "NS train step, the stack's updates as Pallas kernels" 210 -- \
+      bench "NS train step, the stack's updates as Pallas kernels" 240 -- \
         $TS --models=ns33,ns22 --pallas_kernels --repeats=7 \
-        --kernel_tiles="${KERNEL_TILES:-64x16x4,128x16x8,64x16x4g,128x16x4g}" \
+        --kernel_tiles="${KERNEL_TILES:-64x16x4,64x16x4g,128x16x4g}" \
         --out "$OUT/train_step_gpu_pallas_kernels.json" ;;
     pallas_profile)
       bench "profile of the NS step on the Pallas kernels" 90 -- \
