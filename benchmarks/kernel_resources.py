@@ -26,10 +26,10 @@ Needs the `triton` package, which the project does not depend on (about
       [--out=benchmarks/results/kernel_resources.json]
 
 --kernel_tiles takes ROWSxCHUNKxWARPS triples (stack_kernels.ROW_TILE,
-KT_CHUNK, NUM_WARPS; a trailing g sets ROW_GRID), as train_step.py's flag; the default tiles always
-come first. The kernels are compiled at the sizes of a train step's
-largest time block: a table of length + 1 time points, all updates in one
-block.
+KT_CHUNK, NUM_WARPS; a trailing g sets ROW_GRID), as train_step.py's
+flag; the default tiles always come first. The kernels are compiled at
+the sizes of a train step's largest time block: a table of length + 1
+time points, all updates in one block.
 """
 
 import argparse
@@ -181,7 +181,8 @@ def load_kernels_at(ref):
   """nsrnn_jax/stack_kernels.py as of git `ref`, imported as a module of
   its own (None if the file is not there); its imports of the package
   resolve to the current code."""
-  source = train_step._file_at(ref, "nsrnn_jax/stack_kernels.py")  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  source = train_step._file_at(ref, "nsrnn_jax/stack_kernels.py")
   if source is None:
     return None
   path = os.path.join(tempfile.mkdtemp(), "stack_kernels_baseline.py")
@@ -259,7 +260,8 @@ def main():
   print(f"Pallas stack kernels compiled for {out['target']} (triton "
         f"{triton.__version__}, jax {jax.__version__}) on "
         f"{out['device']}; batch {args.batch}, n = {args.length}")
-  print(f"{'code':>16s} {'Q=S':>3s} {'tiles':>15s}  {'kernel':22s} {'regs':>4s} "
+  print(f"{'code':>16s} {'Q=S':>3s} {'tiles':>15s}  {'kernel':22s} "
+        f"{'regs':>4s} "
         f"{'spill B':>7s} {'shared B':>8s} {'progs/SM':>8s} {'compile':>8s}")
   for (code, kernels, version_tiles), qs in (
       (v, qs) for qs in sizes for v in versions):

@@ -30,8 +30,8 @@ the row tiles are padded and masked). One program per (batch element,
 symbol y of column j). Only a sweep's triangle is read: column k's rows
 i < k, and M̃_j's columns k < j (the loops' trip counts are traced).
 Sizes inside: F = Q·S flattened pairs (state, symbol) padded to FP, rows
-of α terms (r, y) likewise, KT = N·Q (column, state) pairs padded to KTP,
-L = N·Q·S table rows in tiles of ROW_TILE.
+of α terms (r, y) likewise, KT = N·Q (column, state) pairs in chunks of
+KT_CHUNK, L = N·Q·S table rows in tiles of ROW_TILE.
 
 Shape legend (as in rns_stack): B batch, Y/X/Z stack symbols, N time
 points of the (block-sized) table, T/Q/R states.
@@ -244,7 +244,8 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   # segment starts before it ends), so later row tiles are left as the
   # table has them (zero: a sweep's fresh column), and M̃ is zero at
   # columns k ≥ p, so the pop product reads G's columns k < p only (the
-  # live_kc chunks). Both counts are traced: a third of the full rectangle's reads on average.
+  # live_kc chunks). Both counts are traced: on average a third of the
+  # full rectangle's reads.
   live_tiles = ((p + 1) * qs + ROW_TILE - 1) // ROW_TILE
   # This program's symbol y: its kernels as [r, pair] (rows (r, y) of the
   # families), M̃ and column j's rows of symbol y.
@@ -269,7 +270,10 @@ def _update_kernel(p_ref, a_prev_ref, push_ref, repl_ref, pop_ref, g_in_ref,
   jax.lax.fori_loop(0, n_kc, mt_chunk, 0)
   # The pop product reads M̃ back in chunks (a value cannot be sliced in
   # Triton): make this program's stores visible to all of its threads
-  # (the interpreter runs one thread and has no barrier).
+  # (the interpreter runs one thread and has no barrier). With row_grid
+  # every tile's program of (b, y) stores the same M̃ (the same
+  # computation on the same inputs), so whichever store a read sees, it
+  # reads the same values.
   if barrier:
     plt.debug_barrier()
 
