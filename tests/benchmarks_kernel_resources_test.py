@@ -54,3 +54,13 @@ def test_kernels_compile_for_a_hopper_gpu(kernel_resources, ir_by_length):
                                              arch=90)
     assert 0 < usage["reg"] <= 255, name
     assert usage["local"] == 0, (name, usage)   # no spilled registers
+
+
+def test_kernel_tile_flags(load_benchmark):
+  train_step = load_benchmark("train_step")
+  assert train_step.parse_kernel_tiles("64x16x4,128x32x8g,") == [
+      (64, 16, 4, False), (128, 32, 8, True)]
+  for bad in ("3x1x1", "64x16", "64x16x4x2", "ax16x4", "64x16x4q", "0x16x4"):
+    with pytest.raises(ValueError, match="ROWSxCHUNKxWARPS"):
+      train_step.parse_kernel_tiles(bad)
+  assert train_step.tiles_label((64, 16, 4, True)) == "64/16/4 grid"
