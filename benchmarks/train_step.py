@@ -304,6 +304,7 @@ def parse_kernel_tiles(text):
 
 
 def tiles_label(tiles):
+  """"rows/chunk/warps[ grid]" of a parse_kernel_tiles entry."""
   rows, chunk, warps, grid = tiles
   return f"{rows}/{chunk}/{warps}" + (" grid" if grid else "")
 
