@@ -134,8 +134,10 @@ def test_update_float32():
     _assert_same(x, w, 2e-6)
 
 
-def test_vmapped_update_equals_separate_updates(x64):
-  # grid.py vmaps K models' train steps: the kernel batched over models.
+def test_vmapped_update_equals_separate_updates(x64, layout):
+  # grid.py vmaps K models' train steps: the kernel batched over models
+  # (with ROW_GRID, a grid of four axes).
+  del layout                        # set by its fixture
   rng = np.random.default_rng(4)
   inputs = []
   for _ in range(2):
@@ -395,3 +397,17 @@ def _triton_calls(fn, args):
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
           "__gpu$xla.gpu.triton")])(*args)
   return exported.mlir_module().count("xla.gpu.triton")
+
+
+def test_vmapped_kernels_lower_to_triton_for_cuda(layout):
+  # grid.py's model axis adds a grid axis: four with ROW_GRID, more than
+  # Triton's three, which Pallas's lowering must fold.
+  del layout                        # set by its fixture
+  k, b, q, s, n = 3, 2, 2, 3, 10
+  sd = lambda *sh: jax.ShapeDtypeStruct((k,) + sh, jnp.float32)
+  args = [sd(b, s, n, q, n, q, s), sd(b, s, n, q),
+          jax.ShapeDtypeStruct((k,), jnp.int32), sd(b, q, s),
+          sd(b, q, s, q, s), sd(b, q, s, q, s), sd(b, q, s, q)]
+  forward = jax.vmap(
+      lambda *a: stack_kernels.forward_update(*a, interpret=False))
+  assert _triton_calls(forward, args) == 1
