@@ -1087,92 +1087,42 @@ def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _pack_rows(tree):
-  """A pytree of [B, ...] arrays as one [B, N] array when they share a dtype.
-
-  Each leaf is flattened per row and the rows laid side by side, so a scan
-  writes one output per step instead of one per leaf (each write is an op
-  of its own on XLA:CPU and a kernel on a GPU). Mixed dtypes: unchanged.
-  """
-  leaves = jax.tree_util.tree_leaves(tree)
-  if len({jnp.result_type(l) for l in leaves}) != 1:
-    return tree
-  return jnp.concatenate([l.reshape(l.shape[0], -1) for l in leaves], axis=1)
-
-
-def _unpack_rows(packed, like):
-  """Inverse of `_pack_rows` on stacked rows: [T, B, N] -> `like`'s pytree
-  of [T, B, ...] arrays (`like`: leaves of shape [B, ...] or shape structs)."""
-  leaves, tree = jax.tree_util.tree_flatten(like)
-  if len({jnp.result_type(l.dtype) for l in leaves}) != 1:
-    return packed                          # `_pack_rows` left it a pytree.
-  out, start = [], 0
-  for l in leaves:
-    size = int(np.prod(l.shape[1:]))
-    out.append(packed[..., start:start + size].reshape(
-        packed.shape[:2] + tuple(l.shape[1:])))
-    start += size
-  return jax.tree_util.tree_unflatten(tree, out)
-
-
 def _coupled_bwd(step_fn, q, s, bottom, reading, precision, unroll, res,
                  cts):
-  """Reverse sweep: vjp of (controller step j + update j's local part).
-
-  The parameters' cotangent is not summed inside the sweep. Each step's
-  share of it is linear in that step's output cotangents, so the sweep
-  only records them (the controller carry's and the actions'), and one
-  call of `step_fn` on all T·B rows at once (time folded into the batch)
-  gives the sum over steps and strings: a few large matmuls after the loop
-  instead of, per update, the weight gradients' small outer products and
-  their additions (~10 ops of a backward update's ~80 for the NS-RNN's
-  LSTM controller). This needs `step_fn` to treat the rows of a batch
-  independently (`run_coupled`'s contract).
-  """
+  """Reverse sweep: vjp of (controller step j + update j's local part)."""
   del q, s, bottom
   params, xs, g, cs, la, ctrls, (mt, lres) = res
   outs_ct, la_ct, lm_ct = cts
   prec = lax_precision(precision)
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
+  zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
 
-  def ctrl(p, c, x, ap):
-    rho, _ = readout(ap, reading)
-    new_ctrl, acts, out = step_fn(p, c, x, rho)
-    return new_ctrl, out, acts
-
-  def local_vjp(j, c_bar, inp, prev, cs_p, a_prev, a_hat, res_j, cts):
+  def local_vjp(j, extra, inp, prev, cs_p, a_prev, a_hat, res_j, cts):
+    p_bar, c_bar = extra
     x, ctrl_prev, out_ct = inp
-    # The controller step under jax.vjp, parameters held fixed; the stack's
-    # part from the forward's residuals (`_local_bwd`), chained through the
-    # actions.
-    (_, _, acts), vjp = jax.vjp(lambda c, ap: ctrl(params, c, x, ap),
-                                ctrl_prev, a_prev)
+
+    # The controller step under jax.vjp; the stack's part from the forward's
+    # residuals (`_local_bwd`), chained through the actions.
+    def ctrl(p, c, ap):
+      rho, _ = readout(ap, reading)
+      new_ctrl, acts, out = step_fn(p, c, x, rho)
+      return new_ctrl, out, acts
+
+    (_, _, acts), vjp = jax.vjp(ctrl, params, ctrl_prev, a_prev)
     d_prev, d_cs, d_a, *d_acts = _stack_bwd(prev, cs_p, j, a_hat, res_j, cts,
                                             prec)
     acts_ct = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(acts), d_acts)
-    dc, d_a_ctrl = vjp((c_bar, out_ct, acts_ct))
-    return dc, d_prev, d_cs, d_a + d_a_ctrl, _pack_rows((c_bar, acts_ct))
+    dp, dc, d_a_ctrl = vjp((c_bar, out_ct, acts_ct))
+    p_bar = jax.tree_util.tree_map(jnp.add, p_bar, dp)
+    return (p_bar, dc), d_prev, d_cs, d_a + d_a_ctrl, None
 
   # The carry after the last step feeds nothing: its cotangent is zero.
   ctrl_last = jax.tree_util.tree_map(lambda c: c[-1], ctrls)
-  x_0, a_0 = jax.tree_util.tree_map(lambda l: l[0], xs_T), la[:, 0]
-  acts_like = jax.eval_shape(lambda: ctrl(params, ctrl_last, x_0, a_0)[2])
-  c_bar, step_cts = _backward_blocks(
+  (p_bar, c_bar), _ = _backward_blocks(
       g, cs, la, mt, lres, (xs_T, ctrls, outs_ct), la_ct,
       _increment_cotangents(lm_ct), local_vjp,
-      jax.tree_util.tree_map(jnp.zeros_like, ctrl_last), prec, unroll)
-  if step_cts is None:                       # T = 0: no step, no cotangent.
-    p_bar = jax.tree_util.tree_map(jnp.zeros_like, params)
-  else:
-    # Every step's parameter cotangent in one call: [T, B, ...] -> [T·B, ...].
-    fold = lambda l: l.reshape((-1,) + l.shape[2:])
-    inputs = jax.tree_util.tree_map(
-        fold, (ctrls, xs_T, jnp.swapaxes(la, 0, 1)[:-1]))
-    _, vjp = jax.vjp(lambda p: ctrl(p, *inputs), params)
-    step_c_bar, step_acts_ct = _unpack_rows(step_cts, (ctrl_last, acts_like))
-    p_bar, = vjp(jax.tree_util.tree_map(
-        fold, (step_c_bar, outs_ct, step_acts_ct)))
+      (zeros(params), zeros(ctrl_last)), prec, unroll)
   return p_bar, c_bar, jax.tree_util.tree_map(_zero_cotangent, xs)
 
 
@@ -1191,9 +1141,6 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   Args:
     step_fn: (params, carry, x_t, reading_prev) -> (carry_t, (push_t,
       repl_t, pop_t), out_t); actions [B,Q,S,Q,S], [B,Q,S,Q,S], [B,Q,S,Q].
-      It must treat the rows of a batch independently (the backward calls
-      it once on all T·B rows, time folded into the batch, to sum the
-      parameters' cotangent over the steps).
     params: differentiable pytree.
     init_carry: the controller's initial carry (differentiable).
     xs: pytree of batch-major inputs, leaves [B, T, ...]; they receive a
