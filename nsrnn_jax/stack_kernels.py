@@ -333,6 +333,39 @@ def _compiler_params(interpret):
   return None if interpret else plt.CompilerParams(num_warps=NUM_WARPS)
 
 
+def _flat_call(kernel, grid, index, inputs, out_shapes, dtype, interpret,
+               aliases=None):
+  """One `pallas_call` on flattened operands, outputs in their shapes.
+
+  Every kernel here reads and writes through flat (1-D) refs with its own
+  index arithmetic, so the three wrappers differ only in what they pass.
+
+  Args:
+    kernel: the kernel, its static arguments bound.
+    grid: the program grid.
+    index: the traced int the kernel reads first (update j, or axis p),
+      passed as a [1] int32 ref.
+    inputs: the array operands, in the kernel's order after the index;
+      each is flattened (and cast to `dtype`).
+    out_shapes: the outputs' shapes; each is produced flat and reshaped.
+    dtype: the outputs' (and the operands') dtype.
+    interpret: as `_interpret` returned it.
+    aliases: `input_output_aliases`, counting the index as input 0.
+
+  Returns:
+    The outputs, each in its shape from `out_shapes`.
+  """
+  sizes = [int(np.prod(sh)) for sh in out_shapes]
+  outs = pl.pallas_call(
+      kernel, grid=grid,
+      out_shape=[jax.ShapeDtypeStruct((n,), dtype) for n in sizes],
+      input_output_aliases=aliases or {}, interpret=interpret,
+      compiler_params=_compiler_params(interpret))(
+          jnp.reshape(jnp.asarray(index, jnp.int32), (1,)),
+          *[jnp.reshape(x, (-1,)).astype(dtype) for x in inputs])
+  return [o.reshape(sh) for o, sh in zip(outs, out_shapes)]
+
+
 def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
   """Update j on a share table, as `rns_stack`'s forward sweep does it.
 
@@ -361,26 +394,14 @@ def forward_update(g, cs, p, a_prev, push, repl, pop, interpret=None):
   kernel = functools.partial(_update_kernel, q=q, s=s, n=n,
                              barrier=not interpret, row_grid=ROW_GRID)
   grid = (bsz, s) + ((-(-(n * q * s) // ROW_TILE),) if ROW_GRID else ())
-  flat = lambda x: x.reshape(-1)
-  out_shapes = [
-      jax.ShapeDtypeStruct((g.size,), dtype),
-      jax.ShapeDtypeStruct((cs.size,), dtype),
-      jax.ShapeDtypeStruct((bsz * s * q * n * q,), dtype),
-      jax.ShapeDtypeStruct((bsz * qs,), dtype),
-      jax.ShapeDtypeStruct((bsz,), dtype),
-      jax.ShapeDtypeStruct((3 * bsz * qs * 3 * qs,), dtype),
-      jax.ShapeDtypeStruct((bsz * s * qs,), dtype)]
-  params = _compiler_params(interpret)
-  outs = pl.pallas_call(
-      kernel, grid=grid, out_shape=out_shapes,
-      input_output_aliases={5: 0, 6: 1}, interpret=interpret,
-      compiler_params=params)(
-          jnp.reshape(jnp.asarray(p, jnp.int32), (1,)), flat(a_prev),
-          flat(push), flat(repl), flat(pop), flat(g), flat(cs))
-  g2, cs2, mt, a_hat, inc, res, w = outs
-  return (g2.reshape(g.shape), cs2.reshape(cs.shape),
-          mt.reshape(bsz, s, q, n, q), a_hat.reshape(bsz, q, s), inc,
-          (res.reshape(3, bsz, q, s, 3 * qs), w.reshape(bsz, s, q, s)))
+  # The table and its sums are updated in place (inputs 5, 6 -> outputs
+  # 0, 1).
+  g2, cs2, mt, a_hat, inc, res, w = _flat_call(
+      kernel, grid, p, (a_prev, push, repl, pop, g, cs),
+      [g.shape, cs.shape, (bsz, s, q, n, q), (bsz, q, s), (bsz,),
+       (3, bsz, q, s, 3 * qs), (bsz, s, q, s)], dtype, interpret,
+      aliases={5: 0, 6: 1})
+  return g2, cs2, mt, a_hat, inc, (res, w)
 
 
 def _backward_table_kernel(j_ref, w_next_ref, e_ref, prev_hat_ref, cs_bar_ref,
@@ -544,26 +565,19 @@ def backward_table_update(g_t, w_tab, w_next, e_p, prev_hat, cs_bar, j,
   kernel = functools.partial(_backward_table_kernel, q=q, s=s, n=n,
                              rows=rows, row0=row0, num_steps=num_steps,
                              barrier=not interpret, row_grid=ROW_GRID)
-  flat = lambda x: x.reshape(-1)
-  mt_ct_size = bsz * s * q * n * q
+  mt_ct_shape = (bsz, s, q, n, q)
   grid, aliases, extra = (bsz, s), {6: 0}, ()
   if ROW_GRID:
     # A program per row tile; M̃'s cotangent is summed into zeros.
     grid += (-(-(n * q * s) // ROW_TILE),)
     aliases[7] = 2
-    extra = (jnp.zeros((mt_ct_size,), dtype),)
-  w2, col_ct, mt_ct = pl.pallas_call(
-      kernel, grid=grid,
-      out_shape=[jax.ShapeDtypeStruct((w_tab.size,), dtype),
-                 jax.ShapeDtypeStruct((prev_hat.size,), dtype),
-                 jax.ShapeDtypeStruct((mt_ct_size,), dtype)],
-      input_output_aliases=aliases, interpret=interpret,
-      compiler_params=_compiler_params(interpret))(
-          jnp.reshape(jnp.asarray(j, jnp.int32), (1,)), flat(w_next),
-          flat(e_p), flat(prev_hat), flat(cs_bar), flat(g_t), flat(w_tab),
-          *extra)
-  return (w2.reshape(w_tab.shape), col_ct.reshape(prev_hat.shape),
-          mt_ct.reshape(bsz, s, q, n, q))
+    extra = (jnp.zeros(mt_ct_shape, dtype),)
+  # The W table is written in place (input 6 -> output 0).
+  w2, col_ct, mt_ct = _flat_call(
+      kernel, grid, j, (w_next, e_p, prev_hat, cs_bar, g_t, w_tab) + extra,
+      [w_tab.shape, prev_hat.shape, mt_ct_shape], dtype, interpret,
+      aliases=aliases)
+  return w2, col_ct, mt_ct
 
 
 def _local_bwd_kernel(p_ref, prev_ref, cs_ref, a_hat_ref, res_ref, w_ref,
@@ -744,16 +758,8 @@ def local_bwd(prev, cs, p, a_hat, res, cts, interpret=None):
   col_ct, mt_ct, a_hat_ct, inc_ct = cts
   kernel = functools.partial(_local_bwd_kernel, q=q, s=s, n=n,
                              barrier=not interpret)
-  flat = lambda x: jnp.reshape(x, (-1,)).astype(dtype)
   shapes = [prev.shape, cs.shape, (bsz, q, s), (bsz, q, s, q, s),
             (bsz, q, s, q, s), (bsz, q, s, q)]
-  outs = pl.pallas_call(
-      kernel, grid=(bsz,),
-      out_shape=[jax.ShapeDtypeStruct((int(np.prod(sh)),), dtype)
-                 for sh in shapes],
-      interpret=interpret,
-      compiler_params=_compiler_params(interpret))(
-          jnp.reshape(jnp.asarray(p, jnp.int32), (1,)), flat(prev), flat(cs),
-          flat(a_hat), flat(res[0]), flat(res[1]), flat(col_ct), flat(mt_ct),
-          flat(a_hat_ct), flat(inc_ct))
-  return tuple(o.reshape(sh) for o, sh in zip(outs, shapes))
+  return tuple(_flat_call(
+      kernel, (bsz,), p, (prev, cs, a_hat, res[0], res[1], col_ct, mt_ct,
+                          a_hat_ct, inc_ct), shapes, dtype, interpret))
