@@ -26,6 +26,9 @@ Variants (each adds rows; the plain row is always measured):
                         ref from before the field runs the whole batch)
   --gref_cumsum         Gref with its "sum of the strengths above" by
                         lax.cumsum, as before it became one matmul
+  --lstm_two_products   every model with its LSTM's gates as two products
+                        added (x·w_ih + h·w_hh), as before they became one
+                        product of [x, h] with [w_ih; w_hh]
   --contractions_by_sum
                         the NS models (shares table) with
                         rns_stack.COLUMN_CONTRACTIONS = "reduce" (the
@@ -285,6 +288,21 @@ def cumsum_sum_above(strength_BxT, precision="highest"):
                          axis=1)
 
 
+def two_products_lstm_step(params, carry, x_BxI, precision="highest"):
+  """`models.lstm_step` as it was up to 2a55cd1: the gates' pre-activations
+  as two products added, x·w_ih + h·w_hh (the `--lstm_two_products`
+  variant)."""
+  h_BxH, c_BxH = carry
+  gates_Bx4H = (models._mm(x_BxI, params["w_ih"], precision) + params["b_ih"]
+                + models._mm(h_BxH, params["w_hh"], precision)
+                + params["b_hh"])
+  i_BxH, f_BxH, g_BxH, o_BxH = jnp.split(gates_Bx4H, 4, axis=-1)
+  c_BxH = (jax.nn.sigmoid(f_BxH) * c_BxH
+           + jax.nn.sigmoid(i_BxH) * jnp.tanh(g_BxH))
+  h_BxH = jax.nn.sigmoid(o_BxH) * jnp.tanh(c_BxH)
+  return (h_BxH, c_BxH), h_BxH
+
+
 def parse_kernel_tiles(text):
   """[(ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID)] of stack_kernels from
   "ROWSxCHUNKxWARPS[g],...": powers of two; a trailing g sets ROW_GRID (a
@@ -318,7 +336,7 @@ def tile_patches(tiles, module=stack_kernels):
 def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
                 contractions_by_sum=False, pallas_kernels=False,
-                kernel_tiles=()):
+                kernel_tiles=(), lstm_two_products=False):
   """Rows for one model: every variant, timed in alternation.
 
   `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID) settings of
@@ -360,6 +378,9 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                        "error": f"{type(e).__name__}: {e}"[:500]})
         print(f"{name:5s} {label:26s} failed: {failed[-1]['error'][:200]}",
               flush=True)
+  if lstm_two_products:
+    variants.append(Variant(name, "LSTM gates as two products", length,
+                            precision, {"lstm_step": two_products_lstm_step}))
   if gref_cumsum and name == "gref":
     variants.append(Variant(name, "sum above by lax.cumsum", length,
                             precision,
@@ -531,6 +552,10 @@ def main():
                       "(NS models; the plain row is automatic)")
   parser.add_argument("--gref_cumsum", action="store_true",
                       help="add a Gref variant with the cumsum it had before")
+  parser.add_argument("--lstm_two_products", action="store_true",
+                      help="add a variant of every model with the LSTM's "
+                      "gates as two products added (their form before "
+                      "they became one product)")
   parser.add_argument("--pallas_kernels", action="store_true",
                       help="add NS variants with the stack's updates as "
                       "Pallas kernels (stack_kernels; GPUs)")
@@ -611,7 +636,7 @@ def main():
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
           args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
-          kernel_tiles)
+          kernel_tiles, args.lstm_two_products)
       # Variants that did not compile are kept apart from the timed rows.
       out["steps"] += [r for r in rows if "error" not in r]
       failed = [r for r in rows if "error" in r]

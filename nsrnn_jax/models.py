@@ -152,8 +152,13 @@ def lstm_step(params: Params, carry: Carry, x_BxI: jax.Array,
     ``((h_BxH, c_BxH), h_BxH)`` after the step.
   """
   h_BxH, c_BxH = carry
-  gates_Bx4H = (_mm(x_BxI, params['w_ih'], precision) + params['b_ih']
-                + _mm(h_BxH, params['w_hh'], precision) + params['b_hh'])
+  # One product of [x, h] with [w_ih; w_hh] instead of two added: one
+  # matmul fewer per step forward and backward (each a separate op on
+  # XLA:CPU and a kernel on a GPU; the weights' concatenation does not
+  # depend on the step, and XLA hoists it out of the time loop).
+  gates_Bx4H = _mm(jnp.concatenate([x_BxI, h_BxH], axis=-1),
+                   jnp.concatenate([params['w_ih'], params['w_hh']], axis=0),
+                   precision) + (params['b_ih'] + params['b_hh'])
   i_BxH, f_BxH, g_BxH, o_BxH = jnp.split(gates_Bx4H, 4, axis=-1)
   c_BxH = (jax.nn.sigmoid(f_BxH) * c_BxH
            + jax.nn.sigmoid(i_BxH) * jnp.tanh(g_BxH))
