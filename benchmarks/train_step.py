@@ -26,6 +26,9 @@ Variants (each adds rows; the plain row is always measured):
                         ref from before the field runs the whole batch)
   --gref_cumsum         Gref with its "sum of the strengths above" by
                         lax.cumsum, as before it became one matmul
+  --store_residuals     JM with its time loop storing every residual of a
+                        step for the backward (plain autodiff), not only
+                        the matmuls' outputs (models.keep_products_only)
   --lstm_two_products   every model with its LSTM's gates as two products
                         added (x·w_ih + h·w_hh), as before they became one
                         product of [x, h] with [w_ih; w_hh]
@@ -336,7 +339,8 @@ def tile_patches(tiles, module=stack_kernels):
 def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
                 contractions_by_sum=False, pallas_kernels=False,
-                kernel_tiles=(), lstm_two_products=False):
+                kernel_tiles=(), lstm_two_products=False,
+                store_residuals=False):
   """Rows for one model: every variant, timed in alternation.
 
   `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID) settings of
@@ -378,6 +382,9 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                        "error": f"{type(e).__name__}: {e}"[:500]})
         print(f"{name:5s} {label:26s} failed: {failed[-1]['error'][:200]}",
               flush=True)
+  if store_residuals and name == "jm":
+    variants.append(Variant(name, "every residual stored", length, precision,
+                            {"keep_products_only": lambda step: step}))
   if lstm_two_products:
     variants.append(Variant(name, "LSTM gates as two products", length,
                             precision, {"lstm_step": two_products_lstm_step}))
@@ -552,6 +559,10 @@ def main():
                       "(NS models; the plain row is automatic)")
   parser.add_argument("--gref_cumsum", action="store_true",
                       help="add a Gref variant with the cumsum it had before")
+  parser.add_argument("--store_residuals", action="store_true",
+                      help="add a JM variant whose time loop stores every "
+                      "residual of its step for the backward (autodiff's "
+                      "default; models.keep_products_only off)")
   parser.add_argument("--lstm_two_products", action="store_true",
                       help="add a variant of every model with the LSTM's "
                       "gates as two products added (their form before "
@@ -636,7 +647,7 @@ def main():
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
           args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
-          kernel_tiles, args.lstm_two_products)
+          kernel_tiles, args.lstm_two_products, args.store_residuals)
       # Variants that did not compile are kept apart from the timed rows.
       out["steps"] += [r for r in rows if "error" not in r]
       failed = [r for r in rows if "error" in r]
