@@ -45,6 +45,10 @@
 #   pallas_profile  the profile of the NS step on the Pallas kernels
 #   pallas_scale    20 vmapped NS-RNNs at length 80 on the Pallas kernels
 #              (pallas_call batched over the model axis by vmap)
+#   residuals  LSTM, JM, Gref and NS (Q=S=2) train steps against their
+#              code before 2d4bf87: JM's loop storing every residual
+#              (--store_residuals) and the LSTM's gates as two products
+#              (--lstm_two_products); README "Fewer ops per step"
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -53,7 +57,8 @@
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
 # profile_step_gpu.json, ..._contractions_by_sum.json,
 # profile_step_gpu_reduce_all.json, train_step_gpu_pallas_kernels.json,
-# profile_step_gpu_pallas.json, scale_gpu_pallas.json). Copy them to
+# profile_step_gpu_pallas.json, scale_gpu_pallas.json,
+# train_step_gpu_residuals.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # Installs nothing beyond the package: the wheels in ./.whl that the image
@@ -67,9 +72,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile pallas_scale)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile pallas_scale residuals)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile|pallas_scale) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile|pallas_scale|residuals) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -169,6 +174,10 @@ for p in "${phases[@]}"; do
       bench "profile of the NS step, all contractions by sum" 90 -- \
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --contractions=reduce_all --out "$OUT/profile_step_gpu_reduce_all.json" ;;
+    residuals)
+      bench "train steps: JM storing every residual, the LSTM's two products" 150 -- \
+        $TS --models=jm,lstm,gref,ns22 --store_residuals --lstm_two_products \
+        --repeats=15 --out "$OUT/train_step_gpu_residuals.json" ;;
     pallas)
       bench "NS train step, the stack's updates as Pallas kernels" 240 -- \
         $TS --models=ns33,ns22 --pallas_kernels --repeats=7 \
