@@ -45,10 +45,12 @@
 #   pallas_profile  the profile of the NS step on the Pallas kernels
 #   pallas_scale    20 vmapped NS-RNNs at length 80 on the Pallas kernels
 #              (pallas_call batched over the model axis by vmap)
-#   residuals  LSTM, JM, Gref and NS (Q=S=2) train steps against their
-#              code before 2d4bf87: JM's loop storing every residual
-#              (--store_residuals) and the LSTM's gates as two products
-#              (--lstm_two_products); README "Fewer ops per step"
+#   residuals  LSTM, JM, Gref and NS (Q=S=2) train steps with each
+#              baseline's loop storing the other set of residuals
+#              (--other_residuals: JM every one, LSTM and Gref only the
+#              matmuls' outputs; models.PRODUCTS_ONLY_LOOPS) and with the
+#              LSTM's gates as two products (--lstm_two_products); README
+#              "Fewer ops per step"
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -175,8 +177,8 @@ for p in "${phases[@]}"; do
         benchmarks/profile_step.py --models=ns22,ns33 --top=15 \
         --contractions=reduce_all --out "$OUT/profile_step_gpu_reduce_all.json" ;;
     residuals)
-      bench "train steps: JM storing every residual, the LSTM's two products" 150 -- \
-        $TS --models=jm,lstm,gref,ns22 --store_residuals --lstm_two_products \
+      bench "train steps: the other residuals stored, the LSTM's two products" 150 -- \
+        $TS --models=jm,lstm,gref,ns22 --other_residuals --lstm_two_products \
         --repeats=15 --out "$OUT/train_step_gpu_residuals.json" ;;
     pallas)
       bench "NS train step, the stack's updates as Pallas kernels" 240 -- \

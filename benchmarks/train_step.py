@@ -26,9 +26,11 @@ Variants (each adds rows; the plain row is always measured):
                         ref from before the field runs the whole batch)
   --gref_cumsum         Gref with its "sum of the strengths above" by
                         lax.cumsum, as before it became one matmul
-  --store_residuals     JM with its time loop storing every residual of a
-                        step for the backward (plain autodiff), not only
-                        the matmuls' outputs (models.keep_products_only)
+  --other_residuals     LSTM, JM and Gref with their time loops storing the
+                        other set of a step's residuals for the backward:
+                        every one (plain autodiff) where the model stores
+                        only its matmuls' outputs, and the reverse
+                        (models.PRODUCTS_ONLY_LOOPS, keep_products_only)
   --lstm_two_products   every model with its LSTM's gates as two products
                         added (x·w_ih + h·w_hh), as before they became one
                         product of [x, h] with [w_ih; w_hh]
@@ -340,7 +342,7 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
                 contractions_by_sum=False, pallas_kernels=False,
                 kernel_tiles=(), lstm_two_products=False,
-                store_residuals=False):
+                other_residuals=False):
   """Rows for one model: every variant, timed in alternation.
 
   `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID) settings of
@@ -382,9 +384,13 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                        "error": f"{type(e).__name__}: {e}"[:500]})
         print(f"{name:5s} {label:26s} failed: {failed[-1]['error'][:200]}",
               flush=True)
-  if store_residuals and name == "jm":
-    variants.append(Variant(name, "every residual stored", length, precision,
-                            {"keep_products_only": lambda step: step}))
+  if other_residuals and name in ("lstm", "jm", "gref"):
+    # The other side of models.PRODUCTS_ONLY_LOOPS for this model.
+    only_products = name not in models.PRODUCTS_ONLY_LOOPS
+    variants.append(Variant(
+        name, "only products stored" if only_products
+        else "every residual stored", length, precision,
+        {"PRODUCTS_ONLY_LOOPS": models.PRODUCTS_ONLY_LOOPS ^ {name}}))
   if lstm_two_products:
     variants.append(Variant(name, "LSTM gates as two products", length,
                             precision, {"lstm_step": two_products_lstm_step}))
@@ -559,10 +565,11 @@ def main():
                       "(NS models; the plain row is automatic)")
   parser.add_argument("--gref_cumsum", action="store_true",
                       help="add a Gref variant with the cumsum it had before")
-  parser.add_argument("--store_residuals", action="store_true",
-                      help="add a JM variant whose time loop stores every "
-                      "residual of its step for the backward (autodiff's "
-                      "default; models.keep_products_only off)")
+  parser.add_argument("--other_residuals", action="store_true",
+                      help="add LSTM, JM and Gref variants whose time loop "
+                      "stores the other set of residuals for the backward: "
+                      "only its matmuls' outputs where it stores every one, "
+                      "and the reverse (models.PRODUCTS_ONLY_LOOPS)")
   parser.add_argument("--lstm_two_products", action="store_true",
                       help="add a variant of every model with the LSTM's "
                       "gates as two products added (their form before "
@@ -647,7 +654,7 @@ def main():
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
           args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
-          kernel_tiles, args.lstm_two_products, args.store_residuals)
+          kernel_tiles, args.lstm_two_products, args.other_residuals)
       # Variants that did not compile are kept apart from the timed rows.
       out["steps"] += [r for r in rows if "error" not in r]
       failed = [r for r in rows if "error" in r]

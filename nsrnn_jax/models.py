@@ -506,7 +506,8 @@ class LSTMLM(LanguageModel):
       return lstm_step(params['controller'], carry, x_BxV,
                        self.matmul_precision)
 
-    _, h_TxBxH = jax.lax.scan(step, (zeros_BxH, zeros_BxH),
+    _, h_TxBxH = jax.lax.scan(_loop_step('lstm', step),
+                              (zeros_BxH, zeros_BxH),
                               jnp.swapaxes(x_BxTxV, 0, 1),
                               unroll=self.scan_unroll)
     return jnp.swapaxes(h_TxBxH, 0, 1), {}
@@ -526,6 +527,19 @@ def keep_products_only(step_fn):
   practice, as the same ops run again).
   """
   return jax.checkpoint(step_fn, policy=jax.checkpoint_policies.dots_saveable)
+
+
+# The baselines whose time loop stores only its matmuls' outputs
+# (`keep_products_only`). Measured per model on 2 CPU cores, best wall time
+# (`train_step_cpu_keep_products.json`): JM's train step 1.27-1.30x faster;
+# the LSTM's 1.04-1.13x and Gref's 1.23-1.24x slower (their backwards grow
+# by more than their forwards shrink), so they store every residual.
+PRODUCTS_ONLY_LOOPS = frozenset({'jm'})
+
+
+def _loop_step(model: str, step_fn):
+  """``step_fn`` as ``model``'s time loop runs it (`PRODUCTS_ONLY_LOOPS`)."""
+  return keep_products_only(step_fn) if model in PRODUCTS_ONLY_LOOPS else step_fn
 
 
 def jm_depth(num_updates: int) -> int:
@@ -604,12 +618,8 @@ class JMLM(_VectorStackLM):
       return (lstm_carry, stack_BxDxM), (h_BxH, actions_Bx3, push_BxM,
                                          stack_BxDxM[:, 0])
 
-    # Only the step's matmul outputs are stored for the backward: the JM
-    # train step ran 1.27-1.30x faster on 2 CPU cores, best wall time. The
-    # same made the LSTM's and Gref's steps 1.04-1.24x slower, so their
-    # loops store everything (`train_step_cpu_keep_products.json`).
     _, (h, actions, push, readings) = jax.lax.scan(
-        keep_products_only(step), ((zeros_BxH, zeros_BxH), stack_BxDxM),
+        _loop_step('jm', step), ((zeros_BxH, zeros_BxH), stack_BxDxM),
         jnp.swapaxes(x_BxTxV, 0, 1), unroll=self.scan_unroll)
     h, actions, push, readings = (jnp.swapaxes(a, 0, 1)
                                   for a in (h, actions, push, readings))
@@ -664,7 +674,8 @@ class GrefLM(_VectorStackLM):
               (h_BxH, actions_Bx2, push_BxM, strength_BxT, reading_BxM))
 
     _, outs = jax.lax.scan(
-        step, init, (jnp.arange(steps), jnp.swapaxes(x_BxTxV, 0, 1)),
+        _loop_step('gref', step), init,
+        (jnp.arange(steps), jnp.swapaxes(x_BxTxV, 0, 1)),
         unroll=self.scan_unroll)
     h, actions, push, strengths, readings = (jnp.swapaxes(a, 0, 1)
                                              for a in outs)

@@ -715,24 +715,28 @@ def test_gradient_matches_finite_differences(name):
     np.testing.assert_allclose(analytic, numeric, rtol=1e-6)
 
 
-def test_jm_loop_storing_only_products_gives_the_same_gradient(monkeypatch):
-  # models.keep_products_only (JM's time loop stores only its matmuls'
+@pytest.mark.parametrize('name', ['lstm', 'jm', 'gref'])
+def test_loop_storing_only_products_gives_the_same_gradient(name,
+                                                            monkeypatch):
+  # models.keep_products_only (the time loop stores only its matmuls'
   # outputs; the backward recomputes the rest) against plain autodiff of
-  # the loop, which stores every residual.
+  # the loop, which stores every residual: each baseline both ways
+  # (models.PRODUCTS_ONLY_LOOPS says which way it runs by default).
   symbols = jnp.asarray(_SYMBOLS)
   with jax.enable_x64(True):
-    model = models.get('jm', _VOCAB, hidden_size=4, stack_embedding_size=3,
+    model = models.get(name, _VOCAB, hidden_size=4, stack_embedding_size=3,
                        dtype=jnp.float64)
     params = _randomize(_init(model, symbols), seed=3, scale=0.8)
-    grad = lambda: jax.jit(jax.grad(_loss(model, symbols)))(params)
-    jaxpr = str(jax.make_jaxpr(jax.grad(_loss(model, symbols)))(params))
-    assert 'checkpoint' in jaxpr or 'remat' in jaxpr    # the policy is on
-    got = grad()
-    monkeypatch.setattr(models, 'keep_products_only', lambda step: step)
-    jaxpr = str(jax.make_jaxpr(jax.grad(_loss(model, symbols)))(params))
-    assert 'checkpoint' not in jaxpr and 'remat' not in jaxpr
-    want = grad()
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    grads = {}
+    for only_products in (True, False):
+      loops = models.PRODUCTS_ONLY_LOOPS - {name}
+      monkeypatch.setattr(models, 'PRODUCTS_ONLY_LOOPS',
+                          loops | {name} if only_products else loops)
+      jaxpr = str(jax.make_jaxpr(jax.grad(_loss(model, symbols)))(params))
+      assert ('checkpoint' in jaxpr or 'remat' in jaxpr) == only_products
+      grads[only_products] = jax.jit(jax.grad(_loss(model, symbols)))(params)
+  for g, w in zip(jax.tree.leaves(grads[True]),
+                  jax.tree.leaves(grads[False])):
     assert np.abs(w).max() > 0
     np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
 
