@@ -63,6 +63,9 @@
 # train_step_gpu_residuals.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
+# tests/benchmarks_gpu_session_test.py parses every phase's commands with
+# the benchmarks' own flags on CPU, so a typo costs no device time.
+#
 # Installs nothing beyond the package: the wheels in ./.whl that the image
 # lacks (benchmarks/gpu_wheels.sh fetches them on a machine with network
 # access), then `pip install --no-deps -e .`.

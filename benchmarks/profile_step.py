@@ -299,7 +299,8 @@ def print_result(r):
           f"{o['shape'][:32]} {o['source'][-48:]}")
 
 
-def main():
+def build_parser():
+  """The command line's flags (a test checks gpu_session.sh's commands)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="ns22,ns33",
                       help=f"of {','.join(train_step.SETTINGS)}")
@@ -318,6 +319,11 @@ def main():
   parser.add_argument("--command_buffers", action="store_true",
                       help="keep XLA's GPU command buffers (CUDA graphs) on; "
                       "their kernels then cannot be told apart")
+  return parser
+
+
+def main():
+  parser = build_parser()
   args = parser.parse_args()
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in train_step.SETTINGS]

@@ -171,7 +171,8 @@ def bench_devices(length, steps, repeats):
   return json.loads(line[len("JSON:"):])
 
 
-def main():
+def build_parser():
+  """The command line's flags (a test checks gpu_session.sh's commands)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--length", type=int, default=80,
                       help="the longest length (and the devices' length)")
@@ -192,6 +193,11 @@ def main():
                       "GPUs), batched over K by vmap (K axis only)")
   parser.add_argument("--out", default=None,
                       help="default results/scale_<backend>.json")
+  return parser
+
+
+def main():
+  parser = build_parser()
   args = parser.parse_args()
   # Read when the steps are traced, all of them after this.
   rns_stack.UPDATE_KERNELS = args.update_kernels

@@ -547,7 +547,8 @@ def _reexec_with_devices(n):
                          + sys.argv[1:], env=env)
 
 
-def main():
+def build_parser():
+  """The command line's flags (a test checks gpu_session.sh's commands)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models",
                       default="ns22,ns33,ns22_scaled,ns33_scaled,jm,gref,lstm")
@@ -593,6 +594,11 @@ def main():
   parser.add_argument("--buckets", default="50,60,70,80")
   parser.add_argument("--out", default=None,
                       help="default results/train_step_<backend>.json")
+  return parser
+
+
+def main():
+  parser = build_parser()
   args = parser.parse_args()
   if (args.cpu_devices > jax.device_count() and jax.default_backend() == "cpu"
       and not os.environ.get("NSRNN_BENCH_CHILD")):
