@@ -333,9 +333,17 @@ def test_later_models_run_a_short_batch(spec):
   model = models.build(config)
   params = models.init_params(model, jax.random.PRNGKey(0))
   symbols = jnp.asarray([[0, 2, 3, 1, 78], [4, 5, 79, 78, 0]], jnp.int32)
-  logits = model.apply({"params": params}, symbols)
+  logits = np.asarray(model.apply({"params": params}, symbols))
   assert logits.shape == (2, 5, 81)  # 80 symbols + EOS
-  assert np.all(np.isfinite(np.asarray(logits)))
+  assert np.all(np.isfinite(logits))
+  # Row t reads symbols[:t]: the first row is the output bias, and changing
+  # symbol 3 (to the largest id) changes row 4 only.
+  np.testing.assert_array_equal(
+      logits[:, 0], np.broadcast_to(params["output"]["bias"], (2, 81)))
+  other = symbols.at[:, 3].set(79 - symbols[:, 3])
+  logits_other = np.asarray(model.apply({"params": params}, other))
+  np.testing.assert_array_equal(logits_other[:, :4], logits[:, :4])
+  assert np.all(np.abs(logits_other[:, 4] - logits[:, 4]).max(-1) > 1e-6)
 
 
 @pytest.mark.parametrize("arg,message", [
