@@ -1119,6 +1119,28 @@ def write_report(results_dir: str = DEFAULT_RESULTS,
   return [report_path] + files
 
 
+def uncommitted_records(results_dir: str = DEFAULT_RESULTS) -> list[str]:
+  """Record files under `results_dir` that git does not track (sorted paths).
+
+  The committed report must be generated from committed records only (a test
+  regenerates it from a clean clone), so `--report` names any record it read
+  that is not committed yet. Empty when `results_dir` is not in a git work
+  tree or git is unavailable.
+  """
+  import subprocess  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(results_dir):
+    return []
+  try:
+    out = subprocess.run(
+        ["git", "ls-files", "--others", "--modified", "--exclude-standard",
+         "--", "."], cwd=results_dir, capture_output=True, text=True,
+        timeout=60, check=True).stdout
+  except (OSError, subprocess.SubprocessError):
+    return []
+  return sorted(os.path.join(results_dir, line) for line in out.splitlines()
+                if line.endswith(".json"))
+
+
 # ---------------------------------------------------------------------------
 # CLI.
 # ---------------------------------------------------------------------------
@@ -1200,6 +1222,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       for path in write_report(args.results, args.report_path,
                                args.selection):
         print(path)
+      pending = uncommitted_records(args.results)
+      if pending:
+        print(f"warning: the report read {len(pending)} record(s) that git "
+              "does not track yet; commit them with the report (the "
+              "committed report must match the committed records): "
+              + " ".join(pending), file=sys.stderr)
       return 0
     if args.task not in TASKS:
       raise ReproduceError(f"--task is {args.task!r}; expected one of "

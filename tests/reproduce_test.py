@@ -7,6 +7,7 @@ seeds, selection) is checked on the full-size plan without training.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -484,6 +485,32 @@ def test_committed_report_is_generated_from_committed_records(tmp_path):
     if generated.exists():
       with open(committed_series) as f:
         assert json.load(f) == json.loads(generated.read_text())
+
+
+def test_report_names_records_git_does_not_track(tmp_path):
+  if shutil.which("git") is None:
+    pytest.skip("git not installed")
+  env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
+             GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+  run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, env=env,
+                                  check=True, capture_output=True)
+  run("init", "-q")
+  results = tmp_path / "results"
+  for name in ("committed", "modified", "new"):
+    (results / "dyck" / "ns" / name).mkdir(parents=True)
+    (results / "dyck" / "ns" / name / "restart_0.json").write_text("{}")
+  run("add", "results/dyck/ns/committed", "results/dyck/ns/modified")
+  run("commit", "-q", "-m", "records")
+  (results / "dyck" / "ns" / "modified" / "restart_0.json").write_text("[]")
+  (results / "notes.txt").write_text("not a record")
+  assert reproduce.uncommitted_records(str(results)) == [
+      str(results / "dyck/ns/modified/restart_0.json"),
+      str(results / "dyck/ns/new/restart_0.json")]
+  run("add", "-A")
+  run("commit", "-q", "-m", "all")
+  assert reproduce.uncommitted_records(str(results)) == []
+  # Outside a git work tree: nothing to say.
+  assert reproduce.uncommitted_records(str(tmp_path / "missing")) == []
 
 
 def test_every_committed_record_is_consistent():
