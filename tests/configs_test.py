@@ -337,7 +337,7 @@ def test_later_models_run_a_short_batch(spec):
   assert logits.shape == (2, 5, 81)  # 80 symbols + EOS
   assert np.all(np.isfinite(logits))
   # Row t reads symbols[:t]: the first row is the output bias, and changing
-  # symbol 3 (to the largest id) changes row 4 only.
+  # symbol 3 (s -> 79 - s) changes row 4 only.
   np.testing.assert_array_equal(
       logits[:, 0], np.broadcast_to(params["output"]["bias"], (2, 81)))
   other = symbols.at[:, 3].set(79 - symbols[:, 3])
