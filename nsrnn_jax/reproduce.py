@@ -61,6 +61,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -1127,7 +1128,6 @@ def uncommitted_records(results_dir: str = DEFAULT_RESULTS) -> list[str]:
   that is not committed yet. Empty when `results_dir` is not in a git work
   tree or git is unavailable.
   """
-  import subprocess  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(results_dir):
     return []
   try:
@@ -1137,8 +1137,10 @@ def uncommitted_records(results_dir: str = DEFAULT_RESULTS) -> list[str]:
         timeout=60, check=True).stdout
   except (OSError, subprocess.SubprocessError):
     return []
-  return sorted(os.path.join(results_dir, line) for line in out.splitlines()
-                if line.endswith(".json"))
+  # A deleted record is "modified" to git but was not read: leave it out.
+  paths = {os.path.join(results_dir, line) for line in out.splitlines()
+           if line.endswith(".json")}
+  return sorted(p for p in paths if os.path.isfile(p))
 
 
 # ---------------------------------------------------------------------------

@@ -509,7 +509,7 @@ def test_report_names_records_git_does_not_track(tmp_path):
   run("add", "-A")
   run("commit", "-q", "-m", "all")
   assert reproduce.uncommitted_records(str(results)) == []
-  # Outside a git work tree: nothing to say.
+  # No such directory: nothing to say.
   assert reproduce.uncommitted_records(str(tmp_path / "missing")) == []
 
 
