@@ -42,6 +42,7 @@ def machine_info():
       "device_kind": devices[0].device_kind,
       "device_count": len(devices),
       "cpu_model": parallel.host_cpu_model(),
+      "cpu_vector_isa": parallel.host_cpu_vector_isa(),
       "cpu_count": os.cpu_count(),
       "load_average_1_5_15": list(os.getloadavg()),
       "platform": platform.platform(),

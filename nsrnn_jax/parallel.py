@@ -464,6 +464,39 @@ def host_cpu_model() -> str:
   return platform.processor() or platform.machine() or "unknown CPU"
 
 
+# Widest float vector extension first: the matmul throughput a CPU reaches
+# (and so every FLOP-limit ratio measured on it) roughly doubles per step.
+_VECTOR_ISAS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
+                ("sve", "SVE"), ("asimd", "NEON"))
+
+
+def host_cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
+  """The widest float vector extension of this host's CPU, e.g. "AVX-512".
+
+  Read from the flags (x86) or features (Arm) line of /proc/cpuinfo; None
+  where neither is readable. Two machines sold under one model name (e.g.
+  "AMD EPYC" in a VM) can differ here, and with it their matmul throughput.
+
+  Args:
+    cpuinfo: the text of /proc/cpuinfo (read from the host when None).
+  """
+  if cpuinfo is None:
+    try:
+      with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    except OSError:
+      return None
+  for line in cpuinfo.splitlines():
+    key = line.split(":", 1)[0].strip().lower()
+    if key in ("flags", "features") and ":" in line:
+      flags = set(line.split(":", 1)[1].split())
+      for flag, name in _VECTOR_ISAS:
+        if flag in flags:
+          return name
+      return None
+  return None
+
+
 def describe_runtime(matmul_precision: str = "highest") -> str:
   """One line naming the backend, the devices and the matmul precision.
 
@@ -488,5 +521,7 @@ def describe_runtime(matmul_precision: str = "highest") -> str:
           f"{jax.process_index()}/{jax.process_count()}, "
           f"{jax.device_count()} device(s): {devices}")
   if jax.default_backend() == "cpu":
-    line += f" [{host_cpu_model()}, {os.cpu_count()} cores]"
+    isa = host_cpu_vector_isa()
+    line += (f" [{host_cpu_model()}" + (f", {isa}" if isa else "")
+             + f", {os.cpu_count()} cores]")
   return line + f"; jax {jax.__version__}; matmul precision {matmul_precision}"

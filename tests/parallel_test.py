@@ -243,3 +243,24 @@ def test_describe_runtime_names_backend_devices_and_precision():
       "matmul precision default")
   with pytest.raises(ValueError, match="config.matmul_precision"):
     parallel.describe_runtime("tf32")
+
+
+@pytest.mark.parametrize("text, want", [
+    ("model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma avx512f "
+     "avx512bw\n", "AVX-512"),
+    ("flags\t\t: fpu sse2 avx avx2 fma\n", "AVX2"),
+    ("flags\t\t: fpu sse2\n", None),
+    ("Features\t: fp asimd evtstrm sve\n", "SVE"),
+    ("Features\t: fp asimd evtstrm\n", "NEON"),
+    ("processor\t: 0\n", None),
+])
+def test_host_cpu_vector_isa_reads_the_widest_extension(text, want):
+  assert parallel.host_cpu_vector_isa(text) == want
+
+
+def test_describe_runtime_names_the_cpu_vector_extension():
+  if jax.default_backend() != "cpu":
+    pytest.skip("the host CPU is named on the CPU backend only")
+  isa = parallel.host_cpu_vector_isa()
+  line = parallel.describe_runtime("highest")
+  assert (f", {isa}, " in line) == (isa is not None)
