@@ -464,8 +464,9 @@ def host_cpu_model() -> str:
   return platform.processor() or platform.machine() or "unknown CPU"
 
 
-# Widest float vector extension first: the matmul throughput a CPU reaches
-# (and so every FLOP-limit ratio measured on it) roughly doubles per step.
+# (cpuinfo flag, name), widest first within each architecture (x86, then
+# Arm). A wider unit raises the matmul rate a CPU reaches, and so the FLOP
+# limit of our benchmarks: AVX2 -> AVX-512 doubled it on our 2-core VMs.
 _VECTOR_ISAS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
                 ("sve", "SVE"), ("asimd", "NEON"))
 
@@ -474,7 +475,7 @@ def host_cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
   """The widest float vector extension of this host's CPU, e.g. "AVX-512".
 
   Read from the flags (x86) or features (Arm) line of /proc/cpuinfo; None
-  where neither is readable. Two machines sold under one model name (e.g.
+  where that cannot be read or names none of the extensions we know. Two machines sold under one model name (e.g.
   "AMD EPYC" in a VM) can differ here, and with it their matmul throughput.
 
   Args:
