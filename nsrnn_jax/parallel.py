@@ -451,15 +451,27 @@ def to_host(tree: PyTree) -> PyTree:
 # ---------------------------------------------------------------------------
 
 
+def _cpuinfo_value(keys, cpuinfo: str | None = None) -> str | None:
+  """The value of the first /proc/cpuinfo line whose key is one of `keys`
+  (lower case), or None where there is none or the file cannot be read."""
+  if cpuinfo is None:
+    try:
+      with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    except OSError:
+      return None
+  for line in cpuinfo.splitlines():
+    key, sep, value = line.partition(":")
+    if sep and key.strip().lower() in keys:
+      return value.strip()
+  return None
+
+
 def host_cpu_model() -> str:
   """This host's CPU model name (from /proc/cpuinfo), or a generic name."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.lower().startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
+  model = _cpuinfo_value(("model name",))
+  if model is not None:
+    return model
   import platform  # pylint: disable=g-import-not-at-top
   return platform.processor() or platform.machine() or "unknown CPU"
 
@@ -475,27 +487,15 @@ def host_cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
   """The widest float vector extension of this host's CPU, e.g. "AVX-512".
 
   Read from the flags (x86) or features (Arm) line of /proc/cpuinfo; None
-  where that cannot be read or names none of the extensions we know. Two machines sold under one model name (e.g.
-  "AMD EPYC" in a VM) can differ here, and with it their matmul throughput.
+  where that cannot be read or names none of the extensions we know. Two
+  machines sold under one model name (e.g. "AMD EPYC" in a VM) can differ
+  here, and with it their matmul throughput.
 
   Args:
     cpuinfo: the text of /proc/cpuinfo (read from the host when None).
   """
-  if cpuinfo is None:
-    try:
-      with open("/proc/cpuinfo") as f:
-        cpuinfo = f.read()
-    except OSError:
-      return None
-  for line in cpuinfo.splitlines():
-    key = line.split(":", 1)[0].strip().lower()
-    if key in ("flags", "features") and ":" in line:
-      flags = set(line.split(":", 1)[1].split())
-      for flag, name in _VECTOR_ISAS:
-        if flag in flags:
-          return name
-      return None
-  return None
+  flags = set((_cpuinfo_value(("flags", "features"), cpuinfo) or "").split())
+  return next((name for flag, name in _VECTOR_ISAS if flag in flags), None)
 
 
 def describe_runtime(matmul_precision: str = "highest") -> str:
