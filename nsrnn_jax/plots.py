@@ -477,27 +477,44 @@ def _new_figure() -> matplotlib.figure.Figure:
   return matplotlib.figure.Figure(figsize=(5.0, 3.6), layout="constrained")
 
 
-def _plot_bands(ax, series_list, x_key: str) -> None:
-  """Mean lines with ±1 std bands, one per series, coloured by label."""
+def _plot_bands(ax, series_list, x_key: str, reference=None) -> None:
+  """Mean lines with ±1 std bands, one per series, coloured by label.
+
+  `reference` (optional): series {"label", "x", "mean"} drawn as thin
+  dashed lines in their label's colour (the paper's means), with one
+  legend entry for all of them.
+  """
+  colors = {}
   for i, series in enumerate(series_list):
     x = np.asarray(series[x_key])
     mean = np.asarray(series["mean"], dtype=np.float64)
     std = np.asarray(series["std"], dtype=np.float64)
     color = _LABEL_COLORS.get(series["label"], f"C{(i + 4) % 10}")
+    colors[series["label"]] = color
     ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.25,
                     linewidth=0)
     ax.plot(x, mean, color=color, label=series["label"], linewidth=1.5)
+  for i, series in enumerate(reference or ()):
+    color = colors.get(series["label"],
+                       _LABEL_COLORS.get(series["label"], f"C{i % 10}"))
+    ax.plot(series["x"], series["mean"], color=color, linewidth=1.0,
+            linestyle="--", alpha=0.9)
+  if reference:  # One grey legend entry stands for all dashed lines.
+    ax.plot([], [], color="0.35", linewidth=1.0, linestyle="--",
+            label="paper")
   ax.set_ylabel(Y_LABEL)
   ax.grid(True, alpha=0.3)
+  entries = len(series_list) + (1 if reference else 0)
   ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18),
-            ncol=max(1, len(series_list)), frameon=False)
+            ncol=max(1, entries), frameon=False)
 
 
 def _plot_figure(series_list, x_key: str, x_label: str,
-                 title: str | None) -> matplotlib.figure.Figure:
+                 title: str | None, reference=None
+                 ) -> matplotlib.figure.Figure:
   fig = _new_figure()
   ax = fig.add_subplot()
-  _plot_bands(ax, series_list, x_key)
+  _plot_bands(ax, series_list, x_key, reference)
   ax.set_xlabel(x_label)
   if title:
     ax.set_title(title)
@@ -505,15 +522,26 @@ def _plot_figure(series_list, x_key: str, x_label: str,
 
 
 def plot_train(series_list: Sequence[Mapping[str, Any]],
-               title: str | None = None) -> matplotlib.figure.Figure:
-  """Figure 3: validation CE difference per epoch (from `train_series`)."""
-  return _plot_figure(series_list, "epochs", "Epoch", title)
+               title: str | None = None,
+               reference: Sequence[Mapping[str, Any]] | None = None
+               ) -> matplotlib.figure.Figure:
+  """Figure 3: validation CE difference per epoch (from `train_series`).
+
+  `reference`: curves {"label", "x", "mean"} drawn dashed beside ours (the
+  paper's, `paper_figures`).
+  """
+  return _plot_figure(series_list, "epochs", "Epoch", title, reference)
 
 
 def plot_test(series_list: Sequence[Mapping[str, Any]],
-              title: str | None = None) -> matplotlib.figure.Figure:
-  """Figure 4: test CE difference by string length (from `test_series`)."""
-  return _plot_figure(series_list, "lengths", "Length", title)
+              title: str | None = None,
+              reference: Sequence[Mapping[str, Any]] | None = None
+              ) -> matplotlib.figure.Figure:
+  """Figure 4: test CE difference by string length (from `test_series`).
+
+  `reference`: as for `plot_train`.
+  """
+  return _plot_figure(series_list, "lengths", "Length", title, reference)
 
 
 def default_title(groups: Sequence[RunGroup]) -> str | None:

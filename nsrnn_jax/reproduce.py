@@ -68,6 +68,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from nsrnn_jax import paper_figures
+
 RECORD_FORMAT = "nsrnn_jax.run_record.v1"
 MANIFEST_FILE = "reproduce.json"
 MODELS = ("lstm", "jm", "gref", "ns")
@@ -122,6 +124,8 @@ PAPER_TEST = {
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RESULTS = os.path.join(REPO_ROOT, "results")
 DEFAULT_REPORT = os.path.join(REPO_ROOT, "docs", "reproduction.md")
+# The paper's Figure 3/4 data under the results directory (paper_figures).
+PAPER_FIGURES_FILE = os.path.basename(paper_figures.DEFAULT_PATH)
 
 
 class ReproduceError(ValueError):
@@ -938,11 +942,23 @@ def figure_series(cell: Cell) -> Optional[dict]:
   return out
 
 
-def draw_figures(cells, task: str, out_dir: str) -> list[str]:
-  """figure3.png / figure4.png / series.json of one task; returns the files."""
+def draw_figures(cells, task: str, out_dir: str,
+                 paper: Optional[Mapping[str, Any]] = None) -> list[str]:
+  """figure3.png / figure4.png / series.json of one task; returns the files.
+
+  `paper`: the paper's figure data (`paper_figures.load`); its mean curves
+  of the models we plot are drawn dashed beside ours.
+  """
   from nsrnn_jax import plots  # pylint: disable=g-import-not-at-top
   series = [s for s in (figure_series(cells[(task, m)]) for m in REPORT_ORDER)
             if s is not None]
+  models = [m for m in REPORT_ORDER if figure_series(cells[(task, m)])]
+
+  def reference(kind):
+    curves = [(m, paper_figures.curve(paper, kind, task, m)) for m in models]
+    return [{"label": LABELS[m], "x": c["x"], "mean": c["mean"]}
+            for m, c in curves if c is not None] or None
+
   if not series:  # Nothing to draw: remove figures of earlier records.
     for name in ("figure3.png", "figure4.png", "series.json"):
       if os.path.isfile(os.path.join(out_dir, name)):
@@ -953,12 +969,12 @@ def draw_figures(cells, task: str, out_dir: str) -> list[str]:
   files = []
   # No "Software" metadata: the PNG depends on the numbers only.
   png = {"Software": None}
-  fig = plots.plot_train(series, title)
+  fig = plots.plot_train(series, title, reference("train"))
   files.append(os.path.join(out_dir, "figure3.png"))
   fig.savefig(files[-1], dpi=120, metadata=png)
   tests = [s["test"] for s in series if s["test"] is not None]
   if tests:
-    fig = plots.plot_test(tests, title)
+    fig = plots.plot_test(tests, title, reference("test"))
     files.append(os.path.join(out_dir, "figure4.png"))
     fig.savefig(files[-1], dpi=120, metadata=png)
   files.append(os.path.join(out_dir, "series.json"))
@@ -1056,7 +1072,13 @@ def render_report(records: Sequence[Mapping[str, Any]],
               None: "not decidable yet (cells missing)"}[verdict]
       lines.append(f"| {TASK_TITLES[task]} | {text} | {word} | "
                    f"{_evidence(cells, task, models, which)} |")
-  lines += ["", "## Figures", ""]
+  lines += ["", "## Figures", "",
+            "Lines and shaded bands: our selected restarts, mean ± std "
+            "(Figure 3 pads a finished restart with its last value, as the "
+            "paper does). Dashed: the paper's means, from the figure data "
+            "in its LaTeX source (`results/" + PAPER_FIGURES_FILE + "`, "
+            "written by `python -m nsrnn_jax.paper_figures`); the source "
+            "has no Figure 3 panel for unmarked or padded reversal.", ""]
   for task in TASKS:
     if not any(cells[(task, m)].runs for m in REPORT_ORDER):
       continue
@@ -1110,9 +1132,14 @@ def write_report(results_dir: str = DEFAULT_RESULTS,
   records = load_records(results_dir)
   figures_dir = os.path.join(os.path.dirname(report_path), "figures")
   cells = summarize_cells(records, selection=selection)
+  try:
+    paper = paper_figures.load(os.path.join(results_dir, PAPER_FIGURES_FILE))
+  except paper_figures.PaperFiguresError as e:
+    raise ReproduceError(str(e)) from e
   files = []
   for task in TASKS:
-    files += draw_figures(cells, task, os.path.join(figures_dir, task))
+    files += draw_figures(cells, task, os.path.join(figures_dir, task),
+                          paper)
   text = render_report(records, selection=selection)
   os.makedirs(os.path.dirname(report_path) or ".", exist_ok=True)
   with open(report_path, "w") as f:
@@ -1121,7 +1148,10 @@ def write_report(results_dir: str = DEFAULT_RESULTS,
 
 
 def uncommitted_records(results_dir: str = DEFAULT_RESULTS) -> list[str]:
-  """Record files under `results_dir` that git does not track (sorted paths).
+  """Report inputs under `results_dir` that git does not track (sorted paths).
+
+  The run records and the paper's figure data (`PAPER_FIGURES_FILE`): any
+  JSON file there that is new or modified.
 
   The committed report must be generated from committed records only (a test
   regenerates it from a clean clone), so `--report` names any record it read
@@ -1226,7 +1256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(path)
       pending = uncommitted_records(args.results)
       if pending:
-        print(f"warning: the report read {len(pending)} record(s) that git "
+        print(f"warning: the report read {len(pending)} file(s) that git "
               "does not track yet; commit them with the report (the "
               "committed report must match the committed records): "
               + " ".join(pending), file=sys.stderr)
