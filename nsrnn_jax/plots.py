@@ -30,6 +30,9 @@ long as the longest restart. Mean and standard deviation are over restarts,
 with the population standard deviation (ddof=0, NumPy's default, as the
 authors' plotting script used).
 
+`--paper` draws the paper's own mean curves of the runs' task dashed beside
+them (`paper_figures`, from the figure data in the paper's LaTeX source).
+
 Outputs in `--out`: figure3.png/.pdf, figure4.png/.pdf (when the runs have a
 `test_by_length.json`) and series.json holding every plotted number, so that
 tests and reports can compare the curves with the metrics files.
@@ -553,9 +556,43 @@ def default_title(groups: Sequence[RunGroup]) -> str | None:
   return None
 
 
+def paper_reference(groups: Sequence[RunGroup], paper: Mapping[str, Any],
+                    kind: str) -> list[dict[str, Any]] | None:
+  """The paper's mean curves for these groups, labelled like them.
+
+  Args:
+    groups: from `group_runs`; each group whose runs are all of one model
+      gets that model's paper curve under the group's label.
+    paper: `paper_figures.load()`.
+    kind: "train" (Figure 3) or "test" (Figure 4).
+
+  Returns:
+    [{"label", "x", "mean"}] for `plot_train` / `plot_test`, or None where
+    the paper has no such curve.
+
+  Raises:
+    ValueError: the runs are not all of one task.
+  """
+  from nsrnn_jax import paper_figures  # pylint: disable=g-import-not-at-top
+  tasks = {task_name(w) for g in groups for w in g.workdirs}
+  if len(tasks) != 1 or None in tasks:
+    raise ValueError("the paper's curves are drawn for runs of one task; "
+                     f"these runs name {sorted(map(str, tasks))}")
+  task = tasks.pop()
+  out = []
+  for group in groups:
+    models = {model_name(w) for w in group.workdirs}
+    c = (paper_figures.curve(paper, kind, task, models.pop())
+         if len(models) == 1 else None)
+    if c is not None:
+      out.append({"label": group.label, "x": c["x"], "mean": c["mean"]})
+  return out or None
+
+
 def make_figures(groups: Sequence[RunGroup], out_dir: str,
                  title: str | None = None,
-                 formats: Sequence[str] = ("png", "pdf")) -> dict[str, Any]:
+                 formats: Sequence[str] = ("png", "pdf"),
+                 paper: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Draws and saves Figures 3 and 4 plus series.json.
 
   Figure 4 is skipped (with "figure4": null in the result) when no group has
@@ -566,6 +603,9 @@ def make_figures(groups: Sequence[RunGroup], out_dir: str,
     out_dir: created if missing.
     title: panel title; default from the runs' task (`default_title`).
     formats: file formats to save each figure in.
+    paper: the paper's figure data (`paper_figures.load()`) to draw its
+      mean curves dashed beside the groups' (`paper_reference`; the runs
+      must be of one task).
 
   Returns:
     The dict written to series.json: {"title", "figure3": [train series],
@@ -578,10 +618,14 @@ def make_figures(groups: Sequence[RunGroup], out_dir: str,
     raise ValueError(f"Group labels must be distinct, got {labels}.")
   if title is None:
     title = default_title(groups)
+  reference = {}
+  if paper is not None:
+    reference = {kind: paper_reference(groups, paper, kind)
+                 for kind in ("train", "test")}
   os.makedirs(out_dir, exist_ok=True)
   files = []
   train = [train_series(g) for g in groups]
-  fig = plot_train(train, title)
+  fig = plot_train(train, title, reference.get("train"))
   for fmt in formats:
     files.append(os.path.join(out_dir, f"figure3.{fmt}"))
     fig.savefig(files[-1], dpi=150)
@@ -591,7 +635,7 @@ def make_figures(groups: Sequence[RunGroup], out_dir: str,
            for w in group.workdirs):
       test.append(test_series(group))
   if test:
-    fig = plot_test(test, title)
+    fig = plot_test(test, title, reference.get("test"))
     for fmt in formats:
       files.append(os.path.join(out_dir, f"figure4.{fmt}"))
       fig.savefig(files[-1], dpi=150)
@@ -631,12 +675,22 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--out", required=True, help="output directory")
   parser.add_argument("--title", default=None, help="panel title")
   parser.add_argument("--formats", default="png,pdf")
+  parser.add_argument("--paper", action="store_true",
+                      help="draw the paper's mean curves of the runs' task "
+                      "dashed beside them (results/paper_figures.json)")
   args = parser.parse_args(argv)
+  from nsrnn_jax import paper_figures  # pylint: disable=g-import-not-at-top
   try:
+    paper = None
+    if args.paper:
+      paper = paper_figures.load()
+      if paper is None:
+        raise ValueError(f"--paper: {paper_figures.DEFAULT_PATH} not found "
+                         "(it is part of the repository, not the package)")
     groups = group_runs(_split(args.workdirs), _split(args.labels),
                         args.group_by)
     result = make_figures(groups, args.out, args.title,
-                          tuple(_split(args.formats)))
+                          tuple(_split(args.formats)), paper)
   except (ValueError, OSError) as e:
     parser.exit(2, f"error: {e}\n")
   print(f"{'model':<8} {'runs':>4} {'epochs':>6} {'final valid diff':>22}")

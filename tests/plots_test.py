@@ -242,3 +242,39 @@ def test_runs_without_test_tables_draw_figure3_only(tmp_path):
   np.testing.assert_allclose(result["figure3"][0]["mean"], means)
   with open(tmp_path / "out" / "series.json") as f:
     assert json.load(f)["figure4"] is None
+
+
+def test_paper_reference_is_the_papers_curve_of_each_groups_model(
+    runs, tmp_path, capsys):
+  runs_path, _, _, _ = runs
+  groups = plots.group_runs([str(runs_path / "grid")], group_by="model")
+  paper = {"train": {"dyck": {"ns": {"x": [1, 2], "mean": [0.3, 0.1],
+                                     "std": [0, 0]}}},
+           "test": {"dyck": {"lstm": {"x": [40], "mean": [0.5], "std": [0]},
+                             "ns": {"x": [40], "mean": [0.25], "std": [0]}},
+                    "marked_reversal": {"lstm": {"x": [41], "mean": [9.0],
+                                                 "std": [0]}}}}
+  # The runs are Dyck runs of the LSTM and the NS-RNN ("Ours").
+  assert plots.paper_reference(groups, paper, "train") == [
+      {"label": "Ours", "x": [1, 2], "mean": [0.3, 0.1]}]
+  assert plots.paper_reference(groups, paper, "test") == [
+      {"label": "LSTM", "x": [40], "mean": [0.5]},
+      {"label": "Ours", "x": [40], "mean": [0.25]}]
+  assert plots.paper_reference(groups, {"train": {}, "test": {}},
+                               "test") is None
+  other = runs_path / "other"
+  _write_run(str(other), [0.1], model="jm", task="marked_reversal")
+  mixed = groups + [plots.RunGroup("JM", (str(other),))]
+  with pytest.raises(ValueError, match="runs of one task"):
+    plots.paper_reference(mixed, paper, "train")
+  # The CLI draws the committed data (Dyck has both figures there).
+  assert plots.main([f"--workdirs={runs_path / 'grid'}", "--group_by=model",
+                     f"--out={tmp_path / 'fig'}", "--formats=png",
+                     "--paper"]) == 0
+  assert "wrote" in capsys.readouterr().out
+  assert (tmp_path / "fig" / "figure4.png").is_file()
+  with pytest.raises(SystemExit) as info:
+    plots.main([f"--workdirs={runs_path / 'grid'},{other}",
+                "--group_by=model", f"--out={tmp_path / 'fig2'}", "--paper"])
+  assert info.value.code == 2
+  assert "runs of one task" in capsys.readouterr().err
