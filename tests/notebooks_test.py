@@ -110,10 +110,13 @@ def test_compare_models_notebook_draws_both_figures(workdirs, tmp_path):
   notebook = _run_notebook("compare_models.ipynb", {
       "WORKDIRS": [os.path.join(os.path.dirname(workdirs["ns-0"]), "lstm-*"),
                    os.path.join(os.path.dirname(workdirs["ns-0"]), "ns-*")],
-      "LABELS": None, "GROUP_BY": "pattern", "OUT": out})
+      "LABELS": None, "GROUP_BY": "pattern", "OUT": out, "PAPER": True})
   text, images = _outputs(notebook)
   assert images == 2
   assert "LSTM" in text and "Ours" in text
+  # Marked reversal: the paper has both figures for both models.
+  assert "the paper's curves in Figure 3: LSTM, Ours" in text
+  assert "the paper's curves in Figure 4: LSTM, Ours" in text
   for name in ("figure3.png", "figure3.pdf", "figure4.png", "figure4.pdf"):
     assert os.path.getsize(os.path.join(out, name)) > 1000
   with open(os.path.join(out, "series.json")) as f:
