@@ -950,12 +950,12 @@ def draw_figures(cells, task: str, out_dir: str,
   of the models we plot are drawn dashed beside ours.
   """
   from nsrnn_jax import plots  # pylint: disable=g-import-not-at-top
-  series = [s for s in (figure_series(cells[(task, m)]) for m in REPORT_ORDER)
-            if s is not None]
-  models = [m for m in REPORT_ORDER if figure_series(cells[(task, m)])]
+  drawn = {m: figure_series(cells[(task, m)]) for m in REPORT_ORDER}
+  drawn = {m: s for m, s in drawn.items() if s is not None}
+  series = list(drawn.values())
 
   def reference(kind):
-    curves = [(m, paper_figures.curve(paper, kind, task, m)) for m in models]
+    curves = [(m, paper_figures.curve(paper, kind, task, m)) for m in drawn]
     return [{"label": LABELS[m], "x": c["x"], "mean": c["mean"]}
             for m, c in curves if c is not None] or None
 
