@@ -983,9 +983,13 @@ def draw_figures(cells, task: str, out_dir: str,
 
 
 def render_report(records: Sequence[Mapping[str, Any]],
-                  figures_rel: str = "figures", selection: str = "mean"
-                  ) -> str:
-  """docs/reproduction.md from the records alone (deterministic text)."""
+                  figures_rel: str = "figures", selection: str = "mean",
+                  paper_data: Optional[Mapping[str, Any]] = None) -> str:
+  """docs/reproduction.md from the records (deterministic text).
+
+  `paper_data`: the paper's figure data (`paper_figures.load`), for the lengths
+  of its Figure 3 curves ("—" without it).
+  """
   cells = summarize_cells(records, selection=selection)
   paper_runs = [r for r in records if r["protocol"] == "paper"]
   lines = [
@@ -1021,11 +1025,13 @@ def render_report(records: Sequence[Mapping[str, Any]],
       "",
       "Last epoch's value, mean ± std (ddof=0) over the selected restarts "
       "(the paper's Figure 3 end points; reference-behaviour.md §10.1). "
-      "✓: our mean lies within the paper's mean ± std.",
+      "✓: our mean lies within the paper's mean ± std. *Epochs*: the "
+      "length of the Figure 3 curve, i.e. of the longest selected restart "
+      "(ours / the paper's).",
       "",
       "| task | model | setting | restarts | settings tried | ours | paper "
-      "| within |",
-      "|---|---|---|---|---|---|---|---|",
+      "| within | epochs |",
+      "|---|---|---|---|---|---|---|---|---|",
   ]
   for task in TASKS:
     for model in REPORT_ORDER:
@@ -1036,9 +1042,13 @@ def render_report(records: Sequence[Mapping[str, Any]],
       if ours is not None and paper is not None:
         within = "✓" if abs(ours[0] - paper[0]) <= paper[1] else "✗"
       setting = cell.selected.name if cell.selected else "not run"
+      curve = paper_figures.curve(paper_data, "train", task, model)
+      epochs = (f"{max(r['num_epochs'] for r in cell.runs) if cell.runs else '—'}"
+                f" / {len(curve['x']) if curve else '—'}")
       lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | {setting} | "
                    f"{len(cell.runs)} | {len(cell.settings)} | {_pm(ours)} | "
-                   f"{_pm(paper) if paper else 'no figure'} | {within} |")
+                   f"{_pm(paper) if paper else 'no figure'} | {within} | "
+                   f"{epochs} |")
   lines += [
       "",
       "## Test cross-entropy difference by length",
@@ -1140,7 +1150,7 @@ def write_report(results_dir: str = DEFAULT_RESULTS,
   for task in TASKS:
     files += draw_figures(cells, task, os.path.join(figures_dir, task),
                           paper)
-  text = render_report(records, selection=selection)
+  text = render_report(records, selection=selection, paper_data=paper)
   os.makedirs(os.path.dirname(report_path) or ".", exist_ok=True)
   with open(report_path, "w") as f:
     f.write(text)

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from nsrnn_jax import paper_figures
 from nsrnn_jax import reproduce
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -471,7 +472,9 @@ def test_committed_report_is_generated_from_committed_records(tmp_path):
   records = reproduce.load_records(results)
   with open(os.path.join(REPO, "docs", "reproduction.md")) as f:
     committed = f.read()
-  assert committed == reproduce.render_report(records), (
+  paper = paper_figures.load(os.path.join(results,
+                                         reproduce.PAPER_FIGURES_FILE))
+  assert committed == reproduce.render_report(records, paper_data=paper), (
       "docs/reproduction.md is stale: run python -m nsrnn_jax.reproduce "
       "--report")
   # The plotted numbers too (PNG bytes depend on the matplotlib version).
