@@ -13,6 +13,10 @@ Safety rules (README "Outputs"):
 * A checkpoint is never deleted for being unreadable. When the newest cannot
   be read, training moves it aside to `checkpoints_unreadable/` and resumes
   from the previous one; when none can be read, `restore_latest` raises.
+  Training restores no checkpoint newer than the last epoch its metrics log
+  holds completely (`max_step`): newer ones (a directory put together from
+  copies of different times) move to `checkpoints_ahead_of_metrics/`; when
+  every kept checkpoint is newer, `restore_latest` raises.
   Reading commands (evaluate, notebooks) open checkpoints read-only.
 * `check_workdir` compares a workdir's stored config.json with the requested
   config before anything is written: a difference that changes the run is a
@@ -42,6 +46,9 @@ PyTree = Any
 CONFIG_FILE = "config.json"
 LOCK_FILE = ".lock"
 UNREADABLE_DIR = "checkpoints_unreadable"
+# Checkpoints newer than the run's metrics log (a directory put together
+# from copies of different times) are moved here on resume, not deleted.
+AHEAD_DIR = "checkpoints_ahead_of_metrics"
 
 # Config fields that may change between invocations on one workdir: they
 # change how a run is executed or reported, never what it computes.
@@ -257,27 +264,44 @@ def save(manager: ocp.CheckpointManager, step: int, state: PyTree,
 
 
 def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
-                   move_aside: bool = False
+                   move_aside: bool = False, max_step: Optional[int] = None
                    ) -> Optional[tuple[int, PyTree, dict]]:
-  """Restores the newest readable checkpoint.
+  """Restores the newest readable checkpoint (of step <= max_step, if given).
 
   Args:
     manager: from `make_manager`.
     target: a pytree with the structure, shapes and dtypes of the saved state
       (e.g. a freshly initialised state).
     move_aside: move unreadable checkpoints newer than the restored one to
-      `checkpoints_unreadable/` next to the checkpoint directory, so that
-      training can save those steps again (training only; never deletes).
+      `checkpoints_unreadable/`, and those above `max_step` to
+      `checkpoints_ahead_of_metrics/`, next to the checkpoint directory, so
+      that training can save those steps again (training only; never
+      deletes).
+    max_step: restore no newer step (training: the last epoch its metrics
+      log holds completely, `metrics.last_complete_epoch`).
 
   Returns:
     (step, state, host), or None when the directory holds no checkpoint.
 
   Raises:
-    ValueError: there are checkpoints but none is readable (nothing moved).
+    ValueError: there are checkpoints but none is readable, or all are newer
+      than `max_step` (nothing moved).
   """
   manager.wait_until_finished()
   manager.reload()
   steps = sorted(manager.all_steps(), reverse=True)
+  ahead = [s for s in steps if max_step is not None and s > max_step]
+  steps = [s for s in steps if s not in ahead]
+  if ahead and not steps:
+    held = {0: "no complete epoch", 1: "epoch 1"}.get(
+        max_step, f"epochs 1-{max_step}")
+    raise ValueError(
+        f"the checkpoints in {str(manager.directory)!r} (epochs "
+        f"{', '.join(map(str, sorted(ahead)))}) are newer than the run's "
+        f"metrics.jsonl, which holds {held}, and no older checkpoint is "
+        "kept: the run directory mixes copies of different times; nothing "
+        "was changed: restore the whole directory from one copy, or move it "
+        "away to start again")
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
   bad = []
   for step in steps:
@@ -298,6 +322,14 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
                       manager.directory, "; ".join(bad), step)
       if move_aside:
         _move_aside(manager, [int(b.split()[0]) for b in bad])
+    if ahead:
+      logging.warning(
+          "Checkpoint(s) %s in %s are newer than the run's metrics.jsonl "
+          "(complete to epoch %d); resuming from step %d.",
+          ", ".join(map(str, sorted(ahead))), manager.directory, max_step,
+          step)
+      if move_aside:
+        _move_aside(manager, ahead, AHEAD_DIR, "newer than the metrics log")
     return step, state, host
   if steps:
     raise ValueError(
@@ -307,9 +339,10 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
   return None
 
 
-def _move_aside(manager: ocp.CheckpointManager, steps) -> None:
+def _move_aside(manager: ocp.CheckpointManager, steps,
+                into: str = UNREADABLE_DIR, why: str = "unreadable") -> None:
   directory = str(manager.directory)
-  aside = os.path.join(os.path.dirname(directory), UNREADABLE_DIR)
+  aside = os.path.join(os.path.dirname(directory), into)
   os.makedirs(aside, exist_ok=True)
   for step in steps:
     target = os.path.join(aside, str(step))
@@ -317,7 +350,7 @@ def _move_aside(manager: ocp.CheckpointManager, steps) -> None:
     while os.path.exists(target):
       target, n = os.path.join(aside, f"{step}.{n}"), n + 1
     shutil.move(os.path.join(directory, str(step)), target)
-    logging.warning("Moved unreadable checkpoint %d to %s.", step, target)
+    logging.warning("Moved checkpoint %d (%s) to %s.", step, why, target)
   manager.reload()
 
 

@@ -445,8 +445,11 @@ def _run_locked(state, runs, model, mesh, rngs, orders, main, should_stop,
       managers.append(checkpointing.make_manager(
           checkpointing.checkpoint_dir(run.workdir),
           keep=int(config.checkpoints_to_keep)))
+    # No run resumes past the last epoch its metrics log holds completely,
+    # so the log of a directory restored from mixed copies gets no hole.
+    logged = [metrics_lib.last_complete_epoch(r.workdir) for r in runs]
     state, resumed = _restore(state, managers, template, rngs, orders, mesh,
-                              move_aside=main)
+                              move_aside=main, max_epochs=logged)
     writers = [metrics_lib.MetricWriter(r.workdir, enabled=main,
                                         resume_epoch=e)
                for r, e in zip(runs, resumed)]
@@ -468,12 +471,15 @@ def _run_locked(state, runs, model, mesh, rngs, orders, main, should_stop,
       console.close()
 
 
-def _restore(state, managers, template, rngs, orders, mesh, move_aside):
-  """Each run's latest readable checkpoint (or its fresh state), stacked."""
+def _restore(state, managers, template, rngs, orders, mesh, move_aside,
+             max_epochs):
+  """Each run's latest readable checkpoint of an epoch <= max_epochs[k] (or
+  its fresh state), stacked."""
   arrays_K, resumed = [], []
   for k, manager in enumerate(managers):
     restored = checkpointing.restore_latest(manager, template,
-                                            move_aside=move_aside)
+                                            move_aside=move_aside,
+                                            max_step=max_epochs[k])
     if restored is None:
       arrays_K.append(jax.tree.map(lambda x: np.asarray(x[k]),  # pylint: disable=cell-var-from-loop
                                    state.arrays()))

@@ -152,6 +152,25 @@ def _to_python(value):
   return arr.tolist()
 
 
+def last_complete_epoch(workdir: str) -> int:
+  """The last epoch E such that metrics.jsonl holds epochs 1..E (0: none).
+
+  A line cut by a kill does not count (its epoch is trained again). Resuming
+  restores no checkpoint newer than E (`loop`), so the log never gets a
+  hole when a run directory mixes an older log with newer checkpoints.
+  """
+  path = os.path.join(workdir, "metrics.jsonl")
+  try:
+    records = read_jsonl(path, skip_bad_lines=True)
+  except OSError:
+    return 0
+  epochs = {r["epoch"] for r in records if isinstance(r.get("epoch"), int)}
+  last = 0
+  while last + 1 in epochs:
+    last += 1
+  return last
+
+
 def read_jsonl(path: str, skip_bad_lines: bool = False) -> list[dict]:
   """Reads a JSON-lines file into a list of dicts.
 

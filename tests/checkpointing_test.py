@@ -27,11 +27,12 @@ def _save_steps(directory, steps):
   checkpointing.close(manager)
 
 
-def _restore(directory, move_aside=True, read_only=False):
+def _restore(directory, move_aside=True, read_only=False, max_step=None):
   manager = checkpointing.make_manager(directory, keep=2, read_only=read_only)
   try:
     return checkpointing.restore_latest(manager, _state(0.0),
-                                        move_aside=move_aside)
+                                        move_aside=move_aside,
+                                        max_step=max_step)
   finally:
     checkpointing.close(manager)
 
@@ -96,6 +97,40 @@ def test_all_corrupt_is_an_error_and_nothing_moves(tmp_path):
                      r"\(.*\); 1 \("):
     _restore(str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+
+
+def test_checkpoints_past_max_step_are_skipped_and_moved_aside(tmp_path,
+                                                              caplog):
+  # The run's log holds epochs 1-2 only: checkpoint 3 is from a later copy.
+  ckpt = tmp_path / "run" / "checkpoints"
+  _save_steps(str(ckpt), [1, 2, 3])
+  with caplog.at_level("WARNING"):
+    step, state, host = _restore(str(ckpt), max_step=2)
+  assert step == 2 and host == {"epoch": 2, "order": [2]}
+  np.testing.assert_array_equal(state["params"]["w"],
+                                _state(2.0)["params"]["w"])
+  assert any("newer than the run's metrics.jsonl" in r.getMessage()
+             for r in caplog.records)
+  assert sorted(os.listdir(ckpt)) == ["2"]  # Step 3 can be saved again...
+  aside = tmp_path / "run" / checkpointing.AHEAD_DIR
+  assert os.listdir(aside) == ["3"]         # ...and the old one is kept.
+  # Without move_aside (processes other than 0): skipped, left in place.
+  _save_steps(str(tmp_path / "b"), [4, 5])
+  assert _restore(str(tmp_path / "b"), move_aside=False, max_step=4)[0] == 4
+  assert sorted(os.listdir(tmp_path / "b")) == ["4", "5"]
+
+
+@pytest.mark.parametrize("max_step,held", [(3, "epochs 1-3"),
+                                           (0, "no complete epoch")])
+def test_every_checkpoint_past_max_step_is_an_error_and_nothing_moves(
+    tmp_path, max_step, held):
+  _save_steps(str(tmp_path), [4, 5])
+  with pytest.raises(ValueError, match=r"\(epochs 4, 5\) are newer than the "
+                     rf"run's metrics.jsonl, which holds {held}, and no older "
+                     "checkpoint is kept"):
+    _restore(str(tmp_path), max_step=max_step)
+  assert sorted(os.listdir(tmp_path)) == ["4", "5"]
+  assert _restore(str(tmp_path), max_step=5)[0] == 5
 
 
 def test_read_only_manager_creates_nothing(tmp_path):

@@ -99,6 +99,21 @@ def test_writer_resume_drops_a_line_cut_by_a_kill(tmp_path):
       {"epoch": 1, "x": 1.0}, {"epoch": 2, "x": 2.0}, {"epoch": 3, "x": 3.0}]
 
 
+def test_last_complete_epoch_is_the_end_of_the_first_gap(tmp_path):
+  assert metrics.last_complete_epoch(str(tmp_path / "missing")) == 0
+  path = tmp_path / "metrics.jsonl"
+  lines = [{"epoch": 1, "x": 0.5}, {"epoch": 2}, {"note": "no epoch"},
+           {"epoch": "3"}, {"epoch": 4}, {"epoch": 2}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+  assert metrics.last_complete_epoch(str(tmp_path)) == 2  # "3" is no epoch
+  with open(path, "a") as f:
+    f.write(json.dumps({"epoch": 3}) + "\n" + '{"epoch": 5, "x": 0.')
+  # 5's line was cut by a kill: it does not count.
+  assert metrics.last_complete_epoch(str(tmp_path)) == 4
+  path.write_text(json.dumps({"epoch": 2}) + "\n")
+  assert metrics.last_complete_epoch(str(tmp_path)) == 0
+
+
 def test_disabled_writer_writes_nothing(tmp_path):
   with metrics.MetricWriter(str(tmp_path / "w"), enabled=False) as w:
     w.write_scalars(1, {"x": 1.0})

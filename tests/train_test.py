@@ -637,6 +637,43 @@ def test_kill_right_after_a_checkpoint_keeps_every_epoch_record(
   assert [r["epoch"] for r in records] == [1, 2, 3, 4]
 
 
+def test_a_log_older_than_the_checkpoints_resumes_where_the_log_ends(
+    tmp_path):
+  # A run directory put together from copies of different times: its
+  # metrics.jsonl ends at epoch 2, its newest checkpoint is epoch 3.
+  # Resuming from 3 would leave epoch 3 out of the log for good.
+  splits = tiny_splits()
+  full = train.train_and_evaluate(tiny_config(max_epochs=4),
+                                  str(tmp_path / "full"), splits=splits,
+                                  model=TINY)
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(tiny_config(max_epochs=4, stop_after_epochs=3),
+                           workdir, splits=splits, model=TINY)
+  log = os.path.join(workdir, "metrics.jsonl")
+  records = [json.loads(l) for l in open(log)]
+  with open(log, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records if r["epoch"] <= 2)
+  resumed = train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
+                                     splits=splits, model=TINY)
+  assert resumed == full
+  got = [json.loads(l) for l in open(log)]
+  want = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
+  assert [r["epoch"] for r in got] == [1, 2, 3, 4]
+  assert [r["train_loss"] for r in got] == [r["train_loss"] for r in want]
+  # The skipped checkpoint is set aside, not deleted.
+  assert os.listdir(os.path.join(workdir, checkpointing.AHEAD_DIR)) == ["3"]
+  # A log older than every kept checkpoint (3, 4): an error, nothing changed.
+  with open(log, "w") as f:
+    f.write(json.dumps(got[0]) + "\n")
+  os.remove(os.path.join(workdir, "results.json"))
+  before = _snapshot(workdir)
+  with pytest.raises(ValueError, match=r"\(epochs 3, 4\) are newer than the "
+                     r"run's metrics.jsonl, which holds epoch 1, "):
+    train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
+                             splits=splits, model=TINY)
+  assert _snapshot(workdir) == before
+
+
 def test_should_stop_saves_and_resumes_exactly(tmp_path):
   splits = tiny_splits()
   config = tiny_config(max_epochs=4, checkpoint_every_epochs=3)
