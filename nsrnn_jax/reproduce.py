@@ -501,15 +501,13 @@ def estimate_seconds(spec: RunSpec, records: Sequence[Mapping[str, Any]],
 
 
 def epochs_logged(run_dir: str) -> int:
-  """How many epochs a run directory's metrics.jsonl holds (0 if none)."""
+  """How many epochs a run directory's metrics.jsonl holds (0 if none).
+
+  The epochs 1..E it holds completely: what a resume keeps at most
+  (`metrics.last_complete_epoch`; a line cut by a kill does not count).
+  """
   from nsrnn_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  try:
-    # A line cut by a kill does not count: the resume trains that epoch again.
-    records = metrics_lib.read_jsonl(os.path.join(run_dir, "metrics.jsonl"),
-                                     skip_bad_lines=True)
-  except OSError:
-    return 0
-  return len({r["epoch"] for r in records if "epoch" in r})
+  return metrics_lib.last_complete_epoch(run_dir)
 
 
 class Progress:
