@@ -106,6 +106,20 @@ def restore_arrays(workdir, model, config):
   return step, arrays, host
 
 
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, fast_compile):
+  """One uninterrupted 4-epoch run on `tiny_splits()`: (result, workdir).
+
+  The resume tests compare their interrupted-and-resumed runs against it;
+  they only read its workdir.
+  """
+  del fast_compile  # Requested so the run compiles as the tests' runs do.
+  workdir = str(tmp_path_factory.mktemp("reference") / "full")
+  result = train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
+                                    splits=tiny_splits(), model=TINY)
+  return result, workdir
+
+
 # ---------------------------------------------------------------------------
 # Loss.
 # ---------------------------------------------------------------------------
@@ -477,11 +491,9 @@ def test_test_bound_flag_shifts_by_log_num_lengths(tmp_path):
                              rtol=1e-9)
 
 
-def test_resume_after_interrupt_is_exact(tmp_path):
+def test_resume_after_interrupt_is_exact(tmp_path, reference_run):
   splits = tiny_splits()
-  full = train.train_and_evaluate(tiny_config(max_epochs=4),
-                                  str(tmp_path / "full"), splits=splits,
-                                  model=TINY)
+  full, full_dir = reference_run
   part = train.train_and_evaluate(
       tiny_config(max_epochs=4, stop_after_epochs=2), str(tmp_path / "part"),
       splits=splits, model=TINY)
@@ -491,19 +503,17 @@ def test_resume_after_interrupt_is_exact(tmp_path):
                                      model=TINY)
   assert resumed == full
   config = tiny_config()
-  _, a, host_a = restore_arrays(str(tmp_path / "full"), TINY, config)
+  _, a, host_a = restore_arrays(full_dir, TINY, config)
   _, b, host_b = restore_arrays(str(tmp_path / "part"), TINY, config)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert host_a == host_b
 
 
-def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, caplog, reference_run):
   splits = tiny_splits()
   workdir = str(tmp_path / "run")
-  full = train.train_and_evaluate(tiny_config(max_epochs=4),
-                                  str(tmp_path / "full"), splits=splits,
-                                  model=TINY)
+  full, _ = reference_run
   train.train_and_evaluate(tiny_config(max_epochs=4, stop_after_epochs=3),
                            workdir, splits=splits, model=TINY)
   ckpt = os.path.join(workdir, "checkpoints")
@@ -574,11 +584,9 @@ def test_no_readable_checkpoint_is_an_error_not_a_restart(tmp_path):
 
 
 def test_resume_truncates_metrics_and_keeps_one_tensorboard_history(
-    tmp_path):
+    tmp_path, reference_run):
   splits = tiny_splits()
-  full = train.train_and_evaluate(tiny_config(max_epochs=4),
-                                  str(tmp_path / "full"), splits=splits,
-                                  model=TINY)
+  full, full_dir = reference_run
   workdir = str(tmp_path / "run")
   train.train_and_evaluate(tiny_config(max_epochs=4), workdir, splits=splits,
                            model=TINY)
@@ -591,7 +599,8 @@ def test_resume_truncates_metrics_and_keeps_one_tensorboard_history(
   assert resumed == full
   records = [json.loads(l) for l in open(os.path.join(workdir,
                                                       "metrics.jsonl"))]
-  want = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
+  want = [json.loads(l)
+          for l in open(os.path.join(full_dir, "metrics.jsonl"))]
   assert [r["epoch"] for r in records] == [1, 2, 3, 4]
   for r, w in zip(records, want):
     assert r["train_loss"] == w["train_loss"]
@@ -609,11 +618,9 @@ def test_resume_truncates_metrics_and_keeps_one_tensorboard_history(
 
 
 def test_kill_right_after_a_checkpoint_keeps_every_epoch_record(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, reference_run):
   splits = tiny_splits()
-  full = train.train_and_evaluate(tiny_config(max_epochs=4),
-                                  str(tmp_path / "full"), splits=splits,
-                                  model=TINY)
+  full, _ = reference_run
   workdir = str(tmp_path / "run")
   real_save = checkpointing.save
 
@@ -638,14 +645,12 @@ def test_kill_right_after_a_checkpoint_keeps_every_epoch_record(
 
 
 def test_a_log_older_than_the_checkpoints_resumes_where_the_log_ends(
-    tmp_path):
+    tmp_path, reference_run):
   # A run directory put together from copies of different times: its
   # metrics.jsonl ends at epoch 2, its newest checkpoint is epoch 3.
   # Resuming from 3 would leave epoch 3 out of the log for good.
   splits = tiny_splits()
-  full = train.train_and_evaluate(tiny_config(max_epochs=4),
-                                  str(tmp_path / "full"), splits=splits,
-                                  model=TINY)
+  full, full_dir = reference_run
   workdir = str(tmp_path / "run")
   train.train_and_evaluate(tiny_config(max_epochs=4, stop_after_epochs=3),
                            workdir, splits=splits, model=TINY)
@@ -657,7 +662,8 @@ def test_a_log_older_than_the_checkpoints_resumes_where_the_log_ends(
                                      splits=splits, model=TINY)
   assert resumed == full
   got = [json.loads(l) for l in open(log)]
-  want = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
+  want = [json.loads(l)
+          for l in open(os.path.join(full_dir, "metrics.jsonl"))]
   assert [r["epoch"] for r in got] == [1, 2, 3, 4]
   assert [r["train_loss"] for r in got] == [r["train_loss"] for r in want]
   # The skipped checkpoint is set aside, not deleted.
