@@ -1098,8 +1098,49 @@ def render_report(records: Sequence[Mapping[str, Any]],
       lines.append(f"![{TASK_TITLES[task]}, Figure 4]({figures_rel}/{task}/"
                    "figure4.png)")
     lines.append("")
+  lines += _grid_section(cells, selection)
   lines += _gaps_section(cells, paper_runs)
   return "\n".join(lines) + "\n"
+
+
+def _grid_section(cells, selection: str) -> list[str]:
+  """Every grid point that has finished runs: what the selection chose from."""
+  lines = [
+      "## Every grid point",
+      "",
+      "Best-epoch validation CE difference, mean ± std (ddof=0) over each "
+      "setting's finished restarts, with the best single run: the numbers "
+      "the selection compares. "
+      + ("*Selected*: the setting of the tables above; *fewer restarts*: "
+         "left out of the selection until it has as many finished restarts "
+         "as the most complete setting of its model."
+         if selection == "mean" else
+         "*Selected*: the setting of the single best run (`best_run`)."),
+      "",
+      "| task | model | setting | restarts | best-epoch validation | best run "
+      "| |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for task in TASKS:
+    for model in REPORT_ORDER:
+      cell = cells[(task, model)]
+      if not cell.settings:
+        continue
+      most = max(len(s.records) for s in cell.settings)
+      chosen = (cell.selected.name.split("/")[0] if cell.selected else None)
+      for setting in cell.settings:
+        note = ""
+        if setting.name == chosen:
+          note = "selected"
+        elif selection == "mean" and len(setting.records) < most:
+          note = "fewer restarts"
+        best = int(np.argmin(setting.best_valid))
+        lines.append(
+            f"| {TASK_TITLES[task]} | {LABELS[model]} | {setting.name} | "
+            f"{len(setting.records)} | {_pm(setting.rank())} | "
+            f"{_f(float(setting.best_valid[best]))} (restart "
+            f"{setting.records[best]['restart']}) | {note} |")
+  return lines + [""]
 
 
 def _gaps_section(cells, records) -> list[str]:

@@ -366,6 +366,30 @@ def test_selection_lowest_mean_best_epoch_among_most_restarts():
   assert mean == pytest.approx(0.2) and std == pytest.approx(0.0)
 
 
+def test_report_lists_every_grid_point_with_what_the_selection_compared():
+  recs = [fake_record("dyck", "lstm", 0.01, r, best, 0.1)
+          for r, best in enumerate([0.02, 0.04, 0.03])]       # mean 0.03
+  recs += [fake_record("dyck", "lstm", 0.005, r, best, 0.2)
+           for r, best in enumerate([0.01, 0.05, 0.02])]      # mean 0.0267
+  recs += [fake_record("dyck", "lstm", 0.001, 0, 0.001, 0.3)]
+  text = reproduce.render_report(recs)
+  section = text.split("## Every grid point")[1].split("\n## ")[0]
+  rows = [l for l in section.splitlines() if l.startswith("| Dyck")]
+  # std (ddof=0) of 0.02, 0.04, 0.03 is 0.00816; of 0.01, 0.05, 0.02 0.01700.
+  assert rows == [
+      "| Dyck | LSTM | lr_0.001 | 1 | 0.0010 ± 0.0000 | 0.0010 (restart 0) "
+      "| fewer restarts |",
+      "| Dyck | LSTM | lr_0.005 | 3 | 0.0267 ± 0.0170 | 0.0100 (restart 0) "
+      "| selected |",
+      "| Dyck | LSTM | lr_0.01 | 3 | 0.0300 ± 0.0082 | 0.0200 (restart 0) |  |",
+  ]
+  # Under best_run the single best run's setting is the selected one.
+  text = reproduce.render_report(recs, selection="best_run")
+  assert ("| Dyck | LSTM | lr_0.001 | 1 | 0.0010 ± 0.0000 | 0.0010 (restart 0)"
+          " | selected |") in text
+  assert "fewer restarts |" not in text
+
+
 def test_best_run_selection_picks_the_single_best_run():
   recs = [fake_record("dyck", "ns", 0.01, r, best, 0.1 + r)
           for r, best in enumerate([0.02, 0.04, 0.03])]
