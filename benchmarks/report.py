@@ -749,8 +749,34 @@ def vrns_block():
   return "\n".join(out).rstrip() + "\n"
 
 
+def reproduce_workers_block():
+  """How `reproduce` spends a CPU's cores (benchmarks/reproduce_workers.py)."""
+  out = []
+  for name in ("reproduce_workers_5epochs.json",
+               "reproduce_workers_1epoch.json"):
+    d = _load(name)
+    if d is None:
+      continue
+    if not out:
+      out += ["| runs | mode | flags | wall s | runs / hour | vs one after "
+              "another |", "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+      out.append(f"| {d['runs']} × {d['max_epochs']} epoch(s) | {r['mode']} | "
+                 f"`{r['flags']}` | {r['wall_s']:.1f} | "
+                 f"{r['runs_per_hour']:.1f} | "
+                 f"{r['speedup_vs_sequential']:.2f}× |")
+  if not out:
+    return "No reproduce_workers results yet.\n"
+  d = (_load("reproduce_workers_5epochs.json")
+       or _load("reproduce_workers_1epoch.json"))
+  out += ["", f"{d['model']} on {d['task']} at lr {d['learning_rate']:g}, "
+          f"{d['device']}, each file one run "
+          "(`benchmarks/results/reproduce_workers_*.json`)."]
+  return "\n".join(out) + "\n"
+
+
 BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
-          "vrns": vrns_block}
+          "vrns": vrns_block, "reproduce_workers": reproduce_workers_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
                        "rns_vs_ns": rns_vs_ns_block}

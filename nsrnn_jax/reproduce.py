@@ -8,7 +8,8 @@ alone:
 
   python -m nsrnn_jax.reproduce --task=dyck --workdir=runs/dyck \
       [--models=lstm,jm,gref,ns] [--learning_rates=0.005] [--restarts=3] \
-      [--budget_minutes=60] [--cpu_devices=2] [--restart_ids=1,2]
+      [--budget_minutes=60] [--cpu_devices=2] [--restart_ids=1,2] \
+      [--workers=2]
   python -m nsrnn_jax.reproduce --report
 
 The protocol. LSTM and NS-RNN: every learning rate of the grid x restarts;
@@ -27,7 +28,14 @@ throughput of K sequential steps (only the LSTM gained, 2.3x at K=5, and its
 runs take minutes anyway), while 20 NS-RNNs on an H200 gave 8.2x (README
 "Benchmarks"). The choice is printed. `--cpu_devices=2` splits each batch
 over two CPU devices (both cores of one run; NS-RNN steps 1.3-2.1x faster on
-2 cores); two runs of one core each use the same two cores as well.
+2 cores). `--workers=2` trains two runs at once, each in its own process on
+one CPU device (`python -m nsrnn_jax.reproduce` for that run alone, same
+workdir and results; its output in `<workdir>/worker_logs/`): on 2 cores,
+NS-RNN runs of 5 epochs, 1.76x the runs per hour of one after another and
+1.55x those of `--cpu_devices=2`, in one run
+(`benchmarks/reproduce_workers.py`). Runs in one process clear JAX's caches
+between them: each run's programs are its own, and kept they used up the
+kernel's memory mappings by the third NS-RNN run.
 
 Resuming. Every run checkpoints every epoch under `--workdir`; rerunning the
 same command skips runs whose record exists, continues unfinished ones from
@@ -567,6 +575,8 @@ def run_protocol(task: str, workdir: str, *,
                  results_dir: str = DEFAULT_RESULTS,
                  overrides: Mapping[str, Any] = (),
                  execution: str = "auto",
+                 workers: int = 1,
+                 worker_flags: Sequence[str] = (),
                  out=sys.stdout,
                  train_fn: Optional[Callable[..., dict]] = None) -> dict:
   """Runs (or continues) the protocol of one task; writes records.
@@ -581,6 +591,13 @@ def run_protocol(task: str, workdir: str, *,
     overrides: config fields set on every run (a non-paper protocol; its
       records say so).
     execution: "auto", "sequential" or "model_axis".
+    workers: sequential execution only: how many runs train at once, each
+      in its own process (`python -m nsrnn_jax.reproduce` for that one run,
+      same workdir and results; its output in
+      `<workdir>/worker_logs/<model>-<setting>-restart_<r>.log`). 1: every
+      run in this process.
+    worker_flags: extra command-line flags for each worker process (the
+      CLI passes its --cpu_devices and --compilation_cache).
     out: where progress lines go.
     train_fn: `train.train_and_evaluate` (tests may wrap it).
 
@@ -596,10 +613,20 @@ def run_protocol(task: str, workdir: str, *,
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
   for config in configs.values():
     train.validate_config(config)
-  check_workdir(workdir, task, stored_overrides)
-  check_results_dir(results_dir, runs, stored_overrides)
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    raise ReproduceError(f"--workers must be an integer >= 1 (got "
+                         f"{workers!r})")
   import jax  # pylint: disable=g-import-not-at-top
   mode, why = choose_execution(execution, jax.default_backend())
+  if workers > 1 and mode != "sequential":
+    raise ReproduceError(f"--workers={workers} needs the sequential "
+                         f"execution, not {mode} ({why}); use "
+                         "--execution=sequential or --workers=1")
+  check_workdir(workdir, task, stored_overrides)
+  check_results_dir(results_dir, runs, stored_overrides)
+  if workers > 1:
+    why += (f"; {workers} runs at a time in worker processes, their output "
+            f"in {os.path.join(workdir, WORKER_LOGS)}")
   print(f"reproduce {task}: {len(runs)} runs "
         f"({', '.join(m for m in MODELS if m in models)}); execution: {mode} "
         f"({why})", file=out, flush=True)
@@ -613,7 +640,14 @@ def run_protocol(task: str, workdir: str, *,
     return [s for s in runs if s not in done]
 
   stopped = False
-  if mode == "sequential":
+  if mode == "sequential" and workers > 1:
+    stopped = _run_workers(
+        pending(), workers, workdir, budget, progress, out,
+        lambda spec, minutes: _worker_argv(spec, restarts, workdir,
+                                           results_dir, overrides, minutes,
+                                           worker_flags))
+  elif mode == "sequential":
+    trained = False
     for spec in pending():
       if budget.expired():
         stopped = True
@@ -621,6 +655,14 @@ def run_protocol(task: str, workdir: str, *,
       run_dir = os.path.join(workdir, spec.run_subdir)
       if _record_finished(spec, run_dir, results_dir, overrides, hw):
         continue  # Finished earlier, record not yet written.
+      if trained:
+        # Every run compiles its own programs (its optimizer is a new
+        # static object) and JAX keeps them all: on the CPU each holds
+        # memory mappings, and a third NS-RNN run in one process hit the
+        # kernel's limit (65,530) and died in LLVM ("Cannot allocate
+        # memory"). The next run compiles its own programs anyway.
+        jax.clear_caches()
+      trained = True
       progress.show([spec])
       results = train_fn(configs[spec], run_dir, should_stop=budget.expired)
       if not results.get("finished"):
@@ -647,13 +689,16 @@ def run_protocol(task: str, workdir: str, *,
 def _run_model_axis(runs, configs, workdir, results_dir, overrides, hw,
                     budget, progress) -> bool:
   """Trains each (model, m) group's runs at once with grid.run_grid."""
+  import jax  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
   groups: dict[str, list[RunSpec]] = {}
   for spec in runs:
     groups.setdefault(spec.group, []).append(spec)
-  for name, specs in groups.items():
+  for k, (name, specs) in enumerate(groups.items()):
     if budget.expired():
       return True
+    if k:
+      jax.clear_caches()  # As between sequential runs (run_protocol).
     lrs = sorted({s.learning_rate for s in specs}, reverse=True)
     restart_ids = sorted({s.restart for s in specs})
     # The grid's members are every (lr, restart in restart_ids); their seeds
@@ -674,6 +719,114 @@ def _run_model_axis(runs, configs, workdir, results_dir, overrides, hw,
       _record_finished(spec, os.path.join(workdir, spec.run_subdir),
                        results_dir, overrides, hw)
   return False
+
+
+WORKER_LOGS = "worker_logs"
+# Seconds between checks of the worker processes.
+WORKER_POLL_SECONDS = 1.0
+
+
+def _worker_argv(spec: RunSpec, restarts: int, workdir: str, results_dir: str,
+                 overrides: Mapping[str, Any], budget_minutes: Optional[float],
+                 extra: Sequence[str]) -> list[str]:
+  """The command line that trains `spec` alone (same workdir and results)."""
+  argv = [sys.executable, "-m", "nsrnn_jax.reproduce", f"--task={spec.task}",
+          f"--models={spec.model}",
+          f"--learning_rates={spec.learning_rate!r}",
+          f"--restarts={restarts}", f"--restart_ids={spec.restart}",
+          f"--workdir={workdir}", f"--results={results_dir}",
+          "--execution=sequential", "--workers=1"]
+  if spec.stack_size is not None:
+    argv.append(f"--stack_sizes={spec.stack_size}")
+  if budget_minutes is not None:
+    argv.append(f"--budget_minutes={budget_minutes!r}")
+  argv += [f"--set={k}={v!r}" for k, v in overrides.items()]
+  return argv + list(extra)
+
+
+def _last_line(path: str) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      lines = [l.strip() for l in f.read().splitlines() if l.strip()]
+  except OSError:
+    return ""
+  return lines[-1] if lines else ""
+
+
+def _run_workers(runs, workers, workdir, budget, progress, out,
+                 make_argv) -> bool:
+  """Trains `runs` in up to `workers` processes at once; True if stopped.
+
+  Each worker trains one run and writes its record. A worker stopped by the
+  budget (exit 3) stops the launches; a failed one stops them too, the
+  others finish their runs, then a ReproduceError names it and its log. An
+  interrupt of this process interrupts the workers (each keeps its last
+  checkpoint) and waits for them.
+  """
+  import signal  # pylint: disable=g-import-not-at-top
+  log_dir = os.path.join(workdir, WORKER_LOGS)
+  os.makedirs(log_dir, exist_ok=True)
+  env = dict(os.environ)
+  # The workers import this copy of the package, wherever it is installed.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(
+      [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  queue = list(runs)
+  running: dict = {}  # RunSpec -> (Popen, log file object, log path)
+  failed = []
+  stopped = False
+  try:
+    while queue or running:
+      launched = False
+      while queue and len(running) < workers and not (stopped or failed):
+        minutes = None
+        if budget.seconds is not None:
+          left = budget.seconds - (time.monotonic() - budget.start)
+          if left <= 0:
+            stopped = True
+            break
+          minutes = left / 60.0
+        spec = queue.pop(0)
+        path = os.path.join(log_dir, f"{spec.model}-{spec.setting}-restart_"
+                            f"{spec.restart}.log")
+        log = open(path, "a")  # pylint: disable=consider-using-with
+        proc = subprocess.Popen(make_argv(spec, minutes), stdout=log,
+                                stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL)
+        running[spec] = (proc, log, path)
+        launched = True
+      if launched:
+        progress.show(list(running))
+      if not running:
+        break
+      time.sleep(WORKER_POLL_SECONDS)
+      for spec, (proc, log, path) in list(running.items()):
+        code = proc.poll()
+        if code is None:
+          continue
+        log.close()
+        del running[spec]
+        if code == 3:
+          stopped = True
+        elif code != 0:
+          failed.append((spec, code, path))
+        else:
+          print(f"finished {spec.name}", file=out, flush=True)
+  except BaseException:
+    for proc, log, _ in running.values():
+      if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    for proc, log, _ in running.values():
+      proc.wait()
+      log.close()
+    raise
+  if failed:
+    spec, code, path = failed[0]
+    more = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
+    raise ReproduceError(f"run {spec.name} failed in its worker (exit code "
+                         f"{code}): {_last_line(path) or 'no output'}; its "
+                         f"log: {path}{more}")
+  return stopped or bool(queue)
 
 
 def continue_command() -> str:
@@ -1282,6 +1435,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="auto: decided from the backend (printed); "
                       "sequential: one run after another; model_axis: a "
                       "(model, m) group's runs vmapped in one program")
+  parser.add_argument("--workers", type=int, default=1,
+                      help="CPU: train this many runs at once, each in its "
+                      "own process with --cpu_devices devices (e.g. one per "
+                      "core); output in <workdir>/worker_logs/")
   parser.add_argument("--cpu_devices", type=int, default=1,
                       help="CPU backend: split each batch over this many "
                       "devices (one per core to use)")
@@ -1344,7 +1501,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.task, args.workdir, models=models, learning_rates=lrs,
         stack_sizes=sizes, restarts=args.restarts, restart_ids=restart_ids,
         budget_minutes=args.budget_minutes, results_dir=args.results,
-        overrides=parse_overrides(args.set), execution=args.execution)
+        overrides=parse_overrides(args.set), execution=args.execution,
+        workers=args.workers,
+        worker_flags=[f"--cpu_devices={args.cpu_devices}",
+                      f"--compilation_cache={args.compilation_cache}"])
   except ValueError as e:  # ReproduceError and config validation errors.
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2

@@ -276,6 +276,10 @@ def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
      "config.hidden_size must be >= 1"),
     (["--task=dyck", "--workdir=W", "--cpu_devices=0"],
      "cpu_devices must be a positive integer"),
+    (["--task=dyck", "--workdir=W", "--workers=0"],
+     "--workers must be an integer >= 1"),
+    (["--task=dyck", "--workdir=W", "--workers=2", "--execution=model_axis"],
+     "--workers=2 needs the sequential execution"),
     (["--task=dyck"], "--workdir is required"),
     (["--task=dyck", "--workdir=W", "--bogus"], "unrecognized arguments"),
 ])
@@ -554,6 +558,108 @@ def test_every_committed_record_is_consistent():
     # The paper's test set: every valid length in 40..100.
     assert rec["test"] and min(rec["test"]["lengths"]) >= 40
     assert max(rec["test"]["lengths"]) <= 100
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
+                    reason="counts memory mappings through /proc")
+def test_runs_in_one_process_do_not_pile_up_compiled_programs(tmp_path):
+  # Each run compiles its own programs; kept forever, their memory mappings
+  # grew by ~20,000 per NS-RNN run until the third one hit the kernel's
+  # limit and died in LLVM. Here one mapping count per run: without the
+  # clearing between runs it grows by ~2,200 per tiny run; with it, it
+  # moves by a few hundred either way (the allocator's; measured).
+  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+  counts = []
+
+  def train_and_count(*args, **kwargs):
+    result = train.train_and_evaluate(*args, **kwargs)
+    with open("/proc/self/maps") as f:
+      counts.append(sum(1 for _ in f))
+    return result
+
+  overrides = {**TINY, "max_epochs": 1, "compile_strategy": "per_length",
+               "train_max_length": 21, "test_max_length": 25}
+  result = _tiny_run(tmp_path, "w", restarts=3, overrides=overrides,
+                     train_fn=train_and_count)
+  assert result["finished"] and len(counts) == 3
+  assert counts[2] - counts[0] < 1500, counts
+
+
+def _same_run(a, b):
+  """Records of one run made twice: equal but for times and hardware."""
+  skip = {"train_time_s", "hardware", "finished_on"}
+
+  def strip(record):
+    out = {k: v for k, v in record.items() if k not in skip}
+    out["epochs"] = [{k: v for k, v in e.items() if k != "time"}
+                     for e in record["epochs"]]
+    return out
+
+  assert strip(a) == strip(b)
+
+
+def test_worker_processes_give_the_records_of_sequential_runs(tmp_path):
+  kwargs = dict(restarts=2, learning_rates=(0.01, 0.005),
+                overrides={**TINY, "max_epochs": 2})
+  seq = _tiny_run(tmp_path, "seq", **kwargs)
+  out = tmp_path / "out.txt"
+  with open(out, "w") as f:
+    par = _tiny_run(tmp_path, "par", workers=2, out=f, **kwargs)
+  assert seq["finished"] and par["finished"]
+  assert sorted(par["done"]) == sorted(seq["done"])
+  recs_seq = reproduce.load_records(str(tmp_path / "seq_results"))
+  recs_par = reproduce.load_records(str(tmp_path / "par_results"))
+  assert len(recs_seq) == len(recs_par) == 4
+  for a, b in zip(recs_seq, recs_par):
+    _same_run(a, b)
+  # Each run's output went to its own log in the workdir.
+  logs = sorted(os.listdir(tmp_path / "par" / reproduce.WORKER_LOGS))
+  assert logs == ["lstm-lr_0.005-restart_0.log", "lstm-lr_0.005-restart_1.log",
+                  "lstm-lr_0.01-restart_0.log", "lstm-lr_0.01-restart_1.log"]
+  text = out.read_text()
+  assert "2 runs at a time in worker processes" in text
+  assert text.count("finished lstm/") == 4
+  # A rerun finds every record and starts no worker.
+  again = _tiny_run(tmp_path, "par", workers=2, **kwargs)
+  assert again["finished"] and len(again["done"]) == 4
+
+
+def test_a_failed_worker_is_one_error_naming_its_run_and_log(tmp_path):
+  # Run lstm/lr_0.01/restart_0's directory is held by a live process (this
+  # one): its worker fails with one line; the other run still finishes.
+  workdir = tmp_path / "w"
+  reproduce.check_workdir(str(workdir), "marked_reversal",
+                          {**TINY, "max_epochs": 1})
+  held = workdir / "lstm" / "lr_0.01" / "restart_0"
+  held.mkdir(parents=True)
+  (held / ".lock").write_text(json.dumps(
+      {"pid": os.getpid(), "host": __import__("socket").gethostname()}))
+  with pytest.raises(reproduce.ReproduceError) as info:
+    reproduce.run_protocol(
+        "marked_reversal", str(workdir), models=("lstm",),
+        learning_rates=(0.01, 0.005), restarts=1,
+        overrides={**TINY, "max_epochs": 1}, workers=2,
+        results_dir=str(tmp_path / "r"))
+  message = str(info.value)
+  assert "\n" not in message
+  assert message.startswith("run lstm/lr_0.01/restart_0 failed in its worker "
+                            "(exit code 2): error: ")
+  assert "in use by process" in message
+  assert message.endswith(str(workdir / reproduce.WORKER_LOGS /
+                              "lstm-lr_0.01-restart_0.log"))
+  (record,) = reproduce.load_records(str(tmp_path / "r"))
+  assert record["setting"] == "lr_0.005"
+
+
+@pytest.mark.parametrize("workers,execution,message", [
+    (0, "sequential", "--workers must be an integer >= 1"),
+    (2, "model_axis", "--workers=2 needs the sequential execution"),
+])
+def test_bad_workers_are_refused_before_anything_is_written(
+    tmp_path, workers, execution, message):
+  with pytest.raises(reproduce.ReproduceError, match=message):
+    _tiny_run(tmp_path, "w", workers=workers, execution=execution)
+  assert not os.path.exists(tmp_path / "w")
 
 
 def test_model_axis_gives_the_records_of_sequential_runs(tmp_path):
