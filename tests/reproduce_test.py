@@ -356,13 +356,18 @@ def test_report_says_which_stack_table_the_ns_runs_used():
   assert "NS-RNN runs:" not in lstm_only
 
 
-def test_selection_lowest_mean_best_epoch_among_most_restarts():
+def _three_lstm_settings():
+  """Dyck LSTM records: lr 0.01 and 0.005 with 3 restarts, 0.001 with 1."""
   recs = [fake_record("dyck", "lstm", 0.01, r, best, 0.1)
           for r, best in enumerate([0.02, 0.04, 0.03])]       # mean 0.03
   recs += [fake_record("dyck", "lstm", 0.005, r, best, 0.2)
            for r, best in enumerate([0.01, 0.05, 0.02])]      # mean 0.0267
-  # Lowest mean, but from fewer restarts: not eligible.
-  recs += [fake_record("dyck", "lstm", 0.001, 0, 0.001, 0.3)]
+  # Lowest mean, but from fewer restarts: not eligible under "mean".
+  return recs + [fake_record("dyck", "lstm", 0.001, 0, 0.001, 0.3)]
+
+
+def test_selection_lowest_mean_best_epoch_among_most_restarts():
+  recs = _three_lstm_settings()
   cell = reproduce.summarize_cells(recs)[("dyck", "lstm")]
   assert cell.selected.name == "lr_0.005"
   assert len(cell.runs) == 3 and len(cell.settings) == 3
@@ -371,11 +376,7 @@ def test_selection_lowest_mean_best_epoch_among_most_restarts():
 
 
 def test_report_lists_every_grid_point_with_what_the_selection_compared():
-  recs = [fake_record("dyck", "lstm", 0.01, r, best, 0.1)
-          for r, best in enumerate([0.02, 0.04, 0.03])]       # mean 0.03
-  recs += [fake_record("dyck", "lstm", 0.005, r, best, 0.2)
-           for r, best in enumerate([0.01, 0.05, 0.02])]      # mean 0.0267
-  recs += [fake_record("dyck", "lstm", 0.001, 0, 0.001, 0.3)]
+  recs = _three_lstm_settings()
   text = reproduce.render_report(recs)
   section = text.split("## Every grid point")[1].split("\n## ")[0]
   rows = [l for l in section.splitlines() if l.startswith("| Dyck")]
