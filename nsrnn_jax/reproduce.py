@@ -396,6 +396,12 @@ class Budget:
     return (self.seconds is not None
             and time.monotonic() - self.start >= self.seconds)
 
+  def minutes_left(self) -> Optional[float]:
+    """Minutes until the budget expires (None: no budget; may be <= 0)."""
+    if self.seconds is None:
+      return None
+    return (self.seconds - (time.monotonic() - self.start)) / 60.0
+
 
 def choose_execution(requested: str, backend: str) -> tuple[str, str]:
   """("sequential" | "model_axis", why) for the requested mode and backend."""
@@ -768,9 +774,8 @@ def _run_workers(runs, workers, workdir, budget, progress, out,
   os.makedirs(log_dir, exist_ok=True)
   env = dict(os.environ)
   # The workers import this copy of the package, wherever it is installed.
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = os.pathsep.join(
-      [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+      [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
   queue = list(runs)
   running: dict = {}  # RunSpec -> (Popen, log file object, log path)
   failed = []
@@ -779,13 +784,10 @@ def _run_workers(runs, workers, workdir, budget, progress, out,
     while queue or running:
       launched = False
       while queue and len(running) < workers and not (stopped or failed):
-        minutes = None
-        if budget.seconds is not None:
-          left = budget.seconds - (time.monotonic() - budget.start)
-          if left <= 0:
-            stopped = True
-            break
-          minutes = left / 60.0
+        minutes = budget.minutes_left()
+        if minutes is not None and minutes <= 0:
+          stopped = True
+          break
         spec = queue.pop(0)
         path = os.path.join(log_dir, f"{spec.model}-{spec.setting}-restart_"
                             f"{spec.restart}.log")
