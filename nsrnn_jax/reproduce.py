@@ -1,16 +1,22 @@
-"""Reproduce the paper: the whole protocol of one task, resumable, with records.
+"""Reproduce the paper: the whole protocol, resumable, with records.
 
-One command runs the paper's grid for one task (DuSell & Chiang 2020, section
-5.5; reference-behaviour.md section 9) and writes one small JSON record per
-finished run, which is what gets committed; a second command regenerates the
-report (`docs/reproduction.md` and the Figure 3/4 images) from the records
-alone:
+One command runs the paper's grid for one task, several, or all five
+(DuSell & Chiang 2020, section 5.5; reference-behaviour.md section 9) and
+writes one small JSON record per finished run, which is what gets committed;
+a second command regenerates the report (`docs/reproduction.md` and the
+Figure 3/4 images) from the records alone:
 
   python -m nsrnn_jax.reproduce --task=dyck --workdir=runs/dyck \
       [--models=lstm,jm,gref,ns] [--learning_rates=0.005] [--restarts=3] \
       [--budget_minutes=60] [--cpu_devices=2] [--restart_ids=1,2] \
       [--workers=2]
+  python -m nsrnn_jax.reproduce --task=all --workdir=runs/paper --workers=2
   python -m nsrnn_jax.reproduce --report
+
+Several tasks (`--task=all` or a comma-separated list) are one grid,
+restart-major across the tasks (restart 0 of every task first), each task in
+`<workdir>/<task>`: the workdir a single-task command would use for it, so
+the two continue each other's runs.
 
 The protocol. LSTM and NS-RNN: every learning rate of the grid x restarts;
 JM and Gref: learning rate x stack embedding size m x restarts; the NS-RNN
@@ -72,7 +78,8 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import (Any, Callable, Iterable, Mapping, Optional, Sequence,
+                    Union)
 
 import numpy as np
 
@@ -216,6 +223,45 @@ def plan(task: str, models: Sequence[str],
         for lr in learning_rates:
           runs.append(RunSpec(task, model, float(lr), m, r))
   return runs
+
+
+def parse_tasks(value: Union[str, Sequence[str]]) -> list[str]:
+  """Task names from "all", one name, a comma-separated list or a sequence.
+
+  Raises ReproduceError naming an unknown or repeated task.
+  """
+  if isinstance(value, str):
+    value = TASKS if value.strip() == "all" else [
+        t.strip() for t in value.split(",") if t.strip()]
+  tasks = list(value)
+  if not tasks:
+    raise ReproduceError(f"--task is empty; expected 'all' or some of "
+                         f"{', '.join(TASKS)}")
+  for t in tasks:
+    if t not in TASKS:
+      raise ReproduceError(f"--task: unknown task {t!r}; expected 'all' or "
+                           f"some of {', '.join(TASKS)}")
+  repeated = sorted({t for t in tasks if tasks.count(t) > 1})
+  if repeated:
+    raise ReproduceError(f"--task names {', '.join(repeated)} more than once")
+  return tasks
+
+
+def plan_tasks(tasks: Sequence[str], models: Sequence[str],
+               learning_rates: Sequence[float] = LEARNING_RATES,
+               stack_sizes: Sequence[int] = STACK_SIZES,
+               restarts: int = NUM_RESTARTS,
+               restart_ids: Optional[Sequence[int]] = None) -> list[RunSpec]:
+  """`plan` of several tasks, restart-major across them.
+
+  Restart 0 of every task comes before restart 1 of any, so a budgeted
+  invocation of the whole paper covers every cell of every task first;
+  within a restart, the tasks in the given order.
+  """
+  per_task = [plan(t, models, learning_rates, stack_sizes, restarts,
+                   restart_ids) for t in tasks]
+  return sorted((s for runs in per_task for s in runs),
+                key=lambda s: s.restart)  # Stable: task, then plan order.
 
 
 def _load_config_file(path: str):
@@ -418,13 +464,21 @@ def choose_execution(requested: str, backend: str) -> tuple[str, str]:
                         "an H200)")
 
 
+# The manifest's task of a workdir of several tasks (one subdirectory each).
+SEVERAL_TASKS = "several (one subdirectory per task)"
+
+
 def _manifest(task, overrides) -> dict[str, Any]:
   return {"task": task, "overrides": dict(overrides)}
 
 
 def check_workdir(workdir: str, task: str, overrides: Mapping[str, Any]
                   ) -> None:
-  """Claims `workdir` for (task, overrides) or fails if it holds other runs."""
+  """Claims `workdir` for (task, overrides) or fails if it holds other runs.
+
+  `task` is a task name, or SEVERAL_TASKS for the parent of several tasks'
+  workdirs (`<workdir>/<task>`), which a single task's workdir cannot be.
+  """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ReproduceError(f"--workdir {workdir} is a file")
   path = os.path.join(workdir, MANIFEST_FILE)
@@ -435,6 +489,11 @@ def check_workdir(workdir: str, task: str, overrides: Mapping[str, Any]
     except (OSError, json.JSONDecodeError) as e:
       raise ReproduceError(f"{path} is unreadable ({e}); use a new "
                            "--workdir") from e
+    if have != want and have.get("task") == SEVERAL_TASKS != task:
+      raise ReproduceError(
+          f"--workdir {workdir} holds the runs of several tasks, one "
+          f"subdirectory each; for {task} alone use --workdir="
+          f"{os.path.join(workdir, task)}")
     if have != want:
       diff = [k for k in sorted(set(have) | set(want))
               if have.get(k) != want.get(k)]
@@ -528,11 +587,18 @@ class Progress:
   """Prints which runs are done, running and pending, and the time left."""
 
   def __init__(self, runs: Sequence[RunSpec], results_dir: str,
-               out=sys.stdout, workdir: Optional[str] = None):
+               out=sys.stdout, workdir: Optional[str] = None,
+               run_dir: Optional[Callable[[RunSpec], str]] = None,
+               label: Callable[[RunSpec], str] = lambda s: s.name):
+    """Runs' directories (where they resume from: their epochs count) are
+    `run_dir(spec)`, or `<workdir>/<spec.run_subdir>`, or unknown (None)."""
     self.runs = list(runs)
     self.results_dir = results_dir
     self.out = out
-    self.workdir = workdir  # Where runs resume from: their epochs count.
+    if run_dir is None and workdir is not None:
+      run_dir = lambda s: os.path.join(workdir, s.run_subdir)
+    self.run_dir = run_dir
+    self.label = label
 
   def done(self) -> list[RunSpec]:
     return [s for s in self.runs
@@ -545,14 +611,13 @@ class Progress:
     records = load_records(self.results_dir)
     left = 0.0
     for s in running + pending:
-      done_epochs = (epochs_logged(os.path.join(self.workdir, s.run_subdir))
-                     if self.workdir else 0)
+      done_epochs = epochs_logged(self.run_dir(s)) if self.run_dir else 0
       est = estimate_seconds(s, records, done_epochs)
       if est is None:
         left = None
         break
       left += est
-    now = ", ".join(s.name for s in running) or "-"
+    now = ", ".join(self.label(s) for s in running) or "-"
     return (f"[{len(done)} done | running {now} | {len(pending)} pending] "
             f"estimated time left {_fmt_duration(left)}")
 
@@ -571,7 +636,7 @@ def _record_finished(spec, run_dir, results_dir, overrides, hw) -> bool:
   return True
 
 
-def run_protocol(task: str, workdir: str, *,
+def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
                  models: Sequence[str] = MODELS,
                  learning_rates: Sequence[float] = LEARNING_RATES,
                  stack_sizes: Sequence[int] = STACK_SIZES,
@@ -585,36 +650,44 @@ def run_protocol(task: str, workdir: str, *,
                  worker_flags: Sequence[str] = (),
                  out=sys.stdout,
                  train_fn: Optional[Callable[..., dict]] = None) -> dict:
-  """Runs (or continues) the protocol of one task; writes records.
+  """Runs (or continues) the protocol of one task or several; writes records.
 
   Args:
-    task, models, learning_rates, stack_sizes, restarts, restart_ids: the
-      grid (`plan`).
+    task: a task name, or several (a sequence, a comma-separated string or
+      "all": the paper's five). Several tasks run as one grid, restart-major
+      across them (`plan_tasks`), each in its own `<workdir>/<task>`, which
+      is what `run_protocol(<task>, <workdir>/<task>)` would use: the two
+      ways continue each other's runs.
+    models, learning_rates, stack_sizes, restarts, restart_ids: the grid of
+      every task (`plan`).
     workdir: run directories and checkpoints (not committed).
     budget_minutes: stop at the first epoch boundary after this many minutes
-      (None: no limit).
+      (None: no limit), over all tasks.
     results_dir: where records go (`results/` of the repository).
     overrides: config fields set on every run (a non-paper protocol; its
       records say so).
     execution: "auto", "sequential" or "model_axis".
     workers: sequential execution only: how many runs train at once, each
       in its own process (`python -m nsrnn_jax.reproduce` for that one run,
-      same workdir and results; its output in
-      `<workdir>/worker_logs/<model>-<setting>-restart_<r>.log`). 1: every
-      run in this process.
+      same task workdir and results; its output in
+      `<task workdir>/worker_logs/<model>-<setting>-restart_<r>.log`). 1:
+      every run in this process.
     worker_flags: extra command-line flags for each worker process (the
       CLI passes its --cpu_devices and --compilation_cache).
     out: where progress lines go.
     train_fn: `train.train_and_evaluate` (tests may wrap it).
 
   Returns:
-    {"finished": bool, "done": [names], "pending": [names], "execution"}.
+    {"finished": bool, "done": [names], "pending": [names], "execution"};
+    with several tasks the names start with "<task>/".
   """
+  tasks = parse_tasks(task)
+  several = len(tasks) > 1
   overrides = dict(overrides)
   # As stored in JSON (tuples become lists), for comparisons with the disk.
   stored_overrides = json.loads(json.dumps(overrides))
-  runs = plan(task, models, learning_rates, stack_sizes, restarts,
-              restart_ids)
+  runs = plan_tasks(tasks, models, learning_rates, stack_sizes, restarts,
+                    restart_ids)
   configs = {s: run_config(s, overrides) for s in runs}  # Validates overrides.
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
   for config in configs.values():
@@ -628,16 +701,25 @@ def run_protocol(task: str, workdir: str, *,
     raise ReproduceError(f"--workers={workers} needs the sequential "
                          f"execution, not {mode} ({why}); use "
                          "--execution=sequential or --workers=1")
-  check_workdir(workdir, task, stored_overrides)
+  if several:
+    task_dirs = {t: os.path.join(workdir, t) for t in tasks}
+    check_workdir(workdir, SEVERAL_TASKS, stored_overrides)
+  else:
+    task_dirs = {tasks[0]: workdir}
+  for t in tasks:  # Every task's workdir is claimed before any run starts.
+    check_workdir(task_dirs[t], t, stored_overrides)
   check_results_dir(results_dir, runs, stored_overrides)
+  label = (lambda s: f"{s.task}/{s.name}") if several else (lambda s: s.name)
+  run_dir = lambda s: os.path.join(task_dirs[s.task], s.run_subdir)
   if workers > 1:
+    logs = os.path.join(workdir, "<task>" if several else "", WORKER_LOGS)
     why += (f"; {workers} runs at a time in worker processes, their output "
-            f"in {os.path.join(workdir, WORKER_LOGS)}")
-  print(f"reproduce {task}: {len(runs)} runs "
+            f"in {logs}")
+  print(f"reproduce {', '.join(tasks)}: {len(runs)} runs "
         f"({', '.join(m for m in MODELS if m in models)}); execution: {mode} "
         f"({why})", file=out, flush=True)
   budget = Budget(budget_minutes)
-  progress = Progress(runs, results_dir, out, workdir)
+  progress = Progress(runs, results_dir, out, run_dir=run_dir, label=label)
   hw = hardware()
   train_fn = train.train_and_evaluate if train_fn is None else train_fn
 
@@ -648,18 +730,19 @@ def run_protocol(task: str, workdir: str, *,
   stopped = False
   if mode == "sequential" and workers > 1:
     stopped = _run_workers(
-        pending(), workers, workdir, budget, progress, out,
-        lambda spec, minutes: _worker_argv(spec, restarts, workdir,
-                                           results_dir, overrides, minutes,
-                                           worker_flags))
+        pending(), workers, budget, progress, out,
+        lambda spec, minutes: _worker_argv(spec, restarts,
+                                           task_dirs[spec.task], results_dir,
+                                           overrides, minutes, worker_flags),
+        lambda spec: os.path.join(task_dirs[spec.task], WORKER_LOGS),
+        label)
   elif mode == "sequential":
     trained = False
     for spec in pending():
       if budget.expired():
         stopped = True
         break
-      run_dir = os.path.join(workdir, spec.run_subdir)
-      if _record_finished(spec, run_dir, results_dir, overrides, hw):
+      if _record_finished(spec, run_dir(spec), results_dir, overrides, hw):
         continue  # Finished earlier, record not yet written.
       if trained:
         # Every run compiles its own programs (its optimizer is a new
@@ -670,13 +753,14 @@ def run_protocol(task: str, workdir: str, *,
         jax.clear_caches()
       trained = True
       progress.show([spec])
-      results = train_fn(configs[spec], run_dir, should_stop=budget.expired)
+      results = train_fn(configs[spec], run_dir(spec),
+                         should_stop=budget.expired)
       if not results.get("finished"):
         stopped = True
         break
-      _record_finished(spec, run_dir, results_dir, overrides, hw)
+      _record_finished(spec, run_dir(spec), results_dir, overrides, hw)
   else:
-    stopped = _run_model_axis(pending(), configs, workdir, results_dir,
+    stopped = _run_model_axis(pending(), configs, task_dirs, results_dir,
                               overrides, hw, budget, progress)
   left = pending()
   if left and stopped:
@@ -684,23 +768,23 @@ def run_protocol(task: str, workdir: str, *,
           f"{len(runs) - len(left)} of {len(runs)} runs done. Continue with:\n"
           f"  {continue_command()}", file=out, flush=True)
   elif not left:
-    print(f"all {len(runs)} runs of {task} done; records in {results_dir}. "
-          "Regenerate the report with: python -m nsrnn_jax.reproduce "
-          "--report", file=out, flush=True)
+    print(f"all {len(runs)} runs of {', '.join(tasks)} done; records in "
+          f"{results_dir}. Regenerate the report with: python -m "
+          "nsrnn_jax.reproduce --report", file=out, flush=True)
   return {"finished": not left, "execution": mode,
-          "done": [s.name for s in runs if s not in left],
-          "pending": [s.name for s in left]}
+          "done": [label(s) for s in runs if s not in left],
+          "pending": [label(s) for s in left]}
 
 
-def _run_model_axis(runs, configs, workdir, results_dir, overrides, hw,
+def _run_model_axis(runs, configs, task_dirs, results_dir, overrides, hw,
                     budget, progress) -> bool:
-  """Trains each (model, m) group's runs at once with grid.run_grid."""
+  """Trains each (task, model, m) group's runs at once with grid.run_grid."""
   import jax  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
-  groups: dict[str, list[RunSpec]] = {}
+  groups: dict[tuple[str, str], list[RunSpec]] = {}
   for spec in runs:
-    groups.setdefault(spec.group, []).append(spec)
-  for k, (name, specs) in enumerate(groups.items()):
+    groups.setdefault((spec.task, spec.group), []).append(spec)
+  for k, ((task, name), specs) in enumerate(groups.items()):
     if budget.expired():
       return True
     if k:
@@ -717,12 +801,12 @@ def _run_model_axis(runs, configs, workdir, results_dir, overrides, hw,
       config.num_restarts = restart_ids[-1] + 1
       config.grid_restart_ids = tuple(restart_ids)
     progress.show(specs)
-    summary = grid.run_grid(config, os.path.join(workdir, name),
+    summary = grid.run_grid(config, os.path.join(task_dirs[task], name),
                             should_stop=budget.expired)
     if not summary.get("finished", True):
       return True
     for spec in specs:
-      _record_finished(spec, os.path.join(workdir, spec.run_subdir),
+      _record_finished(spec, os.path.join(task_dirs[task], spec.run_subdir),
                        results_dir, overrides, hw)
   return False
 
@@ -759,8 +843,8 @@ def _last_line(path: str) -> str:
   return lines[-1] if lines else ""
 
 
-def _run_workers(runs, workers, workdir, budget, progress, out,
-                 make_argv) -> bool:
+def _run_workers(runs, workers, budget, progress, out, make_argv,
+                 log_dir_of, label) -> bool:
   """Trains `runs` in up to `workers` processes at once; True if stopped.
 
   Each worker trains one run and writes its record. A worker stopped by the
@@ -770,8 +854,6 @@ def _run_workers(runs, workers, workdir, budget, progress, out,
   checkpoint) and waits for them.
   """
   import signal  # pylint: disable=g-import-not-at-top
-  log_dir = os.path.join(workdir, WORKER_LOGS)
-  os.makedirs(log_dir, exist_ok=True)
   env = dict(os.environ)
   # The workers import this copy of the package, wherever it is installed.
   env["PYTHONPATH"] = os.pathsep.join(
@@ -789,6 +871,8 @@ def _run_workers(runs, workers, workdir, budget, progress, out,
           stopped = True
           break
         spec = queue.pop(0)
+        log_dir = log_dir_of(spec)
+        os.makedirs(log_dir, exist_ok=True)
         path = os.path.join(log_dir, f"{spec.model}-{spec.setting}-restart_"
                             f"{spec.restart}.log")
         log = open(path, "a")  # pylint: disable=consider-using-with
@@ -813,7 +897,7 @@ def _run_workers(runs, workers, workdir, budget, progress, out,
         elif code != 0:
           failed.append((spec, code, path))
         else:
-          print(f"finished {spec.name}", file=out, flush=True)
+          print(f"finished {label(spec)}", file=out, flush=True)
   except BaseException:
     for proc, log, _ in running.values():
       if proc.poll() is None:
@@ -825,7 +909,7 @@ def _run_workers(runs, workers, workdir, budget, progress, out,
   if failed:
     spec, code, path = failed[0]
     more = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
-    raise ReproduceError(f"run {spec.name} failed in its worker (exit code "
+    raise ReproduceError(f"run {label(spec)} failed in its worker (exit code "
                          f"{code}): {_last_line(path) or 'no output'}; its "
                          f"log: {path}{more}")
   return stopped or bool(queue)
@@ -1405,7 +1489,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
   parser = Parser(prog="python -m nsrnn_jax.reproduce",
                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("--task", help=f"one of {', '.join(TASKS)}")
+  parser.add_argument("--task", help=f"one of {', '.join(TASKS)}; several "
+                      "(comma-separated) or 'all' run as one grid, each "
+                      "task in <workdir>/<task>")
   parser.add_argument("--workdir", help="run directories and checkpoints")
   parser.add_argument("--models", default=",".join(MODELS),
                       help=f"comma-separated subset of {','.join(MODELS)}")
@@ -1469,9 +1555,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "committed report must match the committed records): "
               + " ".join(pending), file=sys.stderr)
       return 0
-    if args.task not in TASKS:
-      raise ReproduceError(f"--task is {args.task!r}; expected one of "
-                           f"{', '.join(TASKS)}")
+    if args.task is None:
+      raise ReproduceError(f"--task is required: one of {', '.join(TASKS)}, "
+                           "several (comma-separated) or 'all'")
+    tasks = parse_tasks(args.task)
     if not args.workdir:
       raise ReproduceError("--workdir is required")
     models = _split_list(args.models, str, "models")
@@ -1500,7 +1587,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise ReproduceError(f"--budget_minutes must be > 0 (got "
                            f"{args.budget_minutes:g})")
     result = run_protocol(
-        args.task, args.workdir, models=models, learning_rates=lrs,
+        tasks if len(tasks) > 1 else tasks[0], args.workdir, models=models, learning_rates=lrs,
         stack_sizes=sizes, restarts=args.restarts, restart_ids=restart_ids,
         budget_minutes=args.budget_minutes, results_dir=args.results,
         overrides=parse_overrides(args.set), execution=args.execution,

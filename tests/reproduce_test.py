@@ -5,6 +5,7 @@ paper's config), so each takes seconds; the protocol's arithmetic (grid size,
 seeds, selection) is checked on the full-size plan without training.
 """
 
+import io
 import json
 import os
 import shutil
@@ -32,12 +33,11 @@ TINY = {"num_train_batches": 12, "num_valid_batches": 3,
 TINY_FLAGS = [f"--set={k}={v!r}" for k, v in TINY.items()]
 
 
-def _tiny_run(tmp_path, name, **kwargs):
+def _tiny_run(tmp_path, name, task="marked_reversal", **kwargs):
   args = dict(models=("lstm",), learning_rates=(0.01,), restarts=1,
               overrides=TINY, results_dir=str(tmp_path / f"{name}_results"))
   args.update(kwargs)
-  return reproduce.run_protocol("marked_reversal", str(tmp_path / name),
-                                **args)
+  return reproduce.run_protocol(task, str(tmp_path / name), **args)
 
 
 # ---------------------------------------------------------------------------
@@ -256,7 +256,14 @@ def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--task=nope", "--workdir=W"], "--task is 'nope'"),
+    (["--task=nope", "--workdir=W"], "unknown task 'nope'"),
+    (["--task=dyck,nope", "--workdir=W"], "unknown task 'nope'"),
+    (["--task=dyck,hardest_cfl,dyck", "--workdir=W"],
+     "--task names dyck more than once"),
+    (["--task=,", "--workdir=W"], "--task is empty"),
+    (["--workdir=W"], "--task is required"),
+    (["--task=all", "--workdir=W", "--set=hidden_size=0"],
+     "config.hidden_size must be >= 1"),
     (["--task=dyck", "--workdir=W", "--models=lstm,rnn"], "unknown model 'rnn'"),
     (["--task=dyck", "--workdir=W", "--budget_minutes=0"],
      "--budget_minutes must be > 0"),
@@ -599,30 +606,80 @@ def _same_run(a, b):
   assert strip(a) == strip(b)
 
 
-def test_worker_processes_give_the_records_of_sequential_runs(tmp_path):
-  kwargs = dict(restarts=2, learning_rates=(0.01, 0.005),
-                overrides={**TINY, "max_epochs": 2})
-  seq = _tiny_run(tmp_path, "seq", **kwargs)
+TWO_TASKS = ("marked_reversal", "unmarked_reversal")
+
+
+def test_several_tasks_are_one_grid_restart_major():
+  runs = reproduce.plan_tasks(reproduce.TASKS, reproduce.MODELS)
+  assert len(runs) == 5 * 160 and len({r.record_path for r in runs}) == 800
+  # Restart 0 of every task before restart 1 of any; within a restart the
+  # tasks in order, each in its own plan's order.
+  keys = [(r.restart, reproduce.TASKS.index(r.task)) for r in runs]
+  assert keys == sorted(keys)
+  for task in reproduce.TASKS:
+    assert [r for r in runs if r.task == task] == reproduce.plan(
+        task, reproduce.MODELS)
+  assert reproduce.parse_tasks("all") == list(reproduce.TASKS)
+  assert reproduce.parse_tasks(" dyck, hardest_cfl") == ["dyck", "hardest_cfl"]
+
+
+def test_several_tasks_in_process_and_in_workers_give_single_task_records(
+    tmp_path, capsys):
+  kwargs = dict(restarts=2, overrides={**TINY, "max_epochs": 2})
+  # The reference: each task alone, into one results directory.
+  for task in TWO_TASKS:
+    ref = _tiny_run(tmp_path, f"ref_{task}", task=task,
+                    results_dir=str(tmp_path / "ref_results"), **kwargs)
+    assert ref["finished"]
+  # Both tasks as one grid: restart 0 in this process, then the rest in two
+  # workers, which find restart 0 done and train only restart 1.
   out = tmp_path / "out.txt"
   with open(out, "w") as f:
-    par = _tiny_run(tmp_path, "par", workers=2, out=f, **kwargs)
-  assert seq["finished"] and par["finished"]
-  assert sorted(par["done"]) == sorted(seq["done"])
-  recs_seq = reproduce.load_records(str(tmp_path / "seq_results"))
-  recs_par = reproduce.load_records(str(tmp_path / "par_results"))
-  assert len(recs_seq) == len(recs_par) == 4
-  for a, b in zip(recs_seq, recs_par):
-    _same_run(a, b)
-  # Each run's output went to its own log in the workdir.
-  logs = sorted(os.listdir(tmp_path / "par" / reproduce.WORKER_LOGS))
-  assert logs == ["lstm-lr_0.005-restart_0.log", "lstm-lr_0.005-restart_1.log",
-                  "lstm-lr_0.01-restart_0.log", "lstm-lr_0.01-restart_1.log"]
+    first = _tiny_run(tmp_path, "both", task=list(TWO_TASKS), restart_ids=[0],
+                      out=f, **kwargs)
+    rest = _tiny_run(tmp_path, "both", task=",".join(TWO_TASKS), workers=2,
+                     out=f, **kwargs)
+  assert first["finished"] and rest["finished"]
+  assert first["done"] == [f"{t}/lstm/lr_0.01/restart_0" for t in TWO_TASKS]
+  assert len(rest["done"]) == 4
   text = out.read_text()
   assert "2 runs at a time in worker processes" in text
-  assert text.count("finished lstm/") == 4
+  assert text.count("finished ") == 2  # Only restart 1 went to workers.
+  assert "finished marked_reversal/lstm/lr_0.01/restart_1" in text
+  recs_ref = reproduce.load_records(str(tmp_path / "ref_results"))
+  recs = reproduce.load_records(str(tmp_path / "both_results"))
+  assert len(recs_ref) == len(recs) == 4
+  for a, b in zip(recs_ref, recs):
+    _same_run(a, b)
+  # Each task in <workdir>/<task>, the layout of the task alone: a single-
+  # task invocation there continues the same runs (all done: no training).
+  for task in TWO_TASKS:
+    task_dir = tmp_path / "both" / task
+    assert (task_dir / "lstm/lr_0.01/restart_0/results.json").is_file()
+    assert sorted(os.listdir(task_dir / reproduce.WORKER_LOGS)) == [
+        "lstm-lr_0.01-restart_1.log"]
+    alone = _tiny_run(tmp_path, f"both/{task}", task=task,
+                      results_dir=str(tmp_path / "both_results"),
+                      train_fn=_no_training, **kwargs)
+    assert alone["finished"] and len(alone["done"]) == 2
   # A rerun finds every record and starts no worker.
-  again = _tiny_run(tmp_path, "par", workers=2, **kwargs)
+  again = _tiny_run(tmp_path, "both", task=list(TWO_TASKS), workers=2,
+                    out=io.StringIO(), **kwargs)
   assert again["finished"] and len(again["done"]) == 4
+  assert not [p for t in TWO_TASKS
+              for p in os.listdir(tmp_path / "both" / t / reproduce.WORKER_LOGS)
+              if "restart_0" in p]
+  # The parent is not a task's workdir, and says where a task's is.
+  capsys.readouterr()
+  code = reproduce.main(["--task=dyck", f"--workdir={tmp_path / 'both'}",
+                         f"--results={tmp_path / 'r'}"])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count("\n") == 1
+  assert f"use --workdir={tmp_path / 'both' / 'dyck'}" in err
+
+
+def _no_training(*args, **kwargs):
+  raise AssertionError("nothing should be trained")
 
 
 def test_a_failed_worker_is_one_error_naming_its_run_and_log(tmp_path):
