@@ -1398,18 +1398,37 @@ def _gaps_section(cells, records) -> list[str]:
       "rest |",
       "|---|---|---|---|---|---|",
   ]
+  all_done = all_total = 0
+  all_seconds = 0.0
+  unknown = 0  # Missing runs of models with no finished run to time.
   for task in TASKS:
     for model in REPORT_ORDER:
       done = sum(len(s.records) for s in cells[(task, model)].settings)
       total = _grid_size(model)
+      missing = max(total - done, 0)
+      all_done, all_total = all_done + min(done, total), all_total + total
       probe = RunSpec(task, model, 0.005, None, 0)
       est = estimate_seconds(probe, records)
-      rest = "unknown (no run of this model yet)" if est is None else (
-          _hours(est * (total - done)))
-      if done >= total:
+      if missing == 0:
         rest = "—"
+      elif est is None:
+        rest = "unknown (no run of this model yet)"
+        unknown += missing
+      else:
+        rest = _hours(est * missing)
+        all_seconds += est * missing
       lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | {done} | "
                    f"{total} | {total - done} | {rest} |")
+  rest = _hours(all_seconds)
+  if unknown:
+    rest += f" + {unknown} runs of unknown cost"
+  lines += [f"| **All** | | {all_done} | {all_total} | {all_total - all_done} "
+            f"| {rest} |",
+            "",
+            "Times are of one run at a time. `python -m nsrnn_jax.reproduce "
+            "--task=all --workdir=<dir>` runs all of what is missing, restart "
+            "0 of every task first, and continues where it stopped; on a CPU "
+            "with N cores add `--workers=N` (N runs at once)."]
   return lines
 
 
