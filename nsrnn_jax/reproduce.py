@@ -503,7 +503,10 @@ def check_workdir(workdir: str, task: str, overrides: Mapping[str, Any]
           f"{dict(overrides)} (differs in: {', '.join(diff)}); use a new "
           "--workdir")
     return
-  if os.path.isdir(workdir) and os.listdir(workdir):
+  entries = os.listdir(workdir) if os.path.isdir(workdir) else []
+  # A parent of tasks' workdirs made one task at a time (<workdir>/<task>,
+  # each checked on its own) can become one of several tasks.
+  if entries and not (task == SEVERAL_TASKS and set(entries) <= set(TASKS)):
     raise ReproduceError(f"--workdir {workdir} is not empty and was not made "
                          "by nsrnn_jax.reproduce; use a new --workdir")
   try:

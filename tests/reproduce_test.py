@@ -684,6 +684,18 @@ def test_several_tasks_in_process_and_in_workers_give_single_task_records(
   assert not [p for t in TWO_TASKS
               for p in os.listdir(tmp_path / "both" / t / reproduce.WORKER_LOGS)
               if "restart_0" in p]
+  # Workdirs made one task at a time in <parent>/<task> become one grid,
+  # but a directory holding anything else does not.
+  parent = tmp_path / "one_at_a_time"
+  reproduce.check_workdir(str(parent / "dyck"), "dyck", {})
+  reproduce.check_workdir(str(parent), reproduce.SEVERAL_TASKS, {})
+  assert json.loads((parent / reproduce.MANIFEST_FILE).read_text())[
+      "task"] == reproduce.SEVERAL_TASKS
+  mixed = tmp_path / "mixed"
+  reproduce.check_workdir(str(mixed / "dyck"), "dyck", {})
+  (mixed / "notes.txt").write_text("")
+  with pytest.raises(reproduce.ReproduceError, match="is not empty"):
+    reproduce.check_workdir(str(mixed), reproduce.SEVERAL_TASKS, {})
   # The parent is not a task's workdir, and says where a task's is.
   capsys.readouterr()
   code = reproduce.main(["--task=dyck", f"--workdir={tmp_path / 'both'}",
