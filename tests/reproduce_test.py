@@ -750,12 +750,19 @@ def test_bad_workers_are_refused_before_anything_is_written(
 def test_model_axis_gives_the_records_of_sequential_runs(tmp_path):
   kwargs = dict(restarts=2, learning_rates=(0.01,))
   seq = _tiny_run(tmp_path, "seq", execution="sequential", **kwargs)
-  axis = _tiny_run(tmp_path, "axis", execution="model_axis", **kwargs)
+  # Two tasks: one group per (task, model), each in its task's workdir.
+  axis = _tiny_run(tmp_path, "axis", task=list(TWO_TASKS),
+                   execution="model_axis", **kwargs)
   assert seq["finished"] and axis["finished"]
   assert axis["execution"] == "model_axis"
+  for task in TWO_TASKS:
+    assert (tmp_path / "axis" / task / "lstm/lr_0.01/restart_1/results.json"
+           ).is_file()
   recs_seq = reproduce.load_records(str(tmp_path / "seq_results"))
-  recs_axis = reproduce.load_records(str(tmp_path / "axis_results"))
+  recs_axis = reproduce.load_records(str(tmp_path / "axis_results"),
+                                     task="marked_reversal")
   assert len(recs_seq) == len(recs_axis) == 2
+  assert len(reproduce.load_records(str(tmp_path / "axis_results"))) == 4
   for a, b in zip(recs_seq, recs_axis):
     assert (a["setting"], a["restart"]) == (b["setting"], b["restart"])
     assert a["num_epochs"] == b["num_epochs"]
