@@ -590,7 +590,8 @@ def test_runs_in_one_process_do_not_pile_up_compiled_programs(tmp_path):
   # grew by ~20,000 per NS-RNN run until the third one hit the kernel's
   # limit and died in LLVM. Here one mapping count per run: without the
   # clearing between runs it grows by ~2,200 per tiny run; with it, it
-  # moves by a few hundred either way (the allocator's; measured).
+  # moves by a few hundred either way (the allocator's; measured: counts
+  # of 2,770-3,256 after each of 7 runs; without it, 2,797 -> 5,286 here).
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
   counts = []
 
@@ -602,10 +603,10 @@ def test_runs_in_one_process_do_not_pile_up_compiled_programs(tmp_path):
 
   overrides = {**TINY, "max_epochs": 1, "compile_strategy": "per_length",
                "train_max_length": 21, "test_max_length": 25}
-  result = _tiny_run(tmp_path, "w", restarts=3, overrides=overrides,
+  result = _tiny_run(tmp_path, "w", restarts=2, overrides=overrides,
                      train_fn=train_and_count)
-  assert result["finished"] and len(counts) == 3
-  assert counts[2] - counts[0] < 1500, counts
+  assert result["finished"] and len(counts) == 2
+  assert counts[1] - counts[0] < 1200, counts
 
 
 def _same_run(a, b):
