@@ -592,9 +592,13 @@ class Progress:
   def __init__(self, runs: Sequence[RunSpec], results_dir: str,
                out=sys.stdout, workdir: Optional[str] = None,
                run_dir: Optional[Callable[[RunSpec], str]] = None,
-               label: Callable[[RunSpec], str] = lambda s: s.name):
+               label: Callable[[RunSpec], str] = lambda s: s.name,
+               lanes: int = 1):
     """Runs' directories (where they resume from: their epochs count) are
-    `run_dir(spec)`, or `<workdir>/<spec.run_subdir>`, or unknown (None)."""
+    `run_dir(spec)`, or `<workdir>/<spec.run_subdir>`, or unknown (None).
+    `lanes` runs train at once (workers), each taking the next pending run
+    when it frees up: the time left is that schedule's length."""
+    self.lanes = lanes
     self.runs = list(runs)
     self.results_dir = results_dir
     self.out = out
@@ -612,17 +616,19 @@ class Progress:
     running = list(running)
     pending = [s for s in self.runs if s not in done and s not in running]
     records = load_records(self.results_dir)
-    left = 0.0
+    free_at = [0.0] * self.lanes  # When each lane finishes its runs so far.
     for s in running + pending:
       done_epochs = epochs_logged(self.run_dir(s)) if self.run_dir else 0
       est = estimate_seconds(s, records, done_epochs)
       if est is None:
-        left = None
+        free_at = None
         break
-      left += est
+      free_at[free_at.index(min(free_at))] += est
+    left = None if free_at is None else max(free_at)
+    at_once = f" ({self.lanes} runs at a time)" if self.lanes > 1 else ""
     now = ", ".join(self.label(s) for s in running) or "-"
     return (f"[{len(done)} done | running {now} | {len(pending)} pending] "
-            f"estimated time left {_fmt_duration(left)}")
+            f"estimated time left {_fmt_duration(left)}{at_once}")
 
   def show(self, running: Sequence[RunSpec]) -> None:
     print(self.line(running), file=self.out, flush=True)
@@ -722,7 +728,8 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
         f"({', '.join(m for m in MODELS if m in models)}); execution: {mode} "
         f"({why})", file=out, flush=True)
   budget = Budget(budget_minutes)
-  progress = Progress(runs, results_dir, out, run_dir=run_dir, label=label)
+  progress = Progress(runs, results_dir, out, run_dir=run_dir, label=label,
+                      lanes=workers if mode == "sequential" else 1)
   hw = hardware()
   train_fn = train.train_and_evaluate if train_fn is None else train_fn
 

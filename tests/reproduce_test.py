@@ -516,6 +516,19 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
   progress = reproduce.Progress([probe], str(results), workdir=str(tmp_path))
   assert progress.line([probe]).endswith(
       "estimated time left " + reproduce._fmt_duration(77.5 / 5 * 3))
+  # With workers, the length of their schedule: each takes the next run when
+  # it frees up. The resumed run (46.5 s left) and two fresh ones (77.5 s):
+  # one lane runs 46.5 + 77.5, the other 77.5.
+  fresh = [reproduce.RunSpec("dyck", "ns", 0.005, None, r) for r in (2, 3)]
+  two = reproduce.Progress([probe] + fresh, str(results),
+                           workdir=str(tmp_path), lanes=2)
+  assert two.line([probe]).endswith(
+      "estimated time left " + reproduce._fmt_duration(77.5 / 5 * 3 + 77.5)
+      + " (2 runs at a time)")
+  three = reproduce.Progress([probe] + fresh, str(results),
+                             workdir=str(tmp_path), lanes=3)
+  assert three.line([probe]).endswith(reproduce._fmt_duration(77.5)
+                                      + " (3 runs at a time)")
 
 
 def test_committed_report_is_generated_from_committed_records(tmp_path):
