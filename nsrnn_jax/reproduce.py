@@ -666,7 +666,8 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       "all": the paper's five). Several tasks run as one grid, restart-major
       across them (`plan_tasks`), each in its own `<workdir>/<task>`, which
       is what `run_protocol(<task>, <workdir>/<task>)` would use: the two
-      ways continue each other's runs.
+      ways continue each other's runs. One task, however given, uses
+      `workdir` itself.
     models, learning_rates, stack_sizes, restarts, restart_ids: the grid of
       every task (`plan`).
     workdir: run directories and checkpoints (not committed).
