@@ -749,22 +749,30 @@ def vrns_block():
   return "\n".join(out).rstrip() + "\n"
 
 
+REPRODUCE_WORKERS_FILES = ("reproduce_workers_5epochs.json",
+                           "reproduce_workers_1epoch.json",
+                           "reproduce_workers_pinning.json")
+
+
 def reproduce_workers_block():
   """How `reproduce` spends a CPU's cores (benchmarks/reproduce_workers.py)."""
   out = []
-  for name in ("reproduce_workers_5epochs.json",
-               "reproduce_workers_1epoch.json"):
+  for name in REPRODUCE_WORKERS_FILES:
     d = _load(name)
     if d is None:
       continue
     if not out:
-      out += ["| runs | mode | flags | wall s | runs / hour | vs one after "
-              "another |", "|---|---|---|---|---|---|"]
+      out += ["| file | runs | mode | flags | wall s | runs / hour | "
+              "vs the file's first row |", "|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
-      out.append(f"| {d['runs']} × {d['max_epochs']} epoch(s) | {r['mode']} | "
-                 f"`{r['flags']}` | {r['wall_s']:.1f} | "
-                 f"{r['runs_per_hour']:.1f} | "
-                 f"{r['speedup_vs_sequential']:.2f}× |")
+      # Files written before --modes call the speed-up after its baseline.
+      speedup = r.get("speedup", r.get("speedup_vs_sequential"))
+      mode = r["mode"]
+      if mode == "workers" and "speedup_against" not in d:
+        mode += " (unpinned: measured before workers were pinned)"
+      out.append(f"| `{name}` | {d['runs']} × {d['max_epochs']} epoch(s) | "
+                 f"{mode} | `{r['flags']}` | {r['wall_s']:.1f} | "
+                 f"{r['runs_per_hour']:.1f} | {speedup:.2f}× |")
   if not out:
     return "No reproduce_workers results yet.\n"
   d = (_load("reproduce_workers_5epochs.json")
@@ -775,8 +783,44 @@ def reproduce_workers_block():
   return "\n".join(out) + "\n"
 
 
+CONCURRENT_STEPS_FILES = ("concurrent_steps.json", "concurrent_steps_ns33.json")
+
+
+def concurrent_steps_block():
+  """Concurrent processes pinned or not (benchmarks/concurrent_steps.py)."""
+  out = []
+  for name in CONCURRENT_STEPS_FILES:
+    d = _load(name)
+    if d is None:
+      continue
+    if not out:
+      out += ["| file | model | rounds | steps, free | steps, pinned | "
+              "pinned / free | steps per process and round (free; pinned) |",
+              "|---|---|---|---|---|---|---|"]
+    for model, summ in d["summary"].items():
+      rows = [r for r in d["rows"] if r["model"] == model]
+      per = lambda mode: ", ".join(  # pylint: disable=cell-var-from-loop
+          "/".join(str(x) for x in r["steps"]) for r in rows
+          if r["mode"] == mode)
+      out.append(f"| `{name}` | {MODEL_LABELS.get(model, model)} | "
+                 f"{len({r['round'] for r in rows})} | {summ['free_steps']} | "
+                 f"{summ['pinned_steps']} | {summ['pinned_over_free']:.2f}× | "
+                 f"{per('free')}; {per('pinned')} |")
+  if not out:
+    return "No concurrent_steps results yet.\n"
+  d = _load(CONCURRENT_STEPS_FILES[0]) or _load(CONCURRENT_STEPS_FILES[1])
+  out += ["", f"{d['processes']} processes at once, each timing its train step "
+          f"(batch {d['batch']}, n = {d['length']}) back to back for "
+          f"{d['window_s']:g} s, {d['device']}; each file one run."]
+  notes = {_load(n).get("note") for n in CONCURRENT_STEPS_FILES
+           if _load(n) is not None} - {None}
+  out += [f"Note: {n}." for n in sorted(notes)]
+  return "\n".join(out) + "\n"
+
+
 BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
-          "vrns": vrns_block, "reproduce_workers": reproduce_workers_block}
+          "vrns": vrns_block, "reproduce_workers": reproduce_workers_block,
+          "concurrent_steps": concurrent_steps_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
                        "rns_vs_ns": rns_vs_ns_block}

@@ -9,16 +9,21 @@ after another, each in fresh directories:
   devices      one run after another, each batch split over --cores CPU
                devices (--cpu_devices=<cores>)
   workers      --cores runs at a time, each in its own process on one CPU
-               device (--workers=<cores>)
+               device (--workers=<cores>), each pinned to its own core(s)
+  workers_unpinned
+               the same with --pin_workers=off: every worker may run on
+               every core (what --workers did before pinning)
 
-Warm-up runs (one on 1 device, one on --cores) fill a fresh persistent
+--modes picks some (speed-ups are against the first one given).
+Warm-up runs (one on 1 device, one on --cores, as the modes need) fill a fresh persistent
 compilation cache first and every mode then reads it, as successive runs of one model do in real use (the
 cache is on by default). Prints a table (wall seconds, runs per hour, speed
 against `sequential`) and saves benchmarks/results/reproduce_workers.json.
 Other jobs on the cores skew it: run it on an otherwise idle machine.
 
   python benchmarks/reproduce_workers.py [--task=marked_reversal] \
-      [--model=ns] [--runs=4] [--max_epochs=1] [--cores=2]
+      [--model=ns] [--runs=4] [--max_epochs=1] [--cores=2] \
+      [--modes=sequential,devices,workers,workers_unpinned]
 """
 
 import argparse
@@ -35,6 +40,14 @@ import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Mode name -> its reproduce flags, given the number of cores.
+MODES = {
+    "sequential": lambda n: ["--workers=1", "--cpu_devices=1"],
+    "devices": lambda n: ["--workers=1", f"--cpu_devices={n}"],
+    "workers": lambda n: [f"--workers={n}", "--cpu_devices=1"],
+    "workers_unpinned": lambda n: [f"--workers={n}", "--cpu_devices=1",
+                                   "--pin_workers=off"],
+}
 
 
 def protocol_argv(args, workdir, results, restart_ids, extra=()):
@@ -71,11 +84,18 @@ def main():
                       help="restarts in the slice (each mode trains them all)")
   parser.add_argument("--max_epochs", type=int, default=1)
   parser.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+  parser.add_argument("--modes", default=",".join(MODES),
+                      help="comma-separated, in the order to run them; "
+                      "speed-ups are against the first")
   parser.add_argument("--out", default=os.path.join(RESULTS,
                                                     "reproduce_workers.json"))
   args = parser.parse_args()
   if args.runs < 1 or args.max_epochs < 1 or args.cores < 2:
     sys.exit("error: --runs and --max_epochs must be >= 1, --cores >= 2")
+  names = [m.strip() for m in args.modes.split(",") if m.strip()]
+  if not names or any(m not in MODES for m in names):
+    sys.exit(f"error: --modes must be some of {', '.join(MODES)}")
+  modes = [(m, MODES[m](args.cores)) for m in names]
 
   info = machine.machine_info()
   rows = []
@@ -87,16 +107,15 @@ def main():
     # Warm-up: a restart outside the slice, on 1 and on --cores devices,
     # fills the compilation cache with every mode's programs.
     warm = 0.0
-    for devices in (1, args.cores):
+    needed = sorted({args.cores if f"--cpu_devices={args.cores}" in extra
+                     else 1 for _, extra in modes})
+    for devices in needed:
       warm += timed(protocol_argv(
           args, os.path.join(tmp, f"warm{devices}"),
           os.path.join(tmp, f"warm{devices}_results"), [args.runs],
           [f"--cpu_devices={devices}"]), env)
     print(f"warm-up runs (fill the compilation cache): {warm:.1f} s",
           flush=True)
-    modes = (("sequential", ["--workers=1", "--cpu_devices=1"]),
-             ("devices", ["--workers=1", f"--cpu_devices={args.cores}"]),
-             ("workers", [f"--workers={args.cores}", "--cpu_devices=1"]))
     for name, extra in modes:
       seconds = timed(protocol_argv(args, os.path.join(tmp, name),
                                     os.path.join(tmp, name + "_results"),
@@ -107,7 +126,7 @@ def main():
       print(f"{name}: {seconds:.1f} s", flush=True)
   base = rows[0]["wall_s"]
   for row in rows:
-    row["speedup_vs_sequential"] = base / row["wall_s"]
+    row["speedup"] = base / row["wall_s"]
 
   print(f"\n{args.runs} runs of {args.model} on {args.task}, "
         f"{args.max_epochs} epoch(s) each, {machine.device_label(info)}")
@@ -115,13 +134,14 @@ def main():
         f"{'speed-up':>9}")
   for row in rows:
     print(f"{row['mode']:<12} {row['flags']:<32} {row['wall_s']:>8.1f} "
-          f"{row['runs_per_hour']:>8.1f} {row['speedup_vs_sequential']:>8.2f}x")
+          f"{row['runs_per_hour']:>8.1f} {row['speedup']:>8.2f}x")
   result = {"benchmark": "reproduce_workers", "machine": info,
             "device": machine.device_label(info),
             "date": time.strftime("%Y-%m-%d"), "task": args.task,
             "model": args.model, "learning_rate": float(args.learning_rate),
             "runs": args.runs, "max_epochs": args.max_epochs,
-            "cores": args.cores, "warmup_s": warm, "rows": rows}
+            "cores": args.cores, "warmup_s": warm,
+            "speedup_against": rows[0]["mode"], "rows": rows}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

@@ -498,6 +498,61 @@ def host_cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
   return next((name for flag, name in _VECTOR_ISAS if flag in flags), None)
 
 
+def usable_cores() -> Optional[list[int]]:
+  """The CPU cores this process may run on (None where the OS cannot say)."""
+  if not hasattr(os, "sched_getaffinity"):
+    return None
+  return sorted(os.sched_getaffinity(0))
+
+
+def format_cores(cores: Sequence[int]) -> str:
+  """Core numbers as ranges, e.g. [0, 1, 2, 5] -> "0-2,5"."""
+  parts, run = [], []
+  for c in sorted(cores):
+    if run and c != run[-1] + 1:
+      parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+      run = []
+    run.append(c)
+  if run:
+    parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+  return ",".join(parts)
+
+
+def parse_cores(text: str) -> list[int]:
+  """"0-2,5" -> [0, 1, 2, 5]; ValueError (one line) on anything else."""
+  cores = set()
+  try:
+    for part in text.split(","):
+      lo, dash, hi = part.strip().partition("-")
+      lo, hi = int(lo), int(hi) if dash else int(lo)
+      if lo < 0 or hi < lo:
+        raise ValueError
+      cores.update(range(lo, hi + 1))
+  except ValueError:
+    raise ValueError(f"--cpu_cores: {text!r} is not a list of core numbers "
+                     "or ranges (e.g. 0-3,6)") from None
+  return sorted(cores)
+
+
+def pin_to_cores(cores: Sequence[int]) -> None:
+  """Runs this process, and the threads it starts later, on `cores` only.
+
+  Call it before JAX starts its thread pools (before the first computation):
+  XLA sizes them by the cores the process may use. Raises a one-line
+  ValueError for cores this process may not use, or where the OS has no
+  affinity call (Linux has).
+  """
+  usable = usable_cores()
+  if usable is None:
+    raise ValueError("--cpu_cores: this OS cannot pin a process to cores")
+  unknown = sorted(set(cores) - set(usable))
+  if unknown:
+    raise ValueError(f"--cpu_cores: core(s) {format_cores(unknown)} not "
+                     f"available to this process (it may use "
+                     f"{format_cores(usable)})")
+  os.sched_setaffinity(0, cores)
+
+
 def describe_runtime(matmul_precision: str = "highest") -> str:
   """One line naming the backend, the devices and the matmul precision.
 
@@ -523,6 +578,10 @@ def describe_runtime(matmul_precision: str = "highest") -> str:
           f"{jax.device_count()} device(s): {devices}")
   if jax.default_backend() == "cpu":
     isa = host_cpu_vector_isa()
+    cores = usable_cores()
+    # A process pinned to some of the cores (reproduce --workers) says so.
+    pinned = ("" if cores is None or len(cores) >= (os.cpu_count() or 0)
+              else f", this process on core(s) {format_cores(cores)}")
     line += (f" [{host_cpu_model()}" + (f", {isa}" if isa else "")
-             + f", {os.cpu_count()} cores]")
+             + f", {os.cpu_count()} cores{pinned}]")
   return line + f"; jax {jax.__version__}; matmul precision {matmul_precision}"

@@ -39,7 +39,10 @@ one CPU device (`python -m nsrnn_jax.reproduce` for that run alone, same
 workdir and results; its output in `<workdir>/worker_logs/`): on 2 cores,
 NS-RNN runs of 5 epochs, 1.76x the runs per hour of one after another and
 1.55x those of `--cpu_devices=2`, in one run
-(`benchmarks/reproduce_workers.py`). Runs in one process clear JAX's caches
+(`benchmarks/reproduce_workers.py`). On Linux each worker runs on its own
+share of the cores (`--cpu_cores`; `--pin_workers=off` to not): two NS-RNN
+or JM processes ran 1.3x the train steps pinned (Q=S=3: 0.96-1.15x;
+`benchmarks/concurrent_steps.py`), 2 NS-RNN runs of 5 epochs 1.10x faster. Runs in one process clear JAX's caches
 between them: each run's programs are its own, and kept they used up the
 kernel's memory mappings by the third NS-RNN run.
 
@@ -341,11 +344,15 @@ def hardware() -> dict[str, Any]:
           break
   except OSError:
     pass
+  from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
   devices = jax.devices()
+  cores = parallel.usable_cores()
   return {"backend": jax.default_backend(),
           "device_kind": devices[0].device_kind,
           "num_devices": len(devices), "cpu": cpu,
-          "cpu_count": os.cpu_count(), "jax": jax.__version__}
+          "cpu_count": os.cpu_count(),
+          "process_cores": None if cores is None else len(cores),
+          "jax": jax.__version__}
 
 
 def _read_json(path: str):
@@ -657,6 +664,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
                  execution: str = "auto",
                  workers: int = 1,
                  worker_flags: Sequence[str] = (),
+                 pin_workers: bool = True,
                  out=sys.stdout,
                  train_fn: Optional[Callable[..., dict]] = None) -> dict:
   """Runs (or continues) the protocol of one task or several; writes records.
@@ -684,6 +692,8 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       every run in this process.
     worker_flags: extra command-line flags for each worker process (the
       CLI passes its --cpu_devices and --compilation_cache).
+    pin_workers: run each worker on its own share of this process's CPU
+      cores (`core_groups`; Linux), as long as there are enough of them.
     out: where progress lines go.
     train_fn: `train.train_and_evaluate` (tests may wrap it).
 
@@ -721,10 +731,17 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
   check_results_dir(results_dir, runs, stored_overrides)
   label = (lambda s: f"{s.task}/{s.name}") if several else (lambda s: s.name)
   run_dir = lambda s: os.path.join(task_dirs[s.task], s.run_subdir)
+  groups = None
   if workers > 1:
+    from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
     logs = os.path.join(workdir, "<task>" if several else "", WORKER_LOGS)
     why += (f"; {workers} runs at a time in worker processes, their output "
             f"in {logs}")
+    if pin_workers:
+      groups = core_groups(workers, parallel.usable_cores())
+    if groups:
+      why += (", each on its own core(s): "
+              + " | ".join(parallel.format_cores(g) for g in groups))
   print(f"reproduce {', '.join(tasks)}: {len(runs)} runs "
         f"({', '.join(m for m in MODELS if m in models)}); execution: {mode} "
         f"({why})", file=out, flush=True)
@@ -746,7 +763,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
                                            task_dirs[spec.task], results_dir,
                                            overrides, minutes, worker_flags),
         lambda spec: os.path.join(task_dirs[spec.task], WORKER_LOGS),
-        label)
+        label, groups)
   elif mode == "sequential":
     trained = False
     for spec in pending():
@@ -854,23 +871,45 @@ def _last_line(path: str) -> str:
   return lines[-1] if lines else ""
 
 
+def core_groups(workers: int, cores: Optional[Sequence[int]]
+                ) -> Optional[list[list[int]]]:
+  """Disjoint, contiguous shares of `cores`, one per worker (None: no pins).
+
+  Two workers on a 2-core machine unpinned share both cores, each with its
+  own XLA thread pool sized for both; pinned, each on its own core, they ran
+  1.30x the train steps (NS-RNN Q=S=2, JM) and 0.96-1.15x (Q=S=3; README,
+  benchmarks/concurrent_steps.py).
+  Fewer cores than workers, or one worker, or unknown cores: no pinning.
+  """
+  if cores is None or workers < 2 or len(cores) < workers:
+    return None
+  cores = sorted(cores)
+  n = len(cores)
+  return [cores[k * n // workers:(k + 1) * n // workers]
+          for k in range(workers)]
+
+
 def _run_workers(runs, workers, budget, progress, out, make_argv,
-                 log_dir_of, label) -> bool:
+                 log_dir_of, label, groups=None) -> bool:
   """Trains `runs` in up to `workers` processes at once; True if stopped.
 
   Each worker trains one run and writes its record. A worker stopped by the
   budget (exit 3) stops the launches; a failed one stops them too, the
   others finish their runs, then a ReproduceError names it and its log. An
   interrupt of this process interrupts the workers (each keeps its last
-  checkpoint) and waits for them.
+  checkpoint) and waits for them. With `groups` (`core_groups`), each
+  worker runs on a share of the cores no other running worker has.
   """
   import signal  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+  free_groups = list(groups or [])
   env = dict(os.environ)
   # The workers import this copy of the package, wherever it is installed.
   env["PYTHONPATH"] = os.pathsep.join(
       [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
   queue = list(runs)
-  running: dict = {}  # RunSpec -> (Popen, log file object, log path)
+  # RunSpec -> (Popen, log file object, log path, its cores or None)
+  running: dict = {}
   failed = []
   stopped = False
   try:
@@ -886,23 +925,28 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
         os.makedirs(log_dir, exist_ok=True)
         path = os.path.join(log_dir, f"{spec.model}-{spec.setting}-restart_"
                             f"{spec.restart}.log")
+        argv = make_argv(spec, minutes)
+        cores = free_groups.pop(0) if free_groups else None
+        if cores is not None:
+          argv.append(f"--cpu_cores={parallel.format_cores(cores)}")
         log = open(path, "a")  # pylint: disable=consider-using-with
-        proc = subprocess.Popen(make_argv(spec, minutes), stdout=log,
-                                stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL)
-        running[spec] = (proc, log, path)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, stdin=subprocess.DEVNULL)
+        running[spec] = (proc, log, path, cores)
         launched = True
       if launched:
         progress.show(list(running))
       if not running:
         break
       time.sleep(WORKER_POLL_SECONDS)
-      for spec, (proc, log, path) in list(running.items()):
+      for spec, (proc, log, path, cores) in list(running.items()):
         code = proc.poll()
         if code is None:
           continue
         log.close()
         del running[spec]
+        if cores is not None:
+          free_groups.append(cores)
         if code == 3:
           stopped = True
         elif code != 0:
@@ -910,10 +954,10 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
         else:
           print(f"finished {label(spec)}", file=out, flush=True)
   except BaseException:
-    for proc, log, _ in running.values():
+    for proc, log, _, _ in running.values():
       if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
-    for proc, log, _ in running.values():
+    for proc, log, _, _ in running.values():
       proc.wait()
       log.close()
     raise
@@ -1557,6 +1601,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="CPU: train this many runs at once, each in its "
                       "own process with --cpu_devices devices (e.g. one per "
                       "core); output in <workdir>/worker_logs/")
+  parser.add_argument("--pin_workers", default="on", choices=("on", "off"),
+                      help="with --workers: each worker on its own share of "
+                      "the cores (Linux; up to 1.3x the train steps of "
+                      "unpinned workers on 2 cores)")
+  parser.add_argument("--cpu_cores", default=None,
+                      help="run this process on these CPU cores only, e.g. "
+                      "0-3 (Linux; --workers sets it for each worker)")
   parser.add_argument("--cpu_devices", type=int, default=1,
                       help="CPU backend: split each batch over this many "
                       "devices (one per core to use)")
@@ -1611,6 +1662,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ReproduceError(f"--restart_ids must be in [0, "
                              f"{args.restarts}) (got {restart_ids})")
     from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+    if args.cpu_cores is not None:
+      # Before JAX starts its thread pools, which it sizes by these cores.
+      parallel.pin_to_cores(parallel.parse_cores(args.cpu_cores))
     parallel.use_cpu_devices(args.cpu_devices)
     cli.use_compilation_cache(args.compilation_cache)
     if args.budget_minutes is not None and not args.budget_minutes > 0:
@@ -1621,7 +1675,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stack_sizes=sizes, restarts=args.restarts, restart_ids=restart_ids,
         budget_minutes=args.budget_minutes, results_dir=args.results,
         overrides=parse_overrides(args.set), execution=args.execution,
-        workers=args.workers,
+        workers=args.workers, pin_workers=args.pin_workers == "on",
         worker_flags=[f"--cpu_devices={args.cpu_devices}",
                       f"--compilation_cache={args.compilation_cache}"])
   except ValueError as e:  # ReproduceError and config validation errors.

@@ -7,6 +7,8 @@ fails here.
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -124,3 +126,27 @@ def test_gpu_budget_table_arithmetic(report, monkeypatch):
   mixed = report.gpu_budget_table()
   assert "from the gpu: H200 rows" in mixed[0]
   assert [l for l in mixed if l.startswith("| NS")] == rows
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity")
+                    or len(os.sched_getaffinity(0)) < 2,
+                    reason="pins 2 processes to a core each")
+def test_concurrent_steps_benchmark_runs_and_pins(tmp_path):
+  # A tiny run of benchmarks/concurrent_steps.py (LSTM, half-second
+  # window): the pinned processes ran on one core each, the free ones on all.
+  out = tmp_path / "c.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "concurrent_steps.py"),
+       "--models=lstm", "--cores=2", "--window=0.5",
+       f"--out={out}"], capture_output=True, text=True, check=False,
+      cwd=str(tmp_path))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  data = json.loads(out.read_text())
+  rows = {r["mode"]: r for r in data["rows"]}
+  usable = sorted(os.sched_getaffinity(0))
+  assert rows["pinned"]["cores"] == [[usable[0]], [usable[1]]]
+  assert rows["free"]["cores"] == [usable, usable]
+  assert all(n > 0 for r in rows.values() for n in r["steps"])
+  summary = data["summary"]["lstm"]
+  assert summary["pinned_over_free"] == pytest.approx(
+      summary["pinned_steps"] / summary["free_steps"])

@@ -258,6 +258,38 @@ def test_host_cpu_vector_isa_reads_the_widest_extension(text, want):
   assert parallel.host_cpu_vector_isa(text) == want
 
 
+def test_cores_parse_and_format_as_ranges():
+  assert parallel.parse_cores("0-2,5") == [0, 1, 2, 5]
+  assert parallel.parse_cores(" 3 , 1") == [1, 3]
+  assert parallel.format_cores([5, 0, 2, 1]) == "0-2,5"
+  assert parallel.format_cores([7]) == "7"
+  for text in ("", "a", "2-1", "-1", "1-", "0,,1"):
+    with pytest.raises(ValueError, match="not a list of core numbers"):
+      parallel.parse_cores(text)
+
+
+@pytest.mark.skipif(parallel.usable_cores() is None
+                    or len(parallel.usable_cores()) < 2,
+                    reason="pins a process to one of 2+ usable cores")
+def test_a_pinned_process_runs_on_its_cores_and_says_so():
+  # In a fresh process: pinning this one would change the other tests.
+  core = parallel.usable_cores()[-1]
+  code = ("from nsrnn_jax import parallel; "
+          f"parallel.pin_to_cores([{core}]); "
+          "print(parallel.usable_cores()); print(parallel.describe_runtime())")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True, env={**os.environ,
+                                                   "JAX_PLATFORMS": "cpu"})
+  cores_line, runtime = out.stdout.strip().splitlines()[-2:]
+  assert cores_line == f"[{core}]"
+  assert f", this process on core(s) {core}]" in runtime
+  # A process that may use every core names no share.
+  if len(parallel.usable_cores()) == os.cpu_count():
+    assert "this process on" not in parallel.describe_runtime()
+  with pytest.raises(ValueError, match="not available to this process"):
+    parallel.pin_to_cores([max(parallel.usable_cores()) + 1000])
+
+
 def test_describe_runtime_names_the_cpu_vector_extension():
   if jax.default_backend() != "cpu":
     pytest.skip("the host CPU is named on the CPU backend only")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from nsrnn_jax import paper_figures
+from nsrnn_jax import parallel
 from nsrnn_jax import reproduce
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,6 +288,10 @@ def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
      "--workers must be an integer >= 1"),
     (["--task=dyck", "--workdir=W", "--workers=2", "--execution=model_axis"],
      "--workers=2 needs the sequential execution"),
+    (["--task=dyck", "--workdir=W", "--cpu_cores=1-x"],
+     "is not a list of core numbers"),
+    (["--task=dyck", "--workdir=W", "--cpu_cores=100000"],
+     "--cpu_cores: core(s) 100000 not available to this process"),
     (["--task=dyck"], "--workdir is required"),
     (["--task=dyck", "--workdir=W", "--bogus"], "unrecognized arguments"),
 ])
@@ -678,6 +683,19 @@ def test_several_tasks_in_process_and_in_workers_give_single_task_records(
   assert len(rest["done"]) == 4
   text = out.read_text()
   assert "2 runs at a time in worker processes" in text
+  # On 2+ cores each worker ran on its own share of them (`core_groups`),
+  # which its runtime line and its record say.
+  usable = parallel.usable_cores()
+  if usable is not None and len(usable) >= 2:
+    groups = reproduce.core_groups(2, usable)
+    assert ("each on its own core(s): " + " | ".join(
+        parallel.format_cores(g) for g in groups)) in text
+    pinned = set()
+    for task in TWO_TASKS:
+      log = (tmp_path / "both" / task / reproduce.WORKER_LOGS /
+             "lstm-lr_0.01-restart_1.log").read_text()
+      pinned.add(log.split("this process on core(s) ")[1].split("]")[0])
+    assert pinned == {parallel.format_cores(g) for g in groups}
   assert text.count("finished ") == 2  # Only restart 1 went to workers.
   assert "finished marked_reversal/lstm/lr_0.01/restart_1" in text
   recs_ref = reproduce.load_records(str(tmp_path / "ref_results"))
@@ -685,6 +703,10 @@ def test_several_tasks_in_process_and_in_workers_give_single_task_records(
   assert len(recs_ref) == len(recs) == 4
   for a, b in zip(recs_ref, recs):
     _same_run(a, b)
+    if usable is not None and len(usable) >= 2:
+      # Restart 1 came from a pinned worker, restart 0 from this process.
+      assert b["hardware"]["process_cores"] in (
+          {len(g) for g in groups} if b["restart"] else {len(usable)})
   # Each task in <workdir>/<task>, the layout of the task alone: a single-
   # task invocation there continues the same runs (all done: no training).
   for task in TWO_TASKS:
@@ -726,6 +748,15 @@ def test_several_tasks_in_process_and_in_workers_give_single_task_records(
 
 def _no_training(*args, **kwargs):
   raise AssertionError("nothing should be trained")
+
+
+def test_core_groups_are_disjoint_shares_one_per_worker():
+  assert reproduce.core_groups(2, [0, 1]) == [[0], [1]]
+  assert reproduce.core_groups(2, [4, 0, 1, 5]) == [[0, 1], [4, 5]]
+  assert reproduce.core_groups(3, range(4)) == [[0], [1], [2, 3]]
+  assert reproduce.core_groups(3, [0, 1]) is None      # fewer cores
+  assert reproduce.core_groups(1, [0, 1]) is None      # one worker
+  assert reproduce.core_groups(2, None) is None        # OS cannot say
 
 
 def test_a_failed_worker_is_one_error_naming_its_run_and_log(tmp_path):

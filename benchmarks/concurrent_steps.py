@@ -1,0 +1,163 @@
+"""Benchmark: train steps of concurrent processes, pinned to cores or not.
+
+What `reproduce --workers=N` does to a CPU: N processes train at once. Here
+each of --cores processes compiles one train step (batch 10, n = 80, the
+models of benchmarks/train_step.py), then, once all have compiled, all time
+that step back to back over the same wall-clock window; the table gives the steps each process ran
+and their sum. Two modes, alternated over --rounds:
+
+  free     every process may run on every core (each XLA thread pool sized
+           for all of them)
+  pinned   process k on the k-th usable core only (`parallel.pin_to_cores`, what
+           `reproduce --workers` does by default)
+
+  python benchmarks/concurrent_steps.py [--models=ns22,jm] [--cores=2] \
+      [--window=30] [--rounds=1]
+
+Prints a table and saves benchmarks/results/concurrent_steps.json. Other
+jobs on the cores skew it: run it on an otherwise idle machine.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+# Seconds from the last process's "compiled" to the window's start.
+START_DELAY_S = 0.5
+
+
+def child(model, go_path, window, cores, out):
+  """One process: pin (if asked), compile, say so, wait for the window's
+  start (written to `go_path` once every process has compiled), time."""
+  sys.path[:0] = [REPO, HERE]
+  from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+  if cores:
+    parallel.pin_to_cores(parallel.parse_cores(cores))
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import train_step as ts  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import models, train  # pylint: disable=g-import-not-at-top
+  config = ts._config(model, "highest")  # pylint: disable=protected-access
+  module = models.build(config, vocab_size=3)
+  state = train.create_train_state(config, jax.random.key(0), module)
+  batch = train.make_batch(ts._symbols(80))  # pylint: disable=protected-access
+  step = jax.jit(train.train_step)
+  jax.block_until_ready(step(state, batch)[1]["loss"])
+  with open(out + ".ready", "w") as f:
+    f.write("compiled")
+  while not os.path.exists(go_path):
+    time.sleep(0.01)
+  with open(go_path) as f:
+    start_at = float(f.read())
+  while time.time() < start_at:
+    time.sleep(0.001)
+  times = []
+  while time.time() < start_at + window:
+    t = time.perf_counter()
+    jax.block_until_ready(step(state, batch)[1]["loss"])
+    times.append(time.perf_counter() - t)
+  with open(out, "w") as f:
+    json.dump({"steps": len(times), "median_s": float(np.median(times)),
+               "best_s": min(times), "cores": parallel.usable_cores()}, f)
+
+
+def run_mode(model, mode, cores, window, tmp):
+  """Runs `cores` processes at once; their results in process order."""
+  usable = sorted(os.sched_getaffinity(0))
+  go_path = os.path.join(tmp, f"{model}-{mode}.go")
+  procs, outs = [], []
+  for k in range(cores):
+    out = os.path.join(tmp, f"{model}-{mode}-{k}.json")
+    argv = [sys.executable, __file__, "--child", model, go_path,
+            str(window), str(usable[k]) if mode == "pinned" else "", out]
+    procs.append(subprocess.Popen(argv, cwd=REPO))
+    outs.append(out)
+  # The window opens once every process has compiled (compiling on the
+  # cores would skew the first steps of the others).
+  while not all(os.path.exists(o + ".ready") for o in outs):
+    if any(p.poll() not in (None, 0) for p in procs):
+      break
+    time.sleep(0.05)
+  with open(go_path + ".tmp", "w") as f:
+    f.write(repr(time.time() + START_DELAY_S))
+  os.replace(go_path + ".tmp", go_path)
+  for p in procs:
+    if p.wait() != 0:
+      sys.exit(f"error: a {mode} {model} process exited with {p.returncode}")
+  results = []
+  for out in outs:
+    with open(out) as f:
+      results.append(json.load(f))
+  return results
+
+
+def main():
+  if len(sys.argv) > 1 and sys.argv[1] == "--child":
+    model, go_path, window, cores, out = sys.argv[2:7]
+    child(model, go_path, float(window), cores, out)
+    return
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--models", default="ns22,jm")
+  parser.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+  parser.add_argument("--window", type=float, default=30.0)
+  parser.add_argument("--rounds", type=int, default=1)
+  parser.add_argument("--out", default=os.path.join(RESULTS,
+                                                    "concurrent_steps.json"))
+  args = parser.parse_args()
+  if args.cores < 2 or args.window <= 0 or args.rounds < 1:
+    sys.exit("error: --cores must be >= 2, --window > 0, --rounds >= 1")
+  if not hasattr(os, "sched_getaffinity"):
+    sys.exit("error: this OS cannot pin a process to cores")
+  if len(os.sched_getaffinity(0)) < args.cores:
+    sys.exit(f"error: --cores={args.cores} but this process may use "
+             f"{len(os.sched_getaffinity(0))} core(s)")
+  sys.path[:0] = [REPO, HERE]
+  import machine  # pylint: disable=g-import-not-at-top
+  info = machine.machine_info()
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for model in args.models.split(","):
+      for r in range(args.rounds):
+        # Alternate which mode goes first, so drift favours neither.
+        for mode in (("free", "pinned") if r % 2 == 0 else ("pinned", "free")):
+          procs = run_mode(model, mode, args.cores, args.window, tmp)
+          rows.append({"model": model, "mode": mode, "round": r,
+                       "steps": [p["steps"] for p in procs],
+                       "total_steps": sum(p["steps"] for p in procs),
+                       "median_ms": [1e3 * p["median_s"] for p in procs],
+                       "cores": [p["cores"] for p in procs]})
+          print(f"{model} {mode} round {r}: {rows[-1]['steps']} steps",
+                flush=True)
+  summary = {}
+  for model in args.models.split(","):
+    tot = {m: sum(r["total_steps"] for r in rows
+                  if r["model"] == model and r["mode"] == m)
+           for m in ("free", "pinned")}
+    summary[model] = {"free_steps": tot["free"], "pinned_steps": tot["pinned"],
+                      "pinned_over_free": tot["pinned"] / tot["free"]}
+  print(f"\n{args.cores} processes at once, {args.window:g} s window, "
+        f"{machine.device_label(info)}")
+  print(f"{'model':<6} {'free steps':>10} {'pinned steps':>12} {'ratio':>6}")
+  for model, s in summary.items():
+    print(f"{model:<6} {s['free_steps']:>10} {s['pinned_steps']:>12} "
+          f"{s['pinned_over_free']:>5.2f}x")
+  result = {"benchmark": "concurrent_steps", "machine": info,
+            "device": machine.device_label(info),
+            "date": time.strftime("%Y-%m-%d"), "processes": args.cores,
+            "window_s": args.window, "batch": 10, "length": 80,
+            "rows": rows, "summary": summary}
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+  main()
