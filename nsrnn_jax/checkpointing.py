@@ -33,8 +33,10 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 from typing import Any, Mapping, Optional
 
 from absl import logging
@@ -249,18 +251,45 @@ def make_manager(directory: str, keep: int = 2, async_save: bool = True,
                                item_names=("state", "host"))
 
 
+@contextlib.contextmanager
+def interrupts_deferred():
+  """Holds back Ctrl-C (SIGINT) until the block ends, then raises it.
+
+  An interrupt inside Orbax's wait for a save left its finalising thread
+  running into interpreter shutdown (a traceback, exit status 1) and the
+  save unfinished; deferred, the save completes (seconds) first. Only the
+  main thread can take signals; elsewhere this does nothing.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  received = []
+  previous = signal.signal(signal.SIGINT,
+                           lambda signum, frame: received.append(frame))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+    if received:
+      if previous is signal.default_int_handler:
+        raise KeyboardInterrupt
+      if callable(previous):
+        previous(signal.SIGINT, received[-1])
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: PyTree,
          host: dict) -> None:
   """Saves `state` (pytree of arrays) and `host` (JSON-able dict) at `step`.
 
   Returns once the checkpoint is final on disk, so a kill leaves either the
   whole checkpoint or none of it (a partial save is a tmp directory that
-  restore ignores).
+  restore ignores); an interrupt (Ctrl-C) waits for the save to finish.
   """
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),
-               force=True)
-  manager.wait_until_finished()
+  with interrupts_deferred():
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),
+                 force=True)
+    manager.wait_until_finished()
 
 
 def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
@@ -364,9 +393,10 @@ def _check_tree(restored: PyTree, target: PyTree) -> None:
 
 
 def close(manager: ocp.CheckpointManager) -> None:
-  """Waits for pending saves and releases the manager."""
-  manager.wait_until_finished()
-  manager.close()
+  """Waits for pending saves (through Ctrl-C) and releases the manager."""
+  with interrupts_deferred():
+    manager.wait_until_finished()
+    manager.close()
 
 
 def rng_state_to_json(rng_state) -> dict:

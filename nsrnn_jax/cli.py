@@ -107,6 +107,16 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     fail(e)
 
 
+# Exit status of a command stopped by an interrupt (Ctrl-C, SIGINT): 128 + 2.
+INTERRUPTED = 130
+
+
+def interrupted(what: str) -> NoReturn:
+  """One line on stderr for an interrupt (no traceback); exit 130."""
+  print(f"interrupted: {what}", file=sys.stderr)
+  sys.exit(INTERRUPTED)
+
+
 def run(main: Callable[[Sequence[str]], None]) -> None:
   """app.run(main) with the conventions of the module docstring."""
 
@@ -121,5 +131,10 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       if flags.FLAGS.verbosity >= 1:
         raise
       fail(e)
+    except KeyboardInterrupt:
+      if flags.FLAGS.verbosity >= 1:
+        raise
+      interrupted("the workdir keeps its last checkpoint (one per epoch); "
+                  "rerun the same command to resume")
 
   app.run(wrapped, flags_parser=parse_flags)

@@ -1681,6 +1681,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except ValueError as e:  # ReproduceError and config validation errors.
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print("interrupted: every run keeps its last checkpoint (one per epoch); "
+          "rerun the same command to continue", file=sys.stderr)
+    return cli.INTERRUPTED
   return 0 if result["finished"] else 3
 
 

@@ -3,7 +3,9 @@ never deleting, read-only opening, workdir checks."""
 
 import json
 import os
+import signal
 import socket
+import time
 
 import pytest
 
@@ -234,3 +236,38 @@ def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
   with pytest.raises(ValueError, match="on elsewhere"):
     with checkpointing.workdir_lock(workdir):
       pass
+
+
+def test_an_interrupt_is_held_back_to_the_end_of_the_block():
+  ran_on = []
+  with pytest.raises(KeyboardInterrupt):
+    with checkpointing.interrupts_deferred():
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.05)  # Where an undeferred interrupt would strike.
+      ran_on.append(True)
+  assert ran_on == [True]
+  # The handler is back: no interrupt, nothing raised.
+  with checkpointing.interrupts_deferred():
+    pass
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_interrupt_during_a_save_lets_the_save_finish(tmp_path,
+                                                         monkeypatch):
+  # Ctrl-C while Orbax writes: the interrupt comes after the checkpoint is
+  # final, so it restores at once (and nothing is left in flight).
+  manager = checkpointing.make_manager(str(tmp_path), keep=2)
+  wait = manager.wait_until_finished
+
+  def interrupted_wait():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    wait()
+
+  monkeypatch.setattr(manager, "wait_until_finished", interrupted_wait)
+  with pytest.raises(KeyboardInterrupt):
+    checkpointing.save(manager, 4, _state(4.0), {"epoch": 4, "order": [4]})
+  monkeypatch.undo()
+  checkpointing.close(manager)
+  step, state, _ = _restore(str(tmp_path))
+  assert step == 4 and float(state["params"]["w"][0, 0]) == 4.0

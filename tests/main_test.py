@@ -7,8 +7,10 @@ config file loads from any working directory.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -130,3 +132,33 @@ def test_config_file_loads_from_any_working_directory(tmp_path, package_only):
   # The config loaded (and was validated): the override is what fails.
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip() == "error: config.max_epochs must be >= 1 (got 0)"
+
+
+def test_an_interrupt_is_one_line_exit_130_and_resumes(tmp_path):
+  # Ctrl-C during training: no traceback, the last checkpoint kept; the same
+  # command resumes from it.
+  workdir = tmp_path / "run"
+  argv = [sys.executable, "-m", "nsrnn_jax.main", f"--config={QUICK}",
+          f"--workdir={workdir}", "--config.model=lstm",
+          "--config.max_epochs=8", "--config.num_train_batches=20",
+          "--config.num_valid_batches=2", "--config.test_strings_per_length=1"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.time() + 240
+  while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+    assert proc.poll() is None, proc.communicate()[1][-1000:]
+    assert time.time() < deadline
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-1000:]
+  assert "Traceback" not in err
+  assert err.strip().splitlines()[-1] == (
+      "interrupted: the workdir keeps its last checkpoint (one per epoch); "
+      "rerun the same command to resume")
+  again = subprocess.run(argv, cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-1000:]
+  assert "resumed from epoch" in again.stdout + again.stderr

@@ -186,7 +186,9 @@ def _checkpoint_epochs(run_dir):
   return sorted(int(n) for n in os.listdir(ckpt) if n.isdigit())
 
 
-def test_kill_9_loses_at_most_one_epoch(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT],
+                         ids=["kill_9", "interrupt"])
+def test_kill_9_loses_at_most_one_epoch(tmp_path, sig):
   workdir, results = tmp_path / "w", tmp_path / "r"
   flags = TINY_FLAGS + ["--set=max_epochs=8", "--task=marked_reversal",
                         "--models=lstm", "--learning_rates=0.01",
@@ -202,8 +204,14 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path):
       pytest.fail("finished before it could be killed: "
                   + proc.communicate()[1][-500:])
     time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=120)
+  if sig == signal.SIGINT:
+    # Ctrl-C: one line, no traceback, exit 130 (cli.INTERRUPTED).
+    assert proc.returncode == 130, err[-1000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "interrupted: every run keeps its last checkpoint")
   logged = len(metrics.read_text().splitlines())
   saved = _checkpoint_epochs(str(metrics.parent))
   # Each epoch is logged, then checkpointed: a kill loses at most the epoch
