@@ -153,10 +153,7 @@ def main():
             "date": time.strftime("%Y-%m-%d"), "processes": args.cores,
             "window_s": args.window, "batch": 10, "length": 80,
             "rows": rows, "summary": summary}
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"saved {args.out}")
+  machine.save_result(args.out, result)
 
 
 if __name__ == "__main__":

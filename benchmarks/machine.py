@@ -151,3 +151,12 @@ def ns_flop_limit_s(q, s, n, batch, gflops):
   measured matmul rate.
   """
   return 2 * batch * q**3 * s**2 * n**3 / (gflops * 1e9)
+
+
+def save_result(path, result):
+  """Writes a benchmark's result JSON (creating its folder) and says where."""
+  import json  # pylint: disable=g-import-not-at-top
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"saved {path}")

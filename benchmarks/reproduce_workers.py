@@ -27,7 +27,6 @@ Other jobs on the cores skew it: run it on an otherwise idle machine.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -142,10 +141,7 @@ def main():
             "runs": args.runs, "max_epochs": args.max_epochs,
             "cores": args.cores, "warmup_s": warm,
             "speedup_against": rows[0]["mode"], "rows": rows}
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"saved {args.out}")
+  machine.save_result(args.out, result)
 
 
 if __name__ == "__main__":
