@@ -507,15 +507,13 @@ def usable_cores() -> Optional[list[int]]:
 
 def format_cores(cores: Sequence[int]) -> str:
   """Core numbers as ranges, e.g. [0, 1, 2, 5] -> "0-2,5"."""
-  parts, run = [], []
+  runs = []  # [first, last] of each run of consecutive cores.
   for c in sorted(cores):
-    if run and c != run[-1] + 1:
-      parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
-      run = []
-    run.append(c)
-  if run:
-    parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
-  return ",".join(parts)
+    if runs and c == runs[-1][1] + 1:
+      runs[-1][1] = c
+    else:
+      runs.append([c, c])
+  return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def parse_cores(text: str) -> list[int]:
