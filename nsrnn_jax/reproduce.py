@@ -788,8 +788,8 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
         break
       _record_finished(spec, run_dir(spec), results_dir, overrides, hw)
   else:
-    stopped = _run_model_axis(pending(), configs, task_dirs, results_dir,
-                              overrides, hw, budget, progress)
+    stopped = _run_model_axis(pending(), configs, task_dirs, run_dir,
+                              results_dir, overrides, hw, budget, progress)
   left = pending()
   if left and stopped:
     print(f"stopped at the budget ({budget_minutes:g} min): "
@@ -804,8 +804,8 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
           "pending": [label(s) for s in left]}
 
 
-def _run_model_axis(runs, configs, task_dirs, results_dir, overrides, hw,
-                    budget, progress) -> bool:
+def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
+                    overrides, hw, budget, progress) -> bool:
   """Trains each (task, model, m) group's runs at once with grid.run_grid."""
   import jax  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
@@ -834,8 +834,7 @@ def _run_model_axis(runs, configs, task_dirs, results_dir, overrides, hw,
     if not summary.get("finished", True):
       return True
     for spec in specs:
-      _record_finished(spec, os.path.join(task_dirs[task], spec.run_subdir),
-                       results_dir, overrides, hw)
+      _record_finished(spec, run_dir(spec), results_dir, overrides, hw)
   return False
 
 
@@ -1682,9 +1681,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    print("interrupted: every run keeps its last checkpoint (one per epoch); "
-          "rerun the same command to continue", file=sys.stderr)
-    return cli.INTERRUPTED
+    cli.interrupted("every run keeps its last checkpoint (one per epoch); "
+                    "rerun the same command to continue")
   return 0 if result["finished"] else 3
 
 
