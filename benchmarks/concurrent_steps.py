@@ -68,9 +68,9 @@ def child(model, go_path, window, cores, out):
                "best_s": min(times), "cores": parallel.usable_cores()}, f)
 
 
-def run_mode(model, mode, cores, window, tmp):
-  """Runs `cores` processes at once; their results in process order."""
-  usable = sorted(os.sched_getaffinity(0))
+def run_mode(model, mode, usable, cores, window, tmp):
+  """Runs `cores` processes at once (pinned: the k-th on `usable[k]`);
+  their results in process order."""
   go_path = os.path.join(tmp, f"{model}-{mode}.go")
   procs, outs = [], []
   for k in range(cores):
@@ -113,13 +113,15 @@ def main():
   args = parser.parse_args()
   if args.cores < 2 or args.window <= 0 or args.rounds < 1:
     sys.exit("error: --cores must be >= 2, --window > 0, --rounds >= 1")
-  if not hasattr(os, "sched_getaffinity"):
-    sys.exit("error: this OS cannot pin a process to cores")
-  if len(os.sched_getaffinity(0)) < args.cores:
-    sys.exit(f"error: --cores={args.cores} but this process may use "
-             f"{len(os.sched_getaffinity(0))} core(s)")
   sys.path[:0] = [REPO, HERE]
   import machine  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+  usable = parallel.usable_cores()
+  if usable is None:
+    sys.exit("error: this OS cannot pin a process to cores")
+  if len(usable) < args.cores:
+    sys.exit(f"error: --cores={args.cores} but this process may use "
+             f"{len(usable)} core(s)")
   info = machine.machine_info()
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +129,8 @@ def main():
       for r in range(args.rounds):
         # Alternate which mode goes first, so drift favours neither.
         for mode in (("free", "pinned") if r % 2 == 0 else ("pinned", "free")):
-          procs = run_mode(model, mode, args.cores, args.window, tmp)
+          procs = run_mode(model, mode, usable, args.cores, args.window,
+                           tmp)
           rows.append({"model": model, "mode": mode, "round": r,
                        "steps": [p["steps"] for p in procs],
                        "total_steps": sum(p["steps"] for p in procs),
