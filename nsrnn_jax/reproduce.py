@@ -597,20 +597,18 @@ class Progress:
   """Prints which runs are done, running and pending, and the time left."""
 
   def __init__(self, runs: Sequence[RunSpec], results_dir: str,
-               out=sys.stdout, workdir: Optional[str] = None,
+               out=sys.stdout,
                run_dir: Optional[Callable[[RunSpec], str]] = None,
                label: Callable[[RunSpec], str] = lambda s: s.name,
                lanes: int = 1):
     """Runs' directories (where they resume from: their epochs count) are
-    `run_dir(spec)`, or `<workdir>/<spec.run_subdir>`, or unknown (None).
+    `run_dir(spec)`, or unknown (None).
     `lanes` runs train at once (workers), each taking the next pending run
     when it frees up: the time left is that schedule's length."""
     self.lanes = lanes
     self.runs = list(runs)
     self.results_dir = results_dir
     self.out = out
-    if run_dir is None and workdir is not None:
-      run_dir = lambda s: os.path.join(workdir, s.run_subdir)
     self.run_dir = run_dir
     self.label = label
 
@@ -773,11 +771,13 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       if _record_finished(spec, run_dir(spec), results_dir, overrides, hw):
         continue  # Finished earlier, record not yet written.
       if trained:
-        # Every run compiles its own programs (its optimizer is a new
-        # static object) and JAX keeps them all: on the CPU each holds
-        # memory mappings, and a third NS-RNN run in one process hit the
-        # kernel's limit (65,530) and died in LLVM ("Cannot allocate
-        # memory"). The next run compiles its own programs anyway.
+        # Every run compiles its own programs (its train state's static
+        # fields, the model's apply function and the optimizer, are new
+        # objects, so the jitted steps trace again) and JAX keeps them all:
+        # on the CPU each holds memory mappings (a tiny NS-RNN run adds
+        # ~2,100 and takes as long with the caches kept as cleared), and a
+        # third NS-RNN run in one process hit the kernel's limit (65,530)
+        # and died in LLVM ("Cannot allocate memory").
         jax.clear_caches()
       trained = True
       progress.show([spec])

@@ -526,7 +526,8 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
     path = results / spec.record_path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(r))
-  progress = reproduce.Progress([probe], str(results), workdir=str(tmp_path))
+  dir_of = lambda spec: str(tmp_path / spec.run_subdir)
+  progress = reproduce.Progress([probe], str(results), run_dir=dir_of)
   assert progress.line([probe]).endswith(
       "estimated time left " + reproduce._fmt_duration(77.5 / 5 * 3))
   # With workers, the length of their schedule: each takes the next run when
@@ -534,12 +535,12 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
   # one lane runs 46.5 + 77.5, the other 77.5.
   fresh = [reproduce.RunSpec("dyck", "ns", 0.005, None, r) for r in (2, 3)]
   two = reproduce.Progress([probe] + fresh, str(results),
-                           workdir=str(tmp_path), lanes=2)
+                           run_dir=dir_of, lanes=2)
   assert two.line([probe]).endswith(
       "estimated time left " + reproduce._fmt_duration(77.5 / 5 * 3 + 77.5)
       + " (2 runs at a time)")
   three = reproduce.Progress([probe] + fresh, str(results),
-                             workdir=str(tmp_path), lanes=3)
+                             run_dir=dir_of, lanes=3)
   assert three.line([probe]).endswith(reproduce._fmt_duration(77.5)
                                       + " (3 runs at a time)")
 
