@@ -754,25 +754,37 @@ REPRODUCE_WORKERS_FILES = ("reproduce_workers_5epochs.json",
                            "reproduce_workers_pinning.json")
 
 
+def _table_over_files(files, header, rows_of):
+  """A Markdown table's lines: `header`, then `rows_of(name, data)` for each
+  of `files` committed (in that order); [] when none is."""
+  out = []
+  for name in files:
+    d = _load(name)
+    if d is not None:
+      out += (header if not out else []) + rows_of(name, d)
+  return out
+
+
 def reproduce_workers_block():
   """How `reproduce` spends a CPU's cores (benchmarks/reproduce_workers.py)."""
-  out = []
-  for name in REPRODUCE_WORKERS_FILES:
-    d = _load(name)
-    if d is None:
-      continue
-    if not out:
-      out += ["| file | runs | mode | flags | wall s | runs / hour | "
-              "vs the file's first row |", "|---|---|---|---|---|---|---|"]
+
+  def rows_of(name, d):
+    rows = []
     for r in d["rows"]:
       # Files written before --modes call the speed-up after its baseline.
       speedup = r.get("speedup", r.get("speedup_vs_sequential"))
       mode = r["mode"]
       if mode == "workers" and "speedup_against" not in d:
         mode += " (unpinned: measured before workers were pinned)"
-      out.append(f"| `{name}` | {d['runs']} × {d['max_epochs']} epoch(s) | "
-                 f"{mode} | `{r['flags']}` | {r['wall_s']:.1f} | "
-                 f"{r['runs_per_hour']:.1f} | {speedup:.2f}× |")
+      rows.append(f"| `{name}` | {d['runs']} × {d['max_epochs']} epoch(s) | "
+                  f"{mode} | `{r['flags']}` | {r['wall_s']:.1f} | "
+                  f"{r['runs_per_hour']:.1f} | {speedup:.2f}× |")
+    return rows
+
+  out = _table_over_files(
+      REPRODUCE_WORKERS_FILES,
+      ["| file | runs | mode | flags | wall s | runs / hour | "
+       "vs the file's first row |", "|---|---|---|---|---|---|---|"], rows_of)
   if not out:
     return "No reproduce_workers results yet.\n"
   d = (_load("reproduce_workers_5epochs.json")
@@ -788,24 +800,25 @@ CONCURRENT_STEPS_FILES = ("concurrent_steps.json", "concurrent_steps_ns33.json")
 
 def concurrent_steps_block():
   """Concurrent processes pinned or not (benchmarks/concurrent_steps.py)."""
-  out = []
-  for name in CONCURRENT_STEPS_FILES:
-    d = _load(name)
-    if d is None:
-      continue
-    if not out:
-      out += ["| file | model | rounds | steps, free | steps, pinned | "
-              "pinned / free | steps per process and round (free; pinned) |",
-              "|---|---|---|---|---|---|---|"]
+
+  def rows_of(name, d):
+    rows = []
     for model, summ in d["summary"].items():
-      rows = [r for r in d["rows"] if r["model"] == model]
+      runs = [r for r in d["rows"] if r["model"] == model]
       per = lambda mode: ", ".join(  # pylint: disable=cell-var-from-loop
-          "/".join(str(x) for x in r["steps"]) for r in rows
+          "/".join(str(x) for x in r["steps"]) for r in runs
           if r["mode"] == mode)
-      out.append(f"| `{name}` | {MODEL_LABELS.get(model, model)} | "
-                 f"{len({r['round'] for r in rows})} | {summ['free_steps']} | "
-                 f"{summ['pinned_steps']} | {summ['pinned_over_free']:.2f}× | "
-                 f"{per('free')}; {per('pinned')} |")
+      rows.append(f"| `{name}` | {MODEL_LABELS.get(model, model)} | "
+                  f"{len({r['round'] for r in runs})} | {summ['free_steps']} | "
+                  f"{summ['pinned_steps']} | {summ['pinned_over_free']:.2f}× | "
+                  f"{per('free')}; {per('pinned')} |")
+    return rows
+
+  out = _table_over_files(
+      CONCURRENT_STEPS_FILES,
+      ["| file | model | rounds | steps, free | steps, pinned | "
+       "pinned / free | steps per process and round (free; pinned) |",
+       "|---|---|---|---|---|---|---|"], rows_of)
   if not out:
     return "No concurrent_steps results yet.\n"
   d = _load(CONCURRENT_STEPS_FILES[0]) or _load(CONCURRENT_STEPS_FILES[1])
