@@ -597,12 +597,11 @@ class Progress:
   """Prints which runs are done, running and pending, and the time left."""
 
   def __init__(self, runs: Sequence[RunSpec], results_dir: str,
-               out=sys.stdout,
-               run_dir: Optional[Callable[[RunSpec], str]] = None,
+               run_dir: Callable[[RunSpec], str], out=sys.stdout,
                label: Callable[[RunSpec], str] = lambda s: s.name,
                lanes: int = 1):
     """Runs' directories (where they resume from: their epochs count) are
-    `run_dir(spec)`, or unknown (None).
+    `run_dir(spec)`.
     `lanes` runs train at once (workers), each taking the next pending run
     when it frees up: the time left is that schedule's length."""
     self.lanes = lanes
@@ -623,7 +622,7 @@ class Progress:
     records = load_records(self.results_dir)
     free_at = [0.0] * self.lanes  # When each lane finishes its runs so far.
     for s in running + pending:
-      done_epochs = epochs_logged(self.run_dir(s)) if self.run_dir else 0
+      done_epochs = epochs_logged(self.run_dir(s))
       est = estimate_seconds(s, records, done_epochs)
       if est is None:
         free_at = None
@@ -744,7 +743,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
         f"({', '.join(m for m in MODELS if m in models)}); execution: {mode} "
         f"({why})", file=out, flush=True)
   budget = Budget(budget_minutes)
-  progress = Progress(runs, results_dir, out, run_dir=run_dir, label=label,
+  progress = Progress(runs, results_dir, run_dir, out, label=label,
                       lanes=workers if mode == "sequential" else 1)
   hw = hardware()
   train_fn = train.train_and_evaluate if train_fn is None else train_fn
