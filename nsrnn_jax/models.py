@@ -685,11 +685,27 @@ class GrefLM(_VectorStackLM):
                'strengths': strengths, 'readings': readings}
 
 
-def _pda_action_layer(lm) -> AffineParams:
-  """The action layer of an NS / RNS stack: h -> push, repl, pop logits."""
-  q, s = lm.num_states, lm.num_stack_symbols
-  return AffineParams(lm.hidden_size, q * s * (2 * q * s + q), uniform_init(),
-                      uniform_init(), dtype=lm.dtype)
+class PDAStackLM(LanguageModel):
+  """Base of the models whose stack is driven by a PDA's actions (NS, RNS, VRNS).
+
+  Holds the PDA's size and its action layer h -> push, repl, pop logits
+  (Q·S·(2·Q·S + Q) outputs, U[-0.1, 0.1] init as the authors'); subclasses
+  add the reading and the recurrence, and extend ``_stack_params`` and
+  ``setup`` for parameters of their own.
+  """
+
+  num_states: int = 2
+  num_stack_symbols: int = 2
+
+  def _stack_params(self):
+    return {'action': self.action()}
+
+  def setup(self):
+    super().setup()
+    q, s = self.num_states, self.num_stack_symbols
+    self.action = AffineParams(self.hidden_size, q * s * (2 * q * s + q),
+                               uniform_init(), uniform_init(),
+                               dtype=self.dtype)
 
 
 def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
@@ -777,7 +793,7 @@ def stack_batch_chunk(requested: int, batch: int, steps: int,
   return max(d for d in range(1, batch + 1) if batch % d == 0 and d <= limit)
 
 
-class NSLM(LanguageModel):
+class NSLM(PDAStackLM):
   """LSTM + nondeterministic stack (Lang's algorithm).
 
   ``table`` picks the dynamic program (``NS_TABLES``): 'shares'
@@ -791,20 +807,11 @@ class NSLM(LanguageModel):
   log total weight after each update, as returned by ``ns_stack``).
   """
 
-  num_states: int = 2
-  num_stack_symbols: int = 2
   table: str = DEFAULT_NS_TABLE
   batch_chunk: int = 0
 
   def _reading_size(self) -> int:
     return self.num_stack_symbols
-
-  def _stack_params(self):
-    return {'action': self.action()}
-
-  def setup(self):
-    super().setup()
-    self.action = _pda_action_layer(self)
 
   def _no_step_internals(self, batch):
     q, s, dt = self.num_states, self.num_stack_symbols, self.dtype
@@ -839,7 +846,7 @@ class NSLM(LanguageModel):
                      'log_mass': log_mass}
 
 
-class RNSLM(LanguageModel):
+class RNSLM(PDAStackLM):
   """LSTM + the generalised nondeterministic stack (RNS-RNN and variants).
 
   rns-vrns-reference.md sections 1-2: ``normalize=False`` and
@@ -855,7 +862,6 @@ class RNSLM(LanguageModel):
   (r, y)) and ``log_mass`` [B, N].
   """
 
-  num_states: int = 2
   num_stack_symbols: int = 3
   normalize: bool = False
   reading: str = rns_stack.STATE
@@ -866,13 +872,6 @@ class RNSLM(LanguageModel):
   def _reading_size(self) -> int:
     q, s = self.num_states, self.num_stack_symbols
     return q * s if self.reading == rns_stack.STATE else s
-
-  def _stack_params(self):
-    return {'action': self.action()}
-
-  def setup(self):
-    super().setup()
-    self.action = _pda_action_layer(self)
 
   def _no_step_internals(self, batch):
     q, s, dt = self.num_states, self.num_stack_symbols, self.dtype

@@ -68,7 +68,7 @@ def log_bottom_vector(params, kind: str, size: int, dtype):
   return jnp.full((size,), -jnp.inf, dtype)
 
 
-class VRNSLM(models.LanguageModel):
+class VRNSLM(models.PDAStackLM):
   """LSTM + vector nondeterministic stack (`vrns_stack`).
 
   `trace` adds `actions` (weights exp(log-weight): `push`, `repl` [B, T, Q,
@@ -78,7 +78,6 @@ class VRNSLM(models.LanguageModel):
   (v_⊥, the same for every string; batch-major like every trace entry).
   """
 
-  num_states: int = 2
   num_stack_symbols: int = 3
   stack_vector_size: int = 3
   stack_bottom_vector: str = 'learned'
@@ -88,17 +87,13 @@ class VRNSLM(models.LanguageModel):
     return self.num_states * self.num_stack_symbols * self.stack_vector_size
 
   def _stack_params(self):
-    out = {'action': self.action(), 'push_vector': self.push_vector()}
+    out = {**super()._stack_params(), 'push_vector': self.push_vector()}
     if self.stack_bottom_vector == 'learned':
       out['bottom_vector'] = self.bottom_vector
     return out
 
   def setup(self):
-    super().setup()
-    q, s = self.num_states, self.num_stack_symbols
-    self.action = models.AffineParams(
-        self.hidden_size, q * s * (2 * q * s + q), models.uniform_init(),
-        models.uniform_init(), dtype=self.dtype)
+    super().setup()  # Controller, output and the PDA's action layer.
     self.push_vector = models.AffineParams(
         self.hidden_size, self.stack_vector_size, models.uniform_init(),
         models.uniform_init(), dtype=self.dtype)
