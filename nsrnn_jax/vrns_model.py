@@ -31,11 +31,16 @@ from nsrnn_jax import vrns_stack
 BOTTOM_VECTORS = ("learned", "one", "zero")
 
 
-def vrns_action_log_weights(action_params, h_BxH, num_states, num_symbols):
-  """Unnormalised log-weights (push, repl, pop) from the hidden state."""
+def vrns_action_log_weights(action_params, h_BxH, num_states, num_symbols,
+                            precision: str = 'highest'):
+  """Unnormalised log-weights (push, repl, pop) from the hidden state.
+
+  precision: matmul precision name of the action layer
+  (``ns_stack.MATMUL_PRECISIONS``).
+  """
   q, s = num_states, num_symbols
-  logits = models.affine(action_params, h_BxH).reshape(-1, q * s,
-                                                       2 * q * s + q)
+  logits = models.affine(action_params, h_BxH, precision).reshape(
+      -1, q * s, 2 * q * s + q)
   b = logits.shape[0]
   push = logits[..., :q * s].reshape(b, q, s, q, s)
   repl = logits[..., q * s:2 * q * s].reshape(b, q, s, q, s)
@@ -44,18 +49,24 @@ def vrns_action_log_weights(action_params, h_BxH, num_states, num_symbols):
 
 
 def vrns_controller_step(params, carry, x_B, reading_BxR, *, vocab_size,
-                         num_states, num_symbols):
+                         num_states, num_symbols, precision='highest'):
   """`step_fn` of `vrns_stack.run_coupled` (pure; params passed in).
+
+  precision: matmul precision name of the LSTM, action and push-vector
+  layers (``ns_stack.MATMUL_PRECISIONS``).
 
   Returns:
     (carry_t, (push, repl, pop, log_vector), h_t).
   """
   x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxR.dtype)
   carry, h_BxH = models.lstm_step(
-      params['controller'], carry, jnp.concatenate([x_BxV, reading_BxR], -1))
+      params['controller'], carry, jnp.concatenate([x_BxV, reading_BxR], -1),
+      precision)
   push, repl, pop = vrns_action_log_weights(params['action'], h_BxH,
-                                            num_states, num_symbols)
-  log_vec = jax.nn.log_sigmoid(models.affine(params['push_vector'], h_BxH))
+                                            num_states, num_symbols,
+                                            precision)
+  log_vec = jax.nn.log_sigmoid(
+      models.affine(params['push_vector'], h_BxH, precision))
   return carry, (push, repl, pop, log_vec), h_BxH
 
 
@@ -129,7 +140,8 @@ class VRNSLM(models.PDAStackLM):
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
     step_fn = functools.partial(
         vrns_controller_step, vocab_size=self.vocab_size,
-        num_states=self.num_states, num_symbols=self.num_stack_symbols)
+        num_states=self.num_states, num_symbols=self.num_stack_symbols,
+        precision=self.matmul_precision)
     step_params = {'controller': params['controller'],
                    'action': params['action'],
                    'push_vector': params['push_vector']}
@@ -142,9 +154,11 @@ class VRNSLM(models.PDAStackLM):
     push, repl, pop = jax.vmap(
         lambda h: vrns_action_log_weights(params['action'], h,
                                           self.num_states,
-                                          self.num_stack_symbols),
+                                          self.num_stack_symbols,
+                                          self.matmul_precision),
         in_axes=1, out_axes=1)(h_BxTxH)
-    vectors = jax.nn.sigmoid(models.affine(params['push_vector'], h_BxTxH))
+    vectors = jax.nn.sigmoid(models.affine(
+        params['push_vector'], h_BxTxH, self.matmul_precision))
     return h_BxTxH, {
         'actions': {'push': jnp.exp(push), 'repl': jnp.exp(repl),
                     'pop': jnp.exp(pop)},

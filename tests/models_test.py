@@ -837,12 +837,6 @@ def test_jit_matches_eager():
 # ---------------------------------------------------------------------------
 
 
-# Models whose stack (and controller) ignore a lower matmul_precision: they
-# keep parts at 'highest' (the vector stack of issue 13): the default
-# case is checked for them, a lower setting is not honoured everywhere yet.
-_ALWAYS_HIGHEST = ('vrns',)
-
-
 def _dot_precisions(text):
   """The precision attribute of every stablehlo.dot_general in `text`."""
   out = []
@@ -861,9 +855,6 @@ def test_every_matmul_of_the_gradient_carries_the_precision(
   # Under a reduced global default (what GPUs / TPUs use), the model's own
   # setting decides every contraction: LSTM, stack, action / output layers,
   # forward and backward (including ns_stack's custom VJP).
-  if name in _ALWAYS_HIGHEST and precision != 'highest':
-    pytest.skip(f'{name}: a lower matmul_precision is not honoured everywhere '
-                '(parts stay at highest)')
   kwargs = {} if precision == 'highest' else {'matmul_precision': precision}
   _assert_gradient_precision(models.get(name, _VOCAB, **kwargs), attr)
 
