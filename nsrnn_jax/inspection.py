@@ -29,6 +29,13 @@ and pop(r). Two views are returned by `action_probabilities`:
     on the traced action probabilities, with the frozen-bottom semantics of
     reference-behaviour.md section 1.5 (so w_1 is one-hot on (0, bottom)).
 
+The RNS- and VRNS-RNN's action weights are unnormalised, so they propose no
+probabilities; `run_action_shares` gives the same two views for them as
+shares: per row, each operation's share of the weight from (q, x); marginal,
+the share of Σα_t of the runs whose update t is the operation (exact under
+either bottom and the memory-limited window). Their Viterbi run is the
+highest-weight run, and its table prints weights (`ViterbiRun.probabilities`).
+
 True next-symbol distribution. The length-conditioned sampler draws w with
 probability G(w) / G(n) among strings of length n, so the exact conditional
 is
@@ -57,6 +64,7 @@ Public API: `inspect_string` (everything for one string, as an
 `Inspection`), `plot_actions`, `plot_readings`, `plot_next_symbol`, and the
 pieces `trace`, `action_probabilities`, `stack_posteriors`, `viterbi_run`,
 `rns_viterbi_run` (RNS-RNN: unnormalised weights, either bottom, window),
+`run_action_shares` (RNS- and VRNS-RNN actions),
 `vector_stack_view`, `vrns_viterbi_run`, `plot_vector_readings` (VRNS-RNN),
 `true_next_symbol_distribution`, `task_grammar`, `tiny_training_config`.
 """
@@ -268,14 +276,26 @@ class StackOp:
 
 @dataclasses.dataclass(frozen=True)
 class ViterbiRun:
-  """The most probable PDA run for one string.
+  """The most probable (highest-weight) PDA run for one string.
 
   Attributes:
-    log_prob: ln of the run's probability (sum of the ops' log_weight).
+    log_prob: ln of the run's probability (sum of the ops' log_weight); a
+      log-weight when the actions are unnormalised (RNS- and VRNS-RNN).
     ops: one StackOp per update t = 1..T, in order.
+    probabilities: every (update, state, top) row of the actions the run
+      was decoded from sums to 1, so weights are probabilities; False for
+      unnormalised actions (the text views then say "weight").
   """
   log_prob: float
   ops: tuple[StackOp, ...]
+  probabilities: bool = True
+
+  def summary(self) -> str:
+    """One line: the run's probability (or weight, for unnormalised actions)."""
+    if self.probabilities:
+      return f"run probability {np.exp(self.log_prob):.4g}"
+    return (f"run weight {np.exp(self.log_prob):.4g} (unnormalised action "
+            "weights: a product of weights, not a probability)")
 
   def table(self, input_symbols: Sequence[str] | None = None,
             stack_names: Sequence[str] | None = None) -> str:
@@ -290,7 +310,8 @@ class ViterbiRun:
       if stack_names is not None:
         return str(stack_names[y])
       return "⊥" if y == 0 else str(y)
-    lines = [f"{'t':>3}  {'read':<4} {'operation':<22} {'p':>7}  stack "
+    weight = "p" if self.probabilities else "weight"
+    lines = [f"{'t':>3}  {'read':<4} {'operation':<22} {weight:>7}  stack "
              "(bottom → top)"]
     for op in self.ops:
       if op.op == "pop":
@@ -327,8 +348,13 @@ def _viterbi_run(actions, stacks, log_push, log_repl, log_pop) -> ViterbiRun:
     ops.append(StackOp(int(j), kind, int(q), int(x), int(r),
                        None if symbol is None else int(symbol),
                        float(log_weight), tuple(int(a) for a in stacks[j])))
+  # Probabilities iff every row of the actions sums to 1 (NS-RNN, or an
+  # RNS-RNN with stack_normalize).
+  row_totals = (np.exp(log_push).sum(axis=(3, 4))
+                + np.exp(log_repl).sum(axis=(3, 4)) + np.exp(log_pop).sum(3))
   # Re-total in float64 (the stacks may run in float32).
-  return ViterbiRun(float(sum(op.log_weight for op in ops)), tuple(ops))
+  return ViterbiRun(float(sum(op.log_weight for op in ops)), tuple(ops),
+                    bool(np.all(np.abs(row_totals - 1) < 1e-4)))
 
 
 def viterbi_run(push, repl, pop) -> ViterbiRun:
@@ -362,6 +388,22 @@ def viterbi_run(push, repl, pop) -> ViterbiRun:
   return _viterbi_run(actions, stacks, log_push, log_repl, log_pop)
 
 
+def _check_log_actions(log_push, log_repl, log_pop):
+  """One string's action log-weights as float64, shapes checked."""
+  log_push, log_repl, log_pop = (np.asarray(a, np.float64)
+                                 for a in (log_push, log_repl, log_pop))
+  if log_push.ndim != 5:
+    raise ValueError(f"log_push must be [T, Q, S, Q, S] (one string), got "
+                     f"shape {log_push.shape}.")
+  num_t, q, s = log_push.shape[:3]
+  if log_repl.shape != log_push.shape or log_pop.shape != (num_t, q, s, q):
+    raise ValueError(f"action shapes do not agree: log_repl / log_pop must "
+                     f"be [T, Q, S, Q, S] / [T, Q, S, Q] = {log_push.shape} "
+                     f"/ {(num_t, q, s, q)}, got {log_repl.shape} / "
+                     f"{log_pop.shape}.")
+  return log_push, log_repl, log_pop
+
+
 def rns_viterbi_run(log_push, log_repl, log_pop, bottom: str = "fixed",
                     window: int | None = None) -> ViterbiRun:
   """The highest-weight PDA run of one string for the RNS-RNN (model 'rns').
@@ -388,11 +430,8 @@ def rns_viterbi_run(log_push, log_repl, log_pop, bottom: str = "fixed",
     ValueError: for malformed weights, or if no run has finite weight.
   """
   from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
-  log_push, log_repl, log_pop = (np.asarray(a, np.float64)
-                                 for a in (log_push, log_repl, log_pop))
-  if log_push.ndim != 5:
-    raise ValueError(f"log_push must be [T, Q, S, Q, S] (one string), got "
-                     f"shape {log_push.shape}.")
+  log_push, log_repl, log_pop = _check_log_actions(log_push, log_repl,
+                                                   log_pop)
   num_t = log_push.shape[0]
   if num_t == 0:
     return ViterbiRun(0.0, ())
@@ -411,16 +450,9 @@ def rns_viterbi_run(log_push, log_repl, log_pop, bottom: str = "fixed",
 
 def _check_vector_inputs(log_push, log_repl, log_pop, push_vectors,
                          bottom_vector):
-  log_push, log_repl, log_pop = (np.asarray(a, np.float64)
-                                 for a in (log_push, log_repl, log_pop))
-  if log_push.ndim != 5:
-    raise ValueError(f"log_push must be [T, Q, S, Q, S] (one string), got "
-                     f"shape {log_push.shape}.")
-  num_t, q, s = log_push.shape[:3]
-  if log_repl.shape != log_push.shape or log_pop.shape != (num_t, q, s, q):
-    raise ValueError(f"log_repl / log_pop must be [T, Q, S, Q, S] / [T, Q, "
-                     f"S, Q] = {log_push.shape} / {(num_t, q, s, q)}, got "
-                     f"{log_repl.shape} / {log_pop.shape}.")
+  log_push, log_repl, log_pop = _check_log_actions(log_push, log_repl,
+                                                   log_pop)
+  num_t = log_push.shape[0]
   vectors = np.asarray(push_vectors, np.float64)
   bottom = np.asarray(bottom_vector, np.float64)
   if bottom.ndim != 1 or vectors.shape != (num_t, bottom.shape[0]):
@@ -467,42 +499,101 @@ def vector_stack_view(log_push, log_repl, log_pop, push_vectors,
   from nsrnn_jax import vrns_stack  # pylint: disable=g-import-not-at-top
   log_push, log_repl, log_pop, vectors, bottom = _check_vector_inputs(
       log_push, log_repl, log_pop, push_vectors, bottom_vector)
-  num_t, q, s = log_push.shape[:3]
   with np.errstate(divide="ignore"):
     log_v, log_b = np.log(vectors), np.log(bottom)
   with jax.enable_x64(True):
     rho, log_mass = vrns_stack.run(
         log_push[None], log_repl[None], log_pop[None], log_v[None], log_b,
         broadcast_bottom=bool(broadcast_bottom))
-    log_alpha_hat, log_mass_rns = rns_stack.run(
-        log_push[None], log_repl[None], log_pop[None], "fixed")
-    rho, log_mass, log_alpha_hat, log_mass_rns = (
-        np.asarray(a, np.float64)[0]
-        for a in (rho, log_mass, log_alpha_hat, log_mass_rns))
+    log_alpha_hat = rns_stack.run(
+        log_push[None], log_repl[None], log_pop[None], "fixed")[0]
+    rho, log_mass, log_alpha_hat = (np.asarray(a, np.float64)[0]
+                                    for a in (rho, log_mass, log_alpha_hat))
+  # The scalar part is the RNS stack's with the fixed bottom.
+  shares = run_action_shares(log_push, log_repl, log_pop, "fixed")
   state_top = np.exp(log_alpha_hat)
-  # Local shares of push / replace / pop per (q, x).
+  return {"state_top_T1xQxS": state_top, "readings_T1xQxSxM": rho,
+          "expected_top_T1xM": rho.sum(axis=(1, 2)), "log_mass_T1": log_mass,
+          **shares}
+
+
+def run_action_shares(log_push, log_repl, log_pop, bottom: str = "fixed",
+                      window: int | None = None) -> dict[str, np.ndarray]:
+  """What the RNS-RNN's (or VRNS-RNN's) PDA does at each update, exactly.
+
+  For unnormalised action weights the controller gives no "probability of
+  push"; two views are:
+
+  * per row: `rows_TxQxSx3` [t − 1, q, x, op] = the share of op in {push,
+    replace, pop} in the total action weight from configuration (q, x) at
+    update t, summed over the target (r, y): what the controller proposes.
+    Each row sums to 1 (rows whose weights are all zero: 0).
+  * marginal: `marginal_3xT` [op, t − 1] = the share, in Σα_t (the weight
+    of all runs of t updates), of the runs whose update t is op: what the
+    stack does under its own semantics. Each column sums to 1 (0 once every
+    run died).
+
+  Computed in float64. Without a window, push and replace act on the top of
+  every run of t − 1 updates, so their shares are Σ_{q,x} α_{t−1}[q, x]
+  times the row's push (replace) weight, over Σα_t (the frozen bottom
+  allows no replace of ⊥ at update 1), and pop is the rest. With a window
+  D a replaced top can fall out of the window, so each update's shares come
+  from Lang's algorithm itself (`limited_stack.run`): Σα_t with update t
+  restricted to one operation (the others −inf), over Σα_t; one run of the
+  algorithm per update.
+
+  Args:
+    log_push, log_repl, log_pop: one string's action log-weights [T, Q, S,
+      Q, S], [T, Q, S, Q, S], [T, Q, S, Q] (a trace's `action_log_weights`;
+      −inf allowed).
+    bottom: "fixed" (ICLR 2023) or "frozen" (CoNLL 2020 / ICLR 2022).
+    window: None (unlimited) or D >= 1 (the memory-limited stack).
+
+  Returns:
+    {"rows_TxQxSx3", "marginal_3xT"} as float64 arrays.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  log_push, log_repl, log_pop = _check_log_actions(log_push, log_repl,
+                                                   log_pop)
+  num_t, q, s = log_push.shape[:3]
   per_op = np.stack([_logsumexp(log_push.reshape(num_t, q, s, -1), -1),
                      _logsumexp(log_repl.reshape(num_t, q, s, -1), -1),
                      _logsumexp(log_pop, -1)], -1)          # [T, Q, S, 3]
   total = _logsumexp(per_op, -1)[..., None]
   with np.errstate(invalid="ignore"):
     rows = np.where(np.isfinite(total), np.exp(per_op - total), 0.0)
-  # Posterior of update t's operation: push and replace act on the top of
-  # every run of t − 1 updates (weights α_{t−1}), pop is the rest of Σα_t.
   marginal = np.zeros((3, num_t))
+  with jax.enable_x64(True):
+    if window:
+      def log_mass(push, repl, pop):  # log Σα_j, j = 1..T: [B, T]
+        return np.asarray(limited_stack.run(push, repl, pop, int(window),
+                                            bottom)[1])
+      full = log_mass(log_push[None], log_repl[None], log_pop[None])[0]
+      for t in np.flatnonzero(np.isfinite(full)):
+        # Element op keeps only op's weights at update t.
+        push, repl, pop = (np.repeat(a[None], 3, axis=0)
+                           for a in (log_push, log_repl, log_pop))
+        push[[1, 2], t], repl[[0, 2], t], pop[[0, 1], t] = (-np.inf,) * 3
+        marginal[:, t] = np.exp(log_mass(push, repl, pop)[:, t] - full[t])
+      return {"rows_TxQxSx3": rows, "marginal_3xT": marginal}
+    log_alpha_hat, log_mass = (np.asarray(a, np.float64)[0] for a in
+                               rns_stack.run(log_push[None], log_repl[None],
+                                             log_pop[None], bottom))
   for t in range(1, num_t + 1):
-    shift = log_mass_rns[t - 1] - log_mass_rns[t]
+    shift = log_mass[t - 1] - log_mass[t]
     if not np.isfinite(shift):
-      continue
-    w = state_top[t - 1]
+      continue  # every run died: no share
+    w = np.exp(log_alpha_hat[t - 1])
     for op in (0, 1):
+      if op == 1 and t == 1 and bottom == rns_stack.FROZEN:
+        continue  # ⊥ alone on the stack: the frozen bottom is never replaced
       marginal[op, t - 1] = np.sum(w * np.exp(per_op[t - 1, :, :, op]
                                               + shift))
     marginal[2, t - 1] = max(0.0, 1.0 - marginal[0, t - 1]
                              - marginal[1, t - 1])
-  return {"state_top_T1xQxS": state_top, "readings_T1xQxSxM": rho,
-          "expected_top_T1xM": rho.sum(axis=(1, 2)), "log_mass_T1": log_mass,
-          "rows_TxQxSx3": rows, "marginal_3xT": marginal}
+  return {"rows_TxQxSx3": rows, "marginal_3xT": marginal}
 
 
 def vrns_viterbi_run(log_push, log_repl, log_pop, push_vectors,
@@ -626,9 +717,15 @@ class Inspection:
     alphabet: symbol strings (index = id), or None.
     model_probs_NxV: row t = the model's p(w_{t+1} | w_1..w_t).
     true_probs_NxV: the sampler's exact p(w_{t+1} | w_1..w_t, N), or None.
-    readings_SxN: tau_0..tau_{N-1} as traced by the model (NS-RNN only).
-    actions: `action_probabilities` output (NS-RNN only).
-    viterbi: the most probable PDA run (NS-RNN and RNS-RNN).
+    readings_SxN: tau_0..tau_{N-1}, the distribution of the stack top
+      (NS-RNN: as traced; RNS- and VRNS-RNN: the marginal of their (state,
+      top) distribution).
+    actions: the stack's actions per update, `rows_TxQxSx3` and
+      `marginal_3xT`: `action_probabilities` (NS-RNN: the proposal under
+      the posterior of (q, x)) or `run_action_shares` (RNS- and VRNS-RNN:
+      the share of the runs of t updates whose update t is the operation).
+    viterbi: the most probable (highest-weight) PDA run (NS-, RNS- and
+      VRNS-RNN).
     state_readings_QSxN: the RNS-RNN's readings over (state r, top y), row
       r * S + y (model 'rns' only; readings_SxN then holds their marginal
       over the top symbol). For model 'vrns': the distribution of (state,
@@ -793,6 +890,9 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
     state_readings = np.asarray(traced["state_readings"]).T
     readings_SxN = state_readings.reshape(q, s, -1).sum(axis=0)
     if len(symbols_N) > 1:
+      actions = run_action_shares(acts["push"], acts["repl"], acts["pop"],
+                                  bottom=model.bottom,
+                                  window=int(model.window) or None)
       viterbi = rns_viterbi_run(acts["push"], acts["repl"], acts["pop"],
                                 bottom=model.bottom,
                                 window=int(model.window) or None)
@@ -830,15 +930,18 @@ def _heatmap(fig, ax, values, row_labels, col_labels, title, vmax=1.0):
 
 
 def plot_actions(insp: Inspection) -> matplotlib.figure.Figure:
-  """Heatmaps of push/replace/pop probabilities per update.
+  """Heatmaps of push/replace/pop per update (`Inspection.actions`).
 
-  Top: the posterior-weighted marginal (3 x T). Bottom: one row per
-  (state q, top x, operation). Column t - 1 is update t, labelled with the
+  Top: the marginal (3 x T): for the NS-RNN the actions' probabilities
+  weighted by the posterior of (q, x); for the RNS- and VRNS-RNN the share
+  of the runs of t updates whose update t is the operation. Bottom: one row
+  per (state q, top x, operation), the operation's share of the action
+  weight from (q, x). Column t - 1 is update t, labelled with the
   input symbol w_t that the controller had just read.
   """
   if insp.actions is None:
-    raise ValueError("no stack actions: inspect an NS-RNN on a string of "
-                     "length >= 2.")
+    raise ValueError("no stack actions: inspect an NS-, RNS- or VRNS-RNN "
+                     "on a string of length >= 2.")
   rows_TxQxSx3 = insp.actions["rows_TxQxSx3"]
   num_t, q, s, _ = rows_TxQxSx3.shape
   cols = [f"{t + 1}:{a}" for t, a in enumerate(insp.symbol_names()[:num_t])]
@@ -847,7 +950,9 @@ def plot_actions(insp: Inspection) -> matplotlib.figure.Figure:
       layout="constrained")
   ax_top, ax_rows = fig.subplots(2, 1, height_ratios=[3, 3 * q * s])
   _heatmap(fig, ax_top, insp.actions["marginal_3xT"], list(OPS), cols,
-           "actions, weighted by the stack posterior of (q, x)")
+           "actions, weighted by the stack posterior of (q, x)"
+           if insp.state_readings_QSxN is None else
+           "share of the runs whose update t is the operation")
   labels = [f"q{qq},{_stack_symbol_name(x)} {op}" for qq in range(q)
             for x in range(s) for op in OPS]
   _heatmap(fig, ax_rows,

@@ -329,7 +329,9 @@ def test_inspect_string_agrees_with_model_and_ns_stack(ns_model):
                              insp.actions["readings_T1xS"], atol=2e-5)
   assert insp.readings_SxN.shape == (2, 9)
   np.testing.assert_allclose(insp.readings_SxN[:, 0], [1.0, 0.0])
-  assert len(insp.viterbi.ops) == 8
+  assert len(insp.viterbi.ops) == 8 and insp.viterbi.probabilities
+  assert insp.viterbi.summary() == (
+      f"run probability {np.exp(insp.viterbi.log_prob):.4g}")
   np.testing.assert_allclose(insp.true_probs_NxV[4], [0.0, 0.0, 1.0])
   np.testing.assert_allclose(insp.model_nll_N,
                              -np.log(expected[np.arange(9), symbols]),
@@ -424,7 +426,55 @@ def test_inspect_rns_string(bottom, window):
                                        window or None)[-1].values())
   assert insp.viterbi.log_prob == pytest.approx(best, abs=1e-9)
   assert len(insp.viterbi.ops) == 4 and "push" in insp.viterbi.table()
-  assert insp.actions is None
+  # Unnormalised weights are called weights, not probabilities.
+  assert not insp.viterbi.probabilities
+  assert insp.viterbi.table().splitlines()[0].split()[3] == "weight"
+  assert insp.viterbi.summary().startswith(
+      f"run weight {np.exp(best):.4g} (unnormalised")
+  # The actions view: the model's own bottom and window (the brute-force
+  # check of run_action_shares is below).
+  want_shares = inspection.run_action_shares(*acts, bottom, window or None)
+  for key in ("rows_TxQxSx3", "marginal_3xT"):
+    np.testing.assert_allclose(insp.actions[key], want_shares[key])
+  fig = inspection.plot_actions(insp)
+  np.testing.assert_allclose(fig.axes[0].images[0].get_array(),
+                             insp.actions["marginal_3xT"])
+  assert fig.axes[0].get_title().startswith("share of the runs")
+
+
+@pytest.mark.parametrize("bottom,window", [("fixed", None), ("frozen", None),
+                                           ("fixed", 2), ("frozen", 3)])
+def test_run_action_shares_match_explicit_runs(bottom, window):
+  import pda_oracle  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(7)
+  num_t, q, s = 5, 2, 2
+  acts = [rng.normal(size=(num_t, q, s, q, s)) * 1.5,
+          rng.normal(size=(num_t, q, s, q, s)) * 1.5,
+          rng.normal(size=(num_t, q, s, q)) * 1.5 + 1.0]
+  acts[1][1, 0, 0] = -np.inf  # impossible actions are allowed
+  out = inspection.run_action_shares(*acts, bottom, window)
+  for t in range(1, num_t + 1):
+    # Explicit stacks: Σα_t of the runs whose update t is op, over Σα_t.
+    prefix = [a[:t] for a in acts]
+    log_z = pda_oracle.readings_and_log_mass(*prefix, bottom=bottom,
+                                             window=window)[1][t]
+    for op in range(3):
+      only_op = [a.copy() for a in prefix]
+      for other in {0, 1, 2} - {op}:
+        only_op[other][t - 1] = -np.inf
+      log_w = pda_oracle.readings_and_log_mass(*only_op, bottom=bottom,
+                                               window=window)[1][t]
+      assert out["marginal_3xT"][op, t - 1] == pytest.approx(
+          np.exp(log_w - log_z), abs=1e-12)
+  if bottom == "frozen":  # ⊥ alone on the stack: only a push is possible
+    np.testing.assert_allclose(out["marginal_3xT"][:, 0], [1, 0, 0])
+  # Each row's operation shares, written out.
+  w = [np.exp(acts[0][2, 1, 0]).sum(), np.exp(acts[1][2, 1, 0]).sum(),
+       np.exp(acts[2][2, 1, 0]).sum()]
+  np.testing.assert_allclose(out["rows_TxQxSx3"][2, 1, 0],
+                             np.array(w) / sum(w), rtol=1e-12)
+  with pytest.raises(ValueError, match="do not agree"):
+    inspection.run_action_shares(acts[0], acts[1], acts[2][..., :1])
 
 
 # ---------------------------------------------------------------------------
