@@ -58,8 +58,10 @@ TEST_FILE = "test_by_length.json"
 CONFIG_FILE = "config.json"
 
 # Model names used in configs -> labels used in the paper's figures, in the
-# paper's legend order.
-MODEL_LABELS = {"lstm": "LSTM", "gref": "Gref", "jm": "JM", "ns": "Ours"}
+# paper's legend order; then the later papers' stacks (DuSell & Chiang 2022,
+# 2023), which the CoNLL 2020 figures do not have.
+MODEL_LABELS = {"lstm": "LSTM", "gref": "Gref", "jm": "JM", "ns": "Ours",
+                "rns": "RNS-RNN", "vrns": "VRNS-RNN"}
 TASK_TITLES = {
     "marked_reversal": "Marked Reversal",
     "unmarked_reversal": "Unmarked Reversal",

@@ -119,6 +119,17 @@ def test_group_by_model_uses_paper_order_and_labels(runs):
                                                len(curves["ns"])]
 
 
+def test_later_stacks_are_labelled_after_the_papers_models(tmp_path):
+  for model in ("vrns", "custom", "rns", "ns", "lstm"):
+    _write_run(str(tmp_path / "grid" / model), [0.3, 0.2], model=model)
+  groups = plots.group_runs([str(tmp_path / "grid")], group_by="model")
+  assert [g.label for g in groups] == ["LSTM", "Ours", "RNS-RNN", "VRNS-RNN",
+                                       "custom"]
+  labels = [plots.group_runs([str(tmp_path / "grid" / m)])[0].label
+            for m in ("rns", "vrns")]
+  assert labels == ["RNS-RNN", "VRNS-RNN"]
+
+
 def test_cli_writes_pngs_whose_series_match_metrics(runs):
   tmp_path, curves, lengths, tests = runs
   out = tmp_path / "figures"
