@@ -246,9 +246,37 @@ def make_manager(directory: str, keep: int = 2, async_save: bool = True,
   options = ocp.CheckpointManagerOptions(
       preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
       enable_async_checkpointing=async_save and not read_only,
-      create=not read_only, read_only=read_only)
-  return ocp.CheckpointManager(os.path.abspath(directory), options=options,
-                               item_names=("state", "host"))
+      create=not read_only, read_only=read_only,
+      # Read-only managers never save; Orbax warns when this is left > 0.
+      save_interval_steps=0 if read_only else 1)
+  with _without_read_only_notice():
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                                 item_names=("state", "host"))
+
+
+class _ReadOnlyNoticeFilter:
+  """Drops Orbax's "Given directory is read only" warning (a logging filter).
+
+  Orbax logs it at WARNING whenever a manager is opened read-only, which
+  every reading command (evaluate, scoring, a grid's resume) does on
+  purpose: it would be the only line of an otherwise quiet command's
+  stderr.
+  """
+
+  def filter(self, record) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _without_read_only_notice():
+  """Filters Orbax's read-only notice out of absl's logger for a block."""
+  logger = logging.get_absl_logger()
+  notice_filter = _ReadOnlyNoticeFilter()
+  logger.addFilter(notice_filter)
+  try:
+    yield
+  finally:
+    logger.removeFilter(notice_filter)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ import signal
 import socket
 import time
 
+from absl import logging
 import pytest
 
 import jax.numpy as jnp
@@ -133,6 +134,20 @@ def test_every_checkpoint_past_max_step_is_an_error_and_nothing_moves(
     _restore(str(tmp_path), max_step=max_step)
   assert sorted(os.listdir(tmp_path)) == ["4", "5"]
   assert _restore(str(tmp_path), max_step=5)[0] == 5
+
+
+def test_read_only_manager_logs_no_warning(tmp_path, caplog):
+  # Orbax warns on every read-only manager; a reading command (evaluate,
+  # scoring) stays quiet.
+  _save_steps(str(tmp_path), [1])
+  with caplog.at_level("INFO"):
+    assert _restore(str(tmp_path), read_only=True)[0] == 1
+  assert not [r for r in caplog.records if r.levelname == "WARNING"], (
+      caplog.text)
+  # The filter is gone afterwards: other warnings still pass.
+  with caplog.at_level("WARNING"):
+    logging.warning("Given directory is read only=%s (test)", tmp_path)
+  assert "Given directory is read only" in caplog.text
 
 
 def test_read_only_manager_creates_nothing(tmp_path):
