@@ -19,7 +19,6 @@ import pytest
 from configs import default
 from nsrnn_jax import checkpointing
 from nsrnn_jax import data
-from nsrnn_jax import loop
 from nsrnn_jax import train
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
