@@ -331,6 +331,10 @@ def gpu_suite_line():
             + (f"{d['errors']} errors, " if d.get("errors") else "")
             + f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
             f"{d['wall_s']:.0f} s")
+    if d.get("interrupted"):
+      text += (" -- interrupted at its time limit (exit code "
+               f"{d['exit_code']}): the counts are of the tests that "
+               "finished, not the whole suite")
     if d["failed"] or d.get("errors"):
       tests = ", ".join(f"`{t.split('::')[-1]}`" for t in d["failed_tests"])
       rerun = (f"; rerun {d['fixes_rerun']}" if d.get("fixes_rerun")

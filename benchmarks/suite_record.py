@@ -53,6 +53,8 @@ def parse(xml_path, root="."):
          "wall_s": sum(float(s.get("time", 0)) for s in suites),
          "failed_tests": [], "skipped_tests": []}
   for case in (c for s in suites for c in s.iter("testcase")):
+    if not case.get("name"):
+      continue  # an interrupted run's placeholder for the test it stopped in
     node = _node_id(case, root)
     failure = case.find("failure")
     error = case.find("error")
@@ -73,8 +75,19 @@ def parse(xml_path, root="."):
   return out
 
 
-def record(xml_path, root, command, environment):
-  """The results record: `parse` plus the machine, packages and code."""
+# Exit statuses of an interrupted suite: pytest's own (2, e.g. the SIGINT
+# that `timeout -s INT` sends), `timeout`'s when the limit struck (124), and
+# a kill (137).
+INTERRUPTED_EXIT_CODES = (2, 124, 137)
+
+
+def record(xml_path, root, command, environment, exit_code=None):
+  """The results record: `parse` plus the machine, packages and code.
+
+  exit_code: the suite's exit status, if known; an interrupted suite (time
+    limit) is marked `"interrupted": true` -- its counts are of the tests
+    that finished, not of the suite.
+  """
   info = machine.machine_info()
   versions = {}
   for name in PACKAGES:
@@ -89,6 +102,9 @@ def record(xml_path, root, command, environment):
        "commit": info.get("source_revision"),
        "python": sys.version.split()[0], "packages": versions,
        "command": command, "environment": environment, **result}
+  if exit_code is not None:
+    d.update(exit_code=int(exit_code),
+             interrupted=int(exit_code) in INTERRUPTED_EXIT_CODES)
   if result["failed"] or result["errors"]:
     # fixes_rerun: null until the fixes have run on a GPU, then what that
     # rerun showed (written by hand, like the cause).
@@ -104,14 +120,20 @@ def main():
                       help="the directory pytest ran in (for test paths)")
   parser.add_argument("--command", default="")
   parser.add_argument("--environment", default="")
+  parser.add_argument("--exit_code", type=int, default=None,
+                      help="the suite's exit status (2, 124, 137: "
+                      "interrupted, so the counts are partial)")
   args = parser.parse_args()
   try:
-    d = record(args.report, args.root, args.command, args.environment)
+    d = record(args.report, args.root, args.command, args.environment,
+               args.exit_code)
   except (OSError, ElementTree.ParseError) as e:
     parser.error(f"cannot read {args.report}: {e}")
   with open(args.out, "w") as f:
     json.dump(d, f, indent=1)
-  print(f"{d['passed']} passed, {d['failed']} failed, {d['errors']} errors, "
+  print(("INTERRUPTED (the counts are of the tests that finished): "
+         if d.get("interrupted") else "")
+        + f"{d['passed']} passed, {d['failed']} failed, {d['errors']} errors, "
         f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
         f"{d['wall_s']:.0f} s on {d['device']}; saved {args.out}")
 

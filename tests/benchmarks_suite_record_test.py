@@ -110,3 +110,47 @@ def test_unreadable_report_is_a_clear_error(tmp_path):
       capture_output=True, text=True, check=False)
   assert run.returncode == 2
   assert "cannot read" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_suite_stopped_at_its_time_limit_gives_a_partial_record(
+    suite_record, load_benchmark, tmp_path):
+  # gpu_session.sh stops the suite at its limit with SIGINT (`timeout -s
+  # INT`): pytest still writes the report of the tests that finished, and
+  # the record says it is partial.
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "sub" / "slow_test.py").write_text(textwrap.dedent("""
+      import time
+
+      def test_a():
+        pass
+
+      def test_b():
+        pass
+
+      def test_slow():
+        time.sleep(60)
+  """))
+  xml = tmp_path / "report.xml"
+  run = subprocess.run(
+      ["timeout", "-s", "INT", "-k", "20", "8", sys.executable, "-m",
+       "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+       f"--junitxml={xml}", "sub/slow_test.py"],
+      cwd=tmp_path, capture_output=True, text=True, check=False)
+  assert run.returncode == 124, run.stdout + run.stderr
+  got = suite_record.parse(str(xml), str(tmp_path))
+  assert (got["passed"], got["failed"], got["errors"]) == (2, 0, 0)
+  out = tmp_path / "gpu_suite_x.json"
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
+       str(xml), "--out", str(out), "--root", str(tmp_path),
+       "--exit_code", "124"], capture_output=True, text=True, check=False)
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.startswith("INTERRUPTED")
+  d = json.loads(out.read_text())
+  assert d["interrupted"] and d["exit_code"] == 124 and d["passed"] == 2
+  report = load_benchmark("report")
+  report.RESULTS = str(tmp_path)
+  assert "interrupted at its time limit" in report.gpu_suite_line()[0]
+  # A finished suite is not marked.
+  assert not suite_record.record(str(xml), str(tmp_path), "", "",
+                                 exit_code=1)["interrupted"]
