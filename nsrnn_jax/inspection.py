@@ -963,20 +963,33 @@ def plot_actions(insp: Inspection) -> matplotlib.figure.Figure:
 
 
 def plot_readings(insp: Inspection) -> matplotlib.figure.Figure:
-  """Heatmap of the readings tau_0..tau_{N-1} (stack symbol x time)."""
+  """Heatmap of the readings tau_0..tau_{N-1} (stack symbol x time).
+
+  For the RNS- and VRNS-RNN a second panel shows the (state, top)
+  distribution p_t(q, y) (`Inspection.state_readings_QSxN`: the RNS-RNN's
+  own reading with ``stack_reading='state'``).
+  """
   if insp.readings_SxN is None:
-    raise ValueError("no readings: inspect an NS-RNN.")
+    raise ValueError("no readings: inspect an NS-, RNS- or VRNS-RNN.")
   s, n = insp.readings_SxN.shape
   names = insp.symbol_names()
   cols = ["init"] + [f"{t}:{names[t - 1]}" for t in range(1, n)]
-  fig = matplotlib.figure.Figure(figsize=(max(6.0, 0.18 * n + 2),
-                                          1.2 + 0.35 * s),
-                                 layout="constrained")
-  ax = fig.subplots()
-  _heatmap(fig, ax, insp.readings_SxN,
-           [_stack_symbol_name(y) for y in range(s)], cols,
-           "reading τ_t (distribution of the stack top)")
-  ax.set_xlabel("after update t : input symbol w_t")
+  panels = [(insp.readings_SxN, [_stack_symbol_name(y) for y in range(s)],
+             "reading τ_t (distribution of the stack top)")]
+  if insp.state_readings_QSxN is not None:
+    q = insp.state_readings_QSxN.shape[0] // s
+    panels.append((insp.state_readings_QSxN,
+                   [f"q{qq},{_stack_symbol_name(y)}" for qq in range(q)
+                    for y in range(s)], "p(state, top)"))
+  fig = matplotlib.figure.Figure(
+      figsize=(max(6.0, 0.18 * n + 2),
+               0.6 + sum(0.6 + 0.35 * len(p[1]) for p in panels)),
+      layout="constrained")
+  axes = fig.subplots(len(panels), 1, squeeze=False,
+                      height_ratios=[len(p[1]) + 1 for p in panels])[:, 0]
+  for ax, (values, rows, title) in zip(axes, panels):
+    _heatmap(fig, ax, values, rows, cols, title)
+  axes[-1].set_xlabel("after update t : input symbol w_t")
   return fig
 
 

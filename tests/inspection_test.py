@@ -440,6 +440,10 @@ def test_inspect_rns_string(bottom, window):
   np.testing.assert_allclose(fig.axes[0].images[0].get_array(),
                              insp.actions["marginal_3xT"])
   assert fig.axes[0].get_title().startswith("share of the runs")
+  fig = inspection.plot_readings(insp)
+  images = [ax.images[0].get_array() for ax in fig.axes if ax.images]
+  np.testing.assert_allclose(images[0], insp.readings_SxN)
+  np.testing.assert_allclose(images[1], insp.state_readings_QSxN)
 
 
 @pytest.mark.parametrize("bottom,window", [("fixed", None), ("frozen", None),
