@@ -49,7 +49,10 @@ for every terminal): summing the emission of one position over all terminals
 is exactly the sum over completions. `true_next_symbol_distribution` runs
 the compiled grammar's own inside algorithm (`pcfg.CompiledPCFG.log_inside`,
 the one that scores the data) once over all (t, a) pairs, so it is exact,
-not sampled.
+not sampled. The later papers' non-context-free tasks (`tasks_ncf`) have no
+grammar; their strings are uniform given the length, and
+`UniformTask.next_symbol_distribution` counts completions instead
+(`task_grammar` returns the grammar or the task).
 
 Viterbi run. `viterbi_run` calls `ns_stack.viterbi` (max-product Lang's
 algorithm) on the traced actions of one string and replays the best run on
@@ -78,6 +81,8 @@ from typing import Any
 import matplotlib.figure
 import numpy as np
 
+from nsrnn_jax import pcfg
+
 OPS = ("push", "replace", "pop")
 
 # ---------------------------------------------------------------------------
@@ -90,8 +95,9 @@ def true_next_symbol_distribution(grammar: Any,
   """Exact p(w_{t+1} = a | w_1..w_t, n) of the length-conditioned sampler.
 
   Args:
-    grammar: the `pcfg.CompiledPCFG` the strings are sampled from
-      (`task_grammar(task)`).
+    grammar: the `pcfg.CompiledPCFG` the strings are sampled from, or for
+      a non-context-free task its `tasks_ncf.UniformTask` (either from
+      `task_grammar(task)`).
     symbols: the string w_1..w_n (ids); n = len(symbols).
 
   Returns:
@@ -103,7 +109,9 @@ def true_next_symbol_distribution(grammar: Any,
   Raises:
     ValueError: for an empty string or ids outside the vocabulary.
   """
-  symbols_N = _check_string(symbols, grammar.num_terminals)
+  symbols_N = _check_string(symbols, _num_terminals(grammar))
+  if not isinstance(grammar, pcfg.CompiledPCFG):
+    return grammar.next_symbol_distribution(symbols_N)
   length, vocab = len(symbols_N), grammar.num_terminals
   # One batch over every (t, a): positions < t carry w, position t carries
   # a, positions > t are wildcards.
@@ -121,6 +129,13 @@ def true_next_symbol_distribution(grammar: Any,
     probs_NxV = weights_NxV / weights_NxV.sum(axis=1, keepdims=True)
   # A prefix without completions has weight 0 for every a: a NaN row.
   return np.where(np.isfinite(top_N1), probs_NxV, np.nan)
+
+
+def _num_terminals(grammar: Any) -> int:
+  """Vocabulary size of a `task_grammar` result (PCFG or uniform task)."""
+  if isinstance(grammar, pcfg.CompiledPCFG):
+    return grammar.num_terminals
+  return grammar.vocab_size
 
 
 def _check_string(symbols: Sequence[int], vocab_size: int) -> np.ndarray:
@@ -630,10 +645,19 @@ def vrns_viterbi_run(log_push, log_repl, log_pop, push_vectors,
 
 
 def task_grammar(task: str) -> Any:
-  """The compiled grammar the task's strings are sampled from and scored with
-  (`languages.get(task).compiled`, after the authors' ε/unary removal)."""
+  """What `true_next_symbol_distribution` needs for a task's strings.
+
+  For a context-free task the compiled grammar its strings are sampled from
+  and scored with (`languages.get(task).compiled`, after the authors'
+  ε/unary removal); for a non-context-free task (`tasks_ncf.UniformTask`:
+  no grammar, uniform strings of each length) the task itself.
+  """
   from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
-  return languages.get(task).compiled
+  from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
+  lang = languages.get(task)
+  if isinstance(lang, tasks_ncf.UniformTask):
+    return lang
+  return lang.compiled
 
 
 # ---------------------------------------------------------------------------
@@ -846,8 +870,8 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
     raise ValueError("eos=True needs a model with an EOS output (vocabulary "
                      "of at least 2).")
   symbols_N = _check_string(symbols, vocab)
-  if grammar is not None and grammar.num_terminals != vocab:
-    raise ValueError(f"grammar has {grammar.num_terminals} terminals but the "
+  if grammar is not None and _num_terminals(grammar) != vocab:
+    raise ValueError(f"grammar has {_num_terminals(grammar)} terminals but the "
                      f"model's vocabulary has {vocab} symbols.")
   if alphabet is not None and len(alphabet) != vocab:
     raise ValueError(f"alphabet has {len(alphabet)} symbols, the model "

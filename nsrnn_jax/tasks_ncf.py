@@ -179,8 +179,8 @@ class UniformTask(pcfg.SymbolCodec):
   def normal_grammar(self):
     """Not available: these languages are not context-free."""
     raise ValueError(f"task {self.name!r} is not context-free and has no "
-                     "grammar (e.g. for inspection's true next-symbol "
-                     "distributions)")
+                     "grammar (its exact next-symbol distribution: "
+                     "next_symbol_distribution)")
 
   # -- lengths ----------------------------------------------------------------
 
@@ -259,6 +259,42 @@ class UniformTask(pcfg.SymbolCodec):
     if arr.size == 0:
       return -math.inf
     return float(self.log_prob_batch(arr[None])[0])
+
+  def next_symbol_distribution(self, symbols: Sequence[int]) -> np.ndarray:
+    """Exact p(w_{t+1} = a | w_1..w_t, N) given the length N = len(symbols).
+
+    Strings of one length are uniform, so this counts completions: the first
+    n symbols are the content u (any of the k^n; a^n for count_3), and the
+    rest is determined by u. While u is read the next symbol is uniform
+    over the k content symbols; after it, it is the one symbol the layout
+    puts there.
+
+    Returns:
+      probs_NxV (float64): row t is the distribution of w_{t+1} given
+      w_1..w_t; a row is NaN where w_1..w_t is the prefix of no string of
+      length N (every row, if N is not a valid length).
+    """
+    arr = np.asarray(self._check(symbols), np.int64)
+    length, k = arr.size, self.alphabet_size
+    probs_NxV = np.full((length, self.vocab_size), np.nan)
+    n = self.content_length(length) if length else None
+    if n is None:
+      return probs_NxV
+    # The string of length N built from w's content (a non-content symbol
+    # there becomes 0, so that position differs from w: no string has
+    # that prefix).
+    u = (np.where(arr[:n] < k, arr[:n], 0) if self._layout.has_content
+         else np.zeros(n, np.int64))
+    full = self._layout.build(u[None], k)[0]
+    # prefix_ok[t]: w_1..w_t is the prefix of a string of length N.
+    prefix_ok = np.concatenate([[True], np.cumprod(full == arr) > 0])
+    for t in np.flatnonzero(prefix_ok[:length]):
+      probs_NxV[t] = 0.0
+      if self._layout.has_content and t < n:
+        probs_NxV[t, :k] = 1.0 / k  # any content symbol continues u
+      else:
+        probs_NxV[t, full[t]] = 1.0
+    return probs_NxV
 
   # -- text (encode / decode come from pcfg.SymbolCodec) --------------------
 

@@ -145,6 +145,44 @@ def test_true_next_symbol_matches_brute_force(task, length, first_row):
   np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-12)
 
 
+@pytest.mark.parametrize("task,length", [
+    ("count_3", 6), ("marked_copy", 7), ("unmarked_copy", 6),
+    ("unmarked_copy_different_alphabets", 6), ("marked_reverse_and_copy", 8),
+    ("unmarked_reverse_and_copy", 6), ("count_and_copy", 6),
+    ("marked_copy_k3", 5)])
+def test_true_next_symbol_of_uniform_tasks_matches_brute_force(task, length):
+  # The non-context-free tasks have no grammar: task_grammar gives the task,
+  # whose strings are uniform given the length. Oracle: every completion of
+  # each prefix scored with ln G, for a sampled string and for one whose
+  # prefix leaves the language (NaN rows exactly where no string of this
+  # length continues the prefix).
+  lang = languages.get(task)
+  grammar = inspection.task_grammar(task)
+  symbols = list(lang.sample(length, np.random.default_rng(4)))
+  bad = list(symbols)
+  bad[length - 2] = (bad[length - 2] + 1) % lang.vocab_size
+  for string in (symbols, bad):
+    probs = inspection.true_next_symbol_distribution(grammar, string)
+    for t in range(length):
+      tails = np.array(list(itertools.product(range(lang.vocab_size),
+                                              repeat=length - t)))
+      strings = np.concatenate(
+          [np.tile(np.asarray(string[:t], np.int64), (len(tails), 1)),
+           tails], axis=1)
+      g = np.exp(lang.log_prob_batch(strings))
+      totals = np.array([g[tails[:, 0] == a].sum()
+                         for a in range(lang.vocab_size)])
+      if totals.sum() == 0:
+        assert np.all(np.isnan(probs[t])), (string, t)
+      else:
+        np.testing.assert_allclose(probs[t], totals / totals.sum(),
+                                   rtol=1e-12, atol=1e-15)
+  assert np.isnan(probs[-1]).all()  # the changed symbol leaves the language
+  # A length no string has: every row NaN.
+  assert np.isnan(inspection.true_next_symbol_distribution(
+      grammar, symbols + [0])).all()
+
+
 def test_true_next_symbol_marked_reversal_closed_form():
   # Length 9: the first four symbols are free (1/2 each), then # is forced,
   # then the mirror image is forced.
@@ -345,6 +383,22 @@ def test_inspect_string_agrees_with_model_and_ns_stack(ns_model):
   printed_nll = float(insp.summary().split("=")[1].split()[0])
   assert printed_nll == pytest.approx(
       -np.log(expected[np.arange(9), symbols]).sum(), abs=2e-4)
+
+
+def test_inspect_string_on_a_non_context_free_task(ns_model):
+  # marked_copy has the NS-RNN fixture's vocabulary (0, 1, #): the true
+  # next-symbol distribution of its uniform strings, u # u.
+  model, params = ns_model
+  lang = languages.get("marked_copy")
+  insp = inspection.inspect_string(model, params, lang.encode("011#011"),
+                                   inspection.task_grammar("marked_copy"),
+                                   lang.alphabet)
+  expected = np.zeros((7, 3))
+  expected[:3, :2] = 0.5
+  expected[3, 2] = 1.0
+  expected[np.arange(4, 7), [0, 1, 1]] = 1.0
+  np.testing.assert_allclose(insp.true_probs_NxV, expected)
+  assert insp.true_nll_N.sum() == pytest.approx(3 * np.log(2))
 
 
 def test_figures_show_the_inspected_numbers(ns_model):
