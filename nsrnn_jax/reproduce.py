@@ -1124,6 +1124,25 @@ def claim_verdict(cells, task, kind, models, which) -> Optional[bool]:
   return bool(_VERDICTS[kind]([mean for mean, _ in values]))
 
 
+def grid_progress(cell: "Cell") -> tuple[int, int]:
+  """(settings with all restarts finished, settings in the paper's grid).
+
+  The selection can only change while the first is below the second: a
+  verdict drawn from an incomplete grid may flip when the rest is run.
+  """
+  done = sum(1 for s in cell.settings if len(s.records) >= NUM_RESTARTS)
+  return done, _grid_size(cell.model) // NUM_RESTARTS
+
+
+def _grid_column(cells, task, models) -> str:
+  """'complete', or each compared model's finished / total settings."""
+  progress = [grid_progress(cells[(task, m)]) for m in models]
+  if all(done >= total for done, total in progress):
+    return "complete"
+  return ", ".join(f"{LABELS[m]} {done}/{total}"
+                   for m, (done, total) in zip(models, progress))
+
+
 def _evidence(cells, task, models, which) -> str:
   """The compared numbers: 'Ours 0.0123 ± 0.0010, JM …'."""
   return ", ".join(f"{LABELS[m]} {_pm(v)}" for m, v in
@@ -1362,16 +1381,21 @@ def render_report(records: Sequence[Mapping[str, Any]],
   lines += ["", "## The paper's qualitative claims", "",
             "Each verdict compares our means; the numbers it compares are "
             "shown with their std over restarts, so a verdict decided by "
-            "less than a std can be read as such.", "",
-            "| task | claim | ours | compared (mean ± std) |",
-            "|---|---|---|---|"]
+            "less than a std can be read as such. *Grid*: complete when "
+            "every compared model has finished all restarts of every "
+            "setting of the paper's grid; otherwise each model's finished / "
+            "total settings, and the verdict may change as the rest is run "
+            "(the selection is made among finished settings only).", "",
+            "| task | claim | ours | compared (mean ± std) | grid |",
+            "|---|---|---|---|---|"]
   for task in TASKS:
     for text, kind, models, which in CLAIMS[task]:
       verdict = claim_verdict(cells, task, kind, models, which)
       word = {True: "agrees", False: "**disagrees**",
               None: "not decidable yet (cells missing)"}[verdict]
       lines.append(f"| {TASK_TITLES[task]} | {text} | {word} | "
-                   f"{_evidence(cells, task, models, which)} |")
+                   f"{_evidence(cells, task, models, which)} | "
+                   f"{_grid_column(cells, task, models)} |")
   lines += ["", "## Figures", "",
             "Lines and shaded bands: our selected restarts, mean ± std "
             "(Figure 3 pads a finished restart with its last value, as the "

@@ -469,16 +469,45 @@ def test_report_values_claims_and_gaps():
   # The verdict, and the numbers it compared.
   assert ("| Marked reversal | the NS-RNN has the lowest test difference on "
           "lengths 40-80 | agrees | Ours -0.0050 ± 0.0008, JM 0.0300 ± "
-          "0.0000, Gref 0.0200 ± 0.0000, LSTM 0.0500 ± 0.0000 |") in text
+          "0.0000, Gref 0.0200 ± 0.0000, LSTM 0.0500 ± 0.0000 | "
+          "Ours 0/4, JM 0/12, Gref 0/12, LSTM 0/4 |") in text
   assert ("| Dyck | all stack models end near 0 (last validation difference "
           "within ±0.005) | not decidable yet (cells missing) | Ours —, JM —, "
-          "Gref — |") in text
+          "Gref — | Ours 0/4, JM 0/12, Gref 0/12 |") in text
   assert "| Dyck | all stack models end near 0" in text
   assert "not decidable yet" in text
   # Gaps: 3 of 20 NS-RNN runs done; 17 x 600 s = 2.8 h.
   assert "| Marked reversal | Ours | 3 | 20 | 17 | 2.8 h |" in text
   assert "| Dyck | Ours | 0 | 20 | 20 | 3.3 h |" in text  # Rate of any task.
   assert "| Dyck | JM | 0 | 60 | 60 | 10.0 h |" in text
+
+
+def test_claims_say_whether_their_grids_are_complete():
+  # Every setting of the paper's grid for the three stack models on Dyck,
+  # all restarts finished: the claim's grid is complete.
+  recs = []
+  for lr in reproduce.LEARNING_RATES:
+    for r in range(reproduce.NUM_RESTARTS):
+      recs.append(fake_record("dyck", "ns", lr, r, 0.001, 0.001,
+                              test_in=0.0, test_out=0.03))
+      for model in ("jm", "gref"):
+        for m in reproduce.STACK_SIZES:
+          recs.append(fake_record("dyck", model, lr, r, 0.002, 0.002,
+                                  stack_size=m, test_in=0.0, test_out=0.02))
+  claim = ("| Dyck | all stack models end near 0 (last validation "
+           "difference within ±0.005) | agrees | Ours 0.0010 ± 0.0000, JM "
+           "0.0020 ± 0.0000, Gref 0.0020 ± 0.0000 | ")
+  assert claim + "complete |" in reproduce.render_report(recs)
+  # One restart missing makes its setting unfinished (it no longer counts),
+  # and the selection falls back on the finished settings.
+  missing = [x for x in recs if not (x["model"] == "gref" and x["restart"] == 4
+                                     and x["setting"] == "m_40-lr_0.001")]
+  cells = reproduce.summarize_cells(missing)
+  assert reproduce.grid_progress(cells[("dyck", "gref")]) == (11, 12)
+  assert reproduce.grid_progress(cells[("dyck", "ns")]) == (4, 4)
+  assert reproduce.grid_progress(cells[("dyck", "lstm")]) == (0, 4)
+  assert (claim + "Ours 4/4, JM 12/12, Gref 11/12 |"
+          in reproduce.render_report(missing))
 
 
 def test_cost_estimates_ignore_pauses_of_the_machine():
