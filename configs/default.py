@@ -45,8 +45,9 @@ def get_config() -> ml_collections.ConfigDict:
   # JM/Gref: the grid searched for m in the paper (documentation; the grid
   # search itself is a launcher over --config.stack_embedding_size).
   config.stack_embedding_size_grid = (2, 20, 40)
-  # Stack variant of model "rns" (ignored by the other models; the CoNLL 2020
-  # ns model is always normalised, symbol reading, frozen bottom, unlimited).
+  # Stack variant of model "rns" (the CoNLL 2020 ns model is always
+  # normalised, symbol reading, frozen bottom, unlimited; ns and vrns refuse
+  # a window or truncation, vrns a frozen bottom, rather than ignore them).
   # rns-vrns-reference.md. Log-softmax the action weights per (q, x) row
   # (NS, NS+S) instead of using them unnormalised (RNS: NS+U, NS+S+U).
   config.stack_normalize = False
@@ -60,7 +61,9 @@ def get_config() -> ml_collections.ConfigDict:
   # within D of the diagonal, linear time in the string length).
   config.stack_window = 0
   # Truncated BPTT chunk length in controller steps for a limited stack (0 =
-  # no truncation); state crosses chunk boundaries, gradients do not.
+  # no truncation); state crosses chunk boundaries, gradients do not (a
+  # chunk's last update trains the action layer with the fixed bottom, as in
+  # ICLR 2023, and gets no gradient with the frozen one, as in ICLR 2022).
   config.truncation_length = 0
   # VRNS: size m of the vector carried by each stack element.
   config.stack_vector_size = 3

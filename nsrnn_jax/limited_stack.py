@@ -21,17 +21,23 @@ Training (truncated BPTT): `run_coupled` processes the inputs in chunks of
 ``truncation_length`` controller steps with a `lax.scan` over chunks; the
 controller carry and the stack state cross chunk boundaries with their
 values (so chunked = unchunked in the forward pass) but no gradient
-(`lax.stop_gradient`), as the authors' trainer detaches them. Every update,
-including the first of a chunk, trains the action layer (the ICLR 2023
-bookkeeping, rns-vrns-reference.md §2.2). Within a chunk the gradient is
-plain autodiff of the scan: O(B·L·D²·Q²·S²) memory for chunk length L.
+(`lax.stop_gradient`), as the authors' trainer detaches them. Which
+computations the boundary's gradient reaches follows the authors' two tags
+(rns-vrns-reference.md §2.2), chosen by `run_coupled`'s ``actions_fn``:
+* given (ICLR 2023): a chunk's last update is made at the start of the
+  next chunk, from the carried, detached h with the live action layer, so
+  every update trains the action layer (not h);
+* None (ICLR 2022): a chunk's last update is made at its end and then
+  detached: the actions of each chunk's last hidden state get no gradient.
+Within a chunk the gradient is plain autodiff of the scan:
+O(B·L·D²·Q²·S²) memory for chunk length L.
 
 Shape legend: B batch, T updates, D window, Q states, S stack symbols,
 Y/X symbols in roles, L chunk length, C chunks.
 """
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +148,8 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                 num_states: int, num_symbols: int, window: int,
                 bottom: str = rns_stack.FIXED,
                 reading: str = rns_stack.STATE,
-                truncation_length: int = 0, precision: str = "highest"):
+                truncation_length: int = 0, precision: str = "highest",
+                actions_fn: Optional[Callable[..., Any]] = None):
   """Controller + limited stack, chunked for truncated BPTT.
 
   Args:
@@ -155,10 +162,16 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     truncation_length: chunk length L ≥ 1 (gradients stop at chunk
       boundaries); 0 = one chunk (no truncation).
     precision: matmul precision name of the stack's contractions.
+    actions_fn: ``actions_fn(params, carry) -> (push, repl, pop)``, the
+      log-weights `step_fn` computes from the controller carry it returns.
+      Given: the ICLR 2023 boundary (a chunk's last update is made in the
+      next chunk from the detached carry with live `params`, so it trains
+      them); None: the ICLR 2022 boundary (it gets no gradient). The two
+      differ only in the gradient, and only with truncation.
 
   Returns:
     (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]);
-    forward values do not depend on `truncation_length`.
+    forward values do not depend on `truncation_length` or `actions_fn`.
   """
   _check_window(window)
   check_precision(precision)
@@ -189,13 +202,18 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     st, a_hat, lm = step(st, *acts, precision=precision)
     return (ctrl, st), (out, a_hat, lm)
 
-  def one_chunk(carry, xs_chunk):
-    # Values cross the boundary, gradients do not (truncated BPTT).
-    carry = lax.stop_gradient(carry)
-    return lax.scan(one_step, carry, xs_chunk)
-
-  _, (outs, a_hat, lm) = lax.scan(one_chunk, (init_carry, state0), xs_c)
   unchunk = lambda a: a.reshape((num_chunks * chunk,) + a.shape[2:])[:t]
+  if actions_fn is not None:
+    outs, a_hat, lm = _chunks_deferring_last_update(
+        one_step, step_fn, actions_fn, params, init_carry, state0, xs_c,
+        reading, precision)
+  else:
+    def one_chunk(carry, xs_chunk):
+      # Values cross the boundary, gradients do not (truncated BPTT).
+      carry = lax.stop_gradient(carry)
+      return lax.scan(one_step, carry, xs_chunk)
+
+    _, (outs, a_hat, lm) = lax.scan(one_chunk, (init_carry, state0), xs_c)
   outs = jax.tree_util.tree_map(lambda a: jnp.swapaxes(unchunk(a), 0, 1),
                                 outs)
   a_hat = jnp.concatenate([state0.a_hat[:, None],
@@ -205,3 +223,46 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   return outs, a_hat, lm
 
 
+
+
+def _chunks_deferring_last_update(one_step, step_fn, actions_fn, params,
+                                  init_carry, state0, xs_c, reading,
+                                  precision):
+  """The chunk loop of `run_coupled` with the ICLR 2023 boundary.
+
+  Chunk k ≥ 1 first makes chunk k−1's last update (time kL) from the
+  carried, detached controller carry with the live `actions_fn`, then runs
+  its L steps, the last of which leaves its update to chunk k+1 (the last
+  chunk's is made after the loop). Returns outs [C, L, B, ...] and log α̂,
+  log Σα [C, L, B, ...] of times 1..C·L, as the plain chunk loop does.
+  """
+  def one_chunk(carry, xs_chunk):
+    ctrl, st, first = carry
+    ctrl, st = lax.stop_gradient((ctrl, st))   # Truncated BPTT.
+    st_b, a_hat_b, lm_b = step(st, *actions_fn(params, ctrl),
+                               precision=precision)
+    # Chunk 0 has no earlier update to make: keep the initial state.
+    st = jax.tree_util.tree_map(lambda old, new: jnp.where(first, old, new),
+                                st, st_b)
+    body = jax.tree_util.tree_map(lambda l: l[:-1], xs_chunk)
+    last = jax.tree_util.tree_map(lambda l: l[-1], xs_chunk)
+    (ctrl, st), (outs, a_hat, lm) = lax.scan(one_step, (ctrl, st), body)
+    rho, _ = rns_stack.readout(st.a_hat, reading)
+    ctrl, _, out = step_fn(params, ctrl, last, rho)
+    outs = jax.tree_util.tree_map(
+        lambda a, o: jnp.concatenate([a, o[None]], axis=0), outs, out)
+    return (ctrl, st, jnp.asarray(False)), (outs, a_hat_b, lm_b, a_hat, lm)
+
+  (ctrl, st, _), (outs, a_hat_b, lm_b, a_hat, lm) = lax.scan(
+      one_chunk, (init_carry, state0, jnp.asarray(True)), xs_c)
+  _, a_hat_f, lm_f = step(st, *actions_fn(params, ctrl), precision=precision)
+
+  def times(boundary, inner, final):
+    # Chunk k holds times kL (its boundary update) .. kL+L−1; chunk 0's
+    # boundary slot (time 0) is dropped and time C·L appended.
+    per_chunk = jnp.concatenate([boundary[:, None], inner], axis=1)
+    flat = per_chunk.reshape((-1,) + per_chunk.shape[2:])
+    return jnp.concatenate([flat[1:], final[None]], axis=0).reshape(
+        inner.shape[:1] + (inner.shape[1] + 1,) + inner.shape[2:])
+
+  return outs, times(a_hat_b, a_hat, a_hat_f), times(lm_b, lm, lm_f)

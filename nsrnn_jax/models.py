@@ -854,7 +854,9 @@ class RNSLM(PDAStackLM):
   ICLR 2023 bottom-symbol fix ('frozen' = CoNLL 2020 / ICLR 2022);
   ``window`` D >= 1 selects the memory-limited stack, trained with
   truncated BPTT in chunks of ``truncation_length`` steps (0 = whole
-  string). Same time indexing as :class:`NSLM` (no EOS).
+  string; the chunk boundary's gradient follows the bottom's tag, see
+  ``limited_stack``). Same time indexing as :class:`NSLM`; EOS, when the
+  config predicts it, is one more symbol (``from_config``).
 
   ``trace`` adds ``action_log_weights`` (dict ``push``, ``repl`` [B, T, Q, S,
   Q, S], ``pop`` [B, T, Q, S, Q]), ``readings`` [B, N, R] (what the
@@ -896,10 +898,20 @@ class RNSLM(PDAStackLM):
     step_params = {'controller': params['controller'],
                    'action': params['action']}
     if self.window:
+      # Truncated BPTT's boundary as in the tag of the bottom
+      # (rns-vrns-reference.md section 2.2): with the ICLR 2023 fix, every
+      # update trains the action layer, a chunk's last one in the next chunk
+      # from the detached h; with the frozen (ICLR 2022) bottom, the last
+      # update of a chunk gets no gradient.
+      actions_fn = None
+      if self.bottom == rns_stack.FIXED:
+        actions_fn = lambda p, carry: rns_stack.split_action_logits(
+            affine(p['action'], carry[0], self.matmul_precision), q, s,
+            self.normalize)
       h_BxTxH, la, log_mass = limited_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
           self.window, self.bottom, self.reading, self.truncation_length,
-          precision=self.matmul_precision)
+          precision=self.matmul_precision, actions_fn=actions_fn)
     else:
       h_BxTxH, la, log_mass = rns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
@@ -962,6 +974,26 @@ def _check_auto_or_positive_int(name: str, value) -> int:
 def _check_positive_int(name: str, value) -> int:
   """`value` as a positive int."""
   return _check_int(name, value, 1, 'a positive integer')
+
+
+def check_stack_variant_supported(name: str, stack_window, truncation_length,
+                                  stack_bottom, prefix: str = '') -> None:
+  """Refuses stack-variant settings that model ``name`` would ignore.
+
+  Only 'rns' has the memory-limited stack; 'vrns' has only the ICLR 2023
+  fixed bottom (rns-vrns-reference.md section 3.2). The other variant
+  fields (normalisation, reading) belong to 'rns' and keep their
+  documented meaning for it only. ``prefix`` goes before each field name
+  in the message (e.g. 'config.').
+  """
+  if name in ('ns', 'vrns') and (stack_window or truncation_length):
+    raise ValueError(
+        f'{prefix}stack_window is {stack_window!r} and {prefix}'
+        f'truncation_length {truncation_length!r}: model {name!r} has no '
+        "memory-limited stack (only 'rns' has); set both to 0")
+  if name == 'vrns' and stack_bottom != rns_stack.FIXED:
+    raise ValueError(f'{prefix}stack_bottom is {stack_bottom!r}: model '
+                     "'vrns' has only the ICLR 2023 'fixed' bottom")
 
 
 def get(name: str, vocab_size: int, hidden_size: int = 20,
@@ -1038,6 +1070,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     raise ValueError(f'scan_unroll must be 1 for {name!r}'
                      f'{" with a window" if name == "rns" else ""} (its '
                      f'scans are not unrolled), got {scan_unroll}')
+  check_stack_variant_supported(name, stack_window, truncation_length,
+                                stack_bottom)
   common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
                 dtype=np_dtype.type,
                 matmul_precision=ns_stack.check_precision(matmul_precision))

@@ -161,6 +161,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            f"largest bucket is {buckets[-1]}")
   from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
   rns_stack.validate_stack_config(config)
+  models.check_stack_variant_supported(
+      model, config.get("stack_window", 0), config.get("truncation_length", 0),
+      config.get("stack_bottom", rns_stack.FIXED), prefix="config.")
   if not isinstance(config.get("predict_eos", False), (bool, np.bool_)):
     fail("predict_eos", f"must be a bool (got {config.predict_eos!r})")
   dtype = need("dtype")

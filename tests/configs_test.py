@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from configs import default
+from nsrnn_jax import models
 from nsrnn_jax import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,6 +227,29 @@ def test_bad_stack_variant_is_a_one_line_error(field, value, message):
   with pytest.raises(ValueError, match=message) as info:
     train.validate_config(config)
   assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name,changes,message", [
+    ("quick_vrns", {"stack_window": 5, "truncation_length": 5},
+     "model 'vrns' has no memory-limited stack"),
+    ("quick_vrns", {"stack_window": 5}, "config.stack_window is 5"),
+    ("quick_vrns", {"stack_bottom": "frozen"},
+     "config.stack_bottom is 'frozen': model 'vrns' has only"),
+    ("quick", {"stack_window": 4}, "model 'ns' has no memory-limited stack"),
+])
+def test_stack_variant_a_model_would_ignore_is_refused(name, changes,
+                                                       message):
+  # Not silently dropped: an unlimited stack trained where a window was
+  # asked for would be wrong numbers under the asked-for name.
+  config = _load(name)
+  train.validate_config(config)
+  for field, value in changes.items():
+    config[field] = value
+  with pytest.raises(ValueError, match=message) as info:
+    train.validate_config(config)
+  assert "\n" not in str(info.value)
+  with pytest.raises(ValueError, match=message.replace("config.", "")):
+    models.build(config)
 
 
 @pytest.mark.parametrize("task", ["dyck_k7", "marked_reversal_k3",

@@ -129,10 +129,18 @@ def _controller(q, s):
   return step_fn
 
 
-def test_truncated_bptt(x64):
+def _actions_of(q, s):
+  # The log-weights _controller's step computes from its carry h.
+  return lambda p, h: rns_stack.split_action_logits(h @ p["wa"] * 3, q, s,
+                                                    False)
+
+
+@pytest.mark.parametrize("boundary", ["iclr2022", "iclr2023"])
+def test_truncated_bptt(x64, boundary):
   q, s, b, t, window = 2, 2, 2, 5, 2
   rng = np.random.default_rng(3)
   step_fn = _controller(q, s)
+  actions_of = _actions_of(q, s)
   params = {"wx": rng.normal(size=(_V, _H)),
             "wr": rng.normal(size=(q * s, _H)),
             "wh": 0.5 * rng.normal(size=(_H, _H)),
@@ -142,46 +150,79 @@ def test_truncated_bptt(x64):
   xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
   c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, q * s))
 
-  def chunked(p, chunk):
-    return limited_stack.run_coupled(step_fn, p, h0, xs, q, s, window,
-                                     truncation_length=chunk)
+  def chunked(p, chunk, bookkeeping=boundary):
+    return limited_stack.run_coupled(
+        step_fn, p, h0, xs, q, s, window, truncation_length=chunk,
+        actions_fn=actions_of if bookkeeping == "iclr2023" else None)
 
   def naive(p, chunk):
     # A Python loop over steps; detach (h, state) every `chunk` steps.
+    # ICLR 2022: update j right after step j. ICLR 2023: update j at the
+    # start of step j + 1 (or after the loop), its actions recomputed from
+    # h_j, which a chunk boundary between them has detached.
     h = h0
     st = limited_stack.initial_state(b, window, q, s, "fixed", jnp.float64)
     outs, hats, masses = [], [st.a_hat], [st.log_mass]
+
+    def update(st, acts):
+      st, a_hat, lm = limited_stack.step(st, *acts)
+      hats.append(a_hat)
+      masses.append(lm)
+      return st
+
     for j in range(t):
       if chunk and j % chunk == 0:
         h, st = lax.stop_gradient((h, st))
+      if boundary == "iclr2023" and j:
+        st = update(st, actions_of(p, h))
       h, acts, out = step_fn(p, h, xs[:, j], rns_stack.readout(st.a_hat)[0])
-      st, a_hat, lm = limited_stack.step(st, *acts)
+      if boundary == "iclr2022":
+        st = update(st, acts)
       outs.append(out)
-      hats.append(a_hat)
-      masses.append(lm)
+    if boundary == "iclr2023":
+      update(st, actions_of(p, h))
     return jnp.stack(outs, 1), jnp.stack(hats, 1), jnp.stack(masses, 1)
 
-  def loss(fn, chunk):
+  def loss(fn, chunk, with_stack=True, **kw):
     def f(p):
-      outs, hat, lm = fn(p, chunk)
+      outs, hat, lm = fn(p, chunk, **kw)
+      if not with_stack:   # What a language model's loss reads.
+        return jnp.sum(c1 * outs)
       return (jnp.sum(c1 * outs) + jnp.sum(c2 * rns_stack.readout(hat)[0])
               + 0.01 * jnp.sum(lm))
     return f
 
   whole = chunked(params, 0)
-  for chunk in (2,):  # 3 chunks, the last one padded by 1 step.
+  for chunk in (1, 2):  # 5 chunks; 3 chunks, the last one padded by 1 step.
     for g, w, n in zip(chunked(params, chunk), whole,
                        jax.jit(naive, static_argnums=1)(params, chunk)):
       np.testing.assert_allclose(g, w, atol=1e-12)
       np.testing.assert_allclose(g, n, atol=1e-12)
-  got = jax.jit(jax.grad(loss(chunked, 2)))(params)
-  want = jax.jit(jax.grad(loss(naive, 2)))(params)
-  for g, w in zip(jax.tree_util.tree_leaves(got),
-                  jax.tree_util.tree_leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
+    for with_stack in (True, False):
+      got = jax.jit(jax.grad(loss(chunked, chunk, with_stack)))(params)
+      want = jax.jit(jax.grad(loss(naive, chunk, with_stack)))(params)
+      for g, w in zip(jax.tree_util.tree_leaves(got),
+                      jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
   # Truncation changes the gradient (it is not a no-op).
+  got = jax.jit(jax.grad(loss(chunked, 2)))(params)
   untruncated = jax.jit(jax.grad(loss(chunked, 0)))(params)
   assert np.abs(untruncated["wh"] - got["wh"]).max() > 1e-6
+  # The two boundaries differ in what trains the action layer; without
+  # truncation they are the same function.
+  other = "iclr2022" if boundary == "iclr2023" else "iclr2023"
+  lm_loss = jax.jit(jax.grad(loss(chunked, 2, False)), static_argnums=())
+  g_this = lm_loss(params)
+  g_other = jax.jit(jax.grad(loss(chunked, 2, False, bookkeeping=other)))(
+      params)
+  assert np.abs(g_this["wa"] - g_other["wa"]).max() > 1e-3
+  for whole_grads in (jax.grad(loss(chunked, 0, False))(params),
+                      jax.grad(loss(chunked, 0, False, bookkeeping=other))(
+                          params)):
+    for g, w in zip(jax.tree_util.tree_leaves(whole_grads),
+                    jax.tree_util.tree_leaves(
+                        jax.grad(loss(naive, 0, False))(params))):
+      np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
 
 
 def test_viterbi_with_window_is_best_windowed_run(x64):

@@ -934,10 +934,41 @@ class _RNSPDAStack:
     self.log_mass = np.logaddexp.reduce(log_alpha[-1].ravel())
 
 
+@pytest.mark.parametrize('bottom', ['frozen', 'fixed'])
+def test_rns_truncation_boundary_follows_the_bottoms_tag(bottom):
+  # rns-vrns-reference.md section 2.2. With chunks of one step, every update
+  # is its chunk's last: in ICLR 2022 (frozen bottom) each is detached before
+  # anything reads it, so a language-model loss gives the action layer no
+  # gradient at all; in ICLR 2023 (the fix) each is made in the next chunk
+  # from the detached h with the live action layer, which it trains.
+  symbols = np.array([[0, 2, 1, 1, 0, 2, 1], [1, 1, 1, 2, 0, 0, 2]],
+                     np.int32)
+  with jax.enable_x64(True):
+    grads = {}
+    for trunc in (1, 0):
+      model = models.get('rns', _VOCAB, hidden_size=4, num_states=2,
+                         num_stack_symbols=2, dtype=jnp.float64,
+                         stack_bottom=bottom, stack_window=3,
+                         truncation_length=trunc)
+      params = _randomize(_init(model, symbols), seed=3, scale=1.0)
+      grads[trunc] = jax.grad(lambda p: jnp.sum(
+          jax.nn.log_softmax(_apply(model, p, symbols))[..., 0]))(params)
+    action = np.concatenate([np.ravel(a) for a in
+                             jax.tree_util.tree_leaves(grads[1]['action'])])
+    if bottom == 'frozen':
+      np.testing.assert_array_equal(action, 0.0)
+    else:
+      assert np.abs(action).max() > 1e-3
+    # Without truncation the action layer is trained either way.
+    assert max(np.abs(a).max() for a in
+               jax.tree_util.tree_leaves(grads[0]['action'])) > 1e-3
+
+
 @pytest.mark.parametrize('normalize,reading,bottom,window,trunc', [
     (False, 'state', 'fixed', 0, 0),
     (True, 'symbol', 'frozen', 0, 0),
     (False, 'state', 'frozen', 3, 2),
+    (False, 'state', 'fixed', 3, 2),
 ])
 def test_rns_matches_pda_composition(normalize, reading, bottom, window,
                                      trunc):
