@@ -1315,7 +1315,11 @@ def render_report(records: Sequence[Mapping[str, Any]],
       "and the figures, and a test checks that they match. Runs are made "
       "with `python -m nsrnn_jax.reproduce --task=<task>`. Our strings are "
       "drawn with NumPy's generator: same grammars and distributions as the "
-      "authors', not their strings.",
+      "authors', not their strings. Restart r of every model and setting "
+      f"uses seed {BASE_SEED} + r for its data, parameters and shuffling, "
+      "so models and settings are compared on the same "
+      f"{NUM_RESTARTS} datasets (paired); the authors drew fresh seeds for "
+      "every run.",
       "",
       f"Records: {len(paper_runs)} finished runs of the paper's protocol, on "
       f"{_hardware_summary(paper_runs)}. {_ns_table_summary(paper_runs)}"
