@@ -1010,7 +1010,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
   """Builds one of the language models.
 
   Args:
-    name: one of ``MODEL_NAMES`` ('lstm', 'jm', 'gref', 'ns', 'rns').
+    name: one of ``MODEL_NAMES`` ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns').
     vocab_size: V.
     hidden_size: LSTM hidden units H (20 in the paper).
     num_states: NS-RNN PDA states Q (ns only).
