@@ -136,7 +136,7 @@ def _actions_of(q, s):
 
 
 @pytest.mark.parametrize("boundary", ["iclr2022", "iclr2023"])
-def test_truncated_bptt(x64, boundary):
+def test_truncated_bptt(x64, fast_compile_test, boundary):
   q, s, b, t, window = 2, 2, 2, 5, 2
   rng = np.random.default_rng(3)
   step_fn = _controller(q, s)
@@ -183,14 +183,28 @@ def test_truncated_bptt(x64, boundary):
       update(st, actions_of(p, h))
     return jnp.stack(outs, 1), jnp.stack(hats, 1), jnp.stack(masses, 1)
 
-  def loss(fn, chunk, with_stack=True, **kw):
-    def f(p):
-      outs, hat, lm = fn(p, chunk, **kw)
-      if not with_stack:   # What a language model's loss reads.
-        return jnp.sum(c1 * outs)
-      return (jnp.sum(c1 * outs) + jnp.sum(c2 * rns_stack.readout(hat)[0])
-              + 0.01 * jnp.sum(lm))
-    return f
+  grads = {}
+
+  def grad(fn, chunk, with_stack=True, bookkeeping=boundary):
+    # Memoised: each gradient compiled once.
+    key = (fn.__name__, chunk, with_stack, bookkeeping)
+    if key not in grads:
+      kw = {"bookkeeping": bookkeeping} if fn is chunked else {}
+
+      def f(p):
+        outs, hat, lm = fn(p, chunk, **kw)
+        if not with_stack:   # What a language model's loss reads.
+          return jnp.sum(c1 * outs)
+        return (jnp.sum(c1 * outs)
+                + jnp.sum(c2 * rns_stack.readout(hat)[0])
+                + 0.01 * jnp.sum(lm))
+      grads[key] = jax.jit(jax.grad(f))(params)
+    return grads[key]
+
+  def assert_same(a, b):
+    for g, w in zip(jax.tree_util.tree_leaves(a),
+                    jax.tree_util.tree_leaves(b)):
+      np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
 
   whole = chunked(params, 0)
   for chunk in (1, 2):  # 5 chunks; 3 chunks, the last one padded by 1 step.
@@ -198,30 +212,19 @@ def test_truncated_bptt(x64, boundary):
                        jax.jit(naive, static_argnums=1)(params, chunk)):
       np.testing.assert_allclose(g, w, atol=1e-12)
       np.testing.assert_allclose(g, n, atol=1e-12)
-    for with_stack in (True, False):
-      got = jax.jit(jax.grad(loss(chunked, chunk, with_stack)))(params)
-      want = jax.jit(jax.grad(loss(naive, chunk, with_stack)))(params)
-      for g, w in zip(jax.tree_util.tree_leaves(got),
-                      jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
+    # Chunks of one step: every update is a chunk's last (the boundary
+    # alone); the LM loss is the one that can miss it.
+    for with_stack in (True, False) if chunk == 2 else (False,):
+      assert_same(grad(chunked, chunk, with_stack),
+                  grad(naive, chunk, with_stack))
   # Truncation changes the gradient (it is not a no-op).
-  got = jax.jit(jax.grad(loss(chunked, 2)))(params)
-  untruncated = jax.jit(jax.grad(loss(chunked, 0)))(params)
-  assert np.abs(untruncated["wh"] - got["wh"]).max() > 1e-6
+  assert np.abs(grad(chunked, 0)["wh"] - grad(chunked, 2)["wh"]).max() > 1e-6
   # The two boundaries differ in what trains the action layer; without
   # truncation they are the same function.
   other = "iclr2022" if boundary == "iclr2023" else "iclr2023"
-  g_this = jax.jit(jax.grad(loss(chunked, 2, False)))(params)
-  g_other = jax.jit(jax.grad(loss(chunked, 2, False, bookkeeping=other)))(
-      params)
-  assert np.abs(g_this["wa"] - g_other["wa"]).max() > 1e-3
-  for whole_grads in (jax.grad(loss(chunked, 0, False))(params),
-                      jax.grad(loss(chunked, 0, False, bookkeeping=other))(
-                          params)):
-    for g, w in zip(jax.tree_util.tree_leaves(whole_grads),
-                    jax.tree_util.tree_leaves(
-                        jax.grad(loss(naive, 0, False))(params))):
-      np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
+  assert np.abs(grad(chunked, 2, False)["wa"]
+                - grad(chunked, 2, False, other)["wa"]).max() > 1e-3
+  assert_same(grad(chunked, 0, False), grad(chunked, 0, False, other))
 
 
 def test_viterbi_with_window_is_best_windowed_run(x64):
