@@ -33,9 +33,11 @@ validation, 40-100 for the test (100 strings per length), batch 10, Adam,
 clip 5, plateau decay x0.9 (patience 5), early stopping (patience 10), at
 most 200 epochs, d = 20 -- all configs/default.py values. The learning rate
 is drawn per run log-uniformly from [5e-4, 1e-2], 10 runs per (task,
-model), and the best run by validation CE difference is reported
-(`reproduce --selection=best_run`); the default here, 0.005, is one
-draw-like value: set --config.learning_rate per run. EOS is appended and
+model), and the best run by validation CE difference is reported:
+`python -m nsrnn_jax.later_protocol --task=<task> --models=<model>,...
+--workdir=<dir>` runs exactly that (resumable, with records and the
+summary table). The default here, 0.005, is one draw-like value for a
+single run: set --config.learning_rate. EOS is appended and
 predicted and the per-length test bound has no ln N_L term, as in the
 authors' later experiments (§4.1). One difference from the authors, kept on
 purpose: the run-consistent bottom vector (the authors' code

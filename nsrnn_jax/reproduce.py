@@ -71,6 +71,7 @@ test CE difference over lengths 40-80 and 81-100 (Figure 4).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import importlib.util
@@ -267,22 +268,44 @@ def plan_tasks(tasks: Sequence[str], models: Sequence[str],
                 key=lambda s: s.restart)  # Stable: task, then plan order.
 
 
-def _load_config_file(path: str):
-  """get_config() of a configs/*.py file, importable from any directory."""
+def load_module(path: str):
+  """A configs/*.py file as a module, importable from any directory.
+
+  Its functions import `configs.default` when called, so `get_config` is
+  called through `call_with_repo_on_path`.
+  """
   if not os.path.isfile(path):
     raise ReproduceError(f"config file {path} not found")
-  added = REPO_ROOT not in sys.path
-  if added:  # configs/*.py import `configs.default`.
-    sys.path.insert(0, REPO_ROOT)
-  try:
+  with _repo_on_path():
     spec = importlib.util.spec_from_file_location(
         "_reproduce_" + os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
-  finally:
-    if added:
+  return module
+
+
+class _repo_on_path:  # pylint: disable=invalid-name
+  """Context: the repository root on sys.path (configs import `configs`)."""
+
+  def __enter__(self):
+    self.added = REPO_ROOT not in sys.path
+    if self.added:
+      sys.path.insert(0, REPO_ROOT)
+
+  def __exit__(self, *exc):
+    if self.added:
       sys.path.remove(REPO_ROOT)
+
+
+def call_with_repo_on_path(fn, *args):
+  """fn(*args) with the repository root on sys.path."""
+  with _repo_on_path():
+    return fn(*args)
+
+
+def _load_config_file(path: str):
+  """get_config() of a configs/*.py file, importable from any directory."""
+  return call_with_repo_on_path(load_module(path).get_config)
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
@@ -1577,17 +1600,18 @@ def _split_list(value: str, cast, what: str) -> list:
                          f"{cast.__name__}s") from e
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+  """An argparse parser whose errors raise ReproduceError (one line, exit 2
+  from `main`) instead of printing usage and exiting."""
+
+  def error(self, message):
+    raise ReproduceError(message)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """CLI entry point; returns the exit code (2 with one line on bad input)."""
-  import argparse  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
-
-  class Parser(argparse.ArgumentParser):
-
-    def error(self, message):
-      raise ReproduceError(message)
-
-  parser = Parser(prog="python -m nsrnn_jax.reproduce",
+  parser = OneLineArgumentParser(prog="python -m nsrnn_jax.reproduce",
                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--task", help=f"one of {', '.join(TASKS)}; several "
                       "(comma-separated) or 'all' run as one grid, each "

@@ -1,0 +1,251 @@
+"""The later papers' protocol: random learning rates, the best run reported.
+
+DuSell & Chiang (ICLR 2023), rns-vrns-reference.md §4.3: for each (task,
+model), 10 runs, each with a learning rate drawn log-uniformly from
+[5e-4, 1e-2] and its own data, parameter and shuffle seeds; the run with
+the lowest best-epoch validation CE difference is reported (its test CE
+difference per length), and the capacity plots add the mean ± std of the
+best-epoch validation CE difference over the runs. Tasks and models are
+those of `configs/later.py` (`<task>,<model>`, e.g. `marked_copy,rns-3-3`).
+
+  python -m nsrnn_jax.later_protocol --task=marked_copy \\
+      --models=lstm,jm-10,rns-3-3 --workdir=runs/later
+  python -m nsrnn_jax.later_protocol --workdir=runs/later --report
+
+Resumable: rerunning the same command skips finished runs and resumes an
+interrupted one from its last checkpoint (`train.train_and_evaluate`). Run
+k of every model uses the same learning rate and seeds (BASE_SEED + k): the
+draws are a function of (--seed, k) only, so a later invocation with more
+--runs keeps the first runs' rates. The authors drew every run afresh; the
+pairing changes no distribution, only makes models' runs comparable one to
+one. Run k's record is `<workdir>/records/<task>/<model>/restart_<k>.json`
+(the format of results/README.md, with "setting" run_<k> and "protocol"
+"iclr2023"); the summary table is printed and saved as
+`<workdir>/summary.json`.
+"""
+
+import math
+import os
+import sys
+import types
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from nsrnn_jax import reproduce
+
+# rns-vrns-reference.md §4.3.
+LEARNING_RATE_RANGE = (5e-4, 1e-2)
+NUM_RUNS = 10
+PROTOCOL = "iclr2023"
+RECORDS_DIR = "records"
+SUMMARY_FILE = "summary.json"
+
+__all__ = ["LEARNING_RATE_RANGE", "NUM_RUNS", "learning_rates", "run_config",
+           "run", "summarize", "render_table", "main"]
+
+
+def learning_rates(num_runs: int, seed: int = 0) -> list[float]:
+  """Log-uniform draws from LEARNING_RATE_RANGE; run k's is entry k.
+
+  One generator stream per seed, so the first k draws do not depend on
+  `num_runs`.
+  """
+  if isinstance(num_runs, bool) or not isinstance(num_runs, int) or (
+      num_runs < 1):
+    raise reproduce.ReproduceError(f"--runs must be a positive integer, got "
+                                   f"{num_runs!r}")
+  lo, hi = (math.log(x) for x in LEARNING_RATE_RANGE)
+  draws = np.random.default_rng(seed).uniform(lo, hi, size=num_runs)
+  return [float(math.exp(x)) for x in draws]
+
+
+def _later_config(task: str, model: str):
+  path = os.path.join(reproduce.REPO_ROOT, "configs", "later.py")
+  module = reproduce.load_module(path)
+  try:
+    return reproduce.call_with_repo_on_path(module.get_config,
+                                            f"{task},{model}")
+  except ValueError as e:
+    raise reproduce.ReproduceError(str(e)) from None
+
+
+def run_config(task: str, model: str, run_index: int, learning_rate: float,
+               overrides: Mapping[str, Any] = ()):
+  """configs/later.py:<task>,<model> for run k, validated."""
+  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+  config = _later_config(task, model)
+  with config.unlocked():
+    config.learning_rate = float(learning_rate)
+    seed = reproduce.BASE_SEED + run_index
+    config.data_seed = config.param_seed = config.shuffle_seed = seed
+    config.progress_bar = False
+    for field, value in dict(overrides).items():
+      if field not in config:
+        raise reproduce.ReproduceError(f"--set {field}: unknown config field "
+                                       "(fields: configs/default.py)")
+      config[field] = value
+  try:
+    train.validate_config(config)
+  except ValueError as e:
+    raise reproduce.ReproduceError(str(e)) from None
+  return config
+
+
+def _spec(task, model, k, lr):
+  # The fields reproduce.make_record reads.
+  return types.SimpleNamespace(task=task, model=model, setting=f"run_{k}",
+                               learning_rate=lr, stack_size=None, restart=k)
+
+
+def _parse_list(value, what) -> list[str]:
+  items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(
+      value, str) else list(value)
+  if not items:
+    raise reproduce.ReproduceError(f"{what} is empty")
+  if len(set(items)) != len(items):
+    raise reproduce.ReproduceError(f"{what} repeats an entry: {value!r}")
+  return items
+
+
+def run(tasks, models, workdir: str, num_runs: int = NUM_RUNS,
+        seed: int = 0, overrides: Mapping[str, Any] = (),
+        out=sys.stdout) -> list[dict[str, Any]]:
+  """Trains every missing run (run-major: run 0 of every model first).
+
+  Returns the summary rows of `summarize` over the workdir's records.
+  """
+  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+  tasks = _parse_list(tasks, "--task")
+  models = _parse_list(models, "--models")
+  rates = learning_rates(num_runs, seed)
+  plan = [(k, t, m) for k in range(num_runs) for t in tasks for m in models]
+  # Every config is built (and checked) before the first run starts.
+  configs = {(k, t, m): run_config(t, m, k, rates[k], overrides)
+             for k, t, m in plan}
+  records_dir = os.path.join(workdir, RECORDS_DIR)
+  hw = reproduce.hardware()
+  for i, (k, t, m) in enumerate(plan, start=1):
+    run_dir = os.path.join(workdir, t, m, f"run_{k}")
+    record_path = os.path.join(records_dir, t, m, f"restart_{k}.json")
+    name = f"{t}/{m}/run_{k} (lr {rates[k]:.6g})"
+    if not os.path.isfile(record_path):
+      print(f"[{i}/{len(plan)}] {name}", file=out, flush=True)
+      results = train.train_and_evaluate(configs[(k, t, m)], run_dir)
+      if not results.get("finished"):
+        print(f"stopped in {name}; rerun the command to continue", file=out)
+        break
+      record = reproduce.make_record(_spec(t, m, k, rates[k]), run_dir,
+                                     overrides, hw)
+      record["protocol"] = PROTOCOL if not overrides else "custom"
+      reproduce.write_json_atomic(record_path, record)
+  rows = summarize(reproduce.load_records(records_dir))
+  reproduce.write_json_atomic(os.path.join(workdir, SUMMARY_FILE),
+                              {"protocol": PROTOCOL, "rows": rows})
+  return rows
+
+
+def _bins(record) -> Optional[list[Optional[float]]]:
+  """Mean test CE difference over the training lengths and the longer ones
+  (the paper: 40-80 and 81-100)."""
+  test = record.get("test")
+  if not test:
+    return None
+  longest = record["config"]["train_max_length"]
+  out = []
+  for inside in (True, False):
+    values = [d for n, d in zip(test["lengths"], test["ce_diff"])
+              if (n <= longest) == inside and d is not None]
+    out.append(float(np.mean(values)) if values else None)
+  return out
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """Per (task, model): the best run and the spread over runs.
+
+  Each row: task, model, runs (finished), best_run, best_learning_rate,
+  best_valid_ce_diff (the best run's), mean_best_valid_ce_diff and
+  std_best_valid_ce_diff (ddof=0, over the runs) and the best run's test
+  CE difference averaged over the training lengths and over the longer
+  ones (`test_ce_diff_bins`; the paper's 40-80 and 81-100). Ties go to the
+  lower run index.
+  """
+  groups: dict = {}
+  for rec in records:
+    if rec.get("best_valid_ce_diff") is None:
+      continue
+    groups.setdefault((rec["task"], rec["model"]), []).append(rec)
+  rows = []
+  for (task, model), recs in sorted(groups.items()):
+    recs = sorted(recs, key=lambda r: r["restart"])
+    values = np.asarray([r["best_valid_ce_diff"] for r in recs], float)
+    best = recs[int(np.argmin(values))]
+    rows.append({
+        "task": task, "model": model, "runs": len(recs),
+        "best_run": best["restart"],
+        "best_learning_rate": best["learning_rate"],
+        "best_valid_ce_diff": best["best_valid_ce_diff"],
+        "mean_best_valid_ce_diff": float(values.mean()),
+        "std_best_valid_ce_diff": float(values.std()),
+        "test_ce_diff_bins": _bins(best),
+    })
+  return rows
+
+
+def render_table(rows: Sequence[Mapping[str, Any]]) -> str:
+  """The summary as a Markdown table."""
+  f = lambda x: "—" if x is None else f"{x:.4f}"
+  lines = ["| task | model | runs | best run (lr) | best valid CE diff | "
+           "mean ± std over runs | best run's test: training lengths / longer |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    bins = r["test_ce_diff_bins"] or [None, None]
+    lines.append(
+        f"| {r['task']} | {r['model']} | {r['runs']} | {r['best_run']} "
+        f"({r['best_learning_rate']:.3g}) | {f(r['best_valid_ce_diff'])} | "
+        f"{f(r['mean_best_valid_ce_diff'])} ± "
+        f"{f(r['std_best_valid_ce_diff'])} | {f(bins[0])} / {f(bins[1])} |")
+  return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """CLI; returns the exit code (2 with one line on bad input)."""
+  parser = reproduce.OneLineArgumentParser(
+      prog="python -m nsrnn_jax.later_protocol",
+      description=__doc__.split("\n")[0])
+  parser.add_argument("--task", help="comma-separated configs/later.py tasks")
+  parser.add_argument("--models", help="comma-separated configs/later.py "
+                      "models, e.g. lstm,jm-10,rns-3-3,vrns-2-1-3")
+  parser.add_argument("--workdir", required=True,
+                      help="run directories, checkpoints and records")
+  parser.add_argument("--runs", type=int, default=NUM_RUNS,
+                      help="runs per (task, model), each with its own "
+                      "learning rate and seeds")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the learning-rate draws")
+  parser.add_argument("--set", action="append", default=[],
+                      metavar="FIELD=VALUE",
+                      help="config override for every run (records say so)")
+  parser.add_argument("--report", action="store_true",
+                      help="print the summary of the workdir's records and "
+                      "exit")
+  try:
+    args = parser.parse_args(argv)
+    records_dir = os.path.join(args.workdir, RECORDS_DIR)
+    if args.report:
+      rows = summarize(reproduce.load_records(records_dir))
+    else:
+      if not args.task or not args.models:
+        raise reproduce.ReproduceError("--task and --models are required "
+                                       "(or --report)")
+      rows = run(args.task, args.models, args.workdir, args.runs, args.seed,
+                 reproduce.parse_overrides(args.set))
+  except (reproduce.ReproduceError, ValueError) as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
+  print(render_table(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

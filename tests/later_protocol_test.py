@@ -1,0 +1,120 @@
+"""Tests of nsrnn_jax.later_protocol (random learning rates, best run)."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from nsrnn_jax import later_protocol
+from nsrnn_jax import reproduce
+
+TINY = ["--set=num_train_batches=6", "--set=num_valid_batches=2",
+        "--set=train_min_length=5", "--set=train_max_length=9",
+        "--set=test_min_length=5", "--set=test_max_length=11",
+        "--set=test_strings_per_length=2", "--set=max_epochs=1",
+        "--set=length_buckets=(9, 11)", "--set=hidden_size=4"]
+
+
+def test_learning_rates_are_log_uniform_on_the_papers_range():
+  lo, hi = later_protocol.LEARNING_RATE_RANGE
+  assert (lo, hi) == (5e-4, 1e-2)
+  rates = later_protocol.learning_rates(4000, seed=3)
+  assert all(lo <= r <= hi for r in rates)
+  # log-uniform: the logs' mean and variance are those of U[ln lo, ln hi]
+  # (within 5 standard errors), and a quarter of the draws falls in each
+  # quarter of the log range (a uniform draw would put 82% above 2.5e-3).
+  logs = np.log(rates)
+  a, b = math.log(lo), math.log(hi)
+  width = b - a
+  assert abs(logs.mean() - (a + b) / 2) < 5 * width / math.sqrt(12 * 4000)
+  assert abs(logs.var() - width ** 2 / 12) < 0.1 * width ** 2 / 12
+  counts = np.histogram(logs, bins=4, range=(a, b))[0]
+  assert np.all(np.abs(counts - 1000) < 5 * math.sqrt(1000 * 0.75))
+  # Run k's rate does not depend on how many runs were asked for.
+  assert later_protocol.learning_rates(3, seed=3) == rates[:3]
+  assert later_protocol.learning_rates(3, seed=4) != rates[:3]
+
+
+def _record(model, k, best, lr, test=None, train_max=80):
+  return {"task": "marked_copy", "model": model, "restart": k,
+          "learning_rate": lr, "best_valid_ce_diff": best,
+          "config": {"train_max_length": train_max}, "test": test}
+
+
+def test_summary_picks_the_best_run_and_the_spread():
+  test = {"lengths": [40, 60, 80, 90, 100],
+          "ce_diff": [0.1, 0.2, 0.3, 0.5, 0.7]}
+  recs = [_record("rns-3-3", 0, 0.30, 0.001),
+          _record("rns-3-3", 1, 0.10, 0.004, test),
+          _record("rns-3-3", 2, 0.20, 0.009),
+          _record("lstm", 1, 0.5, 0.002),      # a tie: the lower run wins
+          _record("lstm", 0, 0.5, 0.003)]
+  rows = {r["model"]: r for r in later_protocol.summarize(recs)}
+  ns = rows["rns-3-3"]
+  assert (ns["runs"], ns["best_run"], ns["best_learning_rate"]) == (
+      3, 1, 0.004)
+  assert ns["best_valid_ce_diff"] == 0.10
+  assert ns["mean_best_valid_ce_diff"] == pytest.approx(0.2)
+  assert ns["std_best_valid_ce_diff"] == pytest.approx(math.sqrt(2 / 300))
+  assert ns["test_ce_diff_bins"] == pytest.approx([0.2, 0.6])
+  assert rows["lstm"]["best_run"] == 0
+  assert rows["lstm"]["test_ce_diff_bins"] is None
+  table = later_protocol.render_table(later_protocol.summarize(recs))
+  assert ("| marked_copy | rns-3-3 | 3 | 1 (0.004) | 0.1000 | 0.2000 ± "
+          "0.0816 | 0.2000 / 0.6000 |") in table
+
+
+def test_runs_resume_and_keep_their_rates(tmp_path, capsys):
+  workdir = str(tmp_path / "w")
+  args = ["--task=marked_copy", "--models=lstm", f"--workdir={workdir}"]
+  assert later_protocol.main(args + ["--runs=2"] + TINY) == 0
+  out = capsys.readouterr().out
+  assert out.count("marked_copy/lstm/run_") == 2
+  rates = later_protocol.learning_rates(3)
+  records = os.path.join(workdir, "records", "marked_copy", "lstm")
+  for k in range(2):
+    with open(os.path.join(records, f"restart_{k}.json")) as f:
+      rec = json.load(f)
+    assert rec["learning_rate"] == rates[k]
+    assert rec["config"]["learning_rate"] == rates[k]
+    assert rec["config"]["data_seed"] == reproduce.BASE_SEED + k
+    assert rec["config"]["predict_eos"]              # §4.1
+    assert not rec["config"]["test_bound_includes_num_lengths"]
+    assert rec["setting"] == f"run_{k}" and rec["protocol"] == "custom"
+  # More runs: only the new one trains; the first two keep their rates.
+  before = os.path.getmtime(os.path.join(records, "restart_0.json"))
+  assert later_protocol.main(args + ["--runs=3"] + TINY) == 0
+  out = capsys.readouterr().out
+  assert "run_2" in out and "run_0" not in out.split("| task")[0]
+  assert os.path.getmtime(os.path.join(records, "restart_0.json")) == before
+  with open(os.path.join(workdir, "summary.json")) as f:
+    (row,) = json.load(f)["rows"]
+  assert row["runs"] == 3 and row["model"] == "lstm"
+  assert row["best_learning_rate"] in rates
+  # --report reads the same records.
+  assert later_protocol.main([f"--workdir={workdir}", "--report"]) == 0
+  assert "| marked_copy | lstm | 3 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--task=marked_copy", "--models=jm-0"], "unknown model 'jm-0'"),
+    (["--task=copy", "--models=lstm"], "unknown task 'copy'"),
+    (["--task=marked_copy", "--models=lstm", "--runs=0"],
+     "--runs must be a positive integer"),
+    (["--task=marked_copy", "--models=lstm,lstm"], "repeats an entry"),
+    (["--models=lstm"], "--task and --models are required"),
+    (["--task=marked_copy", "--models=lstm", "--set=bogus=1"],
+     "--set bogus: unknown config field"),
+    (["--task=marked_copy", "--models=lstm", "--set=hidden_size=0"],
+     "config.hidden_size must be >= 1"),
+])
+def test_bad_input_is_one_line_exit_2_and_trains_nothing(tmp_path, capsys,
+                                                         args, message):
+  workdir = tmp_path / "w"
+  assert later_protocol.main(args + [f"--workdir={workdir}"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: ")
+  assert message in err
+  assert not workdir.exists()
