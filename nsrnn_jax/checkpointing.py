@@ -30,6 +30,7 @@ this file.
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -305,6 +306,27 @@ def interrupts_deferred():
         previous(signal.SIGINT, received[-1])
 
 
+# Key of the state's checksum in a checkpoint's host item.
+DIGEST_KEY = "state_sha256"
+
+
+def state_digest(state: PyTree) -> Optional[str]:
+  """SHA-256 of every leaf's dtype, shape and bytes (in tree order).
+
+  None when a leaf is not fully addressable (sharded across processes),
+  where one process cannot read it whole.
+  """
+  leaves = jax.tree.leaves(state)
+  if not all(getattr(x, "is_fully_addressable", True) for x in leaves):
+    return None
+  h = hashlib.sha256()
+  for x in leaves:
+    a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: PyTree,
          host: dict) -> None:
   """Saves `state` (pytree of arrays) and `host` (JSON-able dict) at `step`.
@@ -312,7 +334,13 @@ def save(manager: ocp.CheckpointManager, step: int, state: PyTree,
   Returns once the checkpoint is final on disk, so a kill leaves either the
   whole checkpoint or none of it (a partial save is a tmp directory that
   restore ignores); an interrupt (Ctrl-C) waits for the save to finish.
+  The host item also holds the state's `state_digest`, which restore checks:
+  damaged bytes that still decode are an unreadable checkpoint, not silently
+  different numbers.
   """
+  digest = state_digest(state)
+  if digest is not None:
+    host = {**host, DIGEST_KEY: digest}
   with interrupts_deferred():
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),
@@ -370,6 +398,11 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
       _check_tree(state, target)
       if not isinstance(host, dict):
         raise ValueError("host item is not a JSON object")
+      host = dict(host)
+      saved = host.pop(DIGEST_KEY, None)   # None: saved before checksums.
+      if saved is not None and saved != state_digest(state):
+        raise ValueError("the state does not match the checksum it was "
+                         "saved with (damaged data)")
     except Exception as e:  # pylint: disable=broad-except
       reason = str(e).splitlines()[0][:200] if str(e) else ""
       bad.append(f"{step} ({type(e).__name__}: {reason})")

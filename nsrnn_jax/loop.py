@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -449,7 +450,8 @@ def _run_locked(state, runs, model, mesh, rngs, orders, main, should_stop,
     # so the log of a directory restored from mixed copies gets no hole.
     logged = [metrics_lib.last_complete_epoch(r.workdir) for r in runs]
     state, resumed = _restore(state, managers, template, rngs, orders, mesh,
-                              move_aside=main, max_epochs=logged)
+                              move_aside=main, max_epochs=logged,
+                              every=int(config.checkpoint_every_epochs))
     writers = [metrics_lib.MetricWriter(r.workdir, enabled=main,
                                         resume_epoch=e)
                for r, e in zip(runs, resumed)]
@@ -472,14 +474,25 @@ def _run_locked(state, runs, model, mesh, rngs, orders, main, should_stop,
 
 
 def _restore(state, managers, template, rngs, orders, mesh, move_aside,
-             max_epochs):
+             max_epochs, every=1):
   """Each run's latest readable checkpoint of an epoch <= max_epochs[k] (or
-  its fresh state), stacked."""
+  its fresh state), stacked.
+
+  A run whose metrics log holds `every` or more epochs must have had a
+  checkpoint: finding none (checkpoints/ deleted or emptied) is a ValueError,
+  not a silent restart that would overwrite the log.
+  """
   arrays_K, resumed = [], []
   for k, manager in enumerate(managers):
     restored = checkpointing.restore_latest(manager, template,
                                             move_aside=move_aside,
                                             max_step=max_epochs[k])
+    if restored is None and max_epochs[k] >= every:
+      raise ValueError(
+          f"{os.path.dirname(str(manager.directory))!r}: metrics.jsonl holds "
+          f"epochs 1-{max_epochs[k]} but there is no checkpoint in "
+          f"{str(manager.directory)!r}; nothing was changed: restore the "
+          "checkpoints, or move the run directory away to start again")
     if restored is None:
       arrays_K.append(jax.tree.map(lambda x: np.asarray(x[k]),  # pylint: disable=cell-var-from-loop
                                    state.arrays()))

@@ -115,24 +115,37 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       fail(field, f"must be an integer (got {value!r})")
     if value < 1:
       fail(field, f"must be >= 1 (got {value})")
+  def real(field):
+    value = need(field)
+    if isinstance(value, bool) or not isinstance(value, (int, float,
+                                                         np.number)):
+      fail(field, f"must be a number (got {value!r})")
+    return value
+
   for field in ("learning_rate", "clip_norm", "adam_eps"):
-    value = need(field)
-    if not value > 0:
-      fail(field, f"must be > 0 (got {value})")
+    value = real(field)
+    if not 0 < value < float("inf"):
+      fail(field, f"must be finite and > 0 (got {value})")
   for field in ("adam_b1", "adam_b2"):
-    value = need(field)
+    value = real(field)
     if not 0 <= value < 1:
       fail(field, f"must be in [0, 1) (got {value})")
-  if not 0 < need("lr_decay_factor") <= 1:
+  if not 0 < real("lr_decay_factor") <= 1:
     fail("lr_decay_factor", f"must be in (0, 1] (got {config.lr_decay_factor})")
-  if need("lr_decay_threshold") < 0:
-    fail("lr_decay_threshold", f"must be >= 0 (got {config.lr_decay_threshold})")
+  if not 0 <= real("lr_decay_threshold") < float("inf"):
+    fail("lr_decay_threshold",
+         f"must be finite and >= 0 (got {config.lr_decay_threshold})")
   for field in ("lr_decay_patience", "early_stopping_patience",
                 "stop_after_epochs", "data_seed", "param_seed",
                 "shuffle_seed", "test_seed"):
     value = need(field)
-    if not isinstance(value, (int, np.integer)) or value < 0:
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        or value < 0):
       fail(field, f"must be a non-negative integer (got {value!r})")
+    # NumPy's RandomState (shuffling) takes seeds below 2**32; JAX's keys
+    # take the same range without wrapping.
+    if field.endswith("_seed") and value >= 2 ** 32:
+      fail(field, f"must be < 2**32 (got {value})")
   if need("checkpoints_to_keep") < 2:
     fail("checkpoints_to_keep", "must be >= 2 so that the last good "
          f"checkpoint survives a failed save (got {config.checkpoints_to_keep})")

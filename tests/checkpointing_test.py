@@ -85,6 +85,67 @@ def test_corrupt_latest_falls_back_and_is_moved_aside(tmp_path, caplog):
   assert _restore(str(ckpt))[0] == 2
 
 
+def _big_state(x):
+  return {"params": {"w": jnp.linspace(x, x + 1.0, 4096, dtype=jnp.float32)},
+          "step": jnp.asarray(int(x), jnp.int32)}
+
+
+def test_damaged_bytes_that_still_decode_are_an_unreadable_checkpoint(
+    tmp_path, monkeypatch):
+  ckpt = str(tmp_path / "checkpoints")
+  manager = checkpointing.make_manager(ckpt, keep=2)
+  for s in (1, 2):
+    checkpointing.save(manager, s, _big_state(float(s)), {"epoch": s})
+  checkpointing.close(manager)
+  # One bit flipped in the middle of each data file of step 2 (a disk or
+  # copy error): the file still decodes, to different numbers.
+  for root, _, files in os.walk(os.path.join(ckpt, "2", "state")):
+    for name in files:
+      path = os.path.join(root, name)
+      if os.path.basename(root) == "d" and os.path.getsize(path) > 1000:
+        with open(path, "r+b") as f:
+          f.seek(os.path.getsize(path) // 2)
+          byte = f.read(1)[0]
+          f.seek(-1, 1)
+          f.write(bytes([byte ^ 0x40]))
+
+  def restore(move_aside):
+    manager = checkpointing.make_manager(ckpt, keep=2,
+                                         read_only=not move_aside)
+    try:
+      return checkpointing.restore_latest(manager, _big_state(0.0),
+                                          move_aside=move_aside)
+    finally:
+      checkpointing.close(manager)
+
+  # Without the checksum the damage goes unnoticed (what the check is for).
+  with monkeypatch.context() as m:
+    m.setattr(checkpointing, "DIGEST_KEY", "no_such_key")
+    step, state, _ = restore(move_aside=False)
+  assert step == 2
+  assert not np.array_equal(state["params"]["w"],
+                            _big_state(2.0)["params"]["w"])
+  # With it: step 2 is unreadable, moved aside, and step 1 restored exactly.
+  step, state, host = restore(move_aside=True)
+  assert step == 1 and host == {"epoch": 1}
+  np.testing.assert_array_equal(state["params"]["w"],
+                                _big_state(1.0)["params"]["w"])
+  assert os.listdir(tmp_path / checkpointing.UNREADABLE_DIR) == ["2"]
+
+
+def test_checkpoints_saved_without_a_checksum_still_restore(tmp_path):
+  # Runs saved before checksums existed: host without the key.
+  ckpt = str(tmp_path / "checkpoints")
+  manager = checkpointing.make_manager(ckpt, keep=2)
+  manager.save(3, args=checkpointing.ocp.args.Composite(
+      state=checkpointing.ocp.args.StandardSave(_state(3.0)),
+      host=checkpointing.ocp.args.JsonSave({"epoch": 3})), force=True)
+  checkpointing.close(manager)
+  step, state, host = _restore(ckpt)
+  assert step == 3 and host == {"epoch": 3}
+  np.testing.assert_array_equal(state["opt"][0], _state(3.0)["opt"][0])
+
+
 def test_partial_save_is_ignored(tmp_path):
   _save_steps(str(tmp_path), [1])
   # A crash during save leaves only a temporary directory behind.

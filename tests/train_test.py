@@ -9,6 +9,7 @@ probabilities, and a tiny causal LSTM language model.
 import json
 import math
 import os
+import shutil
 
 import flax.linen as nn
 import jax
@@ -677,6 +678,31 @@ def test_a_log_older_than_the_checkpoints_resumes_where_the_log_ends(
     train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
                              splits=splits, model=TINY)
   assert _snapshot(workdir) == before
+
+
+def test_a_log_without_its_checkpoints_is_an_error_not_a_restart(tmp_path):
+  # checkpoints/ deleted (or emptied) after 2 checkpointed epochs: starting
+  # again would silently overwrite the log of the epochs run so far.
+  splits = tiny_splits()
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(tiny_config(max_epochs=4, stop_after_epochs=2),
+                           workdir, splits=splits, model=TINY)
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  before = _snapshot(workdir)
+  with pytest.raises(ValueError, match=r"metrics.jsonl holds epochs 1-2 but "
+                     r"there is no checkpoint in .*nothing was changed"):
+    train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
+                             splits=splits, model=TINY)
+  assert _snapshot(workdir) == before
+  # With a checkpoint every 2 epochs, a log of 1 epoch has none to lose.
+  workdir = str(tmp_path / "one")
+  train.train_and_evaluate(
+      tiny_config(max_epochs=4, stop_after_epochs=1,
+                  checkpoint_every_epochs=2), workdir, splits=splits,
+      model=TINY)
+  assert train.train_and_evaluate(
+      tiny_config(max_epochs=4, checkpoint_every_epochs=2), workdir,
+      splits=splits, model=TINY)["finished"]
 
 
 def test_should_stop_saves_and_resumes_exactly(tmp_path):
