@@ -234,6 +234,11 @@ def make_splits(task: str, *, seed: int, test_seed: int = 0,
   if not train_lengths and (train_batches or valid_batches):
     raise ValueError(f"{task} has no string with length in "
                      f"[{train_min_length}, {train_max_length}]")
+  if batch_size < 1 and (train_batches or valid_batches):
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  if not test_lengths and test_per_length:
+    raise ValueError(f"{task} has no string with length in the test "
+                     f"interval [{test_min_length}, {test_max_length}]")
   tick = progress or (lambda n: None)
 
   rng = np.random.default_rng(seed)
@@ -416,7 +421,7 @@ def _main(argv: Sequence[str]) -> None:
   for name in SPLITS:
     split = splits.split(name)
     msg = f"{name}: {len(split)} batches, {split.num_strings} strings"
-    if name != "train":
+    if name != "train" and split.num_strings:
       msg += (f", lower-bound cross-entropy "
               f"{split.lower_bound_cross_entropy():.5f} nats/symbol")
     print(msg)

@@ -114,6 +114,16 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="no string with length"):
     data.make_splits("marked_reversal", seed=0,
                      **dict(SMALL, train_min_length=10, train_max_length=10))
+  # Marked reversal has odd lengths only: [4, 4] holds none.
+  with pytest.raises(ValueError, match="no string with length in the test "
+                     r"interval \[4, 4\]"):
+    data.make_splits("marked_reversal", seed=0,
+                     **dict(SMALL, test_min_length=4, test_max_length=4))
+  with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+    data.make_splits("dyck", seed=0, **dict(SMALL, batch_size=0))
+  # No validation batches: no bound to report, and no division by zero.
+  assert data.make_splits("dyck", seed=0, **dict(
+      SMALL, valid_batches=0)).valid.num_strings == 0
 
 
 def test_read_rejects_bad_directory(tmp_path):
