@@ -141,18 +141,31 @@ def config_differences(stored: Mapping[str, Any],
   return out
 
 
+def run_started(workdir: str) -> bool:
+  """Whether `workdir` holds any trained state: a checkpoint (also one moved
+  aside) or a logged metric. A config.json alone (a run that failed before
+  its first epoch, e.g. out of memory) is not."""
+  for name in ("checkpoints", UNREADABLE_DIR, AHEAD_DIR):
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path) and os.listdir(path):
+      return True
+  log = os.path.join(workdir, "metrics.jsonl")
+  return os.path.isfile(log) and os.path.getsize(log) > 0
+
+
 def check_workdir(workdir: str, config_json: Mapping[str, Any]) -> None:
   """Raises a one-line ValueError before a run would write into `workdir`.
 
   Checks that the workdir is (or can be) a writable directory and that a
-  stored config.json, if any, does not differ in fields that change the run.
-  Touches nothing.
+  stored config.json, if any, does not differ in fields that change the run
+  -- unless the stored run never started (`run_started`): then the new
+  config replaces it. Touches nothing.
   """
   check_writable(workdir)
   if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
     return
   diffs = config_differences(read_config(workdir), config_json)
-  if diffs:
+  if diffs and run_started(workdir):
     raise ValueError(
         f"{workdir!r} holds a run with a different config: {'; '.join(diffs)}."
         " Use a new --workdir, or the stored values to resume")
@@ -213,9 +226,11 @@ def workdir_lock(workdir: str):
 
 
 def write_config(workdir: str, config_json: Mapping[str, Any]) -> None:
-  """Writes config.json unless the workdir already has one (the run's own)."""
+  """Writes config.json unless the workdir already has one of a run that
+  started (`run_started`: that run's own config is kept)."""
   os.makedirs(workdir, exist_ok=True)
-  if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+  if (not os.path.exists(os.path.join(workdir, CONFIG_FILE))
+      or not run_started(workdir)):
     write_json(workdir, CONFIG_FILE, config_json)
 
 

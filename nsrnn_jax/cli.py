@@ -2,9 +2,10 @@
 
 * Bad input is one line on stderr, "error: ...", and exit status 2, never a
   traceback: flags that do not parse (an unknown or ill-typed --config.<field>,
-  a config file that does not exist or fails to load) and the ValueError,
+  a config file that does not exist or fails to load), the ValueError,
   OSError and FloatingPointError raised by the library (their messages name
-  the field, file or run). `--verbosity=1` or more shows the traceback.
+  the field, file or run) and running out of memory (XLA's
+  RESOURCE_EXHAUSTED). `--verbosity=1` or more shows the traceback.
 * Library logging (Orbax, absl, JAX) is at WARNING unless --verbosity asks
   for more; the commands print their own concise status lines.
 * Compiled programs persist across runs (`use_compilation_cache`): a run
@@ -131,6 +132,15 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       if flags.FLAGS.verbosity >= 1:
         raise
       fail(e)
+    except Exception as e:  # pylint: disable=broad-except
+      # Out of device/host memory (e.g. a huge hidden_size or length):
+      # a one-line error saying so; any other runtime error is a bug and
+      # keeps its traceback.
+      if "RESOURCE_EXHAUSTED" not in str(e) or flags.FLAGS.verbosity >= 1:
+        raise
+      first = str(e).strip().splitlines()[0]
+      fail(f"out of memory ({first}); use a smaller model, batch or string "
+           "length, or a device with more memory")
     except KeyboardInterrupt:
       if flags.FLAGS.verbosity >= 1:
         raise

@@ -227,6 +227,11 @@ def test_check_workdir(tmp_path):
     checkpointing.check_workdir(str(tmp_path / "file" / "sub"), config)
   checkpointing.write_config(str(tmp_path / "run"), config)
   checkpointing.check_workdir(str(tmp_path / "run"), config)
+  # A config.json alone (a run that failed before its first epoch) may be
+  # replaced; once the run has a metric or a checkpoint, it may not.
+  checkpointing.check_workdir(str(tmp_path / "run"), dict(config,
+                                                          hidden_size=21))
+  (tmp_path / "run" / "metrics.jsonl").write_text('{"epoch": 1}\n')
   # Fields that only change how the run is executed may differ; fields
   # missing on either side (added to the defaults later) are not compared.
   checkpointing.check_workdir(str(tmp_path / "run"), dict(

@@ -30,7 +30,7 @@ def _snapshot(root):
 def _cases(tmp):
   """(name, argv, expected message fragment)."""
   a_file = os.path.join(tmp, "a_file")
-  trained = os.path.join(tmp, "trained")  # a workdir holding a config.json
+  trained = os.path.join(tmp, "trained")  # a config.json and a metric
   new = os.path.join(tmp, "new")
   main = ["-m", "nsrnn_jax.main", f"--config={QUICK}"]
   cases = [
@@ -96,6 +96,10 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path):
   os.makedirs(os.path.join(tmp, "trained"))
   with open(os.path.join(tmp, "trained", "config.json"), "w") as f:
     json.dump(config, f)
+  # A run that trained (a config.json alone may be replaced: its run never
+  # started).
+  with open(os.path.join(tmp, "trained", "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"epoch": 1, "train_loss": 1.0}) + "\n")
   before = _snapshot(tmp)
   cases = _cases(tmp)
   # The CLIs start in parallel: each one's cost is importing JAX.
@@ -111,6 +115,26 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path):
       failures.append(f"{name}: rc={proc.returncode} stderr={stderr[-500:]!r}")
   assert not failures, "\n".join(failures)
   assert _snapshot(tmp) == before  # Nothing created or overwritten.
+
+
+def test_out_of_memory_is_one_line_and_the_fixed_config_runs(tmp_path):
+  # A hidden size whose LSTM weights need 16 TB: XLA's RESOURCE_EXHAUSTED
+  # becomes one line (exit 2); the workdir it leaves (config.json only, no
+  # epoch run) takes the corrected config instead of refusing it.
+  workdir = str(tmp_path / "run")
+  base = [sys.executable, "-m", "nsrnn_jax.main",
+          f"--config={REPO}/configs/quick.py", f"--workdir={workdir}",
+          "--config.num_train_batches=4", "--config.num_valid_batches=2",
+          "--config.max_epochs=1", "--config.run_test=False"]
+  proc = subprocess.run(base + ["--config.hidden_size=1000000"], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert lines[-1].startswith("error: out of memory (RESOURCE_EXHAUSTED")
+  assert not any("Traceback" in l for l in lines)
+  fixed = subprocess.run(base, cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+  assert fixed.returncode == 0, fixed.stderr[-2000:]
 
 
 @pytest.fixture

@@ -566,6 +566,18 @@ def test_config_change_is_an_error_and_touches_nothing(tmp_path):
   assert again["finished"] and again["epochs"] == 2
 
 
+def test_a_run_that_never_started_may_be_reconfigured(tmp_path):
+  # A first invocation that failed before its first epoch (out of memory,
+  # say) left only config.json: the corrected config replaces it.
+  workdir = str(tmp_path)
+  checkpointing.write_config(workdir, train.config_to_json(
+      tiny_config(max_epochs=2, hidden_size=21)))
+  done = train.train_and_evaluate(tiny_config(max_epochs=2), workdir,
+                                  splits=tiny_splits(), model=TINY)
+  assert done["finished"]
+  assert checkpointing.read_config(workdir)["hidden_size"] == 20
+
+
 def test_no_readable_checkpoint_is_an_error_not_a_restart(tmp_path):
   workdir = str(tmp_path)
   train.train_and_evaluate(tiny_config(max_epochs=2), workdir,
