@@ -91,6 +91,9 @@ def encode(strings: Sequence[Union[str, Sequence[str]]],
   index = {s: i for i, s in enumerate(alphabet)}
   out = []
   for k, w in enumerate(strings):
+    if not isinstance(w, (str, list, tuple, np.ndarray)):
+      raise ValueError(f"string {k} is {w!r}; expected a string of symbols "
+                       "or a list of symbols")
     symbols = list(w)
     if not symbols:
       raise ValueError(f"string {k} is empty; the model scores strings of "

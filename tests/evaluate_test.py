@@ -101,6 +101,10 @@ def test_unknown_symbol_is_a_clear_error(loaded):
     evaluate.score(loaded, ["01#10", "0x"])
   with pytest.raises(ValueError, match="string 0 is empty"):
     evaluate.score(loaded, [""])
+  for bad in (None, 7):
+    with pytest.raises(ValueError, match=f"string 1 is {bad!r}; expected a "
+                       "string of symbols or a list of symbols"):
+      evaluate.score(loaded, ["01#10", bad])
 
 
 def _snapshot(directory):
