@@ -684,9 +684,16 @@ def test_a_log_older_than_the_checkpoints_resumes_where_the_log_ends(
   with open(log, "w") as f:
     f.write(json.dumps(got[0]) + "\n")
   os.remove(os.path.join(workdir, "results.json"))
+  _assert_refused_untouched(workdir, splits, r"\(epochs 3, 4\) are newer "
+                            r"than the run's metrics.jsonl, which holds "
+                            r"epoch 1, ")
+
+
+def _assert_refused_untouched(workdir, splits, match):
+  """Resuming `workdir` (4 tiny epochs) is a ValueError matching `match`
+  and changes no file."""
   before = _snapshot(workdir)
-  with pytest.raises(ValueError, match=r"\(epochs 3, 4\) are newer than the "
-                     r"run's metrics.jsonl, which holds epoch 1, "):
+  with pytest.raises(ValueError, match=match):
     train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
                              splits=splits, model=TINY)
   assert _snapshot(workdir) == before
@@ -700,12 +707,9 @@ def test_a_log_without_its_checkpoints_is_an_error_not_a_restart(tmp_path):
   train.train_and_evaluate(tiny_config(max_epochs=4, stop_after_epochs=2),
                            workdir, splits=splits, model=TINY)
   shutil.rmtree(os.path.join(workdir, "checkpoints"))
-  before = _snapshot(workdir)
-  with pytest.raises(ValueError, match=r"metrics.jsonl holds epochs 1-2 but "
-                     r"there is no checkpoint in .*nothing was changed"):
-    train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
-                             splits=splits, model=TINY)
-  assert _snapshot(workdir) == before
+  _assert_refused_untouched(workdir, splits, r"metrics.jsonl holds epochs "
+                            r"1-2 but there is no checkpoint in .*nothing "
+                            r"was changed")
   # With a checkpoint every 2 epochs, a log of 1 epoch has none to lose.
   workdir = str(tmp_path / "one")
   train.train_and_evaluate(
