@@ -147,4 +147,12 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       interrupted("the workdir keeps its last checkpoint (one per epoch); "
                   "rerun the same command to resume")
 
-  app.run(wrapped, flags_parser=parse_flags)
+  try:
+    app.run(wrapped, flags_parser=parse_flags)
+  except SystemExit as e:
+    # absl ends --help / --helpfull with status 1; asking for help is no
+    # error (argparse, and the reproduce command, exit 0).
+    if e.code == 1 and any(a in ("-h", "--help", "--helpshort", "--helpfull")
+                           for a in sys.argv[1:]):
+      sys.exit(0)
+    raise

@@ -117,6 +117,17 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path):
   assert _snapshot(tmp) == before  # Nothing created or overwritten.
 
 
+def test_help_exits_0_with_usage():
+  modules = ("nsrnn_jax.main", "nsrnn_jax.data", "nsrnn_jax.evaluate")
+  procs = [subprocess.Popen([sys.executable, "-m", m, "--help"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for m in modules]
+  for module, proc in zip(modules, procs):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (module, err[-1000:])
+    assert "--workdir" in out + err or "--out" in out + err, module
+
+
 def test_out_of_memory_is_one_line_and_the_fixed_config_runs(tmp_path):
   # A hidden size whose LSTM weights need 16 TB: XLA's RESOURCE_EXHAUSTED
   # becomes one line (exit 2); the workdir it leaves (config.json only, no
