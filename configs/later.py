@@ -1,7 +1,9 @@
 """The later papers' tasks x models, parameterised: `later.py:<task>,<model>`.
 
-One file for every (task, model) of DuSell & Chiang (ICLR 2023)'s
-non-context-free and capacity experiments (rns-vrns-reference.md §4.3):
+One file for the (task, model) pairs of DuSell & Chiang (ICLR 2023)'s
+non-context-free and capacity experiments (rns-vrns-reference.md §4.3);
+not yet built: the paper's JM-3.3.3 (three stacks of m = 3) and JM with a
+pushed hidden state:
 
   python -m nsrnn_jax.main --config=configs/later.py:marked_copy,vrns-2-1-3 \
       --workdir=runs/marked_copy_vrns-2-1-3
