@@ -31,13 +31,17 @@ this file.
 
 import contextlib
 import hashlib
+import io
 import json
+import logging as logging_std
 import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
+import time
 from typing import Any, Mapping, Optional
 
 from absl import logging
@@ -295,6 +299,80 @@ def _without_read_only_notice():
     logger.removeFilter(notice_filter)
 
 
+_CLOSED_LOOP_ERROR = "RuntimeError: Event loop is closed"
+
+
+class _AbandonedReadFilter(logging_std.Filter):
+  """Drops asyncio's "exception was never retrieved" for abandoned reads.
+
+  The reads a failed restore leaves behind (see
+  `_without_closed_loop_tracebacks`) end in exceptions nobody awaits, which
+  asyncio logs with their whole tensorstore spec when the garbage collector
+  reaches them, at any later point of the run. Only those are dropped.
+  """
+
+  def filter(self, record) -> bool:
+    message = record.getMessage()
+    return not ("exception was never retrieved" in message
+                and ("tensorstore" in message
+                     or "async_deserialize" in message))
+
+
+_ABANDONED_READ_FILTER = _AbandonedReadFilter()
+
+
+class _HeldStderr:
+  """What `_without_closed_loop_tracebacks` yields: mark a failed read."""
+
+  def __init__(self):
+    self.buffer = io.StringIO()
+    self.read_failed = False
+
+
+@contextlib.contextmanager
+def _without_closed_loop_tracebacks():
+  """Drops the tracebacks a failed Orbax restore prints, keeps other stderr.
+
+  When one array of a damaged checkpoint fails to read, Orbax stops and
+  closes its event loop while tensorstore still finishes the other reads;
+  each late read's callback then fails with "Event loop is closed" and its
+  traceback is printed to sys.stderr from tensorstore's threads, outside any
+  exception handler (up to hundreds per restore, depending on a race). The
+  restore already reports the checkpoint as unreadable in one line, so these
+  tracebacks are noise: stderr is held for the block and written back
+  without them. After a failed read (the caller sets `read_failed`) the
+  block waits for the late callbacks to stop (at most a second) before it
+  hands stderr back.
+  """
+  held = _HeldStderr()
+  real_stderr = sys.stderr
+  sys.stderr = held.buffer
+  try:
+    yield held
+  finally:
+    if held.read_failed:
+      quiet_polls, size = 0, -1
+      for _ in range(40):
+        time.sleep(0.025)
+        new_size = len(held.buffer.getvalue())
+        quiet_polls = quiet_polls + 1 if new_size == size else 0
+        size = new_size
+        if quiet_polls == 4:
+          break
+    sys.stderr = real_stderr
+    text = held.buffer.getvalue()
+    if _CLOSED_LOOP_ERROR in text:
+      # Threads interleave their lines, so drop every line a traceback of
+      # this kind is made of rather than matching whole blocks.
+      text = "".join(
+          line for line in text.splitlines(keepends=True)
+          if not (line.startswith((" ", "\t", "Traceback (most recent call"))
+                  or line.strip() == _CLOSED_LOOP_ERROR))
+    if text:
+      real_stderr.write(text)
+      real_stderr.flush()
+
+
 @contextlib.contextmanager
 def interrupts_deferred():
   """Holds back Ctrl-C (SIGINT) until the block ends, then raises it.
@@ -406,9 +484,14 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
   bad = []
   for step in steps:
     try:
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract),
-          host=ocp.args.JsonRestore()))
+      with _without_closed_loop_tracebacks() as held_stderr:
+        try:
+          restored = manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract),
+              host=ocp.args.JsonRestore()))
+        except Exception:
+          held_stderr.read_failed = True
+          raise
       state, host = restored["state"], restored["host"]
       _check_tree(state, target)
       if not isinstance(host, dict):
@@ -419,6 +502,8 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
         raise ValueError("the state does not match the checksum it was "
                          "saved with (damaged data)")
     except Exception as e:  # pylint: disable=broad-except
+      # Idempotent: a logger holds a filter object once.
+      logging_std.getLogger("asyncio").addFilter(_ABANDONED_READ_FILTER)
       reason = str(e).splitlines()[0][:200] if str(e) else ""
       bad.append(f"{step} ({type(e).__name__}: {reason})")
       continue
