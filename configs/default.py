@@ -45,6 +45,12 @@ def get_config() -> ml_collections.ConfigDict:
   # JM/Gref: the grid searched for m in the paper (documentation; the grid
   # search itself is a launcher over --config.stack_embedding_size).
   config.stack_embedding_size_grid = (2, 20, 40)
+  # JM: stacks side by side, each of width m with its own actions (ICLR 2023's
+  # JM-3.3.3 is 3 stacks of m = 3; the reading is their tops concatenated).
+  config.jm_num_stacks = 1
+  # JM: push the controller's hidden state itself instead of a learned
+  # sigmoid projection (needs jm_num_stacks * m == hidden_size).
+  config.jm_push_hidden_state = False
   # Stack variant of model "rns" (the CoNLL 2020 ns model is always
   # normalised, symbol reading, frozen bottom, unlimited; ns and vrns refuse
   # a window or truncation, vrns a frozen bottom, rather than ignore them).

@@ -1,9 +1,7 @@
 """The later papers' tasks x models, parameterised: `later.py:<task>,<model>`.
 
 One file for the (task, model) pairs of DuSell & Chiang (ICLR 2023)'s
-non-context-free and capacity experiments (rns-vrns-reference.md §4.3);
-not yet built: the paper's JM-3.3.3 (three stacks of m = 3) and JM with a
-pushed hidden state:
+non-context-free and capacity experiments (rns-vrns-reference.md §4.3):
 
   python -m nsrnn_jax.main --config=configs/later.py:marked_copy,vrns-2-1-3 \
       --workdir=runs/marked_copy_vrns-2-1-3
@@ -24,6 +22,10 @@ reversal mean length 60, Dyck with each bracket rule split K ways; see
   lstm                  the LSTM baseline
   jm-<m>                Joulin-Mikolov stack of width m (the paper: jm-3 for
                         capacity, jm-10 for the non-CF tasks)
+  jm-<m>.<m>[.<m>...]   K Joulin-Mikolov stacks of width m side by side, each
+                        with its own actions (the paper's jm-3.3.3)
+  jm-hidden             Joulin-Mikolov stack that pushes the controller's
+                        hidden state (width d = 20; the paper's non-CF tasks)
   rns-<Q>-<S>           RNS-RNN (unnormalised, state reading, bottom fix):
                         the paper's rns-1-3, rns-2-3 (capacity), rns-3-3
                         (non-CF)
@@ -58,10 +60,13 @@ import re
 from configs import default
 
 # The models the paper runs on these tasks (rns-vrns-reference.md §4.3).
-PAPER_MODELS = ("lstm", "jm-3", "jm-10", "rns-1-3", "rns-2-3", "rns-3-3",
-                "vrns-1-1-3", "vrns-2-1-3", "vrns-2-3-3")
-MODEL_FORMS = "lstm, jm-<m>, rns-<Q>-<S>, vrns-<Q>-<S>-<m>"
-_MODEL = re.compile(r"^(?:(?P<lstm>lstm)|jm-(?P<jm>\d+)|"
+PAPER_MODELS = ("lstm", "jm-3", "jm-10", "jm-3.3.3", "jm-hidden", "rns-1-3",
+                "rns-2-3", "rns-3-3", "vrns-1-1-3", "vrns-2-1-3",
+                "vrns-2-3-3")
+MODEL_FORMS = ("lstm, jm-<m>, jm-<m>.<m>[.<m>...] (equal widths), "
+               "jm-hidden, rns-<Q>-<S>, vrns-<Q>-<S>-<m>")
+_MODEL = re.compile(r"^(?:(?P<lstm>lstm)|jm-(?P<jm>\d+(?:\.\d+)*)|"
+                    r"(?P<jm_hidden>jm-hidden)|"
                     r"rns-(?P<rq>\d+)-(?P<rs>\d+)|"
                     r"vrns-(?P<vq>\d+)-(?P<vs>\d+)-(?P<vm>\d+))$")
 USAGE = ("configs/later.py needs ':<task>,<model>', e.g. "
@@ -88,9 +93,10 @@ def parse(arg):
     raise ValueError(f"configs/later.py: {reason}; valid tasks: "
                      f"{_tasks_text()} (K >= 2)") from None
   match = _MODEL.match(spec)
-  sizes = [int(v) for v in (match.groupdict().values() if match else ())
-           if v and v.isdigit()]
-  if not match or any(v < 1 for v in sizes):
+  sizes = [int(v) for g in (match.groupdict().values() if match else ())
+           if g and g[0].isdigit() for v in g.split(".")]
+  widths = set(match["jm"].split(".")) if match and match["jm"] else set()
+  if not match or any(v < 1 for v in sizes) or len(widths) > 1:
     raise ValueError(f"configs/later.py: unknown model {spec!r}; valid: "
                      f"{MODEL_FORMS} (sizes >= 1; the paper's: "
                      f"{', '.join(PAPER_MODELS)})")
@@ -98,7 +104,12 @@ def parse(arg):
   if g["lstm"]:
     fields = {"model": "lstm"}
   elif g["jm"]:
-    fields = {"model": "jm", "stack_embedding_size": int(g["jm"])}
+    widths = g["jm"].split(".")
+    fields = {"model": "jm", "stack_embedding_size": int(widths[0]),
+              "jm_num_stacks": len(widths)}
+  elif g["jm_hidden"]:
+    # Width d: set after the defaults, from the config's hidden size.
+    fields = {"model": "jm", "jm_push_hidden_state": True}
   elif g["rq"]:
     fields = {"model": "rns", "num_states": int(g["rq"]),
               "num_stack_symbols": int(g["rs"]), "stack_normalize": False,
@@ -120,6 +131,10 @@ def get_config(arg=None):
   config.task = task
   for name, value in fields.items():
     config[name] = value
+  if config.jm_push_hidden_state:
+    # One stack as wide as the hidden state (what it pushes). A
+    # --config.hidden_size override must set stack_embedding_size too.
+    config.stack_embedding_size = config.hidden_size
   # Both later tags predict EOS; their test bound has no ln N_L (§4.1).
   config.predict_eos = True
   config.test_bound_includes_num_lengths = False

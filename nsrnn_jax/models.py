@@ -177,14 +177,24 @@ def jm_update(stack_BxDxM: jax.Array, actions_Bx3: jax.Array,
 
   Args:
     stack_BxDxM: the stack before the update.
-    actions_Bx3: probabilities in the reference order (push, pop, no-op).
+    actions_Bx3: probabilities in the reference order (push, pop, no-op),
+      one row per string; or ``[B, K, 3]``: K stacks side by side, stack k
+      the k-th M / K columns of every cell, each with its own actions.
     push_BxM: the pushed vector ``v``.
 
   Returns:
     The updated ``stack_BxDxM``; its top ``[:, 0]`` is the new reading.
   """
-  push_Bx1x1, pop_Bx1x1, noop_Bx1x1 = (
-      a[:, None, None] for a in jnp.moveaxis(actions_Bx3, -1, 0))
+  if actions_Bx3.ndim == 3:
+    # [B, K, 3] -> one (push, pop, no-op) per column: [B, M, 3].
+    num_stacks = actions_Bx3.shape[1]
+    actions_BxMx3 = jnp.repeat(actions_Bx3,
+                               stack_BxDxM.shape[-1] // num_stacks, axis=1)
+    push_Bx1x1, pop_Bx1x1, noop_Bx1x1 = (
+        a[:, None, :] for a in jnp.moveaxis(actions_BxMx3, -1, 0))
+  else:
+    push_Bx1x1, pop_Bx1x1, noop_Bx1x1 = (
+        a[:, None, None] for a in jnp.moveaxis(actions_Bx3, -1, 0))
   # The cell above the top is v (what a push moves into place); the cell
   # below the stored depth is zero.
   pushed_BxDxM = jnp.concatenate(
@@ -579,27 +589,82 @@ class _VectorStackLM(LanguageModel):
                              xavier_uniform(self.PUSH_GAIN), dtype=self.dtype)
 
 
+def _per_stack_xavier(num_stacks: int, width: int):
+  """Xavier (gain 1) for a ``[H, K * width]`` kernel of K separate layers.
+
+  Each stack's ``[H, width]`` block gets the bound of a layer of its own,
+  ``sqrt(6 / (H + width))``, as the reference's one layer per stack
+  (``MultiLayer``) does; K = 1 is plain `xavier_uniform`.
+  """
+  if num_stacks == 1:
+    return xavier_uniform(1.0)
+  per_block = nn.initializers.variance_scaling(
+      1.0, 'fan_avg', 'uniform', in_axis=0, out_axis=-1, batch_axis=(1,))
+
+  def init(key, shape, dtype=jnp.float32):
+    fan_in, out = shape
+    return per_block(key, (fan_in, num_stacks, out // num_stacks),
+                     dtype).reshape(shape)
+
+  return init
+
+
 class JMLM(_VectorStackLM):
   """LSTM + Joulin-Mikolov superposition stack (actions push, pop, no-op).
 
-  ``trace`` adds ``actions`` [B, T, 3] (push, pop, no-op probabilities),
-  ``push_vectors`` [B, T, M] and ``readings`` [B, N, M] (``r_0 = 0`` ..
-  ``r_T``).
+  With ``num_stacks`` K > 1 (the ICLR 2023 paper's JM-3.3.3: K = 3 stacks
+  of M = 3), K stacks of width M run side by side, each with its own
+  softmax over (push, pop, no-op); one sigmoid layer gives all K pushed
+  vectors, and the reading is the K tops concatenated (K * M). With
+  ``push_hidden_state`` the pushed vector is the controller's hidden state
+  h_t itself (no push layer; needs K * M = H), the paper's "JM with a pushed
+  hidden state".
+
+  ``trace`` adds ``actions`` [B, T, 3] (push, pop, no-op probabilities;
+  [B, T, K, 3] with K > 1 stacks), ``push_vectors`` [B, T, K * M] and
+  ``readings`` [B, N, K * M] (``r_0 = 0`` .. ``r_T``).
   """
 
   NUM_ACTIONS = 3         # push, pop, no-op (softmax)
   PUSH_GAIN = 1.0         # sigmoid push vectors
+  # Stacks of width stack_embedding_size, each with its own actions.
+  num_stacks: int = 1
+  # Push h_t itself instead of a learned sigmoid projection of it.
+  push_hidden_state: bool = False
+
+  def _reading_size(self) -> int:
+    return self.num_stacks * self.stack_embedding_size
+
+  def _stack_params(self):
+    if self.push_hidden_state:
+      return {'action': self.action()}
+    return super()._stack_params()
+
+  def setup(self):
+    LanguageModel.setup(self)
+    k = self.num_stacks
+    self.action = AffineParams(self.hidden_size, self.NUM_ACTIONS * k,
+                               _per_stack_xavier(k, self.NUM_ACTIONS),
+                               dtype=self.dtype)
+    if not self.push_hidden_state:
+      self.push = AffineParams(self.hidden_size, self._reading_size(),
+                               xavier_uniform(self.PUSH_GAIN),
+                               dtype=self.dtype)
+
+  def _action_shape(self, batch, steps):
+    k = self.num_stacks
+    return (batch, steps, 3) if k == 1 else (batch, steps, k, 3)
 
   def _no_step_internals(self, batch):
-    m, dt = self.stack_embedding_size, self.dtype
-    return {'actions': jnp.zeros((batch, 0, 3), dt),
-            'push_vectors': jnp.zeros((batch, 0, m), dt),
-            'readings': jnp.zeros((batch, 1, m), dt)}
+    width, dt = self._reading_size(), self.dtype
+    return {'actions': jnp.zeros(self._action_shape(batch, 0), dt),
+            'push_vectors': jnp.zeros((batch, 0, width), dt),
+            'readings': jnp.zeros((batch, 1, width), dt)}
 
   def _run(self, params, inputs_BxT):
     x_BxTxV = self._one_hot(inputs_BxT)
     batch, steps, _ = x_BxTxV.shape
-    m = self.stack_embedding_size
+    m, k = self._reading_size(), self.num_stacks
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
     stack_BxDxM = jnp.zeros((batch, jm_depth(steps), m), self.dtype)
 
@@ -610,12 +675,17 @@ class JMLM(_VectorStackLM):
           params['controller'], lstm_carry,
           jnp.concatenate([x_BxV, reading_BxM], axis=-1),
           self.matmul_precision)
-      actions_Bx3 = jax.nn.softmax(
-          affine(params['action'], h_BxH, self.matmul_precision), axis=-1)
-      push_BxM = jax.nn.sigmoid(
-          affine(params['push'], h_BxH, self.matmul_precision))
-      stack_BxDxM = jm_update(stack_BxDxM, actions_Bx3, push_BxM)
-      return (lstm_carry, stack_BxDxM), (h_BxH, actions_Bx3, push_BxM,
+      logits_Bx3K = affine(params['action'], h_BxH, self.matmul_precision)
+      actions = jax.nn.softmax(
+          logits_Bx3K if k == 1 else logits_Bx3K.reshape(batch, k, 3),
+          axis=-1)
+      if self.push_hidden_state:
+        push_BxM = h_BxH
+      else:
+        push_BxM = jax.nn.sigmoid(
+            affine(params['push'], h_BxH, self.matmul_precision))
+      stack_BxDxM = jm_update(stack_BxDxM, actions, push_BxM)
+      return (lstm_carry, stack_BxDxM), (h_BxH, actions, push_BxM,
                                          stack_BxDxM[:, 0])
 
     _, (h, actions, push, readings) = jax.lax.scan(
@@ -1006,7 +1076,9 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_vector_size: int = 3, stack_bottom_vector: str = 'learned',
         broadcast_bottom_vector: bool = False,
         stack_table: str = DEFAULT_NS_TABLE,
-        stack_batch_chunk: int = 0, scan_unroll: int = 0) -> nn.Module:
+        stack_batch_chunk: int = 0, scan_unroll: int = 0,
+        jm_num_stacks: int = 1, jm_push_hidden_state: bool = False
+        ) -> nn.Module:
   """Builds one of the language models.
 
   Args:
@@ -1034,6 +1106,12 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     scan_unroll: ``lax.scan`` unroll factor of the time loop (same values;
       lstm, jm, gref, ns and rns without a window; 1 for the others), 0 =
       automatic (``auto_scan_unroll``).
+    jm_num_stacks: JM stacks K of width ``stack_embedding_size``, each with
+      its own actions (jm only; the ICLR 2023 paper's JM-3.3.3 is K = 3,
+      M = 3).
+    jm_push_hidden_state: JM pushes the controller's hidden state itself
+      (jm only; needs ``jm_num_stacks * stack_embedding_size ==
+      hidden_size``).
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -1080,7 +1158,19 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
   if name == 'lstm':
     return LSTMLM(**common)
   if name == 'jm':
-    return JMLM(stack_embedding_size=stack_embedding_size, **common)
+    jm_num_stacks = _check_positive_int('jm_num_stacks', jm_num_stacks)
+    if not isinstance(jm_push_hidden_state, (bool, np.bool_)):
+      raise ValueError('jm_push_hidden_state must be True or False, got '
+                       f'{jm_push_hidden_state!r}')
+    if (jm_push_hidden_state
+        and jm_num_stacks * stack_embedding_size != hidden_size):
+      raise ValueError(
+          'jm_push_hidden_state pushes the hidden state, so jm_num_stacks * '
+          'stack_embedding_size must equal hidden_size (got '
+          f'{jm_num_stacks} * {stack_embedding_size} != {hidden_size})')
+    return JMLM(stack_embedding_size=stack_embedding_size,
+                num_stacks=jm_num_stacks,
+                push_hidden_state=bool(jm_push_hidden_state), **common)
   if name == 'gref':
     return GrefLM(stack_embedding_size=stack_embedding_size, **common)
   if name == 'rns':
@@ -1156,7 +1246,9 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              broadcast_bottom_vector=field('broadcast_bottom_vector', False),
              stack_table=field('stack_table', DEFAULT_NS_TABLE),
              stack_batch_chunk=field('stack_batch_chunk', 0),
-             scan_unroll=field('scan_unroll', 0))
+             scan_unroll=field('scan_unroll', 0),
+             jm_num_stacks=field('jm_num_stacks', 1),
+             jm_push_hidden_state=field('jm_push_hidden_state', False))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

@@ -179,6 +179,24 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       config.get("stack_bottom", rns_stack.FIXED), prefix="config.")
   if not isinstance(config.get("predict_eos", False), (bool, np.bool_)):
     fail("predict_eos", f"must be a bool (got {config.predict_eos!r})")
+  # Optional (configs stored before they existed: one stack, learned push).
+  num_stacks = config.get("jm_num_stacks", 1)
+  push_hidden = config.get("jm_push_hidden_state", False)
+  if (isinstance(num_stacks, bool)
+      or not isinstance(num_stacks, (int, np.integer)) or num_stacks < 1):
+    fail("jm_num_stacks", f"must be an integer >= 1 (got {num_stacks!r})")
+  if not isinstance(push_hidden, (bool, np.bool_)):
+    fail("jm_push_hidden_state", f"must be a bool (got {push_hidden!r})")
+  if model != "jm" and (num_stacks != 1 or push_hidden):
+    fail("jm_num_stacks" if num_stacks != 1 else "jm_push_hidden_state",
+         f"applies to model 'jm' only (model is {model!r}); leave it at its "
+         "default")
+  if model == "jm" and push_hidden and (
+      num_stacks * config.stack_embedding_size != config.hidden_size):
+    fail("jm_push_hidden_state", "pushes the hidden state, so jm_num_stacks "
+         "* stack_embedding_size must equal hidden_size (got "
+         f"{num_stacks} * {config.stack_embedding_size} != "
+         f"{config.hidden_size})")
   dtype = need("dtype")
   if dtype not in DTYPES:
     fail("dtype", f"is {dtype!r}; expected one of {', '.join(DTYPES)}")

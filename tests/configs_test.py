@@ -260,6 +260,33 @@ def test_stack_variant_a_model_would_ignore_is_refused(name, changes,
     models.build(config)
 
 
+@pytest.mark.parametrize("changes,message", [
+    ({"model": "gref", "jm_num_stacks": 3},
+     "config.jm_num_stacks applies to model 'jm' only (model is 'gref')"),
+    ({"model": "ns", "jm_push_hidden_state": True},
+     "config.jm_push_hidden_state applies to model 'jm' only"),
+    ({"model": "jm", "jm_num_stacks": 0},
+     "config.jm_num_stacks must be an integer >= 1 (got 0)"),
+    ({"model": "jm", "jm_push_hidden_state": True, "stack_embedding_size": 3},
+     "config.jm_push_hidden_state pushes the hidden state, so jm_num_stacks "
+     "* stack_embedding_size must equal hidden_size (got 1 * 3 != 20)"),
+])
+def test_bad_jm_variant_is_a_one_line_error(changes, message):
+  config = default.get_config()
+  config.update(changes)
+  with pytest.raises(ValueError) as info:
+    train.validate_config(config)
+  assert message in str(info.value)
+  assert "\n" not in str(info.value)
+  # The same fields where they apply are accepted.
+  config = default.get_config()
+  config.update(model="jm", jm_num_stacks=3, stack_embedding_size=3)
+  train.validate_config(config)
+  config.update(jm_num_stacks=4, stack_embedding_size=5,
+                jm_push_hidden_state=True)
+  train.validate_config(config)
+
+
 @pytest.mark.parametrize("task", ["dyck_k7", "marked_reversal_k3",
                                   "unmarked_reversal_k5", "marked_copy_k3",
                                   "count_and_copy_k4"])
@@ -295,11 +322,16 @@ def test_bad_task_is_a_one_line_error(task, message):
 # --- configs/later.py: the later papers' tasks x models ---------------------
 
 # The capacity study's models (rns-vrns-reference.md §4.3), Q-S-m.
-LATER_MODELS = ("lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3",
-                "vrns-2-1-3", "vrns-2-3-3")
+LATER_MODELS = ("lstm", "jm-3", "jm-3.3.3", "jm-hidden", "rns-1-3",
+                "rns-2-3", "vrns-1-1-3", "vrns-2-1-3", "vrns-2-3-3")
 LATER_FIELDS = {
     "lstm": {"model": "lstm"},
-    "jm-3": {"model": "jm", "stack_embedding_size": 3},
+    "jm-3": {"model": "jm", "stack_embedding_size": 3, "jm_num_stacks": 1,
+             "jm_push_hidden_state": False},
+    "jm-3.3.3": {"model": "jm", "stack_embedding_size": 3,
+                 "jm_num_stacks": 3, "jm_push_hidden_state": False},
+    "jm-hidden": {"model": "jm", "stack_embedding_size": 20,
+                  "jm_num_stacks": 1, "jm_push_hidden_state": True},
     "rns-1-3": {"model": "rns", "num_states": 1, "num_stack_symbols": 3},
     "rns-2-3": {"model": "rns", "num_states": 2, "num_stack_symbols": 3},
     "vrns-1-1-3": {"model": "vrns", "num_states": 1, "num_stack_symbols": 1,
@@ -385,8 +417,13 @@ def test_later_models_run_a_short_batch(spec):
     ("marked_cop,lstm", "unknown task 'marked_cop'; valid tasks: count_3,"),
     ("dyck_k1,lstm", "alphabet size must be >= 2 (got 1)"),
     ("count_3_k4,lstm", "count_3 has no alphabet size"),
-    ("dyck_k40,gru", "unknown model 'gru'; valid: lstm, jm-<m>, rns-<Q>-<S>, "
+    ("dyck_k40,gru", "unknown model 'gru'; valid: lstm, jm-<m>, "
+     "jm-<m>.<m>[.<m>...] (equal widths), jm-hidden, rns-<Q>-<S>, "
      "vrns-<Q>-<S>-<m>"),
+    ("dyck_k40,jm-3.4", "unknown model 'jm-3.4'"),
+    ("dyck_k40,jm-3.0.3", "unknown model 'jm-3.0.3'"),
+    ("dyck_k40,jm-3.", "unknown model 'jm-3.'"),
+    ("dyck_k40,jm-hidden-20", "unknown model 'jm-hidden-20'"),
     ("dyck_k40,rns-2", "unknown model 'rns-2'"),
     ("dyck_k40,vrns-2-0-3", "unknown model 'vrns-2-0-3'"),
     ("dyck_k40,jm-0", "unknown model 'jm-0'"),

@@ -77,6 +77,37 @@ class _JMStack:
     self.reading = new[0]
 
 
+class _MultiJMStack:
+  """K naive JM stacks (`_JMStack`'s lists) with their own actions.
+
+  Stack k takes softmax block k of the action layer and columns
+  [k m, (k + 1) m) of the pushed vector: sigmoid(push layer), or h itself
+  with ``push_hidden``. The reading is the K tops concatenated.
+  """
+
+  def __init__(self, params, m, k, push_hidden):
+    self.params, self.m, self.k, self.push_hidden = params, m, k, push_hidden
+    self.stacks = [[] for _ in range(k)]
+    self.reading = np.zeros(k * m)
+
+  def update(self, h):
+    logits = _np_affine(self.params['action'], h).reshape(self.k, 3)
+    v = h if self.push_hidden else _sigmoid(_np_affine(self.params['push'],
+                                                       h))
+    tops = []
+    for j in range(self.k):
+      push, pop, noop = _softmax(logits[j])
+      old = self.stacks[j]
+      get = lambda i, old=old: old[i] if 0 <= i < len(old) else np.zeros(
+          self.m)
+      vj = v[j * self.m:(j + 1) * self.m]
+      self.stacks[j] = [push * (vj if i == 0 else get(i - 1))
+                        + noop * get(i) + pop * get(i + 1)
+                        for i in range(len(old) + 1)]
+      tops.append(self.stacks[j][0])
+    self.reading = np.concatenate(tops)
+
+
 class _GrefStack:
   """Naive Gref stack: the literal walk of section 2.2, bottom first."""
 
@@ -288,6 +319,88 @@ def test_model_matches_numpy_reference(name):
       # Non-trivial stacks: readings vary and the actions are not uniform.
       assert np.ptp(np.asarray(out['readings'][:, 1:])) > 0.1
       assert np.ptp(np.asarray(out['actions'])) > 0.1
+
+
+@pytest.mark.parametrize('k,m,hidden,push_hidden', [
+    (3, 2, 5, False),   # JM-3.3.3's form: K stacks with their own actions
+    (1, 5, 5, True),    # JM with a pushed hidden state (the paper's form)
+    (2, 2, 4, True)])   # both at once
+def test_jm_variants_match_numpy_reference(k, m, hidden, push_hidden):
+  with jax.enable_x64(True):
+    model = models.get('jm', _VOCAB, hidden_size=hidden,
+                       stack_embedding_size=m, jm_num_stacks=k,
+                       jm_push_hidden_state=push_hidden, dtype=jnp.float64)
+    params = _randomize(_init(model, _SYMBOLS), seed=k + m, scale=0.8)
+    assert ('push' in params) != push_hidden
+    out = _apply(model, params, _SYMBOLS, method='trace')
+    n = _SYMBOLS.shape[1]
+    assert out['actions'].shape == ((2, n - 1, 3) if k == 1
+                                    else (2, n - 1, k, 3))
+    for b, string in enumerate(_SYMBOLS):
+      logits, readings, _ = _reference_logits(
+          params, string, _VOCAB,
+          lambda p: _MultiJMStack(p, m, k, push_hidden), reading_size=k * m)
+      np.testing.assert_allclose(out['logits'][b], logits, rtol=1e-10,
+                                 atol=1e-10)
+      np.testing.assert_allclose(out['readings'][b, :n - 1], readings,
+                                 atol=1e-10)
+    if push_hidden:
+      np.testing.assert_array_equal(out['push_vectors'],
+                                    out['hidden'][:, 1:])
+    # The stacks act differently (not one synchronised stack).
+    if k > 1:
+      assert np.abs(np.asarray(out['actions'][:, :, 0] -
+                               out['actions'][:, :, 1])).max() > 0.1
+
+
+def test_jm_stacks_with_equal_actions_are_one_wide_stack():
+  # K stacks of width m whose action layers are equal compute what one
+  # synchronised stack of width K m computes with that action layer.
+  k, m = 3, 2
+  wide = models.get('jm', _VOCAB, hidden_size=5, stack_embedding_size=k * m)
+  split = models.get('jm', _VOCAB, hidden_size=5, stack_embedding_size=m,
+                     jm_num_stacks=k)
+  params = _randomize(_init(wide, _SYMBOLS), seed=5, scale=0.8)
+  tiled = dict(params, action={
+      'kernel': jnp.tile(params['action']['kernel'], (1, k)),
+      'bias': jnp.tile(params['action']['bias'], (k,))})
+  np.testing.assert_allclose(_apply(split, tiled, _SYMBOLS),
+                             _apply(wide, params, _SYMBOLS), rtol=1e-6,
+                             atol=1e-6)
+  # ...and different action layers give a different model.
+  other = dict(tiled, action=dict(tiled['action'], kernel=tiled['action'][
+      'kernel'].at[:, 3:].multiply(-1.0)))
+  assert np.abs(np.asarray(_apply(split, other, _SYMBOLS)
+                           - _apply(wide, params, _SYMBOLS))).max() > 1e-3
+
+
+def test_jm_variant_parameters_and_initialisation():
+  v, h = 4, 20
+  for k, m, push_hidden in [(3, 3, False), (1, 20, True), (4, 5, True)]:
+    model = models.get('jm', v, hidden_size=h, stack_embedding_size=m,
+                       jm_num_stacks=k, jm_push_hidden_state=push_hidden)
+    params = models.init_params(model, jax.random.key(k))
+    # Reference counts: controller input V + K m; K softmax layers of 3;
+    # one sigmoid push layer H -> K m unless h itself is pushed.
+    assert _count(params['controller']) == 80 * (v + k * m) + 80 * h + 160
+    assert _count(params['action']) == 21 * 3 * k
+    assert _count(params.get('push', {})) == (0 if push_hidden
+                                              else 21 * k * m)
+    # Xavier per stack's layer: bound sqrt(6 / (H + 3)), not
+    # sqrt(6 / (H + 3K)) of one [H, 3K] layer.
+    kernel = np.abs(np.asarray(params['action']['kernel']))
+    bound = np.sqrt(6 / (h + 3))
+    assert kernel.max() <= bound and kernel.max() > 0.9 * bound
+  with pytest.raises(ValueError, match=r'jm_num_stacks \* '
+                     r'stack_embedding_size must equal hidden_size \(got 3 '
+                     r'\* 3 != 20\)'):
+    models.get('jm', v, stack_embedding_size=3, jm_num_stacks=3,
+               jm_push_hidden_state=True)
+  for bad in (0, 1.5, True):
+    with pytest.raises(ValueError, match='jm_num_stacks must be'):
+      models.get('jm', v, jm_num_stacks=bad)
+  with pytest.raises(ValueError, match='jm_push_hidden_state must be True'):
+    models.get('jm', v, stack_embedding_size=20, jm_push_hidden_state=1)
 
 
 @pytest.mark.parametrize('table', models.NS_TABLES)
@@ -698,12 +811,15 @@ def test_ns_gradients_finite_for_length_60_float32():
   np.testing.assert_allclose(loss32, loss64, rtol=1e-5)
 
 
-@pytest.mark.parametrize('name', _ALL)
-def test_gradient_matches_finite_differences(name):
+@pytest.mark.parametrize('name,extra', [(n, {}) for n in _ALL] + [
+    ('jm', dict(jm_num_stacks=3)),
+    ('jm', dict(stack_embedding_size=3, jm_push_hidden_state=True))])
+def test_gradient_matches_finite_differences(name, extra):
   symbols = jnp.asarray(_SYMBOLS[:, :6])
   with jax.enable_x64(True):
-    model = models.get(name, _VOCAB, hidden_size=3, stack_embedding_size=2,
-                       dtype=jnp.float64)
+    model = models.get(name, _VOCAB, dtype=jnp.float64,
+                       **{'hidden_size': 3, 'stack_embedding_size': 2,
+                          **extra})
     params = _randomize(_init(model, symbols), seed=8, scale=0.7)
     loss = jax.jit(_loss(model, symbols))
     grads = jax.jit(jax.grad(_loss(model, symbols)))(params)
