@@ -93,24 +93,34 @@ def _big_state(x):
           "step": jnp.asarray(int(x), jnp.int32)}
 
 
+def save_steps_1_and_2(ckpt, make_state):
+  """Checkpoints of `make_state(1.0)`, `make_state(2.0)` as steps 1, 2."""
+  manager = checkpointing.make_manager(ckpt, keep=2)
+  for s in (1, 2):
+    checkpointing.save(manager, s, make_state(float(s)), {"epoch": s})
+  checkpointing.close(manager)
+
+
+def data_files_of_step_2(ckpt):
+  """Paths of step 2's array data files (OCDBT's `d/` directories)."""
+  for root, _, files in os.walk(os.path.join(ckpt, "2", "state")):
+    if os.path.basename(root) == "d":
+      yield from (os.path.join(root, name) for name in files)
+
+
 def test_damaged_bytes_that_still_decode_are_an_unreadable_checkpoint(
     tmp_path, monkeypatch):
   ckpt = str(tmp_path / "checkpoints")
-  manager = checkpointing.make_manager(ckpt, keep=2)
-  for s in (1, 2):
-    checkpointing.save(manager, s, _big_state(float(s)), {"epoch": s})
-  checkpointing.close(manager)
+  save_steps_1_and_2(ckpt, _big_state)
   # One bit flipped in the middle of each data file of step 2 (a disk or
   # copy error): the file still decodes, to different numbers.
-  for root, _, files in os.walk(os.path.join(ckpt, "2", "state")):
-    for name in files:
-      path = os.path.join(root, name)
-      if os.path.basename(root) == "d" and os.path.getsize(path) > 1000:
-        with open(path, "r+b") as f:
-          f.seek(os.path.getsize(path) // 2)
-          byte = f.read(1)[0]
-          f.seek(-1, 1)
-          f.write(bytes([byte ^ 0x40]))
+  for path in data_files_of_step_2(ckpt):
+    if os.path.getsize(path) > 1000:
+      with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x40]))
 
   def restore(move_aside):
     manager = checkpointing.make_manager(ckpt, keep=2,
@@ -137,24 +147,21 @@ def test_damaged_bytes_that_still_decode_are_an_unreadable_checkpoint(
 
 
 _TRUNCATED_RESTORE = """
-import gc, os, sys
+import gc, sys
+sys.path.insert(0, sys.argv[2])
 import jax.numpy as jnp
 from nsrnn_jax import checkpointing
+import checkpointing_test as helpers
 
 def many_arrays(x):
   return {"params": {f"w{i}": jnp.full((50, 3), x + i, jnp.float32)
                      for i in range(150)}}
 
 ckpt = sys.argv[1]
-manager = checkpointing.make_manager(ckpt, keep=2)
-for s in (1, 2):
-  checkpointing.save(manager, s, many_arrays(float(s)), {"epoch": s})
-checkpointing.close(manager)
-for root, _, files in os.walk(os.path.join(ckpt, "2", "state")):
-  for name in files:
-    if os.path.basename(root) == "d":
-      with open(os.path.join(root, name), "r+b") as f:
-        f.truncate(10)
+helpers.save_steps_1_and_2(ckpt, many_arrays)
+for path in helpers.data_files_of_step_2(ckpt):
+  with open(path, "r+b") as f:
+    f.truncate(10)
 for _ in range(3):
   manager = checkpointing.make_manager(ckpt, keep=2, read_only=True)
   step, state, _ = checkpointing.restore_latest(manager, many_arrays(0.0))
@@ -173,7 +180,8 @@ def test_a_truncated_checkpoint_prints_no_tracebacks(tmp_path):
   # process of its own, rare under pytest's capture, hence the subprocess)
   # and asyncio later logged each abandoned read's whole tensorstore spec.
   done = subprocess.run(
-      [sys.executable, "-c", _TRUNCATED_RESTORE, str(tmp_path / "ckpt")],
+      [sys.executable, "-c", _TRUNCATED_RESTORE, str(tmp_path / "ckpt"),
+       os.path.dirname(os.path.abspath(__file__))],
       capture_output=True, text=True, timeout=120, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout == "restored step 1 three times\n"
