@@ -132,9 +132,9 @@ def get_config(arg=None):
   for name, value in fields.items():
     config[name] = value
   if config.jm_push_hidden_state:
-    # One stack as wide as the hidden state (what it pushes). A
-    # --config.hidden_size override must set stack_embedding_size too.
-    config.stack_embedding_size = config.hidden_size
+    # One stack as wide as the hidden state (what it pushes), by reference:
+    # a --config.hidden_size override resizes the stack with it.
+    config.stack_embedding_size = config.get_ref("hidden_size")
   # Both later tags predict EOS; their test bound has no ln N_L (§4.1).
   config.predict_eos = True
   config.test_bound_includes_num_lengths = False

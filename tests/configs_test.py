@@ -387,6 +387,21 @@ def test_later_config_validates_and_initialises(task, spec):
   assert params["output"]["kernel"].shape == (20, lang.vocab_size + 1)  # EOS
 
 
+def test_later_jm_hidden_follows_a_hidden_size_override():
+  # The pushed hidden state sets the stack's width: an override of the
+  # hidden size (applied after get_config, as --config.hidden_size is)
+  # resizes the stack, and the model builds with it.
+  import jax  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  config = _later("marked_copy,jm-hidden")
+  config.hidden_size = 12
+  assert config.stack_embedding_size == 12
+  train.validate_config(config)
+  params = models.init_params(models.build(config), jax.random.PRNGKey(0))
+  assert params["controller"]["w_hh"].shape == (12, 48)
+  assert "push" not in params
+
+
 @pytest.mark.parametrize("spec", LATER_MODELS)
 def test_later_models_run_a_short_batch(spec):
   import jax  # pylint: disable=g-import-not-at-top
