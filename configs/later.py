@@ -59,10 +59,12 @@ import re
 
 from configs import default
 
-# The models the paper runs on these tasks (rns-vrns-reference.md §4.3).
-PAPER_MODELS = ("lstm", "jm-3", "jm-10", "jm-3.3.3", "jm-hidden", "rns-1-3",
-                "rns-2-3", "rns-3-3", "vrns-1-1-3", "vrns-2-1-3",
-                "vrns-2-3-3")
+# The models the paper runs on each kind of task (rns-vrns-reference.md
+# §4.3): the non-context-free tasks, and the capacity study.
+NON_CF_MODELS = ("lstm", "jm-10", "jm-3.3.3", "jm-hidden", "rns-3-3")
+CAPACITY_MODELS = ("lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3",
+                   "vrns-2-1-3", "vrns-2-3-3")
+PAPER_MODELS = tuple(dict.fromkeys(NON_CF_MODELS + CAPACITY_MODELS))
 MODEL_FORMS = ("lstm, jm-<m>, jm-<m>.<m>[.<m>...] (equal widths), "
                "jm-hidden, rns-<Q>-<S>, vrns-<Q>-<S>-<m>")
 _MODEL = re.compile(r"^(?:(?P<lstm>lstm)|jm-(?P<jm>\d+(?:\.\d+)*)|"
@@ -122,6 +124,22 @@ def parse(arg):
               "stack_bottom_vector": "learned",
               "broadcast_bottom_vector": False}
   return task, fields
+
+
+def paper_models(task):
+  """The paper's models for `task` (a task name); one-line ValueError."""
+  from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
+  if task in tasks_ncf.NCF_TASKS:
+    return NON_CF_MODELS
+  family, _, size = task.rpartition("_k")
+  if family in tasks_ncf.CAPACITY_FAMILIES and size.isdigit():
+    return CAPACITY_MODELS
+  raise ValueError(
+      f"the paper runs no models on {task!r}: its tasks are "
+      f"{', '.join(tasks_ncf.NCF_TASKS)} (models "
+      f"{', '.join(NON_CF_MODELS)}) and "
+      f"{', '.join(f + '_k<K>' for f in tasks_ncf.CAPACITY_FAMILIES)} "
+      f"(models {', '.join(CAPACITY_MODELS)})")
 
 
 def get_config(arg=None):

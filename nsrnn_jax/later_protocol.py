@@ -10,7 +10,14 @@ those of `configs/later.py` (`<task>,<model>`, e.g. `marked_copy,rns-3-3`).
 
   python -m nsrnn_jax.later_protocol --task=marked_copy \\
       --models=lstm,jm-10,rns-3-3 --workdir=runs/later
+  python -m nsrnn_jax.later_protocol --task=paper --models=paper \\
+      --workdir=runs/later
   python -m nsrnn_jax.later_protocol --workdir=runs/later --report
+
+`--task=paper` is every task of the paper's study (the seven non-context-
+free tasks and the capacity tasks at K = 2, 40, ..., 200); `--models=paper`
+is, per task, the models the paper runs on it (`configs/later.py`
+NON_CF_MODELS or CAPACITY_MODELS).
 
 Resumable: rerunning the same command skips finished runs and resumes an
 interrupted one from its last checkpoint (`train.train_and_evaluate`). Run
@@ -38,6 +45,8 @@ from nsrnn_jax import reproduce
 LEARNING_RATE_RANGE = (5e-4, 1e-2)
 NUM_RUNS = 10
 PROTOCOL = "iclr2023"
+# --task / --models value: the paper's tasks, each task's paper models.
+PAPER = "paper"
 RECORDS_DIR = "records"
 SUMMARY_FILE = "summary.json"
 
@@ -60,14 +69,31 @@ def learning_rates(num_runs: int, seed: int = 0) -> list[float]:
   return [float(math.exp(x)) for x in draws]
 
 
+def _later_module():
+  return reproduce.load_module(
+      os.path.join(reproduce.REPO_ROOT, "configs", "later.py"))
+
+
 def _later_config(task: str, model: str):
-  path = os.path.join(reproduce.REPO_ROOT, "configs", "later.py")
-  module = reproduce.load_module(path)
   try:
-    return reproduce.call_with_repo_on_path(module.get_config,
+    return reproduce.call_with_repo_on_path(_later_module().get_config,
                                             f"{task},{model}")
   except ValueError as e:
     raise reproduce.ReproduceError(str(e)) from None
+
+
+def models_for(task: str, models: Sequence[str]) -> tuple[str, ...]:
+  """`models`, or the paper's models for `task` where they are ['paper']."""
+  if list(models) != [PAPER]:
+    if PAPER in models:
+      raise reproduce.ReproduceError("--models=paper stands alone (the "
+                                     "paper's models of each task)")
+    return tuple(models)
+  try:
+    return tuple(reproduce.call_with_repo_on_path(
+        _later_module().paper_models, task))
+  except ValueError as e:
+    raise reproduce.ReproduceError(f"--models=paper: {e}") from None
 
 
 def run_config(task: str, model: str, run_index: int, learning_rate: float,
@@ -110,16 +136,25 @@ def _parse_list(value, what) -> list[str]:
 
 def run(tasks, models, workdir: str, num_runs: int = NUM_RUNS,
         seed: int = 0, overrides: Mapping[str, Any] = (),
-        out=sys.stdout) -> list[dict[str, Any]]:
+        out=None) -> list[dict[str, Any]]:
   """Trains every missing run (run-major: run 0 of every model first).
 
+  Progress goes to `out` (default: sys.stdout at the time of the call).
   Returns the summary rows of `summarize` over the workdir's records.
   """
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+  out = out or sys.stdout
   tasks = _parse_list(tasks, "--task")
+  if tasks == [PAPER]:
+    from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
+    tasks = list(tasks_ncf.TASKS)
+  elif PAPER in tasks:
+    raise reproduce.ReproduceError("--task=paper stands alone (every task "
+                                   "of the paper)")
   models = _parse_list(models, "--models")
   rates = learning_rates(num_runs, seed)
-  plan = [(k, t, m) for k in range(num_runs) for t in tasks for m in models]
+  plan = [(k, t, m) for k in range(num_runs) for t in tasks
+          for m in models_for(t, models)]
   # Every config is built (and checked) before the first run starts.
   configs = {(k, t, m): run_config(t, m, k, rates[k], overrides)
              for k, t, m in plan}
@@ -213,9 +248,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = reproduce.OneLineArgumentParser(
       prog="python -m nsrnn_jax.later_protocol",
       description=__doc__.split("\n")[0])
-  parser.add_argument("--task", help="comma-separated configs/later.py tasks")
+  parser.add_argument("--task", help="comma-separated configs/later.py "
+                      "tasks, or 'paper' (all of the paper's)")
   parser.add_argument("--models", help="comma-separated configs/later.py "
-                      "models, e.g. lstm,jm-10,rns-3-3,vrns-2-1-3")
+                      "models, e.g. lstm,jm-10,rns-3-3,vrns-2-1-3, or "
+                      "'paper' (each task's models in the paper)")
   parser.add_argument("--workdir", required=True,
                       help="run directories, checkpoints and records")
   parser.add_argument("--runs", type=int, default=NUM_RUNS,

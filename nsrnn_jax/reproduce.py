@@ -620,7 +620,7 @@ class Progress:
   """Prints which runs are done, running and pending, and the time left."""
 
   def __init__(self, runs: Sequence[RunSpec], results_dir: str,
-               run_dir: Callable[[RunSpec], str], out=sys.stdout,
+               run_dir: Callable[[RunSpec], str], out=None,
                label: Callable[[RunSpec], str] = lambda s: s.name,
                lanes: int = 1):
     """Runs' directories (where they resume from: their epochs count) are
@@ -630,7 +630,7 @@ class Progress:
     self.lanes = lanes
     self.runs = list(runs)
     self.results_dir = results_dir
-    self.out = out
+    self.out = out or sys.stdout   # Resolved now, not at import.
     self.run_dir = run_dir
     self.label = label
 
@@ -685,7 +685,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
                  workers: int = 1,
                  worker_flags: Sequence[str] = (),
                  pin_workers: bool = True,
-                 out=sys.stdout,
+                 out=None,
                  train_fn: Optional[Callable[..., dict]] = None) -> dict:
   """Runs (or continues) the protocol of one task or several; writes records.
 
@@ -714,13 +714,15 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       CLI passes its --cpu_devices and --compilation_cache).
     pin_workers: run each worker on its own share of this process's CPU
       cores (`core_groups`; Linux), as long as there are enough of them.
-    out: where progress lines go.
+    out: where progress lines go (default: sys.stdout at the time of the
+      call).
     train_fn: `train.train_and_evaluate` (tests may wrap it).
 
   Returns:
     {"finished": bool, "done": [names], "pending": [names], "execution"};
     with several tasks the names start with "<task>/".
   """
+  out = out or sys.stdout
   tasks = parse_tasks(task)
   several = len(tasks) > 1
   overrides = dict(overrides)

@@ -71,7 +71,8 @@ def test_runs_resume_and_keep_their_rates(tmp_path, capsys):
   args = ["--task=marked_copy", "--models=lstm", f"--workdir={workdir}"]
   assert later_protocol.main(args + ["--runs=2"] + TINY) == 0
   out = capsys.readouterr().out
-  assert out.count("marked_copy/lstm/run_") == 2
+  assert "[1/2] marked_copy/lstm/run_0 (lr " in out
+  assert "[2/2] marked_copy/lstm/run_1 (lr " in out
   rates = later_protocol.learning_rates(3)
   records = os.path.join(workdir, "records", "marked_copy", "lstm")
   for k in range(2):
@@ -109,6 +110,12 @@ def test_runs_resume_and_keep_their_rates(tmp_path, capsys):
      "--set bogus: unknown config field"),
     (["--task=marked_copy", "--models=lstm", "--set=hidden_size=0"],
      "config.hidden_size must be >= 1"),
+    (["--task=paper,marked_copy", "--models=lstm"],
+     "--task=paper stands alone"),
+    (["--task=marked_copy", "--models=paper,lstm"],
+     "--models=paper stands alone"),
+    (["--task=marked_copy_k3", "--models=paper"],
+     "--models=paper: the paper runs no models on 'marked_copy_k3'"),
 ])
 def test_bad_input_is_one_line_exit_2_and_trains_nothing(tmp_path, capsys,
                                                          args, message):
@@ -118,3 +125,28 @@ def test_bad_input_is_one_line_exit_2_and_trains_nothing(tmp_path, capsys,
   assert err.count("\n") == 1 and err.startswith("error: ")
   assert message in err
   assert not workdir.exists()
+
+
+def test_the_papers_tasks_and_models(tmp_path, capsys, monkeypatch):
+  # --task=paper --models=paper plans every (task, model) of the paper's
+  # study: 7 non-CF tasks x 5 models, 3 capacity families x 6 sizes x 7
+  # models. Training is stubbed to stop at once (nothing written).
+  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def stop(config, workdir):
+    calls.append((config.task, config.model, workdir))
+    return {"finished": False}
+
+  monkeypatch.setattr(train, "train_and_evaluate", stop)
+  assert later_protocol.main(["--task=paper", "--models=paper", "--runs=1",
+                              f"--workdir={tmp_path}"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("[1/161] count_3/lstm/run_0")
+  assert "stopped in count_3/lstm/run_0" in out and len(calls) == 1
+  assert later_protocol.models_for("marked_copy", ["paper"]) == (
+      "lstm", "jm-10", "jm-3.3.3", "jm-hidden", "rns-3-3")
+  assert later_protocol.models_for("dyck_k120", ["paper"]) == (
+      "lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3", "vrns-2-1-3",
+      "vrns-2-3-3")
+  assert later_protocol.models_for("dyck_k120", ["lstm"]) == ("lstm",)
