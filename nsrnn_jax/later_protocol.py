@@ -28,7 +28,8 @@ pairing changes no distribution, only makes models' runs comparable one to
 one. Run k's record is `<workdir>/records/<task>/<model>/restart_<k>.json`
 (the format of results/README.md, with "setting" run_<k> and "protocol"
 "iclr2023"); the summary table is printed and saved as
-`<workdir>/summary.json`.
+`<workdir>/summary.json`, and the capacity tasks' results are drawn as the
+paper's capacity figure, `<workdir>/capacity.png`.
 """
 
 import math
@@ -49,6 +50,7 @@ PROTOCOL = "iclr2023"
 PAPER = "paper"
 RECORDS_DIR = "records"
 SUMMARY_FILE = "summary.json"
+CAPACITY_PLOT = "capacity.png"
 
 __all__ = ["LEARNING_RATE_RANGE", "NUM_RUNS", "learning_rates", "run_config",
            "run", "summarize", "render_table", "main"]
@@ -180,6 +182,77 @@ def run(tasks, models, workdir: str, num_runs: int = NUM_RUNS,
   return rows
 
 
+def capacity_series(rows: Sequence[Mapping[str, Any]]
+                    ) -> dict[str, list[dict[str, Any]]]:
+  """The capacity study's curves from `summarize` rows.
+
+  Returns {family: [per model {"label", "sizes" (alphabet sizes K,
+  increasing), "best" (the best run's best-epoch validation CE
+  difference), "mean", "std" (over the runs)}]} for the rows of capacity
+  tasks (`<family>_k<K>`), families and models in the order first seen
+  after sorting by family; other rows are left out.
+  """
+  from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
+  points: dict = {}
+  for r in rows:
+    family, _, size = r["task"].rpartition("_k")
+    if family in tasks_ncf.CAPACITY_FAMILIES and size.isdigit():
+      points.setdefault(family, {}).setdefault(r["model"], []).append(
+          (int(size), r["best_valid_ce_diff"], r["mean_best_valid_ce_diff"],
+           r["std_best_valid_ce_diff"]))
+  out = {}
+  for family in sorted(points):
+    out[family] = []
+    for model, pts in points[family].items():
+      sizes, best, mean, std = zip(*sorted(pts))
+      out[family].append({"label": model, "sizes": list(sizes),
+                          "best": list(best), "mean": list(mean),
+                          "std": list(std)})
+  return out
+
+
+def plot_capacity(rows: Sequence[Mapping[str, Any]]):
+  """The capacity figure: CE difference against the alphabet size K.
+
+  One panel per task family; per model its best run's best-epoch
+  validation CE difference (line with markers) and the mean ± std over
+  its runs (band), as the paper draws them. None if no row is a capacity
+  task. A `matplotlib.figure.Figure` (no pyplot state).
+  """
+  import matplotlib.figure  # pylint: disable=g-import-not-at-top
+  series = capacity_series(rows)
+  if not series:
+    return None
+  fig = matplotlib.figure.Figure(figsize=(4.2 * len(series), 3.8),
+                                 layout="constrained")
+  axes = fig.subplots(1, len(series), squeeze=False)[0]
+  for ax, (family, curves) in zip(axes, series.items()):
+    for i, c in enumerate(curves):
+      color = f"C{i % 10}"
+      mean, std = np.asarray(c["mean"]), np.asarray(c["std"])
+      ax.fill_between(c["sizes"], mean - std, mean + std, color=color,
+                      alpha=0.2, linewidth=0)
+      ax.plot(c["sizes"], c["best"], color=color, marker="o", markersize=3,
+              label=c["label"])
+    ax.set_title(family.replace("_", " "))
+    ax.set_xlabel("Alphabet size K")
+    ax.grid(True, alpha=0.3)
+  axes[0].set_ylabel("Validation cross-entropy diff.")
+  axes[-1].legend(fontsize="small", frameon=False)
+  return fig
+
+
+def save_capacity_plot(rows: Sequence[Mapping[str, Any]], workdir: str
+                       ) -> Optional[str]:
+  """Writes `<workdir>/capacity.png` if there are capacity rows; its path."""
+  fig = plot_capacity(rows)
+  if fig is None:
+    return None
+  path = os.path.join(workdir, CAPACITY_PLOT)
+  fig.savefig(path, dpi=120)
+  return path
+
+
 def _bins(record) -> Optional[list[Optional[float]]]:
   """Mean test CE difference over the training lengths and the longer ones
   (the paper: 40-80 and 81-100)."""
@@ -281,6 +354,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
   print(render_table(rows))
+  plot = save_capacity_plot(rows, args.workdir)
+  if plot:
+    print(f"capacity plot: {plot}")
   return 0
 
 

@@ -150,3 +150,37 @@ def test_the_papers_tasks_and_models(tmp_path, capsys, monkeypatch):
       "lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3", "vrns-2-1-3",
       "vrns-2-3-3")
   assert later_protocol.models_for("dyck_k120", ["lstm"]) == ("lstm",)
+
+
+def _row(task, model, best, mean, std):
+  return {"task": task, "model": model, "best_valid_ce_diff": best,
+          "mean_best_valid_ce_diff": mean, "std_best_valid_ce_diff": std}
+
+
+def test_capacity_series_and_plot(tmp_path):
+  rows = [_row("dyck_k40", "lstm", 0.3, 0.4, 0.05),
+          _row("dyck_k2", "lstm", 0.1, 0.2, 0.01),
+          _row("dyck_k40", "rns-2-3", 0.05, 0.07, 0.02),
+          _row("marked_reversal_k200", "lstm", 0.9, 1.0, 0.1),
+          _row("marked_copy", "lstm", 0.5, 0.6, 0.1)]   # not capacity
+  series = later_protocol.capacity_series(rows)
+  assert list(series) == ["dyck", "marked_reversal"]
+  assert series["dyck"] == [
+      {"label": "lstm", "sizes": [2, 40], "best": [0.1, 0.3],
+       "mean": [0.2, 0.4], "std": [0.01, 0.05]},
+      {"label": "rns-2-3", "sizes": [40], "best": [0.05], "mean": [0.07],
+       "std": [0.02]}]
+  fig = later_protocol.plot_capacity(rows)
+  axes = fig.get_axes()
+  assert [a.get_title() for a in axes] == ["dyck", "marked reversal"]
+  # The best-run lines carry the numbers (the bands are collections).
+  (lstm_line, rns_line) = axes[0].get_lines()
+  np.testing.assert_array_equal(lstm_line.get_xydata(), [[2, 0.1], [40, 0.3]])
+  np.testing.assert_array_equal(rns_line.get_xydata(), [[40, 0.05]])
+  path = later_protocol.save_capacity_plot(rows, str(tmp_path))
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  # No capacity task, no figure.
+  assert later_protocol.plot_capacity(rows[-1:]) is None
+  assert later_protocol.save_capacity_plot(rows[-1:], str(tmp_path / "x")) \
+      is None
