@@ -67,10 +67,14 @@ CAPACITY_MODELS = ("lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3",
 PAPER_MODELS = tuple(dict.fromkeys(NON_CF_MODELS + CAPACITY_MODELS))
 MODEL_FORMS = ("lstm, jm-<m>, jm-<m>.<m>[.<m>...] (equal widths), "
                "jm-hidden, rns-<Q>-<S>, vrns-<Q>-<S>-<m>")
-_MODEL = re.compile(r"^(?:(?P<lstm>lstm)|jm-(?P<jm>\d+(?:\.\d+)*)|"
+# Sizes >= 1 without leading zeros (a size has one spelling: the record
+# directories are named after it).
+# Sizes >= 1 without leading zeros (a size has one spelling: record
+# directories are named after it).
+_MODEL = re.compile(r"^(?:(?P<lstm>lstm)|jm-(?P<jm>[1-9]\d*(?:\.[1-9]\d*)*)|"
                     r"(?P<jm_hidden>jm-hidden)|"
-                    r"rns-(?P<rq>\d+)-(?P<rs>\d+)|"
-                    r"vrns-(?P<vq>\d+)-(?P<vs>\d+)-(?P<vm>\d+))$")
+                    r"rns-(?P<rq>[1-9]\d*)-(?P<rs>[1-9]\d*)|"
+                    r"vrns-(?P<vq>[1-9]\d*)-(?P<vs>[1-9]\d*)-(?P<vm>[1-9]\d*))$")
 USAGE = ("configs/later.py needs ':<task>,<model>', e.g. "
          "configs/later.py:marked_copy,vrns-2-1-3")
 
@@ -150,9 +154,11 @@ def get_config(arg=None):
   for name, value in fields.items():
     config[name] = value
   if config.jm_push_hidden_state:
-    # One stack as wide as the hidden state (what it pushes), by reference:
-    # a --config.hidden_size override resizes the stack with it.
-    config.stack_embedding_size = config.get_ref("hidden_size")
+    # One stack as wide as the hidden state (what it pushes), derived from
+    # it: a --config.hidden_size override resizes the stack with it. (A
+    # derived reference, not the same one: setting the width must not set
+    # the hidden size; a width other than it then fails validation.)
+    config.stack_embedding_size = config.get_ref("hidden_size") * 1
   # Both later tags predict EOS; their test bound has no ln N_L (§4.1).
   config.predict_eos = True
   config.test_bound_includes_num_lengths = False

@@ -132,12 +132,19 @@ def config_differences(stored: Mapping[str, Any],
 
   Only fields present in both are compared: a field added to (or removed
   from) configs/default.py after the run started does not block a resume.
-  Exception: a run stored before `predict_eos` existed predicted no EOS
-  (its model has V outputs), so a missing field counts as False there.
+  Exceptions: a run stored before `predict_eos` existed predicted no EOS
+  (its model has V outputs), so a missing field counts as False there; one
+  stored before the JM variants had `jm_num_stacks` 1 and
+  `jm_push_hidden_state` False.
   """
   out = []
   if "predict_eos" in requested:
     stored = {"predict_eos": False, **stored}
+  # Runs stored before the JM variants existed had one stack with a learned
+  # push layer.
+  for name, before in (("jm_num_stacks", 1), ("jm_push_hidden_state", False)):
+    if name in requested:
+      stored = {name: before, **stored}
   for name in sorted(set(stored) & set(requested) - RESUME_SAFE_FIELDS):
     a, b = stored[name], requested[name]
     if json.loads(json.dumps(a)) != json.loads(json.dumps(b)):
@@ -342,7 +349,8 @@ def _without_closed_loop_tracebacks():
   tracebacks are noise: stderr is held for the block and written back
   without them. After a failed read (the caller sets `read_failed`) the
   block waits for the late callbacks to stop (at most a second) before it
-  hands stderr back.
+  hands stderr back. The swap is process-wide: one restore at a time (as
+  `restore_latest` runs them).
   """
   held = _HeldStderr()
   real_stderr = sys.stderr
@@ -350,27 +358,32 @@ def _without_closed_loop_tracebacks():
   try:
     yield held
   finally:
-    if held.read_failed:
-      quiet_polls, size = 0, -1
-      for _ in range(40):
-        time.sleep(0.025)
-        new_size = len(held.buffer.getvalue())
-        quiet_polls = quiet_polls + 1 if new_size == size else 0
-        size = new_size
-        if quiet_polls == 4:
-          break
-    sys.stderr = real_stderr
-    text = held.buffer.getvalue()
-    if _CLOSED_LOOP_ERROR in text:
-      # Threads interleave their lines, so drop every line a traceback of
-      # this kind is made of rather than matching whole blocks.
-      text = "".join(
-          line for line in text.splitlines(keepends=True)
-          if not (line.startswith((" ", "\t", "Traceback (most recent call"))
-                  or line.strip() == _CLOSED_LOOP_ERROR))
-    if text:
-      real_stderr.write(text)
-      real_stderr.flush()
+    try:
+      if held.read_failed:
+        quiet_polls, size = 0, -1
+        for _ in range(40):
+          time.sleep(0.025)
+          new_size = len(held.buffer.getvalue())
+          quiet_polls = quiet_polls + 1 if new_size == size else 0
+          size = new_size
+          if quiet_polls == 4:
+            break
+    finally:
+      # Also after a Ctrl-C in the wait: stderr must never stay held, nor
+      # what it held be lost.
+      sys.stderr = real_stderr
+      text = held.buffer.getvalue()
+      if _CLOSED_LOOP_ERROR in text:
+        # Threads interleave their lines, so drop every line a traceback
+        # of this kind is made of rather than matching whole blocks.
+        text = "".join(
+            line for line in text.splitlines(keepends=True)
+            if not (line.startswith((" ", "\t",
+                                     "Traceback (most recent call"))
+                    or line.strip() == _CLOSED_LOOP_ERROR))
+      if text:
+        real_stderr.write(text)
+        real_stderr.flush()
 
 
 @contextlib.contextmanager

@@ -223,22 +223,32 @@ def plot_capacity(rows: Sequence[Mapping[str, Any]]):
   series = capacity_series(rows)
   if not series:
     return None
-  fig = matplotlib.figure.Figure(figsize=(4.2 * len(series), 3.8),
+  # One colour per model across the panels (families may have different
+  # models, e.g. while results come in), and one legend for all of them.
+  colors = {}
+  for curves in series.values():
+    for c in curves:
+      colors.setdefault(c["label"], f"C{len(colors) % 10}")
+  fig = matplotlib.figure.Figure(figsize=(4.2 * len(series), 4.2),
                                  layout="constrained")
   axes = fig.subplots(1, len(series), squeeze=False)[0]
+  handles = {}
   for ax, (family, curves) in zip(axes, series.items()):
-    for i, c in enumerate(curves):
-      color = f"C{i % 10}"
+    for c in curves:
+      color = colors[c["label"]]
       mean, std = np.asarray(c["mean"]), np.asarray(c["std"])
       ax.fill_between(c["sizes"], mean - std, mean + std, color=color,
                       alpha=0.2, linewidth=0)
-      ax.plot(c["sizes"], c["best"], color=color, marker="o", markersize=3,
-              label=c["label"])
+      (handles[c["label"]],) = ax.plot(c["sizes"], c["best"], color=color,
+                                       marker="o", markersize=3,
+                                       label=c["label"])
     ax.set_title(family.replace("_", " "))
     ax.set_xlabel("Alphabet size K")
     ax.grid(True, alpha=0.3)
   axes[0].set_ylabel("Validation cross-entropy diff.")
-  axes[-1].legend(fontsize="small", frameon=False)
+  fig.legend([handles[m] for m in colors], list(colors),
+             loc="outside lower center", ncol=min(len(colors), 4),
+             fontsize="small", frameon=False)
   return fig
 
 

@@ -387,6 +387,16 @@ def test_later_config_validates_and_initialises(task, spec):
   assert params["output"]["kernel"].shape == (20, lang.vocab_size + 1)  # EOS
 
 
+def test_later_jm_hidden_width_override_does_not_change_the_hidden_size():
+  # The width derives from the hidden size; setting the width alone breaks
+  # the link (it does not shrink the controller) and fails validation.
+  config = _later("marked_copy,jm-hidden")
+  config.stack_embedding_size = 10
+  assert config.hidden_size == 20
+  with pytest.raises(ValueError, match=r"\(got 1 \* 10 != 20\)"):
+    train.validate_config(config)
+
+
 def test_later_jm_hidden_follows_a_hidden_size_override():
   # The pushed hidden state sets the stack's width: an override of the
   # hidden size (applied after get_config, as --config.hidden_size is)
@@ -439,6 +449,8 @@ def test_later_models_run_a_short_batch(spec):
     ("dyck_k40,jm-3.0.3", "unknown model 'jm-3.0.3'"),
     ("dyck_k40,jm-3.", "unknown model 'jm-3.'"),
     ("dyck_k40,jm-hidden-20", "unknown model 'jm-hidden-20'"),
+    ("dyck_k40,jm-03", "unknown model 'jm-03'"),   # one spelling per size
+    ("dyck_k40,rns-02-3", "unknown model 'rns-02-3'"),
     ("dyck_k40,rns-2", "unknown model 'rns-2'"),
     ("dyck_k40,vrns-2-0-3", "unknown model 'vrns-2-0-3'"),
     ("dyck_k40,jm-0", "unknown model 'jm-0'"),

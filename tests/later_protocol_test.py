@@ -177,6 +177,11 @@ def test_capacity_series_and_plot(tmp_path):
   (lstm_line, rns_line) = axes[0].get_lines()
   np.testing.assert_array_equal(lstm_line.get_xydata(), [[2, 0.1], [40, 0.3]])
   np.testing.assert_array_equal(rns_line.get_xydata(), [[40, 0.05]])
+  # One colour per model in every panel, one legend naming each model once.
+  (mr_lstm,) = axes[1].get_lines()
+  assert mr_lstm.get_color() == lstm_line.get_color() != rns_line.get_color()
+  (legend,) = fig.legends
+  assert [t.get_text() for t in legend.get_texts()] == ["lstm", "rns-2-3"]
   path = later_protocol.save_capacity_plot(rows, str(tmp_path))
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
