@@ -593,8 +593,10 @@ def _per_stack_xavier(num_stacks: int, width: int):
   """Xavier (gain 1) for a ``[H, K * width]`` kernel of K separate layers.
 
   Each stack's ``[H, width]`` block gets the bound of a layer of its own,
-  ``sqrt(6 / (H + width))``, as the reference's one layer per stack
-  (``MultiLayer``) does; K = 1 is plain `xavier_uniform`.
+  ``sqrt(6 / (H + width))``: the reference declares one action layer per
+  stack (``MultiLayer``); that its Xavier fans are per layer is our reading
+  (its source is not in our notes). K = 1 is plain `xavier_uniform`, the
+  documented single-stack initialisation.
   """
   if num_stacks == 1:
     return xavier_uniform(1.0)
