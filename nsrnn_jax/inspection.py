@@ -69,6 +69,7 @@ pieces `trace`, `action_probabilities`, `stack_posteriors`, `viterbi_run`,
 `rns_viterbi_run` (RNS-RNN: unnormalised weights, either bottom, window),
 `run_action_shares` (RNS- and VRNS-RNN actions),
 `vector_stack_view`, `vrns_viterbi_run`, `plot_vector_readings` (VRNS-RNN),
+`plot_superposition_stack` (JM and Gref: their actions and vector readings),
 `true_next_symbol_distribution`, `task_grammar`, `tiny_training_config`.
 """
 
@@ -84,6 +85,9 @@ import numpy as np
 from nsrnn_jax import pcfg
 
 OPS = ("push", "replace", "pop")
+# The baselines' actions in their traces' order (models.JMLM, GrefLM).
+JM_OPS = ("push", "pop", "no-op")
+GREF_OPS = ("push strength d", "pop strength u")
 
 # ---------------------------------------------------------------------------
 # Exact next-symbol distribution from a PCFG
@@ -759,6 +763,13 @@ class Inspection:
       (the readings the controller got, as traced, float32) and, for
       strings of length >= 2, `viterbi_top_vectors_T1xM`
       (`vrns_viterbi_run`).
+    baseline_actions: models 'jm' and 'gref', strings of length >= 2:
+      {"labels": one per row, "values_RxT": the traced actions per update}.
+      JM: the (push, pop, no-op) probabilities, three rows per stack
+      ("stack k op" with K > 1 stacks); Gref: the push and pop strengths.
+    baseline_readings_MxN: models 'jm' and 'gref': the vector readings
+      r_0 (= 0) .. r_{N-1} the controller read (JM with K stacks: the K tops
+      concatenated, K * M rows).
   """
   symbols: np.ndarray
   alphabet: tuple[str, ...] | None
@@ -769,6 +780,8 @@ class Inspection:
   viterbi: ViterbiRun | None = None
   state_readings_QSxN: np.ndarray | None = None
   vector_view: Mapping[str, np.ndarray] | None = None
+  baseline_actions: Mapping[str, Any] | None = None
+  baseline_readings_MxN: np.ndarray | None = None
 
   @property
   def model_nll_N(self) -> np.ndarray:
@@ -890,6 +903,7 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
   if eos and alphabet is not None:
     alphabet = (*alphabet, "EOS")
   readings_SxN = actions = viterbi = state_readings = vector_view = None
+  baseline_actions = baseline_readings = None
   if "bottom_vector" in traced:
     # VRNS-RNN: vector readings; the scalar part is the RNS stack's (fixed
     # bottom), so its (state, top) distribution and Viterbi run apply.
@@ -927,9 +941,24 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
     if len(symbols_N) > 1:
       actions = action_probabilities(acts["push"], acts["repl"], acts["pop"])
       viterbi = viterbi_run(acts["push"], acts["repl"], acts["pop"])
+  elif "push_vectors" in traced:
+    # JM or Gref: deterministic superposition / stratification stacks.
+    baseline_readings = np.asarray(traced["readings"]).T
+    if len(symbols_N) > 1:
+      acts = np.asarray(traced["actions"])
+      if "strengths" in traced:              # Gref: [T, 2]
+        labels, values = list(GREF_OPS), acts.T
+      else:                                  # JM: [T, 3] or [T, K, 3]
+        per_stack = acts[:, None] if acts.ndim == 2 else acts
+        k = per_stack.shape[1]
+        labels = [f"stack {j + 1} {op}" if k > 1 else op for j in range(k)
+                  for op in JM_OPS]
+        values = per_stack.reshape(per_stack.shape[0], -1).T
+      baseline_actions = {"labels": labels, "values_RxT": values}
   return Inspection(symbols_N, None if alphabet is None else tuple(alphabet),
                     model_probs_NxV, true_probs_NxV, readings_SxN, actions,
-                    viterbi, state_readings, vector_view)
+                    viterbi, state_readings, vector_view, baseline_actions,
+                    baseline_readings)
 
 
 # ---------------------------------------------------------------------------
@@ -941,9 +970,10 @@ def _stack_symbol_name(y: int) -> str:
   return "⊥" if y == 0 else str(y)
 
 
-def _heatmap(fig, ax, values, row_labels, col_labels, title, vmax=1.0):
-  """A [rows, cols] heatmap in [0, vmax] with labelled ticks and colorbar."""
-  image = ax.imshow(values, aspect="auto", cmap="viridis", vmin=0.0,
+def _heatmap(fig, ax, values, row_labels, col_labels, title, vmax=1.0,
+             vmin=0.0, cmap="viridis"):
+  """A [rows, cols] heatmap in [vmin, vmax] with labelled ticks, colorbar."""
+  image = ax.imshow(values, aspect="auto", cmap=cmap, vmin=vmin,
                     vmax=vmax, interpolation="nearest")
   ax.set_yticks(range(len(row_labels)), row_labels)
   step = max(1, len(col_labels) // 40)
@@ -983,6 +1013,40 @@ def plot_actions(insp: Inspection) -> matplotlib.figure.Figure:
            rows_TxQxSx3.reshape(num_t, q * s * 3).T, labels, cols,
            "actions per (state, top)")
   ax_rows.set_xlabel("update t : input symbol w_t")
+  return fig
+
+
+def plot_superposition_stack(insp: Inspection) -> matplotlib.figure.Figure:
+  """The JM or Gref stack on one string: its actions and its readings.
+
+  Top: `Inspection.baseline_actions` per update (JM: push / pop / no-op
+  probabilities, per stack; Gref: push and pop strengths in [0, 1]), column
+  t - 1 for update t, labelled with the input symbol w_t. Bottom: the
+  vector readings r_0 .. r_{N-1} (one row per component; a diverging map
+  centred on 0, since Gref's pushed vectors are tanh-valued).
+  """
+  if insp.baseline_actions is None:
+    raise ValueError("no JM or Gref stack actions: inspect a 'jm' or 'gref' "
+                     "model on a string of length >= 2.")
+  values_RxT = insp.baseline_actions["values_RxT"]
+  readings_MxN = insp.baseline_readings_MxN
+  rows, num_t = values_RxT.shape
+  m, n = readings_MxN.shape
+  names = insp.symbol_names()
+  fig = matplotlib.figure.Figure(
+      figsize=(max(6.0, 0.18 * n + 2), 2.0 + 0.25 * (rows + m)),
+      layout="constrained")
+  ax_actions, ax_readings = fig.subplots(2, 1, height_ratios=[rows + 1, m])
+  _heatmap(fig, ax_actions, values_RxT, insp.baseline_actions["labels"],
+           [f"{t + 1}:{a}" for t, a in enumerate(names[:num_t])],
+           "stack actions per update")
+  ax_actions.set_xlabel("update t : input symbol w_t")
+  bound = max(float(np.abs(readings_MxN).max()), 1e-12)
+  _heatmap(fig, ax_readings, readings_MxN, [str(i) for i in range(m)],
+           ["init"] + [f"{t}:{names[t - 1]}" for t in range(1, n)],
+           "readings r_t (vector components)", vmax=bound, vmin=-bound,
+           cmap="RdBu_r")
+  ax_readings.set_xlabel("after update t : input symbol w_t")
   return fig
 
 

@@ -732,3 +732,54 @@ def test_inspect_eos_model_adds_an_eos_column():
     inspection.inspect_string(model, params, [0, 3], eos=True)
   with pytest.raises(ValueError, match="vocabulary"):
     inspection.inspect_string(model, params, symbols, grammar=grammar)
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("jm", {}), ("jm", {"jm_num_stacks": 2}),
+    ("jm", {"stack_embedding_size": 8, "jm_push_hidden_state": True}),
+    ("gref", {})])
+def test_inspect_jm_and_gref_string(name, extra):
+  # The baselines' actions and readings, as the model traces them, with
+  # labels per stack; the figure shows those numbers.
+  kw = {"stack_embedding_size": 3, **extra}
+  model = models.get(name, vocab_size=3, hidden_size=8, **kw)
+  params = model.init(jax.random.key(1), np.zeros((1, 7), np.int32))["params"]
+  lang = languages.get("marked_reversal")
+  symbols = lang.encode("01#10")
+  insp = inspection.inspect_string(model, params, symbols,
+                                   inspection.task_grammar("marked_reversal"),
+                                   lang.alphabet)
+  traced = model.apply({"params": params}, np.asarray([symbols], np.int32),
+                       method="trace")
+  acts = np.asarray(traced["actions"][0], np.float64)
+  values = insp.baseline_actions["values_RxT"]
+  k = extra.get("jm_num_stacks", 1)
+  if name == "gref":
+    assert insp.baseline_actions["labels"] == list(inspection.GREF_OPS)
+    np.testing.assert_allclose(values, acts.T)
+  else:
+    labels = insp.baseline_actions["labels"]
+    assert len(labels) == 3 * k
+    assert labels[:3] == (["stack 1 push", "stack 1 pop", "stack 1 no-op"]
+                          if k > 1 else list(inspection.JM_OPS))
+    np.testing.assert_allclose(values, acts.reshape(4, 3 * k).T)
+    # Each stack's (push, pop, no-op) row group is a distribution.
+    np.testing.assert_allclose(values.reshape(k, 3, 4).sum(1), 1.0,
+                               rtol=1e-6)
+  readings = np.asarray(traced["readings"][0], np.float64).T
+  np.testing.assert_allclose(insp.baseline_readings_MxN, readings)
+  assert insp.baseline_readings_MxN.shape == (
+      kw["stack_embedding_size"] * k, 5)
+  assert np.all(insp.baseline_readings_MxN[:, 0] == 0)   # r_0 = 0
+  assert np.abs(insp.baseline_readings_MxN[:, 1:]).max() > 1e-3
+  assert insp.actions is None and insp.readings_SxN is None
+  fig = inspection.plot_superposition_stack(insp)
+  np.testing.assert_allclose(fig.axes[0].images[0].get_array(), values)
+  np.testing.assert_allclose(fig.axes[1].images[0].get_array(), readings)
+  # Nothing to show for the LSTM, or for a string of one symbol.
+  lstm = models.get("lstm", vocab_size=3, hidden_size=8)
+  lstm_params = lstm.init(jax.random.key(1),
+                          np.zeros((1, 7), np.int32))["params"]
+  for m, p, w in ((lstm, lstm_params, symbols), (model, params, symbols[:1])):
+    with pytest.raises(ValueError, match="no JM or Gref stack actions"):
+      inspection.plot_superposition_stack(inspection.inspect_string(m, p, w))
