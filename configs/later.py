@@ -25,7 +25,8 @@ reversal mean length 60, Dyck with each bracket rule split K ways; see
   jm-<m>.<m>[.<m>...]   K Joulin-Mikolov stacks of width m side by side, each
                         with its own actions (the paper's jm-3.3.3)
   jm-hidden             Joulin-Mikolov stack that pushes the controller's
-                        hidden state (width d = 20; the paper's non-CF tasks)
+                        hidden state (width = hidden_size, d = 20 by default;
+                        the paper's non-CF tasks)
   rns-<Q>-<S>           RNS-RNN (unnormalised, state reading, bottom fix):
                         the paper's rns-1-3, rns-2-3 (capacity), rns-3-3
                         (non-CF)
@@ -67,8 +68,6 @@ CAPACITY_MODELS = ("lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3",
 PAPER_MODELS = tuple(dict.fromkeys(NON_CF_MODELS + CAPACITY_MODELS))
 MODEL_FORMS = ("lstm, jm-<m>, jm-<m>.<m>[.<m>...] (equal widths), "
                "jm-hidden, rns-<Q>-<S>, vrns-<Q>-<S>-<m>")
-# Sizes >= 1 without leading zeros (a size has one spelling: the record
-# directories are named after it).
 # Sizes >= 1 without leading zeros (a size has one spelling: record
 # directories are named after it).
 _MODEL = re.compile(r"^(?:(?P<lstm>lstm)|jm-(?P<jm>[1-9]\d*(?:\.[1-9]\d*)*)|"

@@ -1,6 +1,6 @@
 """Quick start: NS-RNN (Q = S = 2) on short marked-reversal strings.
 
-Trains in a few minutes on a laptop CPU:
+Trains in about a minute on a laptop CPU:
 
   python -m nsrnn_jax.main --config=configs/quick.py --workdir=/tmp/nsrnn_quick
 
