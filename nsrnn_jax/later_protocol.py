@@ -72,20 +72,27 @@ def learning_rates(num_runs: int, seed: int = 0) -> list[float]:
 
 
 def _later_module():
+  """configs/later.py, loaded afresh (edits to it are seen by the next call)."""
   return reproduce.load_module(
       os.path.join(reproduce.REPO_ROOT, "configs", "later.py"))
 
 
-def _later_config(task: str, model: str):
+def _later_config(task: str, model: str, module=None):
+  module = module or _later_module()
   try:
-    return reproduce.call_with_repo_on_path(_later_module().get_config,
+    return reproduce.call_with_repo_on_path(module.get_config,
                                             f"{task},{model}")
   except ValueError as e:
     raise reproduce.ReproduceError(str(e)) from None
 
 
-def models_for(task: str, models: Sequence[str]) -> tuple[str, ...]:
-  """`models`, or the paper's models for `task` where they are ['paper']."""
+def models_for(task: str, models: Sequence[str],
+               module=None) -> tuple[str, ...]:
+  """`models`, or the paper's models for `task` where they are ['paper'].
+
+  `module`: configs/later.py as loaded by `_later_module` (loaded here if
+  None; `run` loads it once for its whole plan).
+  """
   if list(models) != [PAPER]:
     if PAPER in models:
       raise reproduce.ReproduceError("--models=paper stands alone (the "
@@ -93,16 +100,19 @@ def models_for(task: str, models: Sequence[str]) -> tuple[str, ...]:
     return tuple(models)
   try:
     return tuple(reproduce.call_with_repo_on_path(
-        _later_module().paper_models, task))
+        (module or _later_module()).paper_models, task))
   except ValueError as e:
     raise reproduce.ReproduceError(f"--models=paper: {e}") from None
 
 
 def run_config(task: str, model: str, run_index: int, learning_rate: float,
-               overrides: Mapping[str, Any] = ()):
-  """configs/later.py:<task>,<model> for run k, validated."""
+               overrides: Mapping[str, Any] = (), module=None):
+  """configs/later.py:<task>,<model> for run k, validated.
+
+  `module`: as for `models_for`.
+  """
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
-  config = _later_config(task, model)
+  config = _later_config(task, model, module)
   with config.unlocked():
     config.learning_rate = float(learning_rate)
     seed = reproduce.BASE_SEED + run_index
@@ -155,10 +165,13 @@ def run(tasks, models, workdir: str, num_runs: int = NUM_RUNS,
                                    "of the paper)")
   models = _parse_list(models, "--models")
   rates = learning_rates(num_runs, seed)
+  # configs/later.py is loaded once for the whole plan (1610 configs for
+  # --task=paper --models=paper).
+  module = _later_module()
   plan = [(k, t, m) for k in range(num_runs) for t in tasks
-          for m in models_for(t, models)]
+          for m in models_for(t, models, module)]
   # Every config is built (and checked) before the first run starts.
-  configs = {(k, t, m): run_config(t, m, k, rates[k], overrides)
+  configs = {(k, t, m): run_config(t, m, k, rates[k], overrides, module)
              for k, t, m in plan}
   records_dir = os.path.join(workdir, RECORDS_DIR)
   hw = reproduce.hardware()

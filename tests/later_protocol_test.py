@@ -139,8 +139,14 @@ def test_the_papers_tasks_and_models(tmp_path, capsys, monkeypatch):
     return {"finished": False}
 
   monkeypatch.setattr(train, "train_and_evaluate", stop)
+  loads = []
+  load_module = later_protocol.reproduce.load_module
+  monkeypatch.setattr(later_protocol.reproduce, "load_module",
+                      lambda path: loads.append(path) or load_module(path))
   assert later_protocol.main(["--task=paper", "--models=paper", "--runs=1",
                               f"--workdir={tmp_path}"]) == 0
+  # configs/later.py is loaded once for the whole plan, not per config.
+  assert len(loads) == 1 and loads[0].endswith("later.py")
   out = capsys.readouterr().out
   assert out.startswith("[1/161] count_3/lstm/run_0")
   assert "stopped in count_3/lstm/run_0" in out and len(calls) == 1
