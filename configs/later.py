@@ -1,12 +1,15 @@
 """The later papers' tasks x models, parameterised: `later.py:<task>,<model>`.
 
 One file for the (task, model) pairs of DuSell & Chiang (ICLR 2023)'s
-non-context-free and capacity experiments (rns-vrns-reference.md §4.3):
+non-context-free and capacity experiments (rns-vrns-reference.md §4.3) and
+of DuSell & Chiang (ICLR 2022)'s context-free study (§4.2):
 
   python -m nsrnn_jax.main --config=configs/later.py:marked_copy,vrns-2-1-3 \
       --workdir=runs/marked_copy_vrns-2-1-3
   python -m nsrnn_jax.main --config=configs/later.py:dyck_k40,rns-2-3 \
       --workdir=runs/capacity_dyck_k40_rns-2-3 --config.learning_rate=0.002
+  python -m nsrnn_jax.main --config=configs/later.py:dyck,ns+s+u-2-3 \
+      --workdir=runs/iclr2022_dyck_ns+s+u-2-3
 
 <task> is one of the seven non-context-free tasks (`tasks_ncf.NCF_TASKS`:
 count_3, marked_copy, unmarked_copy, unmarked_copy_different_alphabets,
@@ -15,7 +18,9 @@ capacity task `marked_reversal_k<K>`, `unmarked_reversal_k<K>`, `dyck_k<K>`
 with K symbols / bracket types (the paper: K in 2, 40, 80, 120, 160, 200;
 reversal mean length 60, Dyck with each bracket rule split K ways; see
 `tasks_ncf`). Any other name `languages.get` accepts (e.g.
-`marked_copy_k3`) works too.
+`marked_copy_k3`) works too, among them the CoNLL 2020 tasks that the ICLR
+2022 study reruns: marked_reversal, unmarked_reversal, padded_reversal,
+dyck, hardest_cfl.
 
 <model> (sizes are Q-S-m as in the paper):
 
@@ -33,7 +38,20 @@ reversal mean length 60, Dyck with each bracket rule split K ways; see
   vrns-<Q>-<S>-<m>      VRNS-RNN with a learned bottom vector: the paper's
                         vrns-1-1-3, vrns-2-1-3, vrns-2-3-3
 
-Protocol (rns-vrns-reference.md §4.1, §4.3): lengths 40-80 for training and
+and the ICLR 2022 context-free study's (§4.2; the CoNLL 2020 bottom, kept
+by that paper: ⊥ is never replaced or popped):
+
+  gref-<m>              Grefenstette (stratification) stack of width m
+  ns-<Q>-<S>            NS-RNN: normalised actions, top-symbol reading
+  ns+s-<Q>-<S>          normalised actions, (state, top) reading
+  ns+u-<Q>-<S>          unnormalised actions, top-symbol reading
+  ns+s+u-<Q>-<S>        unnormalised actions, (state, top) reading (the
+                        RNS-RNN of that paper)
+
+(the paper: (Q, S) = (2, 3) on marked and unmarked reversal and Dyck, (3, 3)
+on padded reversal and the hardest CFL; JM and Gref with m in 2, 20, 40).
+
+Protocol (rns-vrns-reference.md §4.1-§4.3): lengths 40-80 for training and
 validation, 40-100 for the test (100 strings per length), batch 10, Adam,
 clip 5, plateau decay x0.9 (patience 5), early stopping (patience 10), at
 most 200 epochs, d = 20 -- all configs/default.py values. The learning rate
@@ -41,7 +59,9 @@ is drawn per run log-uniformly from [5e-4, 1e-2], 10 runs per (task,
 model), and the best run by validation CE difference is reported:
 `python -m nsrnn_jax.later_protocol --task=<task> --models=<model>,...
 --workdir=<dir>` runs exactly that (resumable, with records and the
-summary table). The default here, 0.005, is one draw-like value for a
+summary table); with `--protocol=iclr2022` it runs the ICLR 2022 grid
+instead (learning rates 0.01, 0.005, 0.001, 0.0005 x 5 runs each, the
+best single run reported). The default here, 0.005, is one draw-like value for a
 single run: set --config.learning_rate. EOS is appended and
 predicted and the per-length test bound has no ln N_L term, as in the
 authors' later experiments (§4.1). One difference from the authors, kept on
@@ -50,7 +70,7 @@ broadcasts v_⊥, §3.3: --config.broadcast_bottom_vector=True reproduces it).
 
 Cost: the (V)RNS stacks are O(n^3) per string; at lengths 40-80 an epoch of
 1000 batches takes hours on a CPU (benchmarks/vrns_stack.py), so run them
-on an accelerator. LSTM and JM pad to length buckets.
+on an accelerator. LSTM, JM and Gref pad to length buckets.
 
 Expected: not yet measured (the paper's figures are plots of the best run).
 A bad argument is a one-line ValueError listing the valid forms.
@@ -66,14 +86,27 @@ NON_CF_MODELS = ("lstm", "jm-10", "jm-3.3.3", "jm-hidden", "rns-3-3")
 CAPACITY_MODELS = ("lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3",
                    "vrns-2-1-3", "vrns-2-3-3")
 PAPER_MODELS = tuple(dict.fromkeys(NON_CF_MODELS + CAPACITY_MODELS))
+# DuSell & Chiang (ICLR 2022)'s context-free study (rns-vrns-reference.md
+# §4.2): its five tasks, the NS-RNN variants' (Q, S) on each, the baselines.
+ICLR2022_TASKS = ("marked_reversal", "unmarked_reversal", "padded_reversal",
+                  "dyck", "hardest_cfl")
+ICLR2022_SIZES = {"marked_reversal": (2, 3), "unmarked_reversal": (2, 3),
+                  "dyck": (2, 3), "padded_reversal": (3, 3),
+                  "hardest_cfl": (3, 3)}
+ICLR2022_VARIANTS = ("ns", "ns+s", "ns+u", "ns+s+u")
+ICLR2022_BASELINES = ("lstm", "jm-2", "jm-20", "jm-40", "gref-2", "gref-20",
+                      "gref-40")
 MODEL_FORMS = ("lstm, jm-<m>, jm-<m>.<m>[.<m>...] (equal widths), "
-               "jm-hidden, rns-<Q>-<S>, vrns-<Q>-<S>-<m>")
+               "jm-hidden, rns-<Q>-<S>, vrns-<Q>-<S>-<m>, gref-<m>, "
+               "ns-<Q>-<S>, ns+s-<Q>-<S>, ns+u-<Q>-<S>, ns+s+u-<Q>-<S>")
 # Sizes >= 1 without leading zeros (a size has one spelling: record
 # directories are named after it).
 _MODEL = re.compile(r"^(?:(?P<lstm>lstm)|jm-(?P<jm>[1-9]\d*(?:\.[1-9]\d*)*)|"
                     r"(?P<jm_hidden>jm-hidden)|"
                     r"rns-(?P<rq>[1-9]\d*)-(?P<rs>[1-9]\d*)|"
-                    r"vrns-(?P<vq>[1-9]\d*)-(?P<vs>[1-9]\d*)-(?P<vm>[1-9]\d*))$")
+                    r"vrns-(?P<vq>[1-9]\d*)-(?P<vs>[1-9]\d*)-(?P<vm>[1-9]\d*)|"
+                    r"gref-(?P<gref>[1-9]\d*)|"
+                    r"(?P<ns>ns(?:\+s)?(?:\+u)?)-(?P<nq>[1-9]\d*)-(?P<ns_s>[1-9]\d*))$")
 USAGE = ("configs/later.py needs ':<task>,<model>', e.g. "
          "configs/later.py:marked_copy,vrns-2-1-3")
 
@@ -120,6 +153,16 @@ def parse(arg):
               "num_stack_symbols": int(g["rs"]), "stack_normalize": False,
               "stack_reading": "state", "stack_bottom": "fixed",
               "stack_window": 0}
+  elif g["gref"]:
+    fields = {"model": "gref", "stack_embedding_size": int(g["gref"])}
+  elif g["ns"]:
+    # The ICLR 2022 variants: +S reads (state, top), +U leaves the action
+    # weights unnormalised; that paper keeps the CoNLL 2020 (frozen) bottom.
+    fields = {"model": "rns", "num_states": int(g["nq"]),
+              "num_stack_symbols": int(g["ns_s"]),
+              "stack_normalize": "+u" not in g["ns"],
+              "stack_reading": "state" if "+s" in g["ns"] else "symbol",
+              "stack_bottom": "frozen", "stack_window": 0}
   else:
     fields = {"model": "vrns", "num_states": int(g["vq"]),
               "num_stack_symbols": int(g["vs"]),
@@ -127,6 +170,18 @@ def parse(arg):
               "stack_bottom_vector": "learned",
               "broadcast_bottom_vector": False}
   return task, fields
+
+
+def iclr2022_models(task):
+  """The ICLR 2022 study's models for one of its tasks; one-line ValueError.
+
+  The baselines, then the four NS-RNN variants at the task's (Q, S).
+  """
+  if task not in ICLR2022_SIZES:
+    raise ValueError(f"the ICLR 2022 study runs no models on {task!r}: its "
+                     f"tasks are {', '.join(ICLR2022_TASKS)}")
+  q, s = ICLR2022_SIZES[task]
+  return ICLR2022_BASELINES + tuple(f"{v}-{q}-{s}" for v in ICLR2022_VARIANTS)
 
 
 def paper_models(task):
@@ -163,7 +218,7 @@ def get_config(arg=None):
   config.test_bound_includes_num_lengths = False
   # One draw of the log-uniform [5e-4, 1e-2] protocol; set per run.
   config.learning_rate = 0.005
-  if config.model in ("lstm", "jm"):
+  if config.model in ("lstm", "jm", "gref"):
     # Baselines compile in seconds and step in milliseconds: padding to
     # length buckets (exact masking) saves ~4x compile time for <10% more
     # step time (benchmarks/train_step.py --compile_study).

@@ -1,4 +1,4 @@
-"""The later papers' protocol: random learning rates, the best run reported.
+"""The later papers' protocols: many runs per (task, model), the best reported.
 
 DuSell & Chiang (ICLR 2023), rns-vrns-reference.md §4.3: for each (task,
 model), 10 runs, each with a learning rate drawn log-uniformly from
@@ -19,6 +19,21 @@ free tasks and the capacity tasks at K = 2, 40, ..., 200); `--models=paper`
 is, per task, the models the paper runs on it (`configs/later.py`
 NON_CF_MODELS or CAPACITY_MODELS).
 
+`--protocol=iclr2022` runs DuSell & Chiang (ICLR 2022)'s context-free study
+instead (§4.2): the learning-rate grid 0.01, 0.005, 0.001, 0.0005 with 5
+runs at each (run k at rate k mod 4 of the grid, so every rate is run
+before any is repeated; 20 runs per (task, model) by default), the single
+best run by validation CE difference reported. Its `--task=paper` is the
+five CoNLL 2020 tasks and its `--models=paper` their models: LSTM, JM and
+Gref with m in 2, 20, 40, and the NS-RNN variants ns, ns+s, ns+u, ns+s+u
+at (Q, S) = (2, 3) or (3, 3) (`configs/later.py` iclr2022_models):
+
+  python -m nsrnn_jax.later_protocol --protocol=iclr2022 --task=dyck \\
+      --models=paper --workdir=runs/iclr2022
+
+A workdir holds one protocol's runs (`protocol.json`); another protocol
+there is refused.
+
 Resumable: rerunning the same command skips finished runs and resumes an
 interrupted one from its last checkpoint (`train.train_and_evaluate`). Run
 k of every model uses the same learning rate and seeds (BASE_SEED + k): the
@@ -27,11 +42,12 @@ draws are a function of (--seed, k) only, so a later invocation with more
 pairing changes no distribution, only makes models' runs comparable one to
 one. Run k's record is `<workdir>/records/<task>/<model>/restart_<k>.json`
 (the format of results/README.md, with "setting" run_<k> and "protocol"
-"iclr2023"); the summary table is printed and saved as
+"iclr2023" or "iclr2022"); the summary table is printed and saved as
 `<workdir>/summary.json`, and the capacity tasks' results are drawn as the
 paper's capacity figure, `<workdir>/capacity.png`.
 """
 
+import json
 import math
 import os
 import sys
@@ -46,14 +62,22 @@ from nsrnn_jax import reproduce
 LEARNING_RATE_RANGE = (5e-4, 1e-2)
 NUM_RUNS = 10
 PROTOCOL = "iclr2023"
+# rns-vrns-reference.md §4.2: the grid, 5 runs at each rate.
+ICLR2022 = "iclr2022"
+ICLR2022_LEARNING_RATES = (0.01, 0.005, 0.001, 0.0005)
+ICLR2022_NUM_RUNS = 5 * len(ICLR2022_LEARNING_RATES)
+PROTOCOLS = (PROTOCOL, ICLR2022)
+PROTOCOL_FILE = "protocol.json"
 # --task / --models value: the paper's tasks, each task's paper models.
 PAPER = "paper"
 RECORDS_DIR = "records"
 SUMMARY_FILE = "summary.json"
 CAPACITY_PLOT = "capacity.png"
 
-__all__ = ["LEARNING_RATE_RANGE", "NUM_RUNS", "learning_rates", "run_config",
-           "run", "summarize", "render_table", "main"]
+__all__ = ["LEARNING_RATE_RANGE", "NUM_RUNS", "ICLR2022_LEARNING_RATES",
+           "ICLR2022_NUM_RUNS", "PROTOCOLS", "learning_rates",
+           "grid_learning_rates", "run_config", "run", "summarize",
+           "render_table", "main"]
 
 
 def learning_rates(num_runs: int, seed: int = 0) -> list[float]:
@@ -71,6 +95,37 @@ def learning_rates(num_runs: int, seed: int = 0) -> list[float]:
   return [float(math.exp(x)) for x in draws]
 
 
+def grid_learning_rates(num_runs: int) -> list[float]:
+  """ICLR 2022's rates for runs 0..num_runs-1: run k at grid rate k mod 4."""
+  grid = ICLR2022_LEARNING_RATES
+  return [grid[k % len(grid)] for k in range(num_runs)]
+
+
+def _check_protocol(protocol: str) -> None:
+  if protocol not in PROTOCOLS:
+    raise reproduce.ReproduceError(
+        f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+
+
+def _workdir_protocol(workdir: str) -> Optional[str]:
+  """The protocol of the runs already in `workdir`, or None if it has none.
+
+  From `protocol.json`; workdirs made before it existed name theirs in
+  summary.json.
+  """
+  for name in (PROTOCOL_FILE, SUMMARY_FILE):
+    path = os.path.join(workdir, name)
+    if os.path.isfile(path):
+      try:
+        with open(path) as f:
+          return json.load(f)["protocol"]
+      except (OSError, ValueError, KeyError, TypeError):
+        raise reproduce.ReproduceError(
+            f"{path} is unreadable; it names the protocol of the workdir's "
+            "runs") from None
+  return None
+
+
 def _later_module():
   """configs/later.py, loaded afresh (edits to it are seen by the next call)."""
   return reproduce.load_module(
@@ -86,12 +141,13 @@ def _later_config(task: str, model: str, module=None):
     raise reproduce.ReproduceError(str(e)) from None
 
 
-def models_for(task: str, models: Sequence[str],
-               module=None) -> tuple[str, ...]:
+def models_for(task: str, models: Sequence[str], module=None,
+               protocol: str = PROTOCOL) -> tuple[str, ...]:
   """`models`, or the paper's models for `task` where they are ['paper'].
 
   `module`: configs/later.py as loaded by `_later_module` (loaded here if
-  None; `run` loads it once for its whole plan).
+  None; `run` loads it once for its whole plan). `protocol`: whose paper
+  (iclr2023: `paper_models`, iclr2022: `iclr2022_models`).
   """
   if list(models) != [PAPER]:
     if PAPER in models:
@@ -99,8 +155,10 @@ def models_for(task: str, models: Sequence[str],
                                      "paper's models of each task)")
     return tuple(models)
   try:
+    module = module or _later_module()
     return tuple(reproduce.call_with_repo_on_path(
-        (module or _later_module()).paper_models, task))
+        module.iclr2022_models if protocol == ICLR2022
+        else module.paper_models, task))
   except ValueError as e:
     raise reproduce.ReproduceError(f"--models=paper: {e}") from None
 
@@ -146,33 +204,53 @@ def _parse_list(value, what) -> list[str]:
   return items
 
 
-def run(tasks, models, workdir: str, num_runs: int = NUM_RUNS,
+def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
         seed: int = 0, overrides: Mapping[str, Any] = (),
-        out=None) -> list[dict[str, Any]]:
+        out=None, protocol: str = PROTOCOL) -> list[dict[str, Any]]:
   """Trains every missing run (run-major: run 0 of every model first).
 
-  Progress goes to `out` (default: sys.stdout at the time of the call).
-  Returns the summary rows of `summarize` over the workdir's records.
+  `num_runs` per (task, model) defaults to the protocol's (NUM_RUNS,
+  ICLR2022_NUM_RUNS); `seed` seeds the iclr2023 rate draws (the iclr2022
+  rates are the grid's). Progress goes to `out` (default: sys.stdout at
+  the time of the call). Returns the summary rows of `summarize` over the
+  workdir's records.
   """
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
   out = out or sys.stdout
+  _check_protocol(protocol)
+  # configs/later.py is loaded once for the whole plan (1610 configs for
+  # --task=paper --models=paper).
+  module = _later_module()
   tasks = _parse_list(tasks, "--task")
-  if tasks == [PAPER]:
+  if tasks == [PAPER] and protocol == ICLR2022:
+    tasks = list(module.ICLR2022_TASKS)
+  elif tasks == [PAPER]:
     from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
     tasks = list(tasks_ncf.TASKS)
   elif PAPER in tasks:
     raise reproduce.ReproduceError("--task=paper stands alone (every task "
                                    "of the paper)")
   models = _parse_list(models, "--models")
-  rates = learning_rates(num_runs, seed)
-  # configs/later.py is loaded once for the whole plan (1610 configs for
-  # --task=paper --models=paper).
-  module = _later_module()
+  if num_runs is None:
+    num_runs = ICLR2022_NUM_RUNS if protocol == ICLR2022 else NUM_RUNS
+  if (isinstance(num_runs, bool) or not isinstance(num_runs, int)
+      or num_runs < 1):
+    raise reproduce.ReproduceError(
+        f"--runs must be a positive integer, got {num_runs!r}")
+  held = _workdir_protocol(workdir)
+  if held is not None and held != protocol:
+    raise reproduce.ReproduceError(
+        f"{workdir} holds {held} runs; run --protocol={protocol} in another "
+        "--workdir")
+  rates = (grid_learning_rates(num_runs) if protocol == ICLR2022
+           else learning_rates(num_runs, seed))
   plan = [(k, t, m) for k in range(num_runs) for t in tasks
-          for m in models_for(t, models, module)]
+          for m in models_for(t, models, module, protocol)]
   # Every config is built (and checked) before the first run starts.
   configs = {(k, t, m): run_config(t, m, k, rates[k], overrides, module)
              for k, t, m in plan}
+  reproduce.write_json_atomic(os.path.join(workdir, PROTOCOL_FILE),
+                              {"protocol": protocol})
   records_dir = os.path.join(workdir, RECORDS_DIR)
   hw = reproduce.hardware()
   for i, (k, t, m) in enumerate(plan, start=1):
@@ -187,11 +265,11 @@ def run(tasks, models, workdir: str, num_runs: int = NUM_RUNS,
         break
       record = reproduce.make_record(_spec(t, m, k, rates[k]), run_dir,
                                      overrides, hw)
-      record["protocol"] = PROTOCOL if not overrides else "custom"
+      record["protocol"] = protocol if not overrides else "custom"
       reproduce.write_json_atomic(record_path, record)
   rows = summarize(reproduce.load_records(records_dir))
   reproduce.write_json_atomic(os.path.join(workdir, SUMMARY_FILE),
-                              {"protocol": PROTOCOL, "rows": rows})
+                              {"protocol": protocol, "rows": rows})
   return rows
 
 
@@ -351,11 +429,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "'paper' (each task's models in the paper)")
   parser.add_argument("--workdir", required=True,
                       help="run directories, checkpoints and records")
-  parser.add_argument("--runs", type=int, default=NUM_RUNS,
+  parser.add_argument("--protocol", default=PROTOCOL,
+                      help=f"one of {', '.join(PROTOCOLS)}: random learning "
+                      "rates (ICLR 2023) or the grid (ICLR 2022)")
+  parser.add_argument("--runs", type=int, default=None,
                       help="runs per (task, model), each with its own "
-                      "learning rate and seeds")
+                      f"learning rate and seeds (default {NUM_RUNS}; "
+                      f"iclr2022: {ICLR2022_NUM_RUNS})")
   parser.add_argument("--seed", type=int, default=0,
-                      help="seed of the learning-rate draws")
+                      help="seed of the learning-rate draws (iclr2023)")
   parser.add_argument("--set", action="append", default=[],
                       metavar="FIELD=VALUE",
                       help="config override for every run (records say so)")
@@ -372,7 +454,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise reproduce.ReproduceError("--task and --models are required "
                                        "(or --report)")
       rows = run(args.task, args.models, args.workdir, args.runs, args.seed,
-                 reproduce.parse_overrides(args.set))
+                 reproduce.parse_overrides(args.set),
+                 protocol=args.protocol)
   except (reproduce.ReproduceError, ValueError) as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2

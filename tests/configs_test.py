@@ -343,6 +343,45 @@ LATER_FIELDS = {
 }
 
 
+# The ICLR 2022 context-free study's models (rns-vrns-reference.md §4.2):
+# the variants keep the CoNLL 2020 (frozen) bottom.
+ICLR2022_FIELDS = {
+    "gref-20": {"model": "gref", "stack_embedding_size": 20,
+                "compile_strategy": "bucket"},
+    "ns-2-3": {"model": "rns", "num_states": 2, "num_stack_symbols": 3,
+               "stack_normalize": True, "stack_reading": "symbol"},
+    "ns+s-2-3": {"model": "rns", "stack_normalize": True,
+                 "stack_reading": "state"},
+    "ns+u-3-3": {"model": "rns", "num_states": 3, "num_stack_symbols": 3,
+                 "stack_normalize": False, "stack_reading": "symbol"},
+    "ns+s+u-2-3": {"model": "rns", "stack_normalize": False,
+                   "stack_reading": "state"},
+}
+
+
+@pytest.mark.parametrize("spec", ICLR2022_FIELDS)
+def test_later_iclr2022_models(spec):
+  import jax  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  later = importlib.import_module("configs.later")
+  config = _later(f"hardest_cfl,{spec}")
+  train.validate_config(config)
+  for field, value in ICLR2022_FIELDS[spec].items():
+    assert config[field] == value, field
+  if config.model == "rns":
+    assert (config.stack_bottom, config.stack_window) == ("frozen", 0)
+  assert config.predict_eos and not config.test_bound_includes_num_lengths
+  params = models.init_params(models.build(config), jax.random.PRNGKey(0))
+  assert params["output"]["kernel"].shape == (20, 8)  # 7 symbols + EOS
+  # Each task's models: the baselines, then the variants at its (Q, S).
+  assert later.iclr2022_models("dyck") == (
+      "lstm", "jm-2", "jm-20", "jm-40", "gref-2", "gref-20", "gref-40",
+      "ns-2-3", "ns+s-2-3", "ns+u-2-3", "ns+s+u-2-3")
+  assert later.iclr2022_models("padded_reversal")[-1] == "ns+s+u-3-3"
+  with pytest.raises(ValueError, match="runs no models on 'marked_copy'"):
+    later.iclr2022_models("marked_copy")
+
+
 def _later_tasks():
   from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
   return tasks_ncf.NCF_TASKS + tuple(
@@ -444,7 +483,7 @@ def test_later_models_run_a_short_batch(spec):
     ("count_3_k4,lstm", "count_3 has no alphabet size"),
     ("dyck_k40,gru", "unknown model 'gru'; valid: lstm, jm-<m>, "
      "jm-<m>.<m>[.<m>...] (equal widths), jm-hidden, rns-<Q>-<S>, "
-     "vrns-<Q>-<S>-<m>"),
+     "vrns-<Q>-<S>-<m>, gref-<m>, ns-<Q>-<S>, ns+s-<Q>-<S>"),
     ("dyck_k40,jm-3.4", "unknown model 'jm-3.4'"),
     ("dyck_k40,jm-3.0.3", "unknown model 'jm-3.0.3'"),
     ("dyck_k40,jm-3.", "unknown model 'jm-3.'"),
@@ -454,6 +493,9 @@ def test_later_models_run_a_short_batch(spec):
     ("dyck_k40,rns-2", "unknown model 'rns-2'"),
     ("dyck_k40,vrns-2-0-3", "unknown model 'vrns-2-0-3'"),
     ("dyck_k40,jm-0", "unknown model 'jm-0'"),
+    ("dyck,ns+u+s-2-3", "unknown model 'ns+u+s-2-3'"),  # one spelling
+    ("dyck,ns-2", "unknown model 'ns-2'"),
+    ("dyck,gref-0", "unknown model 'gref-0'"),
 ])
 def test_later_bad_argument_is_a_one_line_error(arg, message):
   with pytest.raises(ValueError) as info:

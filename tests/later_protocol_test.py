@@ -116,6 +116,10 @@ def test_runs_resume_and_keep_their_rates(tmp_path, capsys):
      "--models=paper stands alone"),
     (["--task=marked_copy_k3", "--models=paper"],
      "--models=paper: the paper runs no models on 'marked_copy_k3'"),
+    (["--task=dyck", "--models=lstm", "--protocol=iclr2024"],
+     "--protocol must be one of iclr2023, iclr2022, got 'iclr2024'"),
+    (["--task=marked_copy", "--models=paper", "--protocol=iclr2022"],
+     "--models=paper: the ICLR 2022 study runs no models on 'marked_copy'"),
 ])
 def test_bad_input_is_one_line_exit_2_and_trains_nothing(tmp_path, capsys,
                                                          args, message):
@@ -156,6 +160,67 @@ def test_the_papers_tasks_and_models(tmp_path, capsys, monkeypatch):
       "lstm", "jm-3", "rns-1-3", "rns-2-3", "vrns-1-1-3", "vrns-2-1-3",
       "vrns-2-3-3")
   assert later_protocol.models_for("dyck_k120", ["lstm"]) == ("lstm",)
+
+
+def test_iclr2022_grid_and_one_protocol_per_workdir(tmp_path, capsys):
+  # Run k trains at grid rate k mod 4 with seeds BASE_SEED + k; the workdir
+  # then refuses the other protocol.
+  workdir = str(tmp_path / "w")
+  args = ["--task=dyck", "--models=lstm", f"--workdir={workdir}"]
+  assert later_protocol.main(args + ["--protocol=iclr2022", "--runs=5"]
+                             + TINY) == 0
+  out = capsys.readouterr().out
+  assert "[5/5] dyck/lstm/run_4 (lr 0.01)" in out
+  assert later_protocol.grid_learning_rates(6) == [
+      0.01, 0.005, 0.001, 0.0005, 0.01, 0.005]
+  records = os.path.join(workdir, "records", "dyck", "lstm")
+  for k in range(5):
+    with open(os.path.join(records, f"restart_{k}.json")) as f:
+      rec = json.load(f)
+    assert rec["learning_rate"] == (0.01, 0.005, 0.001, 0.0005)[k % 4]
+    assert rec["config"]["learning_rate"] == rec["learning_rate"]
+    assert rec["config"]["data_seed"] == reproduce.BASE_SEED + k
+    assert rec["config"]["predict_eos"]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["protocol"] == "iclr2022"
+  (row,) = summary["rows"]
+  values = []
+  for k in range(5):
+    with open(os.path.join(records, f"restart_{k}.json")) as f:
+      values.append(json.load(f)["best_valid_ce_diff"])
+  assert row["runs"] == 5 and row["best_run"] == int(np.argmin(values))
+  with open(os.path.join(workdir, "protocol.json")) as f:
+    assert json.load(f) == {"protocol": "iclr2022"}
+  # The other protocol in the same workdir: one line, nothing trained.
+  assert later_protocol.main(args + ["--runs=6"] + TINY) == 2
+  err = capsys.readouterr().err
+  assert err == (f"error: {workdir} holds iclr2022 runs; run "
+                 "--protocol=iclr2023 in another --workdir\n")
+  assert not os.path.exists(os.path.join(records, "restart_5.json"))
+
+
+def test_iclr2022_papers_tasks_and_models(tmp_path, capsys, monkeypatch):
+  # --protocol=iclr2022 --task=paper --models=paper: the five CoNLL 2020
+  # tasks x (LSTM, JM and Gref at m = 2, 20, 40, four NS-RNN variants).
+  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def stop(config, workdir):
+    calls.append(config)
+    return {"finished": False}
+
+  monkeypatch.setattr(train, "train_and_evaluate", stop)
+  assert later_protocol.main(["--protocol=iclr2022", "--task=paper",
+                              "--models=paper", "--runs=1",
+                              f"--workdir={tmp_path}"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("[1/55] marked_reversal/lstm/run_0 (lr 0.01)")
+  (config,) = calls
+  assert config.task == "marked_reversal" and config.learning_rate == 0.01
+  plan = later_protocol.models_for("hardest_cfl", ["paper"],
+                                   protocol="iclr2022")
+  assert plan[-4:] == ("ns-3-3", "ns+s-3-3", "ns+u-3-3", "ns+s+u-3-3")
 
 
 def _row(task, model, best, mean, std):

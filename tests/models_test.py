@@ -1085,6 +1085,9 @@ def test_rns_truncation_boundary_follows_the_bottoms_tag(bottom):
 @pytest.mark.parametrize('normalize,reading,bottom,window,trunc', [
     (False, 'state', 'fixed', 0, 0),
     (True, 'symbol', 'frozen', 0, 0),
+    # The ICLR 2022 variants NS+S and NS+U (frozen bottom).
+    (True, 'state', 'frozen', 0, 0),
+    (False, 'symbol', 'frozen', 0, 0),
     (False, 'state', 'frozen', 3, 2),
     (False, 'state', 'fixed', 3, 2),
 ])
