@@ -44,7 +44,10 @@ one. Run k's record is `<workdir>/records/<task>/<model>/restart_<k>.json`
 (the format of results/README.md, with "setting" run_<k> and "protocol"
 "iclr2023" or "iclr2022"); the summary table is printed and saved as
 `<workdir>/summary.json`, and the capacity tasks' results are drawn as the
-paper's capacity figure, `<workdir>/capacity.png`.
+paper's capacity figure, `<workdir>/capacity.png`. Both papers plot, per
+task, each model's best run: its validation CE difference per epoch and
+its test CE difference by length, here `<workdir>/best_runs/<task>.png`
+(the curves also in `<task>.json`).
 """
 
 import json
@@ -73,6 +76,7 @@ PAPER = "paper"
 RECORDS_DIR = "records"
 SUMMARY_FILE = "summary.json"
 CAPACITY_PLOT = "capacity.png"
+BEST_RUNS_DIR = "best_runs"
 
 __all__ = ["LEARNING_RATE_RANGE", "NUM_RUNS", "ICLR2022_LEARNING_RATES",
            "ICLR2022_NUM_RUNS", "PROTOCOLS", "learning_rates",
@@ -354,6 +358,96 @@ def save_capacity_plot(rows: Sequence[Mapping[str, Any]], workdir: str
   return path
 
 
+def _best(recs: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+  """The run with the lowest best-epoch validation CE difference (ties: the
+  lower run index)."""
+  recs = sorted(recs, key=lambda r: r["restart"])
+  return recs[int(np.argmin([r["best_valid_ce_diff"] for r in recs]))]
+
+
+def _groups(records: Sequence[Mapping[str, Any]]) -> dict:
+  """Finished records by (task, model), sorted."""
+  groups: dict = {}
+  for rec in records:
+    if rec.get("best_valid_ce_diff") is None:
+      continue
+    groups.setdefault((rec["task"], rec["model"]), []).append(rec)
+  return dict(sorted(groups.items()))
+
+
+def best_run_curves(records: Sequence[Mapping[str, Any]]
+                    ) -> dict[str, list[dict[str, Any]]]:
+  """Per task, each model's best run's curves (what both papers plot).
+
+  Returns {task: [per model, in name order, {"model", "run",
+  "learning_rate", "epochs", "valid_ce_diff" (per epoch, the validation
+  CE difference), "lengths", "test_ce_diff" (per test length; None where
+  a length has no value)}]}; a run without a test has empty test lists.
+  """
+  out: dict = {}
+  for (task, model), recs in _groups(records).items():
+    best = _best(recs)
+    epochs = best.get("epochs") or []
+    test = best.get("test") or {}
+    out.setdefault(task, []).append({
+        "model": model, "run": best["restart"],
+        "learning_rate": best["learning_rate"],
+        "epochs": [int(e["epoch"]) for e in epochs],
+        "valid_ce_diff": [e.get("valid_ce_diff") for e in epochs],
+        "lengths": list(test.get("lengths", [])),
+        "test_ce_diff": list(test.get("ce_diff", [])),
+    })
+  return out
+
+
+def plot_best_runs(task: str, curves: Sequence[Mapping[str, Any]]):
+  """One task's figure: each model's best run, validation CE difference per
+  epoch (left) and test CE difference by length (right). A
+  `matplotlib.figure.Figure` (no pyplot state)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib.figure  # pylint: disable=g-import-not-at-top
+  fig = matplotlib.figure.Figure(figsize=(9.0, 4.0), layout="constrained")
+  left, right = fig.subplots(1, 2)
+  # 20 distinct colours: the ICLR 2022 study has 11 models per task.
+  cmap = matplotlib.colormaps["tab20"]
+  nan = lambda v: np.asarray([np.nan if x is None else x for x in v], float)
+  for i, c in enumerate(curves):
+    color = cmap(i % 20)
+    label = f"{c['model']} (run {c['run']}, lr {c['learning_rate']:.3g})"
+    left.plot(c["epochs"], nan(c["valid_ce_diff"]), color=color,
+              linewidth=1.2, label=label)
+    if c["lengths"]:
+      right.plot(c["lengths"], nan(c["test_ce_diff"]), color=color,
+                 linewidth=1.2)
+  left.set_title(f"{task.replace('_', ' ')}: validation")
+  left.set_xlabel("Epoch")
+  right.set_title("test (best epoch's parameters)")
+  right.set_xlabel("Length")
+  for ax in (left, right):
+    ax.set_ylabel("Cross-entropy diff. (nats/symbol)")
+    ax.grid(True, alpha=0.3)
+  fig.legend(loc="outside lower center", ncol=3, fontsize="x-small",
+             frameon=False)
+  return fig
+
+
+def save_best_run_plots(records: Sequence[Mapping[str, Any]], workdir: str
+                        ) -> Optional[str]:
+  """Writes `<workdir>/best_runs/<task>.{png,json}` for every task with
+  records; returns the directory (None if there are none)."""
+  curves = best_run_curves(records)
+  if not curves:
+    return None
+  out_dir = os.path.join(workdir, BEST_RUNS_DIR)
+  os.makedirs(out_dir, exist_ok=True)
+  for task, task_curves in curves.items():
+    reproduce.write_json_atomic(os.path.join(out_dir, f"{task}.json"),
+                                {"task": task, "models": task_curves})
+    plot_best_runs(task, task_curves).savefig(
+        os.path.join(out_dir, f"{task}.png"), dpi=120)
+  return out_dir
+
+
 def _bins(record) -> Optional[list[Optional[float]]]:
   """Mean test CE difference over the training lengths and the longer ones
   (the paper: 40-80 and 81-100)."""
@@ -379,16 +473,10 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
   ones (`test_ce_diff_bins`; the paper's 40-80 and 81-100). Ties go to the
   lower run index.
   """
-  groups: dict = {}
-  for rec in records:
-    if rec.get("best_valid_ce_diff") is None:
-      continue
-    groups.setdefault((rec["task"], rec["model"]), []).append(rec)
   rows = []
-  for (task, model), recs in sorted(groups.items()):
-    recs = sorted(recs, key=lambda r: r["restart"])
+  for (task, model), recs in _groups(records).items():
     values = np.asarray([r["best_valid_ce_diff"] for r in recs], float)
-    best = recs[int(np.argmin(values))]
+    best = _best(recs)
     rows.append({
         "task": task, "model": model, "runs": len(recs),
         "best_run": best["restart"],
@@ -448,7 +536,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     records_dir = os.path.join(args.workdir, RECORDS_DIR)
     if args.report:
-      rows = summarize(reproduce.load_records(records_dir))
+      records = reproduce.load_records(records_dir)
+      rows = summarize(records)
     else:
       if not args.task or not args.models:
         raise reproduce.ReproduceError("--task and --models are required "
@@ -456,6 +545,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       rows = run(args.task, args.models, args.workdir, args.runs, args.seed,
                  reproduce.parse_overrides(args.set),
                  protocol=args.protocol)
+      records = reproduce.load_records(records_dir)
   except (reproduce.ReproduceError, ValueError) as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
@@ -463,6 +553,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   plot = save_capacity_plot(rows, args.workdir)
   if plot:
     print(f"capacity plot: {plot}")
+  figures = save_best_run_plots(records, args.workdir)
+  if figures:
+    print(f"best runs' curves per task: {figures}")
   return 0
 
 

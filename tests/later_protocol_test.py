@@ -66,6 +66,30 @@ def test_summary_picks_the_best_run_and_the_spread():
           "0.0816 | 0.2000 / 0.6000 |") in table
 
 
+def test_best_run_curves_follow_the_summarys_best_run():
+  epochs = lambda *v: [{"epoch": i + 1, "valid_ce_diff": x}
+                       for i, x in enumerate(v)]
+  test = {"lengths": [40, 41], "ce_diff": [0.3, None]}
+  recs = [dict(_record("lstm", 0, 0.4, 0.001), epochs=epochs(0.9, 0.4)),
+          dict(_record("lstm", 1, 0.2, 0.002, test),
+               epochs=epochs(0.8, 0.5, 0.2)),
+          dict(_record("jm-10", 0, 0.3, 0.001), epochs=epochs(0.3)),
+          dict(_record("jm-10", 1, 0.3, 0.002), epochs=epochs(0.7, 0.3))]
+  (task, curves), = later_protocol.best_run_curves(recs).items()
+  assert task == "marked_copy"
+  jm, lstm = curves                     # models in name order
+  assert (lstm["model"], lstm["run"], lstm["learning_rate"]) == (
+      "lstm", 1, 0.002)
+  assert lstm["epochs"] == [1, 2, 3]
+  assert lstm["valid_ce_diff"] == [0.8, 0.5, 0.2]
+  assert (lstm["lengths"], lstm["test_ce_diff"]) == ([40, 41], [0.3, None])
+  assert (jm["run"], jm["valid_ce_diff"], jm["lengths"]) == (0, [0.3], [])
+  fig = later_protocol.plot_best_runs(task, curves)
+  left, right = fig.axes[:2]
+  np.testing.assert_array_equal(left.lines[1].get_ydata(), [0.8, 0.5, 0.2])
+  np.testing.assert_array_equal(right.lines[0].get_ydata(), [0.3, np.nan])
+
+
 def test_runs_resume_and_keep_their_rates(tmp_path, capsys):
   workdir = str(tmp_path / "w")
   args = ["--task=marked_copy", "--models=lstm", f"--workdir={workdir}"]
@@ -192,6 +216,16 @@ def test_iclr2022_grid_and_one_protocol_per_workdir(tmp_path, capsys):
   assert row["runs"] == 5 and row["best_run"] == int(np.argmin(values))
   with open(os.path.join(workdir, "protocol.json")) as f:
     assert json.load(f) == {"protocol": "iclr2022"}
+  # The best run's curves, as both papers plot them, beside its figure.
+  with open(os.path.join(workdir, "best_runs", "dyck.json")) as f:
+    (curve,) = json.load(f)["models"]
+  with open(os.path.join(records, f"restart_{row['best_run']}.json")) as f:
+    best = json.load(f)
+  assert curve["run"] == row["best_run"]
+  assert curve["valid_ce_diff"] == [e["valid_ce_diff"]
+                                    for e in best["epochs"]]
+  assert curve["test_ce_diff"] == best["test"]["ce_diff"]
+  assert os.path.getsize(os.path.join(workdir, "best_runs", "dyck.png")) > 0
   # The other protocol in the same workdir: one line, nothing trained.
   assert later_protocol.main(args + ["--runs=6"] + TINY) == 2
   err = capsys.readouterr().err
