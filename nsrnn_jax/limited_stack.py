@@ -48,7 +48,8 @@ from nsrnn_jax.ns_stack import check_precision
 
 Array = jax.Array
 
-__all__ = ["WindowState", "initial_state", "step", "run", "run_coupled"]
+__all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
+           "run_chunks", "check_truncation_length"]
 
 
 class WindowState(NamedTuple):
@@ -177,85 +178,124 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   check_precision(precision)
   rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
   rns_stack._check_reading(reading)  # pylint: disable=protected-access
+  check_truncation_length(truncation_length)
+  b = jax.tree_util.tree_leaves(xs)[0].shape[0]
+  dtype = rns_stack._float_dtype(params)  # pylint: disable=protected-access
+  state0 = initial_state(b, window, num_states, num_symbols, bottom, dtype)
+  update = lambda st, acts: _step_outputs(step(st, *acts,
+                                               precision=precision))
+  read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
+  outs, (a_hat, lm) = run_chunks(step_fn, update, read, params, init_carry,
+                                 state0, xs, truncation_length, actions_fn)
+  a_hat = jnp.concatenate([state0.a_hat[:, None], a_hat], axis=1)
+  lm = jnp.concatenate([state0.log_mass[:, None], lm], axis=1)
+  return outs, a_hat, lm
+
+
+def _step_outputs(stepped):
+  st, a_hat, lm = stepped
+  return st, (a_hat, lm)
+
+
+def check_truncation_length(truncation_length) -> None:
+  """One-line ValueError unless 0 (none) or an integer >= 1."""
   if (isinstance(truncation_length, bool)
       or not isinstance(truncation_length, int) or truncation_length < 0):
     raise ValueError("truncation_length must be 0 (none) or >= 1, got "
                      f"{truncation_length!r}")
+
+
+def run_chunks(step_fn: Callable[..., Any],
+               update: Callable[..., Any], read: Callable[..., Any],
+               params, init_carry, state0, xs, truncation_length: int = 0,
+               actions_fn: Optional[Callable[..., Any]] = None):
+  """Controller + any windowed stack, in chunks for truncated BPTT.
+
+  The chunk loop shared by this module's stack and `limited_vrns`'s.
+
+  Args:
+    step_fn: ``step_fn(params, carry, x_t, reading) -> (carry, actions,
+      out)``, the controller step.
+    update: ``update(state, actions) -> (state, stack_out)``, one update of
+      the stack (``stack_out`` a pytree of [B, ...] arrays per time).
+    read: ``read(state) -> reading``, what the controller reads.
+    params, init_carry: differentiable pytrees.
+    state0: the stack state before update 1.
+    xs: pytree of batch-major inputs [B, T, ...].
+    truncation_length: chunk length L ≥ 1 (gradients stop at chunk
+      boundaries); 0 = one chunk (no truncation).
+    actions_fn: ``actions_fn(params, carry) -> actions`` (what `step_fn`
+      computes from the carry it returns): the ICLR 2023 boundary if given,
+      the ICLR 2022 one if None (see `run_coupled`).
+
+  Returns:
+    (outs [B, T, ...], stack_out [B, T, ...] of times 1..T); forward values
+    do not depend on `truncation_length` or `actions_fn`.
+  """
+  check_truncation_length(truncation_length)
   leaves = jax.tree_util.tree_leaves(xs)
   b, t = leaves[0].shape[:2]
   chunk = truncation_length or t
   num_chunks = -(-t // chunk)
   pad = num_chunks * chunk - t
-  dtype = rns_stack._float_dtype(params)  # pylint: disable=protected-access
   # Padded steps run after the last real one; nothing reads them.
   xs_c = jax.tree_util.tree_map(
       lambda l: jnp.concatenate(
           [l, jnp.repeat(l[:, -1:], pad, axis=1)], axis=1).reshape(
               (b, num_chunks, chunk) + l.shape[2:]).swapaxes(0, 1)
       .swapaxes(1, 2), xs)                       # [C, L, B, ...]
-  state0 = initial_state(b, window, num_states, num_symbols, bottom, dtype)
 
   def one_step(carry, x):
     ctrl, st = carry
-    rho, _ = rns_stack.readout(st.a_hat, reading)
-    ctrl, acts, out = step_fn(params, ctrl, x, rho)
-    st, a_hat, lm = step(st, *acts, precision=precision)
-    return (ctrl, st), (out, a_hat, lm)
+    ctrl, acts, out = step_fn(params, ctrl, x, read(st))
+    st, stack_out = update(st, acts)
+    return (ctrl, st), (out, stack_out)
 
-  unchunk = lambda a: a.reshape((num_chunks * chunk,) + a.shape[2:])[:t]
   if actions_fn is not None:
-    outs, a_hat, lm = _chunks_deferring_last_update(
-        one_step, step_fn, actions_fn, params, init_carry, state0, xs_c,
-        reading, precision)
+    outs, stack_out = _chunks_deferring_last_update(
+        one_step, step_fn, update, read, actions_fn, params, init_carry,
+        state0, xs_c)
   else:
     def one_chunk(carry, xs_chunk):
       # Values cross the boundary, gradients do not (truncated BPTT).
       carry = lax.stop_gradient(carry)
       return lax.scan(one_step, carry, xs_chunk)
 
-    _, (outs, a_hat, lm) = lax.scan(one_chunk, (init_carry, state0), xs_c)
-  outs = jax.tree_util.tree_map(lambda a: jnp.swapaxes(unchunk(a), 0, 1),
-                                outs)
-  a_hat = jnp.concatenate([state0.a_hat[:, None],
-                           jnp.swapaxes(unchunk(a_hat), 0, 1)], axis=1)
-  lm = jnp.concatenate([state0.log_mass[:, None],
-                        jnp.swapaxes(unchunk(lm), 0, 1)], axis=1)
-  return outs, a_hat, lm
+    _, (outs, stack_out) = lax.scan(one_chunk, (init_carry, state0), xs_c)
+  batch_major = lambda a: jnp.swapaxes(
+      a.reshape((num_chunks * chunk,) + a.shape[2:])[:t], 0, 1)
+  return (jax.tree_util.tree_map(batch_major, outs),
+          jax.tree_util.tree_map(batch_major, stack_out))
 
 
-
-
-def _chunks_deferring_last_update(one_step, step_fn, actions_fn, params,
-                                  init_carry, state0, xs_c, reading,
-                                  precision):
-  """The chunk loop of `run_coupled` with the ICLR 2023 boundary.
+def _chunks_deferring_last_update(one_step, step_fn, update, read, actions_fn,
+                                  params, init_carry, state0, xs_c):
+  """The chunk loop of `run_chunks` with the ICLR 2023 boundary.
 
   Chunk k ≥ 1 first makes chunk k−1's last update (time kL) from the
   carried, detached controller carry with the live `actions_fn`, then runs
   its L steps, the last of which leaves its update to chunk k+1 (the last
-  chunk's is made after the loop). Returns outs [C, L, B, ...] and log α̂,
-  log Σα [C, L, B, ...] of times 1..C·L, as the plain chunk loop does.
+  chunk's is made after the loop). Returns outs and the stack outputs
+  [C, L, B, ...] of times 1..C·L, as the plain chunk loop does.
   """
   def one_chunk(carry, xs_chunk):
     ctrl, st, first = carry
     ctrl, st = lax.stop_gradient((ctrl, st))   # Truncated BPTT.
-    st_b, a_hat_b, lm_b = step(st, *actions_fn(params, ctrl),
-                               precision=precision)
+    st_b, out_b = update(st, actions_fn(params, ctrl))
     # Chunk 0 has no earlier update to make: keep the initial state.
     st = jax.tree_util.tree_map(lambda old, new: jnp.where(first, old, new),
                                 st, st_b)
     body = jax.tree_util.tree_map(lambda l: l[:-1], xs_chunk)
     last = jax.tree_util.tree_map(lambda l: l[-1], xs_chunk)
-    (ctrl, st), (outs, a_hat, lm) = lax.scan(one_step, (ctrl, st), body)
-    rho, _ = rns_stack.readout(st.a_hat, reading)
-    ctrl, _, out = step_fn(params, ctrl, last, rho)
+    (ctrl, st), (outs, stack_out) = lax.scan(one_step, (ctrl, st), body)
+    ctrl, _, out = step_fn(params, ctrl, last, read(st))
     outs = jax.tree_util.tree_map(
         lambda a, o: jnp.concatenate([a, o[None]], axis=0), outs, out)
-    return (ctrl, st, jnp.asarray(False)), (outs, a_hat_b, lm_b, a_hat, lm)
+    return (ctrl, st, jnp.asarray(False)), (outs, out_b, stack_out)
 
-  (ctrl, st, _), (outs, a_hat_b, lm_b, a_hat, lm) = lax.scan(
+  (ctrl, st, _), (outs, out_b, stack_out) = lax.scan(
       one_chunk, (init_carry, state0, jnp.asarray(True)), xs_c)
-  _, a_hat_f, lm_f = step(st, *actions_fn(params, ctrl), precision=precision)
+  _, out_f = update(st, actions_fn(params, ctrl))
 
   def times(boundary, inner, final):
     # Chunk k holds times kL (its boundary update) .. kL+L−1; chunk 0's
@@ -265,4 +305,4 @@ def _chunks_deferring_last_update(one_step, step_fn, actions_fn, params,
     return jnp.concatenate([flat[1:], final[None]], axis=0).reshape(
         inner.shape[:1] + (inner.shape[1] + 1,) + inner.shape[2:])
 
-  return outs, times(a_hat_b, a_hat, a_hat_f), times(lm_b, lm, lm_f)
+  return outs, jax.tree_util.tree_map(times, out_b, stack_out, out_f)
