@@ -63,8 +63,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Bottom symbol: "fixed" (ICLR 2023 fix: the bottom can be replaced and
   # uncovered) or "frozen" (CoNLL 2020 / ICLR 2022 behaviour).
   config.stack_bottom = "fixed"
-  # Memory-limited stack window D (0 = unlimited; D >= 1 keeps gamma only
-  # within D of the diagonal, linear time in the string length).
+  # Memory-limited stack window D for 'rns' and 'vrns' (0 = unlimited; D >= 1
+  # keeps gamma only within D of the diagonal, linear time in the length).
   config.stack_window = 0
   # Truncated BPTT chunk length in controller steps for a limited stack (0 =
   # no truncation); state crosses chunk boundaries, gradients do not (a

@@ -481,13 +481,14 @@ def _check_vector_inputs(log_push, log_repl, log_pop, push_vectors,
 
 
 def vector_stack_view(log_push, log_repl, log_pop, push_vectors,
-                      bottom_vector, broadcast_bottom: bool = False
-                      ) -> dict[str, np.ndarray]:
+                      bottom_vector, broadcast_bottom: bool = False,
+                      window: int | None = None) -> dict[str, np.ndarray]:
   """What the VRNS-RNN's stack holds after each update of one string.
 
   Recomputed exactly in float64 (`vrns_stack.run` for the vector reading,
   `rns_stack.run` with the fixed bottom for the scalar part, which is the
-  VRNS's own γ/α recurrence; rns-vrns-reference.md §1.5, §3.2).
+  VRNS's own γ/α recurrence; rns-vrns-reference.md §1.5, §3.2; with a
+  window, `limited_vrns.run` and `limited_stack.run`).
 
   Args:
     log_push, log_repl, log_pop: the action log-weights [T, Q, S, Q, S],
@@ -496,6 +497,8 @@ def vector_stack_view(log_push, log_repl, log_pop, push_vectors,
     bottom_vector: [M], v_⊥.
     broadcast_bottom: the authors' broadcast bottom vector (the model's
       `broadcast_bottom_vector`).
+    window: None (unlimited) or D >= 1 (the memory-limited stack, the
+      model's `window`).
 
   Returns:
     A dict of arrays, time on the first axis, j = 0..T (T1 = T + 1):
@@ -520,16 +523,28 @@ def vector_stack_view(log_push, log_repl, log_pop, push_vectors,
       log_push, log_repl, log_pop, push_vectors, bottom_vector)
   with np.errstate(divide="ignore"):
     log_v, log_b = np.log(vectors), np.log(bottom)
+  acts = (log_push[None], log_repl[None], log_pop[None])
   with jax.enable_x64(True):
-    rho, log_mass = vrns_stack.run(
-        log_push[None], log_repl[None], log_pop[None], log_v[None], log_b,
-        broadcast_bottom=bool(broadcast_bottom))
-    log_alpha_hat = rns_stack.run(
-        log_push[None], log_repl[None], log_pop[None], "fixed")[0]
+    if window:
+      from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top
+      from nsrnn_jax import limited_vrns  # pylint: disable=g-import-not-at-top
+      rho, log_mass, _ = limited_vrns.run(
+          *acts, log_v[None], log_b[None], int(window),
+          bool(broadcast_bottom))
+      log_alpha_hat = limited_stack.run(*acts, int(window), "fixed")[0]
+      start = limited_stack.initial_state(1, int(window), *log_push.shape[1:3],
+                                          "fixed", log_alpha_hat.dtype)
+      log_alpha_hat = np.concatenate(
+          [np.asarray(start.a_hat)[:, None], np.asarray(log_alpha_hat)],
+          axis=1)
+    else:
+      rho, log_mass = vrns_stack.run(
+          *acts, log_v[None], log_b, broadcast_bottom=bool(broadcast_bottom))
+      log_alpha_hat = rns_stack.run(*acts, "fixed")[0]
     rho, log_mass, log_alpha_hat = (np.asarray(a, np.float64)[0]
                                     for a in (rho, log_mass, log_alpha_hat))
   # The scalar part is the RNS stack's with the fixed bottom.
-  shares = run_action_shares(log_push, log_repl, log_pop, "fixed")
+  shares = run_action_shares(log_push, log_repl, log_pop, "fixed", window)
   state_top = np.exp(log_alpha_hat)
   return {"state_top_T1xQxS": state_top, "readings_T1xQxSxM": rho,
           "expected_top_T1xM": rho.sum(axis=(1, 2)), "log_mass_T1": log_mass,
@@ -616,11 +631,13 @@ def run_action_shares(log_push, log_repl, log_pop, bottom: str = "fixed",
 
 
 def vrns_viterbi_run(log_push, log_repl, log_pop, push_vectors,
-                     bottom_vector) -> tuple[ViterbiRun, np.ndarray]:
+                     bottom_vector, window: int | None = None
+                     ) -> tuple[ViterbiRun, np.ndarray]:
   """The VRNS-RNN's highest-weight discrete PDA run and its top vectors.
 
   The vectors do not weight runs (they only ride along), so the best run of
-  the vector stack is the RNS-RNN's (fixed bottom, `rns_viterbi_run`).
+  the vector stack is the RNS-RNN's (fixed bottom, the same `window`;
+  `rns_viterbi_run`).
   Replaying it with the elements' vectors (v_t for the element pushed by
   update t, v_⊥ for the bottom; a replace keeps the element's vector) gives
   the vector on top after each update.
@@ -631,7 +648,8 @@ def vrns_viterbi_run(log_push, log_repl, log_pop, push_vectors,
   """
   log_push, log_repl, log_pop, vectors, bottom = _check_vector_inputs(
       log_push, log_repl, log_pop, push_vectors, bottom_vector)
-  run = rns_viterbi_run(log_push, log_repl, log_pop, bottom="fixed")
+  run = rns_viterbi_run(log_push, log_repl, log_pop, bottom="fixed",
+                        window=window)
   stack = [bottom]
   tops = [bottom]
   for op in run.ops:
@@ -910,7 +928,8 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
     acts = traced["action_log_weights"]
     vector_view = vector_stack_view(
         acts["push"], acts["repl"], acts["pop"], traced["push_vectors"],
-        traced["bottom_vector"], bool(model.broadcast_bottom_vector))
+        traced["bottom_vector"], bool(model.broadcast_bottom_vector),
+        window=int(model.window) or None)
     vector_view["traced_readings_T1xQxSxM"] = np.asarray(traced["readings"])
     state_top = vector_view["state_top_T1xQxS"]
     state_readings = state_top.reshape(state_top.shape[0], -1).T
@@ -919,7 +938,7 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
       actions = {k: vector_view[k] for k in ("rows_TxQxSx3", "marginal_3xT")}
       viterbi, tops = vrns_viterbi_run(
           acts["push"], acts["repl"], acts["pop"], traced["push_vectors"],
-          traced["bottom_vector"])
+          traced["bottom_vector"], window=int(model.window) or None)
       vector_view["viterbi_top_vectors_T1xM"] = tops
   elif "action_log_weights" in traced:
     # RNS-RNN: readings over (state, top); Viterbi under its own semantics.

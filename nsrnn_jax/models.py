@@ -1052,17 +1052,17 @@ def check_stack_variant_supported(name: str, stack_window, truncation_length,
                                   stack_bottom, prefix: str = '') -> None:
   """Refuses stack-variant settings that model ``name`` would ignore.
 
-  Only 'rns' has the memory-limited stack; 'vrns' has only the ICLR 2023
-  fixed bottom (rns-vrns-reference.md section 3.2). The other variant
+  'rns' and 'vrns' have the memory-limited stack; 'vrns' has only the ICLR
+  2023 fixed bottom (rns-vrns-reference.md section 3.2). The other variant
   fields (normalisation, reading) belong to 'rns' and keep their
   documented meaning for it only. ``prefix`` goes before each field name
   in the message (e.g. 'config.').
   """
-  if name in ('ns', 'vrns') and (stack_window or truncation_length):
+  if name == 'ns' and (stack_window or truncation_length):
     raise ValueError(
         f'{prefix}stack_window is {stack_window!r} and {prefix}'
         f'truncation_length {truncation_length!r}: model {name!r} has no '
-        "memory-limited stack (only 'rns' has); set both to 0")
+        "memory-limited stack (only 'rns' and 'vrns' have); set both to 0")
   if name == 'vrns' and stack_bottom != rns_stack.FIXED:
     raise ValueError(f'{prefix}stack_bottom is {stack_bottom!r}: model '
                      "'vrns' has only the ICLR 2023 'fixed' bottom")
@@ -1186,11 +1186,15 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
                  truncation_length=int(truncation_length), **common)
   if name == 'vrns':
     from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
+    rns_stack.validate_stack_config(dict(
+        stack_window=stack_window, truncation_length=truncation_length))
     return vrns_model.make(
         num_states=num_states, num_stack_symbols=num_stack_symbols,
         stack_vector_size=stack_vector_size,
         stack_bottom_vector=stack_bottom_vector,
-        broadcast_bottom_vector=broadcast_bottom_vector, **common)
+        broadcast_bottom_vector=broadcast_bottom_vector,
+        stack_window=int(stack_window),
+        truncation_length=int(truncation_length), **common)
   return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
               table=stack_table, batch_chunk=stack_batch_chunk,
               **common)

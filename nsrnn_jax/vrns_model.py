@@ -12,7 +12,12 @@ from h_t, one update per controller step) with the later papers' stack
   * bottom vector v_⊥: 'learned' (σ(b_⊥), b_⊥ ~ U[−0.1, 0.1], the authors'
     effective initialisation), 'one' (all ones) or 'zero' (all zeros);
   * reading ρ_t (Q·S·M, order (r, y, k)) fed with x_{t+1}; ρ_0 is
-    e_{0,⊥} ⊗ v_⊥ (or v_⊥ everywhere with the broadcast bottom).
+    e_{0,⊥} ⊗ v_⊥ (or v_⊥ everywhere with the broadcast bottom);
+  * ``stack_window`` D >= 1: the memory-limited vector stack
+    (`limited_vrns`), trained with truncated BPTT in chunks of
+    ``truncation_length`` steps (0 = whole string) with the ICLR 2023
+    chunk boundary (a chunk's last update trains the action and push-vector
+    layers from the next chunk, not h).
 
 Parameters: controller, output, action (H x Q·S·(2QS+Q)), push_vector
 (H x M), and bottom_vector [M] when learned; all stack layers U[−0.1, 0.1].
@@ -25,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsrnn_jax import limited_vrns
 from nsrnn_jax import models
 from nsrnn_jax import vrns_stack
 
@@ -93,6 +99,8 @@ class VRNSLM(models.PDAStackLM):
   stack_vector_size: int = 3
   stack_bottom_vector: str = 'learned'
   broadcast_bottom_vector: bool = False
+  window: int = 0
+  truncation_length: int = 0
 
   def _reading_size(self) -> int:
     return self.num_states * self.num_stack_symbols * self.stack_vector_size
@@ -135,6 +143,17 @@ class VRNSLM(models.PDAStackLM):
             'bottom_vector': jnp.broadcast_to(
                 jnp.exp(self._log_bottom(params)), (batch, m))}
 
+  def _stack_inputs(self, params, carry, carry_index=0):
+    """(push, repl, pop, log v) of the update made from controller `carry`
+    (its h at `carry_index`): the chunk boundary's update (`limited_vrns`)."""
+    h_BxH = carry[carry_index]
+    push, repl, pop = vrns_action_log_weights(
+        params['action'], h_BxH, self.num_states, self.num_stack_symbols,
+        self.matmul_precision)
+    log_vec = jax.nn.log_sigmoid(
+        models.affine(params['push_vector'], h_BxH, self.matmul_precision))
+    return push, repl, pop, log_vec
+
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
@@ -146,11 +165,19 @@ class VRNSLM(models.PDAStackLM):
                    'action': params['action'],
                    'push_vector': params['push_vector']}
     log_bottom = self._log_bottom(params)
-    h_BxTxH, rho, log_mass = vrns_stack.run_coupled(
-        step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
-        jnp.broadcast_to(log_bottom, (batch, self.stack_vector_size)),
-        self.num_states, self.num_stack_symbols,
-        self.broadcast_bottom_vector)
+    log_bottom_BxM = jnp.broadcast_to(log_bottom,
+                                      (batch, self.stack_vector_size))
+    if self.window:
+      h_BxTxH, rho, log_mass = limited_vrns.run_coupled(
+          step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
+          log_bottom_BxM, self.num_states, self.num_stack_symbols,
+          self.window, self.broadcast_bottom_vector, self.truncation_length,
+          actions_fn=functools.partial(self._stack_inputs, carry_index=0))
+    else:
+      h_BxTxH, rho, log_mass = vrns_stack.run_coupled(
+          step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
+          log_bottom_BxM, self.num_states, self.num_stack_symbols,
+          self.broadcast_bottom_vector)
     push, repl, pop = jax.vmap(
         lambda h: vrns_action_log_weights(params['action'], h,
                                           self.num_states,
@@ -200,9 +227,11 @@ def validate_config(config) -> None:
 def make(vocab_size: int, hidden_size: int, num_states: int,
          num_stack_symbols: int, stack_vector_size: int = 3,
          stack_bottom_vector: str = 'learned',
-         broadcast_bottom_vector: bool = False, dtype: Any = jnp.float32,
+         broadcast_bottom_vector: bool = False, stack_window: int = 0,
+         truncation_length: int = 0, dtype: Any = jnp.float32,
          matmul_precision: str = 'highest'):
-  """A validated `VRNSLM` (called by `models.get`)."""
+  """A validated `VRNSLM` (called by `models.get`); `stack_window` D >= 1
+  selects the memory-limited stack, `truncation_length` its chunks."""
   check_options(stack_vector_size, stack_bottom_vector,
                 broadcast_bottom_vector)
   return VRNSLM(vocab_size=vocab_size, hidden_size=hidden_size,
@@ -210,4 +239,6 @@ def make(vocab_size: int, hidden_size: int, num_states: int,
                 stack_vector_size=int(stack_vector_size),
                 stack_bottom_vector=stack_bottom_vector,
                 broadcast_bottom_vector=bool(broadcast_bottom_vector),
+                window=int(stack_window),
+                truncation_length=int(truncation_length),
                 dtype=dtype, matmul_precision=matmul_precision)

@@ -238,9 +238,8 @@ def test_bad_stack_variant_is_a_one_line_error(field, value, message):
 
 
 @pytest.mark.parametrize("name,changes,message", [
-    ("quick_vrns", {"stack_window": 5, "truncation_length": 5},
-     "model 'vrns' has no memory-limited stack"),
-    ("quick_vrns", {"stack_window": 5}, "config.stack_window is 5"),
+    ("quick_vrns", {"truncation_length": 5},
+     "config.truncation_length needs a memory-limited stack"),
     ("quick_vrns", {"stack_bottom": "frozen"},
      "config.stack_bottom is 'frozen': model 'vrns' has only"),
     ("quick", {"stack_window": 4}, "model 'ns' has no memory-limited stack"),

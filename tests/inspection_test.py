@@ -705,6 +705,53 @@ def test_inspect_vrns_string():
     inspection.vector_stack_view(*acts, vec[1:, :1], vec[0])
 
 
+def test_windowed_vector_stack_view_and_inspection():
+  # The memory-limited VRNS: the float64 view and the Viterbi run follow the
+  # window (explicit windowed runs), and inspecting a windowed model
+  # recomputes what its controller read.
+  import pda_oracle  # pylint: disable=g-import-not-at-top
+  import vrns_oracle  # pylint: disable=g-import-not-at-top
+  log_push, log_repl, log_pop, vectors, bottom = _vector_inputs(3, num_t=5)
+  window = 2
+  view = inspection.vector_stack_view(log_push, log_repl, log_pop, vectors,
+                                      bottom, window=window)
+  rho, log_mass = vrns_oracle.vector_readings(
+      np.exp(log_push), np.exp(log_repl), np.exp(log_pop), vectors, bottom,
+      window=window)
+  np.testing.assert_allclose(view["readings_T1xQxSxM"], rho, rtol=1e-10,
+                             atol=1e-13)
+  np.testing.assert_allclose(view["log_mass_T1"], log_mass, atol=1e-10)
+  log_alpha = pda_oracle.alpha(log_push, log_repl, log_pop, bottom="fixed",
+                               window=window)
+  np.testing.assert_allclose(
+      view["state_top_T1xQxS"],
+      np.exp(log_alpha - log_mass[:, None, None]), atol=1e-12)
+  np.testing.assert_allclose(view["marginal_3xT"].sum(0), 1.0, atol=1e-12)
+  unlimited = inspection.vector_stack_view(log_push, log_repl, log_pop,
+                                           vectors, bottom)
+  assert np.abs(unlimited["readings_T1xQxSxM"] - rho).max() > 1e-3
+  best = pda_oracle.alpha(log_push, log_repl, log_pop, semiring="max",
+                          bottom="fixed", window=window)[-1].max()
+  run, tops = inspection.vrns_viterbi_run(log_push, log_repl, log_pop,
+                                          vectors, bottom, window=window)
+  assert run.log_prob == pytest.approx(best, abs=1e-10)
+  assert tops.shape == (6, 2)
+
+  model = models.get("vrns", vocab_size=3, hidden_size=8, num_states=2,
+                     num_stack_symbols=2, stack_vector_size=2,
+                     stack_window=2)
+  params = dict(models.init_params(model, jax.random.key(2)))
+  params["action"] = {k: v * 20.0 for k, v in params["action"].items()}
+  params["push_vector"] = {k: v * 20.0
+                           for k, v in params["push_vector"].items()}
+  lang = languages.get("marked_reversal")
+  insp = inspection.inspect_string(model, params, lang.encode("011#110"),
+                                   alphabet=lang.alphabet)
+  view = insp.vector_view
+  np.testing.assert_allclose(view["traced_readings_T1xQxSxM"],
+                             view["readings_T1xQxSxM"], atol=2e-5)
+
+
 def test_inspect_eos_model_adds_an_eos_column():
   # A model trained with predict_eos has V + 1 outputs; the string's symbols
   # stay in [0, V) and the true next-symbol distribution (length given)

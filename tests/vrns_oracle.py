@@ -5,7 +5,10 @@ total weight; each stack element is (symbol, vector id), id 0 the bottom
 element (vector v_⊥) and id p the element pushed by update p (vector v_p).
 Semantics of the bottom fix (rns-vrns-reference.md §1.5): push always,
 replace on any top (the element keeps its vector), pop needs height >= 2.
-Weights are real (exp of the log-weights), unnormalised.
+Weights are real (exp of the log-weights), unnormalised. With a window D
+(the memory-limited stack, rns-vrns-reference.md §2.1) an element pushed by
+update p (⊥: p = 0) may be the top only at times p..p+D−1: a configuration
+whose top is older is dropped (its runs die).
 """
 
 import collections
@@ -13,13 +16,14 @@ import collections
 import numpy as np
 
 
-def configurations(push, repl, pop, start=(0, 0)):
+def configurations(push, repl, pop, start=(0, 0), window=None):
   """Per time 0..U, {(state, ((symbol, vec_id), ...)): weight}.
 
   Args:
     push, repl: [U, Q, S, Q, S] real weights (q, x, r, y).
     pop: [U, Q, S, Q] real weights (q, x, r).
     start: (state, bottom symbol) of the initial configuration.
+    window: None (unlimited) or D >= 1; the vector id is the push time.
   """
   u, q, s = push.shape[:3]
   configs = {(start[0], ((start[1], 0),)): 1.0}
@@ -34,13 +38,15 @@ def configurations(push, repl, pop, start=(0, 0)):
           new[(r, stack[:-1] + ((y, vid),))] += w * repl[j - 1, state, x, r, y]
         if len(stack) >= 2:
           new[(r, stack[:-1])] += w * pop[j - 1, state, x, r]
+    if window is not None:
+      new = {key: w for key, w in new.items() if j - key[1][-1][1] < window}
     configs = dict(new)
     history.append(configs)
   return history
 
 
 def vector_readings(push, repl, pop, vectors, bottom_vector,
-                    broadcast_bottom=False):
+                    broadcast_bottom=False, window=None):
   """ρ_j [U+1, Q, S, M] and log Σ weights [U+1] by enumeration.
 
   Args:
@@ -50,11 +56,12 @@ def vector_readings(push, repl, pop, vectors, bottom_vector,
     broadcast_bottom: the authors' code: the numerator also counts, with
       weight 1 each, every start configuration (state t, stack [y]) for runs
       whose top is still the bottom element (rns-vrns-reference.md §3.3).
+    window: None or D >= 1 (see `configurations`).
   """
   u, q, s = push.shape[:3]
   m = len(bottom_vector)
   vec = np.concatenate([np.asarray(bottom_vector)[None], vectors], 0)
-  genuine = configurations(push, repl, pop)
+  genuine = configurations(push, repl, pop, window=window)
   rho = np.zeros((u + 1, q, s, m))
   log_mass = np.zeros(u + 1)
   for j, configs in enumerate(genuine):
@@ -70,7 +77,8 @@ def vector_readings(push, repl, pop, vectors, bottom_vector,
   if broadcast_bottom:
     for t in range(q):
       for y0 in range(s):
-        for j, configs in enumerate(configurations(push, repl, pop, (t, y0))):
+        for j, configs in enumerate(configurations(push, repl, pop, (t, y0),
+                                                   window)):
           for (state, stack), w in configs.items():
             y, vid = stack[-1]
             if vid == 0:

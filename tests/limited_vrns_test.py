@@ -1,0 +1,229 @@
+"""Tests for nsrnn_jax.limited_vrns (the memory-limited vector stack).
+
+Oracles: `vrns_oracle` (explicit PDA runs with vector-carrying elements and
+the window rule, float64), the unlimited `vrns_stack` (window ≥ T + 1), a
+Python loop that detaches every chunk (truncated BPTT), and the float64
+run of the same stack (float32 on long streams).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import vrns_oracle
+from nsrnn_jax import limited_vrns
+from nsrnn_jax import models
+from nsrnn_jax import vrns_stack
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _inputs(rng, u, q, s, m, scale=1.0, neginf=0.0):
+  """Unnormalised log-weights (−inf with probability `neginf`), log vectors
+  in (0, 1) and log v_⊥."""
+  def w(*shape):
+    a = scale * rng.normal(size=shape)
+    return np.where(rng.random(shape) < neginf, -np.inf, a)
+  return (w(u, q, s, q, s), w(u, q, s, q, s), w(u, q, s, q),
+          np.log(rng.uniform(0.05, 0.95, (u, m))),
+          np.log(rng.uniform(0.05, 0.95, m)))
+
+
+@pytest.mark.parametrize("q,s,m,u,window,broadcast,neginf", [
+    (2, 2, 2, 5, 1, False, 0.0),
+    (2, 2, 2, 5, 2, False, 0.2),
+    (2, 2, 3, 6, 3, True, 0.0),
+    (1, 3, 2, 6, 2, True, 0.2),
+    (2, 3, 2, 5, 4, False, 0.0),
+])
+def test_matches_windowed_enumeration(x64, q, s, m, u, window, broadcast,
+                                      neginf):
+  rng = np.random.default_rng(window * 10 + u)
+  push, repl, pop, log_vec, log_bot = _inputs(rng, u, q, s, m, 1.5, neginf)
+  rho, log_mass = vrns_oracle.vector_readings(
+      np.exp(push), np.exp(repl), np.exp(pop), np.exp(log_vec),
+      np.exp(log_bot), broadcast, window=window)
+  got_rho, got_mass, _ = limited_vrns.run(
+      push[None], repl[None], pop[None], log_vec[None], log_bot[None],
+      window, broadcast)
+  np.testing.assert_allclose(got_rho[0], rho, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(got_mass[0], log_mass, rtol=1e-10, atol=1e-10)
+  # The window matters here: the unlimited stack reads otherwise.
+  full, _ = vrns_oracle.vector_readings(
+      np.exp(push), np.exp(repl), np.exp(pop), np.exp(log_vec),
+      np.exp(log_bot), broadcast)
+  assert np.abs(full - rho).max() > 1e-3
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_window_beyond_the_string_equals_unlimited(x64, broadcast):
+  q, s, m, u = 2, 2, 2, 6
+  rng = np.random.default_rng(5)
+  push, repl, pop, log_vec, log_bot = (
+      a[None] for a in _inputs(rng, u, q, s, m, 2.0, 0.1))
+  want_rho, want_mass = vrns_stack.run(push, repl, pop, log_vec, log_bot,
+                                       broadcast_bottom=broadcast)
+  for window in (u + 1, u + 4):
+    rho, log_mass, _ = limited_vrns.run(push, repl, pop, log_vec, log_bot,
+                                        window, broadcast)
+    np.testing.assert_allclose(rho, want_rho, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(log_mass, want_mass, rtol=1e-10, atol=1e-10)
+
+
+def test_incremental_runs_continue_the_stream(x64):
+  q, s, m, u, window = 2, 2, 2, 9, 3
+  rng = np.random.default_rng(7)
+  acts = [a[None] for a in _inputs(rng, u, q, s, m)]
+  rho, log_mass, _ = limited_vrns.run(*acts, window)
+  first = [a[:, :4] for a in acts[:4]]
+  rest = [a[:, 4:] for a in acts[:4]]
+  rho1, lm1, state = limited_vrns.run(*first, acts[4], window)
+  rho2, lm2, _ = limited_vrns.run(*rest, acts[4], window, state=state)
+  np.testing.assert_allclose(rho1, rho[:, :5], rtol=1e-12, atol=1e-14)
+  np.testing.assert_allclose(rho2[:, 1:], rho[:, 5:], rtol=1e-12,
+                             atol=1e-14)
+  np.testing.assert_allclose(lm2, log_mass[:, 4:], rtol=1e-12)
+  with pytest.raises(ValueError, match="state has window 3, not 4"):
+    limited_vrns.run(*rest, acts[4], 4, state=state)
+  with pytest.raises(ValueError, match="window must be an integer D >= 1"):
+    limited_vrns.run(*rest, acts[4], 0)
+
+
+def test_long_stream_float32_keeps_float64_values():
+  # Unnormalised weights whose log Σα grows by ~25 nats per update: the
+  # window's α is kept normalised, so float32 stays as exact as float64.
+  q, s, m, u, window = 2, 2, 2, 400, 4
+  rng = np.random.default_rng(11)
+  push, repl, pop, log_vec, log_bot = (
+      a[None] for a in _inputs(rng, u, q, s, m, 3.0, 0.05))
+  push, repl, pop = push + 20, repl + 20, pop + 20
+  with jax.enable_x64(True):
+    want_rho, want_mass, _ = limited_vrns.run(push, repl, pop, log_vec,
+                                              log_bot, window)
+    want_rho, want_mass = np.asarray(want_rho), np.asarray(want_mass)
+  f32 = lambda a: np.asarray(a, np.float32)
+  rho, log_mass, _ = limited_vrns.run(f32(push), f32(repl), f32(pop),
+                                      f32(log_vec), f32(log_bot), window)
+  assert rho.dtype == jnp.float32
+  assert np.all(np.isfinite(rho)) and want_mass[0, -1] > 5000
+  np.testing.assert_allclose(rho, want_rho, atol=2e-5)
+  np.testing.assert_allclose(log_mass, want_mass, rtol=1e-5)
+
+
+_H, _V = 4, 3
+
+
+def _controller(q, s, m):
+  def actions(p, h):
+    logits = h @ p["wa"] * 3
+    push, repl, pop = models.rns_stack.split_action_logits(logits, q, s,
+                                                           False)
+    return push, repl, pop, jax.nn.log_sigmoid(h @ p["wv"])
+
+  def step_fn(p, h, x, rho):
+    h = jnp.tanh(jax.nn.one_hot(x, _V, dtype=rho.dtype) @ p["wx"]
+                 + rho @ p["wr"] + h @ p["wh"])
+    return h, actions(p, h), h @ p["wo"]
+  return step_fn, actions
+
+
+def test_truncated_bptt_equals_a_detaching_loop(x64):
+  # Chunked forward = unchunked; gradients = a Python loop that detaches
+  # (h, state) every `chunk` steps and makes update j at the start of step
+  # j + 1 from h_j (the ICLR 2023 boundary), for chunks of 1 and 2 steps.
+  q, s, m, b, t, window = 2, 2, 2, 2, 5, 2
+  rng = np.random.default_rng(3)
+  step_fn, actions_of = _controller(q, s, m)
+  params = {"wx": rng.normal(size=(_V, _H)),
+            "wr": rng.normal(size=(q * s * m, _H)),
+            "wh": 0.5 * rng.normal(size=(_H, _H)),
+            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
+            "wv": rng.normal(size=(_H, m)),
+            "wo": rng.normal(size=(_H, _V)),
+            "bot": rng.normal(size=(m,))}
+  h0 = jnp.zeros((b, _H))
+  xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
+  c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, q, s, m))
+
+  def chunked(p, chunk):
+    log_bot = jnp.broadcast_to(jax.nn.log_sigmoid(p["bot"]), (b, m))
+    return limited_vrns.run_coupled(step_fn, p, h0, xs, log_bot, q, s,
+                                    window, truncation_length=chunk,
+                                    actions_fn=actions_of)
+
+  def naive(p, chunk):
+    log_bot = jnp.broadcast_to(jax.nn.log_sigmoid(p["bot"]), (b, m))
+    h = h0
+    st = limited_vrns.initial_state(log_bot, window, q, s)
+    rho = limited_vrns.initial_reading(log_bot, q, s)
+    outs, rhos, masses = [], [rho], [st.log_mass]
+    for j in range(t):
+      if chunk and j % chunk == 0:
+        h, st, rho = lax.stop_gradient((h, st, rho))
+      if j:
+        st, rho, lm = limited_vrns.step(st, *actions_of(p, h))
+        rhos.append(rho)
+        masses.append(lm)
+      h, _, out = step_fn(p, h, xs[:, j], limited_vrns.reading(rho))
+      outs.append(out)
+    st, rho, lm = limited_vrns.step(st, *actions_of(p, h))
+    rhos.append(rho)
+    masses.append(lm)
+    return jnp.stack(outs, 1), jnp.stack(rhos, 1), jnp.stack(masses, 1)
+
+  def loss(fn, chunk):
+    def f(p):
+      outs, rho, lm = fn(p, chunk)
+      return (jnp.sum(c1 * outs) + jnp.sum(c2 * rho) + 0.01 * jnp.sum(lm))
+    return jax.jit(jax.grad(f))(params)
+
+  whole = jax.jit(chunked, static_argnums=1)(params, 0)
+  for chunk in (1, 2):
+    for g, w, n in zip(jax.jit(chunked, static_argnums=1)(params, chunk),
+                       whole, jax.jit(naive, static_argnums=1)(params, chunk)):
+      np.testing.assert_allclose(g, w, atol=1e-12)
+      np.testing.assert_allclose(g, n, atol=1e-12)
+    got, want = loss(chunked, chunk), loss(naive, chunk)
+    for key in params:
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-9, atol=1e-9,
+                                 err_msg=key)
+  # Truncation changes the gradient (else the test could not tell).
+  diff = loss(chunked, 2)["wh"] - loss(chunked, 0)["wh"]
+  assert np.abs(diff).max() > 1e-4
+
+
+def test_vrns_model_with_a_window(x64):
+  # The model's readings are the windowed stack of its own traced actions,
+  # a window beyond the string is the unlimited model, and truncation
+  # changes no value.
+  common = dict(hidden_size=4, num_states=2, num_stack_symbols=2,
+                stack_vector_size=2, dtype=jnp.float64)
+  symbols = np.array([[0, 1, 2, 1, 0, 2, 2], [2, 2, 0, 1, 1, 0, 1]],
+                     np.int32)
+  unlimited = models.get("vrns", 3, **common)
+  params = jax.tree.map(lambda a: a * 20,
+                        models.init_params(unlimited, jax.random.key(1)))
+  want = unlimited.apply({"params": params}, symbols, method="trace")
+  limited = models.get("vrns", 3, stack_window=2, **common)
+  out = limited.apply({"params": params}, symbols, method="trace")
+  acts = out["action_log_weights"]
+  for b in range(2):
+    rho, log_mass = vrns_oracle.vector_readings(
+        np.exp(acts["push"][b]), np.exp(acts["repl"][b]),
+        np.exp(acts["pop"][b]), out["push_vectors"][b],
+        out["bottom_vector"][b], window=2)
+    np.testing.assert_allclose(out["readings"][b], rho, rtol=1e-9,
+                               atol=1e-12)
+    np.testing.assert_allclose(out["log_mass"][b], log_mass, rtol=1e-9)
+  assert np.abs(out["logits"] - want["logits"]).max() > 1e-4
+  wide = models.get("vrns", 3, stack_window=7, truncation_length=3, **common)
+  np.testing.assert_allclose(wide.apply({"params": params}, symbols),
+                             want["logits"], rtol=1e-10, atol=1e-12)
+  chunked = models.get("vrns", 3, stack_window=2, truncation_length=2,
+                       **common)
+  np.testing.assert_allclose(chunked.apply({"params": params}, symbols),
+                             out["logits"], rtol=1e-12, atol=1e-13)
+  with pytest.raises(ValueError, match="truncation_length needs"):
+    models.get("vrns", 3, truncation_length=2, **common)
