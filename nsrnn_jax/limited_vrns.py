@@ -98,14 +98,9 @@ def initial_state(log_bottom_vector_BxM, window, num_states, num_symbols,
   table = jnp.full((b, d, d, q, s, q, s, 1 + m), ninf, dt)
   alpha = jnp.full((b, d, q, s), ninf, dt).at[:, d - 1, 0, 0].set(0)
   if d >= 2:
-    one_hot = jnp.full((q, s), ninf, dt).at[0, 0].set(0)
-    gamma = jnp.broadcast_to(one_hot[None, :, :, None], (b, q, s, 1))
-    if broadcast_bottom:
-      zeta = jnp.broadcast_to(log_v[:, None, None, :], (b, q, s, m))
-    else:
-      zeta = one_hot[None, :, :, None] + log_v[:, None, None, :]
+    # γ|ζ[−1→0][0,⊥→r,y] is the start configuration's α_0 | η_0.
     table = table.at[:, d - 2, d - 1, 0, 0].set(
-        jnp.concatenate([gamma, zeta], -1))
+        vrns_stack.bottom_element(log_v, q, s, broadcast_bottom))
     alpha = alpha.at[:, d - 2, 0, 0].set(0)
   return VectorWindowState(table, alpha, jnp.zeros((b,), dt))
 
@@ -113,13 +108,8 @@ def initial_state(log_bottom_vector_BxM, window, num_states, num_symbols,
 def initial_reading(log_bottom_vector_BxM, num_states, num_symbols,
                     broadcast_bottom=False) -> Array:
   """ρ_0 [B, Q, S, M]: e_{0,⊥} ⊗ v_⊥, or v_⊥ everywhere (broadcast)."""
-  log_v = jnp.asarray(log_bottom_vector_BxM)
-  b, m = log_v.shape
-  v = jnp.exp(log_v)[:, None, None, :]
-  if broadcast_bottom:
-    return jnp.broadcast_to(v, (b, num_states, num_symbols, m))
-  one_hot = jnp.zeros((num_states, num_symbols), v.dtype).at[0, 0].set(1)
-  return one_hot[None, :, :, None] * v
+  return jnp.exp(vrns_stack.bottom_element(
+      log_bottom_vector_BxM, num_states, num_symbols, broadcast_bottom)[..., 1:])
 
 
 def step(state: VectorWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,

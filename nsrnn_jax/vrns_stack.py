@@ -90,6 +90,7 @@ Array = jax.Array
 
 __all__ = [
     "VectorStackState",
+    "bottom_element",
     "init_state",
     "step",
     "readings",
@@ -162,6 +163,26 @@ class VectorStackState(NamedTuple):
     return self.log_forward[..., 1:]
 
 
+def bottom_element(log_bottom_vector_BxM, num_states, num_symbols,
+                   broadcast_bottom=False):
+  """α_0 | c_0 [B, Q, S, 1+M]: the start (0, ⊥) with the bottom's vector.
+
+  Component 0 is log e_{0,⊥}; components 1.. are log v_⊥ at (0, ⊥) only,
+  or at every (state, symbol) with `broadcast_bottom` (the authors' code,
+  rns-vrns-reference.md §3.3).
+  """
+  log_v = jnp.asarray(log_bottom_vector_BxM)
+  b, m = log_v.shape
+  q, s, dt = num_states, num_symbols, log_v.dtype
+  one_hot_QxS = jnp.full((q, s), -jnp.inf, dt).at[0, 0].set(0.0)
+  a0 = jnp.broadcast_to(one_hot_QxS[None, :, :, None], (b, q, s, 1))
+  if broadcast_bottom:
+    c0 = jnp.broadcast_to(log_v[:, None, None, :], (b, q, s, m))
+  else:
+    c0 = one_hot_QxS[None, :, :, None] + log_v[:, None, None, :]
+  return jnp.concatenate([a0, c0], axis=-1)
+
+
 def init_state(log_bottom_vector_BxM, num_steps, num_states, num_symbols,
                broadcast_bottom=False):
   """Tables for `num_steps` updates with time 0 filled in.
@@ -182,13 +203,7 @@ def init_state(log_bottom_vector_BxM, num_steps, num_states, num_symbols,
   t1, q, s = num_steps + 1, num_states, num_symbols
   dt = log_v.dtype
   ninf = -jnp.inf
-  one_hot_QxS = jnp.full((q, s), ninf, dt).at[0, 0].set(0.0)
-  a0 = jnp.broadcast_to(one_hot_QxS[None, :, :, None], (b, q, s, 1))
-  if broadcast_bottom:
-    c0 = jnp.broadcast_to(log_v[:, None, None, :], (b, q, s, m))
-  else:
-    c0 = one_hot_QxS[None, :, :, None] + log_v[:, None, None, :]
-  first = jnp.concatenate([a0, c0], axis=-1)
+  first = bottom_element(log_v, q, s, broadcast_bottom)
   forward = jnp.full((b, t1, q, s, 1 + m), ninf, dt).at[:, 0].set(first)
   return VectorStackState(
       log_table=jnp.full((b, t1, t1, q, s, q, s, 1 + m), ninf, dt),
