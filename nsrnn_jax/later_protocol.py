@@ -209,19 +209,23 @@ def _parse_list(value, what) -> list[str]:
 
 
 def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
-        seed: int = 0, overrides: Mapping[str, Any] = (),
+        seed: Optional[int] = None, overrides: Mapping[str, Any] = (),
         out=None, protocol: str = PROTOCOL) -> list[dict[str, Any]]:
   """Trains every missing run (run-major: run 0 of every model first).
 
   `num_runs` per (task, model) defaults to the protocol's (NUM_RUNS,
-  ICLR2022_NUM_RUNS); `seed` seeds the iclr2023 rate draws (the iclr2022
-  rates are the grid's). Progress goes to `out` (default: sys.stdout at
-  the time of the call). Returns the summary rows of `summarize` over the
-  workdir's records.
+  ICLR2022_NUM_RUNS); `seed` (default 0) seeds the iclr2023 rate draws
+  and is refused with iclr2022, whose rates are the grid's. Progress goes
+  to `out` (default: sys.stdout at the time of the call). Returns the
+  summary rows of `summarize` over the workdir's records.
   """
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
   out = out or sys.stdout
   _check_protocol(protocol)
+  if protocol == ICLR2022 and seed is not None:
+    raise reproduce.ReproduceError(
+        "--seed draws the iclr2023 learning rates; iclr2022 runs the grid "
+        f"{', '.join(map(str, ICLR2022_LEARNING_RATES))} (no draws)")
   # configs/later.py is loaded once for the whole plan (1610 configs for
   # --task=paper --models=paper).
   module = _later_module()
@@ -247,7 +251,7 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
         f"{workdir} holds {held} runs; run --protocol={protocol} in another "
         "--workdir")
   rates = (grid_learning_rates(num_runs) if protocol == ICLR2022
-           else learning_rates(num_runs, seed))
+           else learning_rates(num_runs, seed or 0))
   plan = [(k, t, m) for k in range(num_runs) for t in tasks
           for m in models_for(t, models, module, protocol)]
   # Every config is built (and checked) before the first run starts.
@@ -524,8 +528,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="runs per (task, model), each with its own "
                       f"learning rate and seeds (default {NUM_RUNS}; "
                       f"iclr2022: {ICLR2022_NUM_RUNS})")
-  parser.add_argument("--seed", type=int, default=0,
-                      help="seed of the learning-rate draws (iclr2023)")
+  parser.add_argument("--seed", type=int, default=None,
+                      help="seed of the learning-rate draws (iclr2023; "
+                      "default 0)")
   parser.add_argument("--set", action="append", default=[],
                       metavar="FIELD=VALUE",
                       help="config override for every run (records say so)")

@@ -142,6 +142,8 @@ def test_runs_resume_and_keep_their_rates(tmp_path, capsys):
      "--models=paper: the paper runs no models on 'marked_copy_k3'"),
     (["--task=dyck", "--models=lstm", "--protocol=iclr2024"],
      "--protocol must be one of iclr2023, iclr2022, got 'iclr2024'"),
+    (["--task=dyck", "--models=lstm", "--protocol=iclr2022", "--seed=3"],
+     "--seed draws the iclr2023 learning rates; iclr2022 runs the grid"),
     (["--task=marked_copy", "--models=paper", "--protocol=iclr2022"],
      "--models=paper: the ICLR 2022 study runs no models on 'marked_copy'"),
 ])
