@@ -39,7 +39,7 @@ dyck, hardest_cfl.
                         vrns-1-1-3, vrns-2-1-3, vrns-2-3-3
 
 and the ICLR 2022 context-free study's (§4.2; the CoNLL 2020 bottom, kept
-by that paper: ⊥ is never replaced or popped):
+by that paper: ⊥ is never replaced or uncovered):
 
   gref-<m>              Grefenstette (stratification) stack of width m
   ns-<Q>-<S>            NS-RNN: normalised actions, top-symbol reading
