@@ -155,7 +155,8 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
 
   Args:
     step_fn: as for `rns_stack.run_coupled`.
-    params, init_carry: differentiable pytrees.
+    params, init_carry: differentiable pytrees (init_carry's gradient
+      comes from the first chunk only).
     xs: pytree of batch-major inputs [B, T, ...].
     num_states, num_symbols: Q, S.
     window: D ≥ 1.
@@ -220,7 +221,9 @@ def run_chunks(step_fn: Callable[..., Any],
       the stack (``stack_out`` a pytree of [B, ...] arrays per time).
     read: ``read(state) -> reading``, what the controller reads.
     params, init_carry: differentiable pytrees.
-    state0: the stack state before update 1.
+    state0: the stack state before update 1 (differentiable: it may depend
+      on parameters). init_carry and state0 reach the first chunk with
+      their gradients; later chunks get the carry detached.
     xs: pytree of batch-major inputs [B, T, ...].
     truncation_length: chunk length L ≥ 1 (gradients stop at chunk
       boundaries); 0 = one chunk (no truncation).
@@ -257,15 +260,25 @@ def run_chunks(step_fn: Callable[..., Any],
         state0, xs_c)
   else:
     def one_chunk(carry, xs_chunk):
-      # Values cross the boundary, gradients do not (truncated BPTT).
-      carry = lax.stop_gradient(carry)
-      return lax.scan(one_step, carry, xs_chunk)
+      carry, first = carry
+      carry = _detach_unless_first(carry, first)
+      carry, ys = lax.scan(one_step, carry, xs_chunk)
+      return (carry, jnp.asarray(False)), ys
 
-    _, (outs, stack_out) = lax.scan(one_chunk, (init_carry, state0), xs_c)
+    _, (outs, stack_out) = lax.scan(
+        one_chunk, ((init_carry, state0), jnp.asarray(True)), xs_c)
   batch_major = lambda a: jnp.swapaxes(
       a.reshape((num_chunks * chunk,) + a.shape[2:])[:t], 0, 1)
   return (jax.tree_util.tree_map(batch_major, outs),
           jax.tree_util.tree_map(batch_major, stack_out))
+
+
+def _detach_unless_first(carry, first):
+  """Truncated BPTT: values cross a chunk boundary, gradients do not. The
+  first chunk keeps them: its carry is the start (init_carry and a state
+  that may depend on parameters, e.g. the VRNS's learned bottom vector)."""
+  return jax.tree_util.tree_map(
+      lambda a: jnp.where(first, a, lax.stop_gradient(a)), carry)
 
 
 def _chunks_deferring_last_update(one_step, step_fn, update, read, actions_fn,
@@ -280,7 +293,7 @@ def _chunks_deferring_last_update(one_step, step_fn, update, read, actions_fn,
   """
   def one_chunk(carry, xs_chunk):
     ctrl, st, first = carry
-    ctrl, st = lax.stop_gradient((ctrl, st))   # Truncated BPTT.
+    ctrl, st = _detach_unless_first((ctrl, st), first)
     st_b, out_b = update(st, actions_fn(params, ctrl))
     # Chunk 0 has no earlier update to make: keep the initial state.
     st = jax.tree_util.tree_map(lambda old, new: jnp.where(first, old, new),

@@ -33,8 +33,10 @@ Training (truncated BPTT) uses `limited_stack.run_chunks`: chunks of
 ``truncation_length`` controller steps, values carried across chunk
 boundaries and gradients stopped there; the chunk's last update is made
 in the next chunk from the detached controller carry (the ICLR 2023
-boundary, the only one: the VRNS has the bottom fix). Within a chunk the
-gradient is autodiff of the scan, O(B·L·D²·Q²·S²·M) memory.
+boundary, which the model uses: the VRNS has the bottom fix). The first
+chunk starts from the bottom element with its gradient (a learned v_⊥
+trains). Within a chunk the gradient is autodiff of the scan,
+O(B·L·D²·Q²·S²·M) memory.
 
 Shape legend: B batch, T updates, D window, Q states, S stack symbols
 (0 = ⊥), M vector size, C = 1 + M (component 0 the scalar weight, 1..M the
@@ -157,6 +159,15 @@ def step(state: VectorWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
   return VectorWindowState(table, alpha, log_mass), rho, log_mass
 
 
+def _check_bottom(q, s, log_bottom_vector, b, m):
+  """log v_⊥ as [B, M] (from [M] or [B, M]); one-line ValueError."""
+  lv = vrns_stack._check_inputs(q, s, log_bottom_vector, b)  # pylint: disable=protected-access
+  if lv.shape[1] != m:
+    raise ValueError(f"log_bottom_vector has M={lv.shape[1]} but the pushed "
+                     f"vectors have M={m}")
+  return lv
+
+
 def reading(rho_BxQxSxM):
   """The controller's input: ρ flattened in (r, y, k) order [B, Q·S·M]."""
   return rho_BxQxSxM.reshape(rho_BxQxSxM.shape[0], -1)
@@ -168,7 +179,7 @@ def run(push, repl, pop, log_vectors, log_bottom_vector, window,
 
   Args:
     push, repl: [B, T, Q, S, Q, S]; pop: [B, T, Q, S, Q]; log_vectors: log
-      v_j [B, T, M]; log_bottom_vector: log v_⊥ [B, M].
+      v_j [B, T, M]; log_bottom_vector: log v_⊥ [M] or [B, M].
     window: D ≥ 1.
     broadcast_bottom: see `initial_state`.
     state: a VectorWindowState to continue from (incremental evaluation).
@@ -178,15 +189,21 @@ def run(push, repl, pop, log_vectors, log_bottom_vector, window,
     bottom's), log Σα [B, T+1], final state).
   """
   _check_window(window)
-  push, repl, pop, log_vectors, log_bottom_vector = (
-      jnp.asarray(a) for a in (push, repl, pop, log_vectors,
-                               log_bottom_vector))
-  b, _, q, s = push.shape[:4]
+  push, repl, pop, log_vectors = (
+      jnp.asarray(a) for a in (push, repl, pop, log_vectors))
+  b, _, q, s = vrns_stack._check_actions(push, repl, pop, log_vectors)  # pylint: disable=protected-access
+  log_bottom_vector = _check_bottom(q, s, log_bottom_vector, b,
+                                    log_vectors.shape[-1])
   if state is None:
     state = initial_state(log_bottom_vector, window, q, s, broadcast_bottom)
   elif state.table.shape[1] != window:
     raise ValueError(f"state has window {state.table.shape[1]}, not "
                      f"{window}")
+  elif state.table.shape[:1] + state.table.shape[3:] != (
+      b, q, s, q, s, 1 + log_vectors.shape[-1]):
+    raise ValueError(f"state's table has shape {state.table.shape}, not "
+                     f"that of B={b}, Q={q}, S={s}, "
+                     f"M={log_vectors.shape[-1]}")
   rho0 = initial_reading(log_bottom_vector, q, s, broadcast_bottom)
   return _run_jit(push, repl, pop, log_vectors, state, rho0)
 
@@ -215,9 +232,11 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   Args:
     step_fn: as for `vrns_stack.run_coupled`: ``step_fn(params, carry, x_t,
       reading [B, Q·S·M]) -> (carry, (push, repl, pop, log_vector), out)``.
-    params, init_carry: differentiable pytrees.
+    params, init_carry: differentiable pytrees (init_carry's gradient
+      comes from the first chunk only).
     xs: pytree of batch-major inputs [B, T, ...].
-    log_bottom_vector: log v_⊥ [B, M] (differentiable).
+    log_bottom_vector: log v_⊥ [M] or [B, M] (differentiable: the first
+      chunk starts from it).
     num_states, num_symbols: Q, S.
     window: D ≥ 1.
     broadcast_bottom: see `initial_state`.
@@ -233,7 +252,9 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     forward values do not depend on `truncation_length` or `actions_fn`.
   """
   _check_window(window)
-  log_bottom_vector = jnp.asarray(log_bottom_vector)
+  b = jax.tree_util.tree_leaves(xs)[0].shape[0]
+  log_bottom_vector = vrns_stack._check_inputs(  # pylint: disable=protected-access
+      num_states, num_symbols, log_bottom_vector, b)
   state0 = initial_state(log_bottom_vector, window, num_states, num_symbols,
                          broadcast_bottom)
   rho0 = initial_reading(log_bottom_vector, num_states, num_symbols,

@@ -89,6 +89,14 @@ def test_incremental_runs_continue_the_stream(x64):
     limited_vrns.run(*rest, acts[4], 4, state=state)
   with pytest.raises(ValueError, match="window must be an integer D >= 1"):
     limited_vrns.run(*rest, acts[4], 0)
+  # Bad shapes are one-line errors; log v_⊥ may be [M].
+  one = limited_vrns.run(*first, acts[4][0], window)
+  np.testing.assert_array_equal(one[0], rho1)
+  with pytest.raises(ValueError, match=r"pop has shape \(1, 4, 2, 2, 3\)"):
+    limited_vrns.run(*first[:2], np.zeros((1, 4, 2, 2, 3)), first[3],
+                     acts[4], window)
+  with pytest.raises(ValueError, match="log_bottom_vector has M=3 but"):
+    limited_vrns.run(*first, np.zeros((1, 3)), window)
 
 
 def test_long_stream_float32_keeps_float64_values():
@@ -160,7 +168,7 @@ def test_truncated_bptt_equals_a_detaching_loop(x64):
     rho = limited_vrns.initial_reading(log_bot, q, s)
     outs, rhos, masses = [], [rho], [st.log_mass]
     for j in range(t):
-      if chunk and j % chunk == 0:
+      if chunk and j and j % chunk == 0:   # not the start: v_⊥ trains
         h, st, rho = lax.stop_gradient((h, st, rho))
       if j:
         st, rho, lm = limited_vrns.step(st, *actions_of(p, h))
@@ -189,9 +197,12 @@ def test_truncated_bptt_equals_a_detaching_loop(x64):
     for key in params:
       np.testing.assert_allclose(got[key], want[key], rtol=1e-9, atol=1e-9,
                                  err_msg=key)
-  # Truncation changes the gradient (else the test could not tell).
+  # Truncation changes the gradient (else the test could not tell), and
+  # the bottom vector, read from the start, trains in every case.
   diff = loss(chunked, 2)["wh"] - loss(chunked, 0)["wh"]
   assert np.abs(diff).max() > 1e-4
+  for chunk in (0, 1, 2):
+    assert np.abs(loss(chunked, chunk)["bot"]).max() > 1e-3
 
 
 def test_vrns_model_with_a_window(x64):
@@ -227,3 +238,16 @@ def test_vrns_model_with_a_window(x64):
                              out["logits"], rtol=1e-12, atol=1e-13)
   with pytest.raises(ValueError, match="truncation_length needs"):
     models.get("vrns", 3, truncation_length=2, **common)
+  # Gradients: a window beyond the string is the unlimited model's, every
+  # parameter (the learned bottom vector included).
+  def grads(model):
+    def f(p):
+      return jnp.sum(jnp.sin(model.apply({"params": p}, symbols)))
+    return jax.grad(f)(params)
+  got = grads(models.get("vrns", 3, stack_window=7, **common))
+  want = grads(unlimited)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
+                          jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12,
+                               err_msg=jax.tree_util.keystr(path))
+  assert np.abs(got["bottom_vector"]).max() > 1e-4
