@@ -77,6 +77,8 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--batch", type=int, default=10)
   parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--note", default="",
+                      help="appended to the result's note (e.g. the load)")
   args = parser.parse_args()
   if args.quick:
     windows, lengths, unlimited_upto = (10,), (20, 40), 40
@@ -105,10 +107,12 @@ def main():
   for r in rows:
     print(f"| {r['variant']} | {r['n']} | {r['pass']} | {r['median_ms']} ms "
           f"| {r['per_update_ms']} ms |")
-  result = {**machine.machine_info(), "dtype": "float32", "batch": args.batch, "Q": Q, "S": S, "m": M,
+  info = machine.machine_info()
+  result = {**info, "device": machine.device_label(info), "dtype": "float32", "batch": args.batch, "Q": Q, "S": S, "m": M,
             "reps": args.reps,
             "note": "calls interleaved per length in one process; compare "
-                    "ratios within this run",
+                    "ratios within this run" + (f"; {args.note}"
+                                                if args.note else ""),
             "rows": rows}
   name = "limited_vrns_quick.json" if args.quick else "limited_vrns.json"
   machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),

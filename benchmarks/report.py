@@ -753,6 +753,32 @@ def vrns_block():
   return "\n".join(out).rstrip() + "\n"
 
 
+def limited_vrns_block():
+  """The windowed vector stack's time per update by length (one table)."""
+  name = "limited_vrns.json"
+  d = _load(name)
+  if d is None:
+    return f"No `{name}` yet.\n"
+  cell = {(r["variant"], r["n"], r["pass"]): r for r in d["rows"]}
+  variants = list(dict.fromkeys(r["variant"] for r in d["rows"]))
+  lengths = sorted({r["n"] for r in d["rows"]})
+  lines = [f"`benchmarks/limited_vrns.py` (`{name}`, {_device(d)}, B = "
+           f"{d['batch']}, Q-S-m = {d['Q']}-{d['S']}-{d['m']}, {d['dtype']}; "
+           f"median of {d['reps']} calls, {d['note']}; time per update, "
+           "forward / forward+backward; the unlimited stack only at the "
+           "shorter lengths):", "",
+           "| n | " + " | ".join(variants) + " |",
+           "|---" * (len(variants) + 1) + "|"]
+  for n in lengths:
+    row = []
+    for v in variants:
+      f, b = cell.get((v, n, "fwd")), cell.get((v, n, "fwd_bwd"))
+      row.append("—" if f is None else
+                 f"{f['per_update_ms']:.3g} / {b['per_update_ms']:.3g} ms")
+    lines.append(f"| {n} | " + " | ".join(row) + " |")
+  return "\n".join(lines) + "\n"
+
+
 REPRODUCE_WORKERS_FILES = ("reproduce_workers_5epochs.json",
                            "reproduce_workers_1epoch.json",
                            "reproduce_workers_pinning.json")
@@ -836,7 +862,8 @@ def concurrent_steps_block():
 
 
 BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
-          "vrns": vrns_block, "reproduce_workers": reproduce_workers_block,
+          "vrns": vrns_block, "limited_vrns": limited_vrns_block,
+          "reproduce_workers": reproduce_workers_block,
           "concurrent_steps": concurrent_steps_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
