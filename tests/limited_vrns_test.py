@@ -181,11 +181,16 @@ def test_truncated_bptt_equals_a_detaching_loop(x64):
     masses.append(lm)
     return jnp.stack(outs, 1), jnp.stack(rhos, 1), jnp.stack(masses, 1)
 
-  def loss(fn, chunk):
+  grads = {}
+
+  def loss(fn, chunk):  # The gradient, each compiled once.
     def f(p):
       outs, rho, lm = fn(p, chunk)
       return (jnp.sum(c1 * outs) + jnp.sum(c2 * rho) + 0.01 * jnp.sum(lm))
-    return jax.jit(jax.grad(f))(params)
+    key = (fn.__name__, chunk)
+    if key not in grads:
+      grads[key] = jax.jit(jax.grad(f))(params)
+    return grads[key]
 
   whole = jax.jit(chunked, static_argnums=1)(params, 0)
   for chunk in (1, 2):
@@ -243,7 +248,7 @@ def test_vrns_model_with_a_window(x64):
   def grads(model):
     def f(p):
       return jnp.sum(jnp.sin(model.apply({"params": p}, symbols)))
-    return jax.grad(f)(params)
+    return jax.jit(jax.grad(f))(params)
   got = grads(models.get("vrns", 3, stack_window=7, **common))
   want = grads(unlimited)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
