@@ -81,7 +81,8 @@ BEST_RUNS_DIR = "best_runs"
 __all__ = ["LEARNING_RATE_RANGE", "NUM_RUNS", "ICLR2022_LEARNING_RATES",
            "ICLR2022_NUM_RUNS", "PROTOCOLS", "learning_rates",
            "grid_learning_rates", "run_config", "run", "summarize",
-           "render_table", "main"]
+           "render_table", "best_run_curves", "plot_best_runs",
+           "save_best_run_plots", "main"]
 
 
 def learning_rates(num_runs: int, seed: int = 0) -> list[float]:
