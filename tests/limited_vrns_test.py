@@ -140,7 +140,7 @@ def _controller(q, s, m):
 def test_truncated_bptt_equals_a_detaching_loop(x64):
   # Chunked forward = unchunked; gradients = a Python loop that detaches
   # (h, state) every `chunk` steps and makes update j at the start of step
-  # j + 1 from h_j (the ICLR 2023 boundary), for chunks of 1 and 2 steps.
+  # j + 1 from h_j (the ICLR 2023 boundary).
   q, s, m, b, t, window = 2, 2, 2, 2, 5, 2
   rng = np.random.default_rng(3)
   step_fn, actions_of = _controller(q, s, m)
@@ -193,7 +193,10 @@ def test_truncated_bptt_equals_a_detaching_loop(x64):
     return grads[key]
 
   whole = jax.jit(chunked, static_argnums=1)(params, 0)
-  for chunk in (1, 2):
+  # Chunks of 2 steps: 3 chunks, the last padded by one step (chunks of one
+  # step, every update a boundary's, run through the same `run_chunks` in
+  # limited_stack_test.py).
+  for chunk in (2,):
     for g, w, n in zip(jax.jit(chunked, static_argnums=1)(params, chunk),
                        whole, jax.jit(naive, static_argnums=1)(params, chunk)):
       np.testing.assert_allclose(g, w, atol=1e-12)
@@ -206,7 +209,7 @@ def test_truncated_bptt_equals_a_detaching_loop(x64):
   # the bottom vector, read from the start, trains in every case.
   diff = loss(chunked, 2)["wh"] - loss(chunked, 0)["wh"]
   assert np.abs(diff).max() > 1e-4
-  for chunk in (0, 1, 2):
+  for chunk in (0, 2):
     assert np.abs(loss(chunked, chunk)["bot"]).max() > 1e-3
 
 
@@ -234,17 +237,15 @@ def test_vrns_model_with_a_window(x64):
                                atol=1e-12)
     np.testing.assert_allclose(out["log_mass"][b], log_mass, rtol=1e-9)
   assert np.abs(out["logits"] - want["logits"]).max() > 1e-4
-  wide = models.get("vrns", 3, stack_window=7, truncation_length=3, **common)
-  np.testing.assert_allclose(wide.apply({"params": params}, symbols),
-                             want["logits"], rtol=1e-10, atol=1e-12)
   chunked = models.get("vrns", 3, stack_window=2, truncation_length=2,
                        **common)
   np.testing.assert_allclose(chunked.apply({"params": params}, symbols),
                              out["logits"], rtol=1e-12, atol=1e-13)
   with pytest.raises(ValueError, match="truncation_length needs"):
     models.get("vrns", 3, truncation_length=2, **common)
-  # Gradients: a window beyond the string is the unlimited model's, every
-  # parameter (the learned bottom vector included).
+  # A window beyond the string is the unlimited model: its gradients, every
+  # parameter (the learned bottom vector included; the values: the stack's
+  # own test above).
   def grads(model):
     def f(p):
       return jnp.sum(jnp.sin(model.apply({"params": p}, symbols)))
