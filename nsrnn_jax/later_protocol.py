@@ -91,10 +91,7 @@ def learning_rates(num_runs: int, seed: int = 0) -> list[float]:
   One generator stream per seed, so the first k draws do not depend on
   `num_runs`.
   """
-  if isinstance(num_runs, bool) or not isinstance(num_runs, int) or (
-      num_runs < 1):
-    raise reproduce.ReproduceError(f"--runs must be a positive integer, got "
-                                   f"{num_runs!r}")
+  _check_num_runs(num_runs)
   lo, hi = (math.log(x) for x in LEARNING_RATE_RANGE)
   draws = np.random.default_rng(seed).uniform(lo, hi, size=num_runs)
   return [float(math.exp(x)) for x in draws]
@@ -102,8 +99,16 @@ def learning_rates(num_runs: int, seed: int = 0) -> list[float]:
 
 def grid_learning_rates(num_runs: int) -> list[float]:
   """ICLR 2022's rates for runs 0..num_runs-1: run k at grid rate k mod 4."""
+  _check_num_runs(num_runs)
   grid = ICLR2022_LEARNING_RATES
   return [grid[k % len(grid)] for k in range(num_runs)]
+
+
+def _check_num_runs(num_runs) -> None:
+  if isinstance(num_runs, bool) or not isinstance(num_runs, int) or (
+      num_runs < 1):
+    raise reproduce.ReproduceError(f"--runs must be a positive integer, got "
+                                   f"{num_runs!r}")
 
 
 def _check_protocol(protocol: str) -> None:
@@ -242,17 +247,13 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
   models = _parse_list(models, "--models")
   if num_runs is None:
     num_runs = ICLR2022_NUM_RUNS if protocol == ICLR2022 else NUM_RUNS
-  if (isinstance(num_runs, bool) or not isinstance(num_runs, int)
-      or num_runs < 1):
-    raise reproduce.ReproduceError(
-        f"--runs must be a positive integer, got {num_runs!r}")
+  rates = (grid_learning_rates(num_runs) if protocol == ICLR2022
+           else learning_rates(num_runs, seed or 0))
   held = _workdir_protocol(workdir)
   if held is not None and held != protocol:
     raise reproduce.ReproduceError(
         f"{workdir} holds {held} runs; run --protocol={protocol} in another "
         "--workdir")
-  rates = (grid_learning_rates(num_runs) if protocol == ICLR2022
-           else learning_rates(num_runs, seed or 0))
   plan = [(k, t, m) for k in range(num_runs) for t in tasks
           for m in models_for(t, models, module, protocol)]
   # Every config is built (and checked) before the first run starts.

@@ -49,7 +49,7 @@ from nsrnn_jax.ns_stack import check_precision
 Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
-           "run_chunks", "check_truncation_length"]
+           "run_chunks"]
 
 
 class WindowState(NamedTuple):
@@ -179,31 +179,20 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   check_precision(precision)
   rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
   rns_stack._check_reading(reading)  # pylint: disable=protected-access
-  check_truncation_length(truncation_length)
   b = jax.tree_util.tree_leaves(xs)[0].shape[0]
   dtype = rns_stack._float_dtype(params)  # pylint: disable=protected-access
   state0 = initial_state(b, window, num_states, num_symbols, bottom, dtype)
-  update = lambda st, acts: _step_outputs(step(st, *acts,
-                                               precision=precision))
+
+  def update(st, acts):
+    st, a_hat, lm = step(st, *acts, precision=precision)
+    return st, (a_hat, lm)
+
   read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
   outs, (a_hat, lm) = run_chunks(step_fn, update, read, params, init_carry,
                                  state0, xs, truncation_length, actions_fn)
   a_hat = jnp.concatenate([state0.a_hat[:, None], a_hat], axis=1)
   lm = jnp.concatenate([state0.log_mass[:, None], lm], axis=1)
   return outs, a_hat, lm
-
-
-def _step_outputs(stepped):
-  st, a_hat, lm = stepped
-  return st, (a_hat, lm)
-
-
-def check_truncation_length(truncation_length) -> None:
-  """One-line ValueError unless 0 (none) or an integer >= 1."""
-  if (isinstance(truncation_length, bool)
-      or not isinstance(truncation_length, int) or truncation_length < 0):
-    raise ValueError("truncation_length must be 0 (none) or >= 1, got "
-                     f"{truncation_length!r}")
 
 
 def run_chunks(step_fn: Callable[..., Any],
@@ -235,7 +224,10 @@ def run_chunks(step_fn: Callable[..., Any],
     (outs [B, T, ...], stack_out [B, T, ...] of times 1..T); forward values
     do not depend on `truncation_length` or `actions_fn`.
   """
-  check_truncation_length(truncation_length)
+  if (isinstance(truncation_length, bool)
+      or not isinstance(truncation_length, int) or truncation_length < 0):
+    raise ValueError("truncation_length must be 0 (none) or >= 1, got "
+                     f"{truncation_length!r}")
   leaves = jax.tree_util.tree_leaves(xs)
   b, t = leaves[0].shape[:2]
   chunk = truncation_length or t

@@ -58,6 +58,7 @@ __all__ = ["VectorWindowState", "initial_state", "step", "reading", "run",
            "run_coupled"]
 
 _lse = vrns_stack._lse  # pylint: disable=protected-access
+_check_window = limited_stack._check_window  # pylint: disable=protected-access
 
 
 class VectorWindowState(NamedTuple):
@@ -73,10 +74,6 @@ class VectorWindowState(NamedTuple):
   table: Array
   alpha: Array
   log_mass: Array
-
-
-def _check_window(window):
-  limited_stack._check_window(window)  # pylint: disable=protected-access
 
 
 def initial_state(log_bottom_vector_BxM, window, num_states, num_symbols,
@@ -260,22 +257,15 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   rho0 = initial_reading(log_bottom_vector, num_states, num_symbols,
                          broadcast_bottom)
 
-  def update(st, acts):
-    st, rho, lm = step(st, *acts)
-    return st, (rho, lm)
-
-  # ρ_{j−1} is a function of the state before update j; carry it in the
-  # state's place for the controller (one reading per update, no recompute).
-  def read(st):
-    return reading(st[1])
-
-  def update_with_reading(st, acts):
-    new, (rho, lm) = update(st[0], acts)
-    return (new, rho), (rho, lm)
+  # The chunk loop carries (state, ρ_{j−1}): the reading the controller
+  # gets is the last update's output, so it is not recomputed.
+  def update(carried, acts):
+    st, rho, lm = step(carried[0], *acts)
+    return (st, rho), (rho, lm)
 
   outs, (rho, lm) = limited_stack.run_chunks(
-      step_fn, update_with_reading, read, params, init_carry,
-      (state0, rho0), xs, truncation_length, actions_fn)
+      step_fn, update, lambda carried: reading(carried[1]), params,
+      init_carry, (state0, rho0), xs, truncation_length, actions_fn)
   rho = jnp.concatenate([rho0[:, None], rho], axis=1)
   lm = jnp.concatenate([state0.log_mass[:, None], lm], axis=1)
   return outs, rho, lm

@@ -54,6 +54,19 @@ def vrns_action_log_weights(action_params, h_BxH, num_states, num_symbols,
   return push, repl, pop
 
 
+def vrns_stack_inputs(params, carry, num_states, num_symbols,
+                      precision: str = 'highest'):
+  """(push, repl, pop, log v) of the update made from controller `carry`:
+  the action log-weights and the log of the pushed vector, from its h."""
+  h_BxH = carry[0]
+  push, repl, pop = vrns_action_log_weights(params['action'], h_BxH,
+                                            num_states, num_symbols,
+                                            precision)
+  log_vec = jax.nn.log_sigmoid(
+      models.affine(params['push_vector'], h_BxH, precision))
+  return push, repl, pop, log_vec
+
+
 def vrns_controller_step(params, carry, x_B, reading_BxR, *, vocab_size,
                          num_states, num_symbols, precision='highest'):
   """`step_fn` of `vrns_stack.run_coupled` (pure; params passed in).
@@ -68,12 +81,8 @@ def vrns_controller_step(params, carry, x_B, reading_BxR, *, vocab_size,
   carry, h_BxH = models.lstm_step(
       params['controller'], carry, jnp.concatenate([x_BxV, reading_BxR], -1),
       precision)
-  push, repl, pop = vrns_action_log_weights(params['action'], h_BxH,
-                                            num_states, num_symbols,
-                                            precision)
-  log_vec = jax.nn.log_sigmoid(
-      models.affine(params['push_vector'], h_BxH, precision))
-  return carry, (push, repl, pop, log_vec), h_BxH
+  return carry, vrns_stack_inputs(params, carry, num_states, num_symbols,
+                                  precision), h_BxH
 
 
 def log_bottom_vector(params, kind: str, size: int, dtype):
@@ -143,17 +152,6 @@ class VRNSLM(models.PDAStackLM):
             'bottom_vector': jnp.broadcast_to(
                 jnp.exp(self._log_bottom(params)), (batch, m))}
 
-  def _stack_inputs(self, params, carry, carry_index=0):
-    """(push, repl, pop, log v) of the update made from controller `carry`
-    (its h at `carry_index`): the chunk boundary's update (`limited_vrns`)."""
-    h_BxH = carry[carry_index]
-    push, repl, pop = vrns_action_log_weights(
-        params['action'], h_BxH, self.num_states, self.num_stack_symbols,
-        self.matmul_precision)
-    log_vec = jax.nn.log_sigmoid(
-        models.affine(params['push_vector'], h_BxH, self.matmul_precision))
-    return push, repl, pop, log_vec
-
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
@@ -172,7 +170,10 @@ class VRNSLM(models.PDAStackLM):
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
           log_bottom_BxM, self.num_states, self.num_stack_symbols,
           self.window, self.broadcast_bottom_vector, self.truncation_length,
-          actions_fn=functools.partial(self._stack_inputs, carry_index=0))
+          actions_fn=functools.partial(
+              vrns_stack_inputs, num_states=self.num_states,
+              num_symbols=self.num_stack_symbols,
+              precision=self.matmul_precision))
     else:
       h_BxTxH, rho, log_mass = vrns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
