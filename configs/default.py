@@ -91,6 +91,19 @@ def get_config() -> ml_collections.ConfigDict:
   config.adam_eps = 1e-8
   # Global L2 norm for gradient clipping (of the sum-over-positions loss).
   config.clip_norm = 5.0
+  # Optimizer after clipping: "adam" (the paper) or "sgd" (PTB, ICLR 2022/23).
+  config.optimizer = "adam"
+
+  # --- Corpus language modelling (task "corpus"; corpus_train.py) -----------
+  # Directory of train/valid/test.txt (or Mikolov's ptb.*.txt), one sentence
+  # per line; "" unless task is "corpus".
+  config.corpus_dir = ""
+  # Tokens per truncated-BPTT chunk T (one optimizer step per chunk; PTB 35).
+  config.bptt_length = 35
+  # Rows of the validation/test stream (0 = batch_size).
+  config.eval_batch_size = 0
+  # Every parameter ~ U[-s, s] (PTB 0.05); 0 = the models' own initialisers.
+  config.init_scale = 0.0
 
   # --- Data ------------------------------------------------------------------
   # Strings per training / validation batch (every batch has one length).

@@ -49,7 +49,7 @@ from nsrnn_jax.ns_stack import check_precision
 Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
-           "run_chunks"]
+           "run_chunks", "stream_chunk", "coupled_parts"]
 
 
 class WindowState(NamedTuple):
@@ -181,18 +181,30 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   rns_stack._check_reading(reading)  # pylint: disable=protected-access
   b = jax.tree_util.tree_leaves(xs)[0].shape[0]
   dtype = rns_stack._float_dtype(params)  # pylint: disable=protected-access
-  state0 = initial_state(b, window, num_states, num_symbols, bottom, dtype)
+  update, read, state0 = coupled_parts(b, num_states, num_symbols, window,
+                                       bottom, reading, dtype, precision)
+  outs, (a_hat, lm) = run_chunks(step_fn, update, read, params, init_carry,
+                                 state0, xs, truncation_length, actions_fn)
+  a_hat = jnp.concatenate([state0.a_hat[:, None], a_hat], axis=1)
+  lm = jnp.concatenate([state0.log_mass[:, None], lm], axis=1)
+  return outs, a_hat, lm
+
+
+def coupled_parts(batch: int, num_states: int, num_symbols: int,
+                  window: int, bottom: str = rns_stack.FIXED,
+                  reading: str = rns_stack.STATE, dtype=jnp.float32,
+                  precision: str = "highest"):
+  """The stack's side of `run_chunks` / `stream_chunk`: (update, read,
+  state0) for B strings (``update`` returns (state, (α̂_j, log Σα_j)))."""
+  state0 = initial_state(batch, window, num_states, num_symbols, bottom,
+                         dtype)
 
   def update(st, acts):
     st, a_hat, lm = step(st, *acts, precision=precision)
     return st, (a_hat, lm)
 
   read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
-  outs, (a_hat, lm) = run_chunks(step_fn, update, read, params, init_carry,
-                                 state0, xs, truncation_length, actions_fn)
-  a_hat = jnp.concatenate([state0.a_hat[:, None], a_hat], axis=1)
-  lm = jnp.concatenate([state0.log_mass[:, None], lm], axis=1)
-  return outs, a_hat, lm
+  return update, read, state0
 
 
 def run_chunks(step_fn: Callable[..., Any],
@@ -240,74 +252,88 @@ def run_chunks(step_fn: Callable[..., Any],
               (b, num_chunks, chunk) + l.shape[2:]).swapaxes(0, 1)
       .swapaxes(1, 2), xs)                       # [C, L, B, ...]
 
-  def one_step(carry, x):
-    ctrl, st = carry
-    ctrl, acts, out = step_fn(params, ctrl, x, read(st))
-    st, stack_out = update(st, acts)
-    return (ctrl, st), (out, stack_out)
+  start = (init_carry, state0)
 
-  if actions_fn is not None:
-    outs, stack_out = _chunks_deferring_last_update(
-        one_step, step_fn, update, read, actions_fn, params, init_carry,
-        state0, xs_c)
+  def one_chunk(carry, xs_chunk):
+    carried, first = carry
+    carried, ys = stream_chunk(step_fn, update, read, params, start, carried,
+                               first, xs_chunk, actions_fn)
+    return (carried, jnp.asarray(False)), ys
+
+  carried, ys = lax.scan(one_chunk, (start, jnp.asarray(True)), xs_c)
+  if actions_fn is None:
+    outs, stack_out = ys
   else:
-    def one_chunk(carry, xs_chunk):
-      carry, first = carry
-      carry = _detach_unless_first(carry, first)
-      carry, ys = lax.scan(one_step, carry, xs_chunk)
-      return (carry, jnp.asarray(False)), ys
+    # The last chunk's last update, made after the loop.
+    (ctrl, st), _ = carried
+    _, out_f = update(st, actions_fn(params, ctrl))
+    outs, (out_b, stack_out) = ys
 
-    _, (outs, stack_out) = lax.scan(
-        one_chunk, ((init_carry, state0), jnp.asarray(True)), xs_c)
+    def times(boundary, inner, final):
+      # Chunk k holds times kL (its boundary update) .. kL+L−1; chunk 0's
+      # boundary slot (time 0) is dropped and time C·L appended.
+      per_chunk = jnp.concatenate([boundary[:, None], inner], axis=1)
+      flat = per_chunk.reshape((-1,) + per_chunk.shape[2:])
+      return jnp.concatenate([flat[1:], final[None]], axis=0).reshape(
+          inner.shape[:1] + (inner.shape[1] + 1,) + inner.shape[2:])
+
+    stack_out = jax.tree_util.tree_map(times, out_b, stack_out, out_f)
   batch_major = lambda a: jnp.swapaxes(
       a.reshape((num_chunks * chunk,) + a.shape[2:])[:t], 0, 1)
   return (jax.tree_util.tree_map(batch_major, outs),
           jax.tree_util.tree_map(batch_major, stack_out))
 
 
-def _detach_unless_first(carry, first):
-  """Truncated BPTT: values cross a chunk boundary, gradients do not. The
-  first chunk keeps them: its carry is the start (init_carry and a state
-  that may depend on parameters, e.g. the VRNS's learned bottom vector)."""
-  return jax.tree_util.tree_map(
-      lambda a: jnp.where(first, a, lax.stop_gradient(a)), carry)
+def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
+                 read: Callable[..., Any], params, start, carried, first,
+                 xs_chunk, actions_fn: Optional[Callable[..., Any]] = None):
+  """One chunk of L controller steps and their stack updates.
 
+  The unit of truncated BPTT, used by `run_chunks` inside a scan over chunks
+  and by the models' `stream` (one chunk per optimizer step, the carry kept
+  between calls: corpus language modelling).
 
-def _chunks_deferring_last_update(one_step, step_fn, update, read, actions_fn,
-                                  params, init_carry, state0, xs_c):
-  """The chunk loop of `run_chunks` with the ICLR 2023 boundary.
+  Args:
+    step_fn, update, read, params, actions_fn: as for `run_chunks`.
+    start: (init_carry, state0), the carry of a stream's first chunk
+      (differentiable: the state may depend on parameters).
+    carried: (controller carry, stack state) left by the previous chunk;
+      only its values are used (no gradient crosses a chunk boundary).
+    first: bool scalar; True: this chunk starts the stream from `start`.
+    xs_chunk: pytree of time-major inputs [L, B, ...].
 
-  Chunk k ≥ 1 first makes chunk k−1's last update (time kL) from the
-  carried, detached controller carry with the live `actions_fn`, then runs
-  its L steps, the last of which leaves its update to chunk k+1 (the last
-  chunk's is made after the loop). Returns outs and the stack outputs
-  [C, L, B, ...] of times 1..C·L, as the plain chunk loop does.
+  Returns:
+    ((controller carry, stack state) for the next chunk, ys) with ys =
+    (outs [L, B, ...], stack_out [L, B, ...]) if `actions_fn` is None (the
+    chunk's L updates, the last one made here: ICLR 2022), else (outs,
+    (boundary_out [B, ...], stack_out [L − 1, B, ...])): the update left by
+    the previous chunk is made first, from its detached controller carry
+    with the live `actions_fn` (a stream's first chunk has none: its
+    boundary_out is a placeholder), and this chunk's last update is left to
+    the next chunk (ICLR 2023). The forward values are the same either way.
   """
-  def one_chunk(carry, xs_chunk):
-    ctrl, st, first = carry
-    ctrl, st = _detach_unless_first((ctrl, st), first)
-    st_b, out_b = update(st, actions_fn(params, ctrl))
-    # Chunk 0 has no earlier update to make: keep the initial state.
-    st = jax.tree_util.tree_map(lambda old, new: jnp.where(first, old, new),
-                                st, st_b)
-    body = jax.tree_util.tree_map(lambda l: l[:-1], xs_chunk)
-    last = jax.tree_util.tree_map(lambda l: l[-1], xs_chunk)
-    (ctrl, st), (outs, stack_out) = lax.scan(one_step, (ctrl, st), body)
-    ctrl, _, out = step_fn(params, ctrl, last, read(st))
-    outs = jax.tree_util.tree_map(
-        lambda a, o: jnp.concatenate([a, o[None]], axis=0), outs, out)
-    return (ctrl, st, jnp.asarray(False)), (outs, out_b, stack_out)
+  # Values cross a chunk boundary, gradients do not; the first chunk keeps
+  # them, as its carry is the start (init_carry and a state that may depend
+  # on parameters, e.g. the VRNS's learned bottom vector).
+  ctrl, st = jax.tree_util.tree_map(
+      lambda a, b: jnp.where(first, a, lax.stop_gradient(b)), start, carried)
 
-  (ctrl, st, _), (outs, out_b, stack_out) = lax.scan(
-      one_chunk, (init_carry, state0, jnp.asarray(True)), xs_c)
-  _, out_f = update(st, actions_fn(params, ctrl))
+  def one_step(carry, x):
+    ctrl, st = carry
+    ctrl, acts, out = step_fn(params, ctrl, x, read(st))
+    st, stack_out = update(st, acts)
+    return (ctrl, st), (out, stack_out)
 
-  def times(boundary, inner, final):
-    # Chunk k holds times kL (its boundary update) .. kL+L−1; chunk 0's
-    # boundary slot (time 0) is dropped and time C·L appended.
-    per_chunk = jnp.concatenate([boundary[:, None], inner], axis=1)
-    flat = per_chunk.reshape((-1,) + per_chunk.shape[2:])
-    return jnp.concatenate([flat[1:], final[None]], axis=0).reshape(
-        inner.shape[:1] + (inner.shape[1] + 1,) + inner.shape[2:])
-
-  return outs, jax.tree_util.tree_map(times, out_b, stack_out, out_f)
+  if actions_fn is None:
+    return lax.scan(one_step, (ctrl, st), xs_chunk)
+  st_b, out_b = update(st, actions_fn(params, ctrl))
+  # A stream's first chunk has no earlier update to make.
+  st = jax.tree_util.tree_map(lambda old, new: jnp.where(first, old, new),
+                              st, st_b)
+  body = jax.tree_util.tree_map(lambda l: l[:-1], xs_chunk)
+  last = jax.tree_util.tree_map(lambda l: l[-1], xs_chunk)
+  (ctrl, st), (outs, stack_out) = lax.scan(one_step, (ctrl, st), body)
+  ctrl, _, out = step_fn(params, ctrl, last, read(st))
+  outs = jax.tree_util.tree_map(
+      lambda a, o: jnp.concatenate([a, o[None]], axis=0), outs, out)
+  return (ctrl, st), (outs, (out_b, stack_out))

@@ -55,7 +55,7 @@ from nsrnn_jax import vrns_stack
 Array = jax.Array
 
 __all__ = ["VectorWindowState", "initial_state", "step", "reading", "run",
-           "run_coupled"]
+           "run_coupled", "coupled_parts"]
 
 _lse = vrns_stack._lse  # pylint: disable=protected-access
 _check_window = limited_stack._check_window  # pylint: disable=protected-access
@@ -219,6 +219,24 @@ def _run_jit(push, repl, pop, log_vectors, state, rho0):
   return rho, lm, state
 
 
+def coupled_parts(log_bottom_vector_BxM, num_states: int, num_symbols: int,
+                  window: int, broadcast_bottom: bool = False):
+  """The stack's side of `limited_stack.run_chunks` / `stream_chunk`:
+  (update, read, (state0, ρ_0)). The loop carries (state, ρ_{j−1}): the
+  reading the controller gets is the last update's output, so it is not
+  recomputed; ``update`` returns ((state, ρ_j), (ρ_j, log Σα_j))."""
+  state0 = initial_state(log_bottom_vector_BxM, window, num_states,
+                         num_symbols, broadcast_bottom)
+  rho0 = initial_reading(log_bottom_vector_BxM, num_states, num_symbols,
+                         broadcast_bottom)
+
+  def update(carried, acts):
+    st, rho, lm = step(carried[0], *acts)
+    return (st, rho), (rho, lm)
+
+  return update, lambda carried: reading(carried[1]), (state0, rho0)
+
+
 def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                 log_bottom_vector, num_states: int, num_symbols: int,
                 window: int, broadcast_bottom: bool = False,
@@ -252,20 +270,11 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   b = jax.tree_util.tree_leaves(xs)[0].shape[0]
   log_bottom_vector = vrns_stack._check_inputs(  # pylint: disable=protected-access
       num_states, num_symbols, log_bottom_vector, b)
-  state0 = initial_state(log_bottom_vector, window, num_states, num_symbols,
-                         broadcast_bottom)
-  rho0 = initial_reading(log_bottom_vector, num_states, num_symbols,
-                         broadcast_bottom)
-
-  # The chunk loop carries (state, ρ_{j−1}): the reading the controller
-  # gets is the last update's output, so it is not recomputed.
-  def update(carried, acts):
-    st, rho, lm = step(carried[0], *acts)
-    return (st, rho), (rho, lm)
-
+  update, read, (state0, rho0) = coupled_parts(
+      log_bottom_vector, num_states, num_symbols, window, broadcast_bottom)
   outs, (rho, lm) = limited_stack.run_chunks(
-      step_fn, update, lambda carried: reading(carried[1]), params,
-      init_carry, (state0, rho0), xs, truncation_length, actions_fn)
+      step_fn, update, read, params, init_carry, (state0, rho0), xs,
+      truncation_length, actions_fn)
   rho = jnp.concatenate([rho0[:, None], rho], axis=1)
   lm = jnp.concatenate([state0.log_mass[:, None], lm], axis=1)
   return outs, rho, lm

@@ -492,6 +492,57 @@ class LanguageModel(nn.Module):
     """
     return self._forward(symbols_BxN)[0]
 
+  # -- Streams (corpus language modelling) ----------------------------------
+  #
+  # A corpus is one long token stream cut into chunks of T tokens; each
+  # chunk is one call, and the model's state (controller and stack) is
+  # carried from one call to the next by value only: truncated BPTT, no
+  # gradient crosses a chunk boundary. Only models whose state has a fixed
+  # size can do this: the LSTM and the memory-limited (windowed) RNS and
+  # VRNS stacks; the others' stacks grow with the stream.
+
+  def initial_stream_state(self, batch: int) -> dict[str, Any]:
+    """The carry of a stream's first chunk: ``{'first': True, 'state'}``.
+
+    Use as ``model.apply(params, B, method='initial_stream_state')``.
+
+    Raises:
+      ValueError: (one line) the model cannot carry its state across
+        chunks.
+    """
+    return {'first': jnp.asarray(True),
+            'state': self._stream_start(self._params(), batch)}
+
+  def stream(self, inputs_BxT, carry) -> tuple[jax.Array, dict[str, Any]]:
+    """One chunk of a token stream: logits ``[B, T, V]`` and the next carry.
+
+    ``logits[:, t]`` predicts the token after ``inputs[:, t]`` (every input
+    is fed; unlike ``__call__`` there is no ``h_0`` row). The chunks of a
+    stream, fed in order from ``initial_stream_state``, give the same
+    logits as ``__call__`` on the whole stream (``[:, 1:]``); gradients stop
+    at chunk boundaries. With the ICLR 2023 bottom a chunk's last stack
+    update is made by the next chunk (as in training on strings).
+    """
+    inputs_BxT = _check_symbols(inputs_BxT, self.vocab_size)
+    params = self._params()
+    start = self._stream_start(params, inputs_BxT.shape[0])
+    h_BxTxH, state = self._stream(params, inputs_BxT, start, carry['state'],
+                                  jnp.asarray(carry['first']))
+    logits_BxTxV = affine(params['output'], h_BxTxH, self.matmul_precision)
+    return logits_BxTxV, {'first': jnp.asarray(False), 'state': state}
+
+  def _stream_start(self, params, batch: int):
+    """The state before a stream's first token (values and gradients)."""
+    del params, batch
+    raise ValueError(
+        f'model {type(self).__name__} cannot carry its state across chunks '
+        'of a stream (its stack grows with the stream); use lstm, or rns / '
+        'vrns with stack_window >= 1')
+
+  def _stream(self, params, inputs_BxT, start, carried, first):
+    """(h [B, T, H], state after the chunk); see ``stream``."""
+    raise NotImplementedError
+
   def trace(self, symbols_BxN) -> dict[str, jax.Array]:
     """Logits plus per-step internals, for inspection.
 
@@ -521,6 +572,25 @@ class LSTMLM(LanguageModel):
                               jnp.swapaxes(x_BxTxV, 0, 1),
                               unroll=self.scan_unroll)
     return jnp.swapaxes(h_TxBxH, 0, 1), {}
+
+  def _stream_start(self, params, batch):
+    del params
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    return (zeros_BxH, zeros_BxH)
+
+  def _stream(self, params, inputs_BxT, start, carried, first):
+    carry = jax.tree_util.tree_map(
+        lambda a, b: jnp.where(first, a, jax.lax.stop_gradient(b)), start,
+        carried)
+
+    def step(carry, x_BxV):
+      return lstm_step(params['controller'], carry, x_BxV,
+                       self.matmul_precision)
+
+    carry, h_TxBxH = jax.lax.scan(
+        step, carry, jnp.swapaxes(self._one_hot(inputs_BxT), 0, 1),
+        unroll=self.scan_unroll)
+    return jnp.swapaxes(h_TxBxH, 0, 1), carry
 
 
 def keep_products_only(step_fn):
@@ -959,27 +1029,52 @@ class RNSLM(PDAStackLM):
             'state_readings': state,
             'log_mass': jnp.zeros((batch, 1), dt)}
 
-  def _run(self, params, inputs_BxT):
-    batch = inputs_BxT.shape[0]
+  def _controller(self, params):
+    """(step_fn, its params, actions_fn) for the stack's coupled loops."""
     q, s = self.num_states, self.num_stack_symbols
-    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
     step_fn = functools.partial(
         rns_controller_step, vocab_size=self.vocab_size, num_states=q,
         num_symbols=s, normalize=self.normalize,
         precision=self.matmul_precision)
     step_params = {'controller': params['controller'],
                    'action': params['action']}
+    # Truncated BPTT's boundary as in the tag of the bottom
+    # (rns-vrns-reference.md section 2.2): with the ICLR 2023 fix, every
+    # update trains the action layer, a chunk's last one in the next chunk
+    # from the detached h; with the frozen (ICLR 2022) bottom, the last
+    # update of a chunk gets no gradient.
+    actions_fn = None
+    if self.bottom == rns_stack.FIXED:
+      actions_fn = lambda p, carry: rns_stack.split_action_logits(
+          affine(p['action'], carry[0], self.matmul_precision), q, s,
+          self.normalize)
+    return step_fn, step_params, actions_fn
+
+  def _window_parts(self, batch):
+    return limited_stack.coupled_parts(
+        batch, self.num_states, self.num_stack_symbols, self.window,
+        self.bottom, self.reading, self.dtype, self.matmul_precision)
+
+  def _stream_start(self, params, batch):
+    if not self.window:
+      return super()._stream_start(params, batch)
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    return ((zeros_BxH, zeros_BxH), self._window_parts(batch)[2])
+
+  def _stream(self, params, inputs_BxT, start, carried, first):
+    step_fn, step_params, actions_fn = self._controller(params)
+    update, read, _ = self._window_parts(inputs_BxT.shape[0])
+    state, (outs_TxBxH, _) = limited_stack.stream_chunk(
+        step_fn, update, read, step_params, start, carried, first,
+        jnp.swapaxes(inputs_BxT, 0, 1), actions_fn)
+    return jnp.swapaxes(outs_TxBxH, 0, 1), state
+
+  def _run(self, params, inputs_BxT):
+    batch = inputs_BxT.shape[0]
+    q, s = self.num_states, self.num_stack_symbols
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    step_fn, step_params, actions_fn = self._controller(params)
     if self.window:
-      # Truncated BPTT's boundary as in the tag of the bottom
-      # (rns-vrns-reference.md section 2.2): with the ICLR 2023 fix, every
-      # update trains the action layer, a chunk's last one in the next chunk
-      # from the detached h; with the frozen (ICLR 2022) bottom, the last
-      # update of a chunk gets no gradient.
-      actions_fn = None
-      if self.bottom == rns_stack.FIXED:
-        actions_fn = lambda p, carry: rns_stack.split_action_logits(
-            affine(p['action'], carry[0], self.matmul_precision), q, s,
-            self.normalize)
       h_BxTxH, la, log_mass = limited_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
           self.window, self.bottom, self.reading, self.truncation_length,

@@ -51,6 +51,8 @@ PyTree = Any
 Batch = dict  # {"symbols": int32[B, N], "mask": float32[B, N]}
 
 MODELS = ("lstm", "jm", "gref", "ns", "rns", "vrns")
+# config.optimizer: Adam (the formal-language protocol) or plain SGD (PTB).
+OPTIMIZERS = ("adam", "sgd")
 COMPILE_STRATEGIES = ("per_length", "bucket")
 DTYPES = ("float32", "float64")
 
@@ -61,6 +63,8 @@ DTYPES = ("float32", "float64")
 
 
 MODELS = ("lstm", "jm", "gref", "ns", "rns", "vrns")
+# config.optimizer: Adam (the formal-language protocol) or plain SGD (PTB).
+OPTIMIZERS = ("adam", "sgd")
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Checks a config; raises a one-line ValueError naming the bad field."""
 
@@ -77,10 +81,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   # the listed tasks and every `<family>_k<K>` (K >= 2) of tasks_ncf.
   if not isinstance(task, str):
     fail("task", f"must be a task name string (got {task!r})")
-  try:
-    languages.get(task)
-  except ValueError as e:
-    fail("task", f"is invalid: {' '.join(str(e).split())}")
+  # "corpus": a text corpus as one stream (corpus_train.py), no PCFG.
+  is_corpus = task == "corpus"
+  if not is_corpus:
+    try:
+      languages.get(task)
+    except ValueError as e:
+      fail("task", f"is invalid: {' '.join(str(e).split())}; or 'corpus' "
+           "with config.corpus_dir")
   model = need("model")
   if model not in MODELS:
     fail("model", f"is {model!r}; expected one of {', '.join(MODELS)}")
@@ -149,7 +157,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if need("checkpoints_to_keep") < 2:
     fail("checkpoints_to_keep", "must be >= 2 so that the last good "
          f"checkpoint survives a failed save (got {config.checkpoints_to_keep})")
-  for prefix in ("train", "test"):
+  for prefix in () if is_corpus else ("train", "test"):
     lo, hi = need(f"{prefix}_min_length"), need(f"{prefix}_max_length")
     if lo < 2:
       fail(f"{prefix}_min_length", f"must be >= 2 (got {lo})")
@@ -164,7 +172,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if strategy not in COMPILE_STRATEGIES:
     fail("compile_strategy", f"is {strategy!r}; expected one of "
          f"{', '.join(COMPILE_STRATEGIES)}")
-  if strategy == "bucket":
+  if strategy == "bucket" and not is_corpus:
     buckets = list(need("length_buckets"))
     if not buckets or sorted(set(buckets)) != buckets or buckets[0] < 2:
       fail("length_buckets", f"must be increasing lengths >= 2 (got {buckets})")
@@ -206,6 +214,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
          f"{', '.join(ns_stack.MATMUL_PRECISIONS)}")
   if dtype == "float64" and not jax.config.jax_enable_x64:
     fail("dtype", "is float64 but jax_enable_x64 is off (set JAX_ENABLE_X64=1)")
+  optimizer = config.get("optimizer", "adam")
+  if optimizer not in OPTIMIZERS:
+    fail("optimizer", f"is {optimizer!r}; expected one of "
+         f"{', '.join(OPTIMIZERS)}")
+  if is_corpus:
+    from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top
+    corpus_train.validate_config(config)
   num_devices = jax.device_count()
   if config.batch_size % num_devices:
     fail("batch_size", f"({config.batch_size}) is not divisible by the number "
@@ -286,25 +301,30 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
-  """Clip by global norm, then Adam; the LR is an injected hyperparameter.
+  """Clip by global norm, then Adam (or SGD); the LR is an injected
+  hyperparameter.
 
   Attributes:
     learning_rate: initial learning rate (the current one lives in the
       optimizer state, so it can differ per vmapped model and decay).
     clip_norm: global L2 norm threshold.
     b1, b2, eps: Adam constants.
+    name: "adam" or "sgd" (plain SGD: PTB, rns-vrns-reference.md §4.4).
   """
   learning_rate: float
   clip_norm: float = 5.0
   b1: float = 0.9
   b2: float = 0.999
   eps: float = 1e-8
+  name: str = "adam"
 
   def make(self) -> optax.GradientTransformation:
     def chain(learning_rate):
-      return optax.chain(
-          optax.clip_by_global_norm(self.clip_norm),
-          optax.adam(learning_rate, b1=self.b1, b2=self.b2, eps=self.eps))
+      if self.name == "sgd":
+        step = optax.sgd(learning_rate)
+      else:
+        step = optax.adam(learning_rate, b1=self.b1, b2=self.b2, eps=self.eps)
+      return optax.chain(optax.clip_by_global_norm(self.clip_norm), step)
     return optax.inject_hyperparams(chain)(learning_rate=self.learning_rate)
 
 
@@ -313,7 +333,8 @@ def make_optimizer(config) -> OptimizerSpec:
   return OptimizerSpec(learning_rate=float(config.learning_rate),
                        clip_norm=float(config.clip_norm),
                        b1=float(config.adam_b1), b2=float(config.adam_b2),
-                       eps=float(config.adam_eps))
+                       eps=float(config.adam_eps),
+                       name=str(config.get("optimizer", "adam")))
 
 
 def learning_rate(state: TrainState) -> jax.Array:
@@ -591,6 +612,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     The results dict (also saved as results.json when training finished):
     finished, epochs, best_epoch, best valid metrics, test metrics.
   """
+  if config.get("task") == "corpus":
+    if splits is not None or model is not None:
+      raise ValueError("task 'corpus' reads its data from config.corpus_dir "
+                       "and builds its own model")
+    from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top
+    return corpus_train.train_and_evaluate(config, workdir,
+                                           should_stop=should_stop)
   from nsrnn_jax import loop  # pylint: disable=g-import-not-at-top
   validate_config(config)
   config_json = config_to_json(config)

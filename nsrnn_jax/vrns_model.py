@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsrnn_jax import limited_stack
 from nsrnn_jax import limited_vrns
 from nsrnn_jax import models
 from nsrnn_jax import vrns_stack
@@ -152,9 +153,8 @@ class VRNSLM(models.PDAStackLM):
             'bottom_vector': jnp.broadcast_to(
                 jnp.exp(self._log_bottom(params)), (batch, m))}
 
-  def _run(self, params, inputs_BxT):
-    batch = inputs_BxT.shape[0]
-    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+  def _controller(self, params):
+    """(step_fn, its params, actions_fn) for the stack's coupled loops."""
     step_fn = functools.partial(
         vrns_controller_step, vocab_size=self.vocab_size,
         num_states=self.num_states, num_symbols=self.num_stack_symbols,
@@ -162,6 +162,36 @@ class VRNSLM(models.PDAStackLM):
     step_params = {'controller': params['controller'],
                    'action': params['action'],
                    'push_vector': params['push_vector']}
+    actions_fn = functools.partial(
+        vrns_stack_inputs, num_states=self.num_states,
+        num_symbols=self.num_stack_symbols, precision=self.matmul_precision)
+    return step_fn, step_params, actions_fn
+
+  def _window_parts(self, params, batch):
+    log_bottom_BxM = jnp.broadcast_to(self._log_bottom(params),
+                                      (batch, self.stack_vector_size))
+    return limited_vrns.coupled_parts(
+        log_bottom_BxM, self.num_states, self.num_stack_symbols, self.window,
+        self.broadcast_bottom_vector)
+
+  def _stream_start(self, params, batch):
+    if not self.window:
+      return super()._stream_start(params, batch)
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    return ((zeros_BxH, zeros_BxH), self._window_parts(params, batch)[2])
+
+  def _stream(self, params, inputs_BxT, start, carried, first):
+    step_fn, step_params, actions_fn = self._controller(params)
+    update, read, _ = self._window_parts(params, inputs_BxT.shape[0])
+    state, (outs_TxBxH, _) = limited_stack.stream_chunk(
+        step_fn, update, read, step_params, start, carried, first,
+        jnp.swapaxes(inputs_BxT, 0, 1), actions_fn)
+    return jnp.swapaxes(outs_TxBxH, 0, 1), state
+
+  def _run(self, params, inputs_BxT):
+    batch = inputs_BxT.shape[0]
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    step_fn, step_params, actions_fn = self._controller(params)
     log_bottom = self._log_bottom(params)
     log_bottom_BxM = jnp.broadcast_to(log_bottom,
                                       (batch, self.stack_vector_size))
@@ -170,10 +200,7 @@ class VRNSLM(models.PDAStackLM):
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
           log_bottom_BxM, self.num_states, self.num_stack_symbols,
           self.window, self.broadcast_bottom_vector, self.truncation_length,
-          actions_fn=functools.partial(
-              vrns_stack_inputs, num_states=self.num_states,
-              num_symbols=self.num_stack_symbols,
-              precision=self.matmul_precision))
+          actions_fn=actions_fn)
     else:
       h_BxTxH, rho, log_mass = vrns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,

@@ -525,3 +525,29 @@ def test_later_cli_argument(tmp_path, arg, expected):
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+# --- corpus language modelling (task "corpus") ------------------------------
+
+
+@pytest.mark.parametrize("name, model", [("ptb_lstm", "lstm"),
+                                         ("ptb_rns", "rns"),
+                                         ("ptb_vrns", "vrns")])
+def test_ptb_configs_have_the_reference_protocol(name, model, tmp_path):
+  config = _load(name)
+  config.corpus_dir = str(tmp_path)  # validate_config wants a directory
+  train.validate_config(config)
+  assert (config.task, config.model) == ("corpus", model)
+  # rns-vrns-reference.md §4.4.
+  assert (config.batch_size, config.bptt_length, config.hidden_size) == (
+      32, 35, 256)
+  assert config.optimizer == "sgd" and config.init_scale == 0.05
+  assert 1 <= config.learning_rate <= 100
+  assert 0.0112 <= config.clip_norm <= 1.12
+  assert config.lr_decay_factor == pytest.approx(1 / 1.5)
+  assert (config.lr_decay_patience, config.lr_decay_threshold,
+          config.early_stopping_patience, config.max_epochs) == (0, 0, 1, 100)
+  if model != "lstm":
+    assert config.stack_window == 35 and config.truncation_length == 0
+  doc = importlib.import_module(f"configs.{name}").__doc__
+  assert f"--config=configs/{name}.py" in doc

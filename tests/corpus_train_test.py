@@ -1,0 +1,171 @@
+"""Tests for nsrnn_jax.corpus_train (the stream training loop).
+
+Oracles: the model's whole-row forward (`__call__` on each row of the
+stream, no chunks, no carry) for the evaluated perplexity; optax-free
+arithmetic (p − lr · g, with g from `jax.grad` of the chunk's mean NLL) for
+an SGD step; an uninterrupted run for a resumed one; a single-device run
+for a two-device one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import quick_corpus
+from nsrnn_jax import corpus
+from nsrnn_jax import corpus_train
+from nsrnn_jax import models
+from nsrnn_jax import parallel
+from nsrnn_jax import train
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("corpus"))
+  corpus.write_synthetic(d, "marked_reversal", (60, 12, 12), 3, 9, seed=5)
+  return d
+
+
+def _config(directory, **overrides):
+  config = quick_corpus.get_config()
+  config.corpus_dir = directory
+  config.model = "lstm"
+  config.hidden_size = 8
+  config.batch_size = 4
+  config.bptt_length = 7
+  config.max_epochs = 3
+  config.progress_bar = False
+  for k, v in overrides.items():
+    config[k] = v
+  return config
+
+
+def test_evaluated_perplexity_is_the_whole_rows_forward(corpus_dir):
+  config = _config(corpus_dir, eval_batch_size=2)
+  data = corpus.load(corpus_dir)
+  model = models.build(config, vocab_size=len(data.vocab))
+  state = corpus_train.create_train_state(config, model, jax.random.key(3))
+  mesh = parallel.make_mesh()
+  split = corpus_train._Stream(data.streams["valid"], 2, 7, mesh)  # pylint: disable=protected-access
+  programs = corpus_train._Programs(model, mesh, state.params, 4, 2)  # pylint: disable=protected-access
+  got = corpus_train.evaluate(state.params, programs, split)
+  rows = split.rows
+  nll = 0.0
+  for r in range(2):
+    n = int(rows.mask[r].sum())
+    tokens = np.concatenate([rows.inputs[r, :n], rows.targets[r, n - 1:n]])
+    logits = model.apply({"params": state.params}, tokens[None])[0, 1:]
+    nll += float(jnp.sum(optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.asarray(tokens[1:]))))
+  assert got["num_targets"] == len(data.streams["valid"]) - 1
+  np.testing.assert_allclose(got["cross_entropy"], nll / got["num_targets"],
+                             rtol=1e-5)
+  np.testing.assert_allclose(got["perplexity"],
+                             np.exp(nll / got["num_targets"]), rtol=1e-5)
+
+
+def test_sgd_step_is_minus_lr_times_the_mean_token_gradient(corpus_dir):
+  config = _config(corpus_dir, learning_rate=0.5, clip_norm=1e6,
+                   init_scale=0.3)
+  data = corpus.load(corpus_dir)
+  model = models.build(config, vocab_size=len(data.vocab))
+  state = corpus_train.create_train_state(config, model, jax.random.key(0))
+  leaves = jax.tree.leaves(state.params)
+  # init_scale: every parameter uniform in [−0.3, 0.3], spread out.
+  assert all(float(jnp.max(jnp.abs(x))) <= 0.3 for x in leaves)
+  assert max(float(jnp.max(jnp.abs(x))) for x in leaves) > 0.25
+  rows = corpus.make_rows(data.streams["train"], 4)
+  batch = rows.chunk(0, 7)
+  carry = model.apply({"params": state.params}, 4,
+                      method="initial_stream_state")
+
+  def mean_nll(p):
+    logits, _ = model.apply({"params": p}, batch["inputs"], carry,
+                            method="stream")
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                         batch["targets"])
+    return jnp.sum(ce * batch["mask"]) / jnp.sum(batch["mask"])
+
+  grads = jax.jit(jax.grad(mean_nll))(state.params)
+  new_state, _, nll, count = jax.jit(corpus_train.train_chunk)(state, batch,
+                                                               carry)
+  assert int(count) == 28
+  np.testing.assert_allclose(float(nll) / 28, mean_nll(state.params),
+                             rtol=1e-6)
+  for new, old, g in zip(jax.tree.leaves(new_state.params), leaves,
+                         jax.tree.leaves(grads)):
+    np.testing.assert_allclose(new, old - 0.5 * g, rtol=1e-5, atol=1e-7)
+
+
+def test_training_learns_and_a_resumed_run_matches(corpus_dir, tmp_path):
+  config = _config(corpus_dir)
+  whole = train.train_and_evaluate(config, str(tmp_path / "whole"))
+  assert whole["finished"] and whole["epochs"] == 3
+  log = [json.loads(l) for l in open(tmp_path / "whole" / "metrics.jsonl")]
+  assert [r["epoch"] for r in log] == [1, 2, 3]
+  assert log[-1]["valid_perplexity"] < log[0]["valid_perplexity"]
+  # A true-distribution bound below every model.
+  assert all(r["valid_ce_diff"] > 0 for r in log)
+  assert whole["test_ce_diff"] > 0
+  stored = json.load(open(tmp_path / "whole" / "config.json"))
+  assert stored["vocabulary"] == list(corpus.load(corpus_dir).vocab.tokens)
+  assert stored["vocab_size"] == len(stored["vocabulary"])
+
+  part = str(tmp_path / "part")
+  first = train.train_and_evaluate(_config(corpus_dir, stop_after_epochs=1),
+                                   part)
+  assert not first["finished"] and first["epochs"] == 1
+  resumed = train.train_and_evaluate(config, part)
+  for key in ("best_epoch", "steps", "test_perplexity",
+              "best_valid_perplexity"):
+    assert resumed[key] == pytest.approx(whole[key], rel=1e-6), key
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model="ns", stack_window=0), "must carry a fixed-size state"),
+    (dict(model="rns", stack_window=0), "without a window"),
+    (dict(model="rns", stack_window=3, truncation_length=3),
+     "cut by bptt_length"),
+    (dict(corpus_dir="/nonexistent/corpus"), "is not a directory"),
+    (dict(bptt_length=0), "bptt_length must be an integer >= 1"),
+    (dict(optimizer="rmsprop"), "expected one of adam, sgd"),
+    (dict(init_scale=-1.0), "init_scale must be 0"),
+])
+def test_bad_config_is_a_one_line_error(corpus_dir, tmp_path, overrides,
+                                        message):
+  with pytest.raises(ValueError, match=message) as e:
+    train.train_and_evaluate(_config(corpus_dir, **overrides),
+                             str(tmp_path / "run"))
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_two_devices_give_the_one_device_result(corpus_dir, tmp_path):
+  args = [f"--config={REPO}/configs/quick_corpus.py",
+          f"--config.corpus_dir={corpus_dir}", "--config.model=lstm",
+          "--config.hidden_size=8", "--config.batch_size=4",
+          "--config.bptt_length=7", "--config.max_epochs=2",
+          "--config.progress_bar=False"]
+  results = []
+  for devices in (1, 2):
+    workdir = tmp_path / f"d{devices}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsrnn_jax.main", *args,
+         f"--workdir={workdir}", f"--cpu_devices={devices}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{devices} device(s)" in proc.stderr
+    results.append(json.load(open(workdir / "results.json")))
+  for key in ("test_perplexity", "best_valid_perplexity"):
+    assert results[1][key] == pytest.approx(results[0][key], rel=1e-4)

@@ -1,0 +1,149 @@
+"""Tests for the models' `stream` (one token stream in chunks, carried state).
+
+Oracles: the model's own whole-string forward (`__call__`), which must give
+the same logits as the chunks fed in order; and, for gradients, the same
+model trained on the whole stream with `truncation_length` = the chunk
+length (`limited_stack.run_chunks`: one scan over chunks with the
+boundaries detached), whose gradient must equal the sum of the chunks'
+gradients. Float64, so both agree to rounding.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsrnn_jax import models
+
+pytestmark = pytest.mark.usefixtures("fast_compile", "x64")
+
+V, B, N, T = 5, 2, 11, 4  # 11 tokens in chunks of 4, 4, 3.
+
+# name -> models.get options; every model that can stream.
+STREAMING = {
+    "lstm": {},
+    "rns_fixed": dict(name="rns", stack_window=3, stack_bottom="fixed"),
+    "rns_frozen_symbol": dict(name="rns", stack_window=2,
+                              stack_bottom="frozen", stack_reading="symbol"),
+    "vrns": dict(name="vrns", stack_window=3, num_stack_symbols=2),
+}
+
+
+def _model(key, **overrides):
+  opts = dict(STREAMING[key])
+  name = opts.pop("name", key)
+  opts.update(overrides)
+  return models.get(name, V, hidden_size=6, dtype=jnp.float64, **opts)
+
+
+def _stream(model, params, tokens_BxN, chunk):
+  carry = model.apply(params, tokens_BxN.shape[0],
+                      method="initial_stream_state")
+  stream = jax.jit(functools.partial(model.apply, method="stream"))
+  out = []
+  for lo in range(0, tokens_BxN.shape[1], chunk):
+    logits, carry = stream(params, tokens_BxN[:, lo:lo + chunk], carry)
+    out.append(logits)
+  return jnp.concatenate(out, axis=1)
+
+
+def _params(model):
+  params = model.init(jax.random.key(0), method="declare_params")
+  # Larger weights than the initialiser's, so the stack is really used.
+  return jax.tree_util.tree_map(
+      lambda p: p * 4 if p.ndim >= 1 else p, params)
+
+
+@pytest.mark.parametrize("key", sorted(STREAMING))
+def test_chunks_give_the_whole_stream_logits(key):
+  model = _model(key)
+  params = _params(model)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, V, (B, N)))
+  want = jax.jit(model.apply)(params, jnp.concatenate(
+      [tokens, tokens[:, :1]], axis=1))[:, 1:]
+  for chunk in (T, 1):
+    np.testing.assert_allclose(_stream(model, params, tokens, chunk), want,
+                               rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("key", ["rns_fixed", "rns_frozen_symbol", "vrns"])
+def test_chunk_gradients_sum_to_the_truncated_gradient(key):
+  n = 2 * T  # Two chunks of one shape: one compilation.
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, V, (B, n)))
+  weights = jnp.asarray(np.random.default_rng(3).normal(size=(B, n, V)))
+  streamer = _model(key)
+  params = _params(streamer)
+
+  @jax.jit
+  @functools.partial(jax.grad, has_aux=True)
+  def chunk_grad(p, tokens_chunk, weights_chunk, carry):
+    logits, carry = streamer.apply(p, tokens_chunk, carry, method="stream")
+    return jnp.sum(logits * weights_chunk), carry
+
+  carry = streamer.apply(params, B, method="initial_stream_state")
+  got = jax.tree_util.tree_map(jnp.zeros_like, params)
+  for lo in range(0, n, T):
+    g, carry = chunk_grad(params, tokens[:, lo:lo + T],
+                          weights[:, lo:lo + T], carry)
+    got = jax.tree_util.tree_map(jnp.add, got, g)
+
+  whole = _model(key, truncation_length=T)
+  full = jnp.concatenate([tokens, tokens[:, :1]], axis=1)
+  want = jax.jit(jax.grad(
+      lambda p: jnp.sum(whole.apply(p, full)[:, 1:] * weights)))(params)
+  for g, w in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-10)
+  if key != "rns_fixed":
+    return
+  # Truncation matters here: the untruncated gradient differs.
+  untruncated = jax.jit(jax.grad(
+      lambda p: jnp.sum(streamer.apply(p, full)[:, 1:] * weights)))(params)
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree_util.tree_leaves(got),
+      jax.tree_util.tree_leaves(untruncated))) > 1e-6
+
+
+def test_lstm_chunk_gradient_stops_at_the_boundary():
+  model = _model("lstm")
+  params = _params(model)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, V, (B, 2 * T)))
+  carry = model.apply(params, B, method="initial_stream_state")
+  _, carry = model.apply(params, tokens[:, :T], carry, method="stream")
+  # The second chunk's gradient is that of a model started from the
+  # carried (h, c) as constants: compare with a direct lstm_step loop.
+
+  def loss(p):
+    return jnp.sum(model.apply(p, tokens[:, T:], carry, method="stream")[0])
+
+  def oracle(p):
+    h = carry["state"]
+    total = 0.0
+    for t in range(T, 2 * T):
+      h, out = models.lstm_step(p["params"]["controller"] if "params" in p
+                                else p["controller"], h,
+                                jax.nn.one_hot(tokens[:, t], V,
+                                               dtype=jnp.float64))
+      total += jnp.sum(models.affine(
+          (p["params"] if "params" in p else p)["output"], out))
+    return total
+
+  flat = {"params": {"controller": params["params"]["controller"],
+                     "output": params["params"]["output"]}}
+  got, want = jax.grad(loss)(params), jax.grad(oracle)(flat)
+  for part in ("controller", "output"):
+    for name in got["params"][part]:
+      np.testing.assert_allclose(got["params"][part][name],
+                                 want["params"][part][name], rtol=1e-10,
+                                 atol=1e-12)
+
+
+@pytest.mark.parametrize("name, opts", [
+    ("jm", {}), ("gref", {}), ("ns", {}), ("rns", {}), ("vrns", {})])
+def test_models_whose_stack_grows_cannot_stream(name, opts):
+  model = models.get(name, V, hidden_size=4, **opts)
+  params = model.init(jax.random.key(0), method="declare_params")
+  with pytest.raises(ValueError, match="cannot carry its state across"):
+    model.apply(params, B, method="initial_stream_state")
