@@ -16,6 +16,13 @@ Strings are symbol strings (split into characters; every alphabet in this
 package has one-character symbols) or sequences of symbols. The model assigns
 a length-n string the probability that it is the prefix of a string (no EOS),
 so scores of all strings of one length sum to 1.
+
+A corpus run (task "corpus", corpus_train.py) is re-evaluated on its
+corpus's validation and test streams (perplexity, written to
+corpus_eval.json in --out), and `score` takes sentences (space-separated
+tokens, or token lists): ln p(tokens, <eos> | <eos>), the sentence read
+after a sentence boundary from a fresh state; unknown words are <unk> when
+the vocabulary has it.
 """
 
 import os
@@ -119,22 +126,84 @@ def score(workdir_or_loaded: Union[str, Loaded],
             if isinstance(workdir_or_loaded, str) else workdir_or_loaded)
   if isinstance(strings, str):
     raise ValueError("strings must be a list of strings, not one string")
-  alphabet = loaded.config.get("alphabet")
-  if alphabet is None:
-    raise ValueError("the workdir's config.json lacks the alphabet")
-  encoded = encode(strings, alphabet)
+  corpus_run = _is_corpus(loaded.config)
+  if corpus_run:
+    encoded = _encode_sentences(strings, loaded.config.get("vocabulary"))
+  else:
+    alphabet = loaded.config.get("alphabet")
+    if alphabet is None:
+      raise ValueError("the workdir's config.json lacks the alphabet")
+    encoded = encode(strings, alphabet)
   scores = np.zeros(len(encoded), np.float64)
   by_length = {}
   for k, ids in enumerate(encoded):
     by_length.setdefault(len(ids), []).append(k)
   params_K = _stacked(loaded.params)
   for _, ks in sorted(by_length.items()):
-    batch_K = jax.tree.map(lambda x: x[None], train.make_batch(
-        np.stack([encoded[k] for k in ks]),
-        eos=train.eos_id(loaded.config, loaded.model)))
+    batch = train.make_batch(np.stack([encoded[k] for k in ks]),
+                             eos=train.eos_id(loaded.config, loaded.model))
+    if corpus_run:  # The leading <eos> is context, not a target.
+      batch["mask"][:, 0] = 0
+    batch_K = jax.tree.map(lambda x: x[None], batch)
     sums = loop.eval_models(params_K, batch_K, apply_fn=loaded.model.apply)
     scores[ks] = -np.asarray(sums["nll"][0], np.float64)
   return scores
+
+
+def _is_corpus(config) -> bool:
+  return config.get("task") == "corpus"
+
+
+def _encode_sentences(sentences, vocabulary) -> list[np.ndarray]:
+  """Sentences -> [<eos>, tokens..., <eos>] id arrays (corpus runs)."""
+  from nsrnn_jax import corpus  # pylint: disable=g-import-not-at-top
+  if vocabulary is None:
+    raise ValueError("the workdir's config.json lacks the vocabulary")
+  vocab = corpus.Vocabulary(tuple(vocabulary))
+  eos, unk = vocab.id(corpus.EOS), vocab.id(corpus.UNK)
+  out = []
+  for k, w in enumerate(sentences):
+    if not isinstance(w, (str, list, tuple)):
+      raise ValueError(f"sentence {k} is {w!r}; expected a string of "
+                       "space-separated tokens or a list of tokens")
+    ids = [eos]
+    for t in (w.split() if isinstance(w, str) else list(w)):
+      i = vocab.id(t) if isinstance(t, str) else None
+      if i is None and unk is None:
+        raise ValueError(f"unknown token {t!r} in sentence {k}; the "
+                         f"vocabulary has no {corpus.UNK} to map it to")
+      ids.append(unk if i is None else i)
+    out.append(np.asarray(ids + [eos], np.int32))
+  return out
+
+
+def _reevaluate_corpus(loaded: Loaded, out: str) -> dict:
+  """Validation and test perplexity of a corpus run's best parameters."""
+  from nsrnn_jax import corpus  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top
+  config = loaded.config
+  data_ = corpus.load(config.corpus_dir)
+  if list(data_.vocab.tokens) != list(config.vocabulary):
+    raise ValueError(f"the corpus in {config.corpus_dir!r} has a different "
+                     "vocabulary from the one the run was trained on")
+  mesh = parallel.make_mesh()
+  rows = int(config.get("eval_batch_size", 0)) or int(config.batch_size)
+  params = parallel.replicate(jax.tree.map(np.asarray, loaded.params), mesh)
+  programs = corpus_train._Programs(loaded.model, mesh, params, rows, rows)  # pylint: disable=protected-access
+  summary = {}
+  for split in ("valid", "test"):
+    stream = corpus_train._Stream(data_.streams[split], rows,  # pylint: disable=protected-access
+                                  int(config.bptt_length), mesh)
+    result = corpus_train.evaluate(params, programs, stream)
+    summary[f"{split}_perplexity"] = result["perplexity"]
+    summary[f"{split}_cross_entropy"] = result["cross_entropy"]
+  if parallel.is_main_process():
+    os.makedirs(out, exist_ok=True)
+    checkpointing.write_json(out, "corpus_eval.json", summary)
+  text = (f"{config.corpus_dir}: valid perplexity "
+          f"{summary['valid_perplexity']:.4f}, test perplexity "
+          f"{summary['test_perplexity']:.4f} (best parameters)")
+  return {"table": None, "summary": summary, "text": text}
 
 
 def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
@@ -155,6 +224,8 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
   checkpointing.read_config(workdir)  # A clear error before anything else.
   checkpointing.check_writable(out, what="output directory")
   loaded = load_model(workdir, model=model)
+  if _is_corpus(loaded.config):
+    return _reevaluate_corpus(loaded, out)
   if splits is None:
     splits = data.from_config(loaded.config, need_test=True)
   if not splits.test.batches:

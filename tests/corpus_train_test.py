@@ -1,5 +1,7 @@
 """Tests for nsrnn_jax.corpus_train (the stream training loop).
 
+Also the re-evaluation and scoring API of a corpus run (evaluate.py).
+
 Oracles: the model's whole-row forward (`__call__` on each row of the
 stream, no chunks, no carry) for the evaluated perplexity; optax-free
 arithmetic (p − lr · g, with g from `jax.grad` of the chunk's mean NLL) for
@@ -21,6 +23,7 @@ import pytest
 from configs import quick_corpus
 from nsrnn_jax import corpus
 from nsrnn_jax import corpus_train
+from nsrnn_jax import evaluate
 from nsrnn_jax import models
 from nsrnn_jax import parallel
 from nsrnn_jax import train
@@ -121,6 +124,27 @@ def test_training_learns_and_a_resumed_run_matches(corpus_dir, tmp_path):
   stored = json.load(open(tmp_path / "whole" / "config.json"))
   assert stored["vocabulary"] == list(corpus.load(corpus_dir).vocab.tokens)
   assert stored["vocab_size"] == len(stored["vocabulary"])
+
+  # Re-evaluation from the workdir gives the run's own numbers.
+  again = evaluate.reevaluate(str(tmp_path / "whole"),
+                              out=str(tmp_path / "eval"))["summary"]
+  assert again["test_perplexity"] == pytest.approx(whole["test_perplexity"],
+                                                   rel=1e-6)
+  # A sentence's score is the stream NLL of "<eos> sentence <eos>" read
+  # in chunks with the carried state (corpus_train.evaluate).
+  loaded = evaluate.load_model(str(tmp_path / "whole"))
+  words = "0 1 1 # 1 1 0"
+  (got,) = evaluate.score(loaded, [words])
+  vocab = corpus.Vocabulary(tuple(stored["vocabulary"]))
+  ids = [vocab.id(t) for t in ["<eos>"] + words.split() + ["<eos>"]]
+  mesh = parallel.make_mesh()
+  programs = corpus_train._Programs(loaded.model, mesh, loaded.params, 1, 1)  # pylint: disable=protected-access
+  stream = corpus_train._Stream(np.asarray(ids, np.int32), 1, 3, mesh)  # pylint: disable=protected-access
+  want = corpus_train.evaluate(loaded.params, programs, stream)
+  assert got == pytest.approx(-want["cross_entropy"] * (len(ids) - 1),
+                              rel=1e-5)
+  with pytest.raises(ValueError, match="unknown token 'x' in sentence 0"):
+    evaluate.score(loaded, ["0 x"])
 
   part = str(tmp_path / "part")
   first = train.train_and_evaluate(_config(corpus_dir, stop_after_epochs=1),
