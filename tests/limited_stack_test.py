@@ -209,11 +209,10 @@ def test_truncated_bptt(x64, fast_compile_test, boundary):
   # Jitted: run eagerly, each of the sweep's small ops compiles on its own.
   whole = jax.jit(chunked, static_argnums=1)(params, 0)
   for chunk in (1, 2):  # 5 chunks; 3 chunks, the last one padded by 1 step.
-    for g, w, n in zip(jax.jit(chunked, static_argnums=1)(params, chunk),
-                       whole,
-                       jax.jit(naive, static_argnums=1)(params, chunk)):
+    for g, w in zip(jax.jit(chunked, static_argnums=1)(params, chunk), whole):
       np.testing.assert_allclose(g, w, atol=1e-12)
-      np.testing.assert_allclose(g, n, atol=1e-12)
+  for g, n in zip(whole, jax.jit(naive, static_argnums=1)(params, 2)):
+    np.testing.assert_allclose(g, n, atol=1e-12)
     # Chunks of one step: every update is a chunk's last (the boundary
     # alone); the LM loss is the one that can miss it.
     for with_stack in (True, False) if chunk == 2 else (False,):
@@ -222,11 +221,11 @@ def test_truncated_bptt(x64, fast_compile_test, boundary):
   # Truncation changes the gradient (it is not a no-op).
   assert np.abs(grad(chunked, 0)["wh"] - grad(chunked, 2)["wh"]).max() > 1e-6
   # The two boundaries differ in what trains the action layer; without
-  # truncation they are the same function.
-  other = "iclr2022" if boundary == "iclr2023" else "iclr2023"
-  assert np.abs(grad(chunked, 2, False)["wa"]
-                - grad(chunked, 2, False, other)["wa"]).max() > 1e-3
-  assert_same(grad(chunked, 0, False), grad(chunked, 0, False, other))
+  # truncation they are the same function (checked once, from iclr2023).
+  if boundary == "iclr2023":
+    assert np.abs(grad(chunked, 2, False)["wa"]
+                  - grad(chunked, 2, False, "iclr2022")["wa"]).max() > 1e-3
+    assert_same(grad(chunked, 0, False), grad(chunked, 0, False, "iclr2022"))
 
 
 def test_viterbi_with_window_is_best_windowed_run(x64):
