@@ -779,6 +779,28 @@ def limited_vrns_block():
   return "\n".join(lines) + "\n"
 
 
+def corpus_step_block():
+  """Corpus train step at PTB size, one-hot input vs lookup (one table)."""
+  name = "corpus_step.json"
+  d = _load(name)
+  if d is None:
+    return f"No `{name}` yet.\n"
+  r0 = d["rows"][0]
+  lines = [f"`benchmarks/corpus_step.py` (`{name}`, {_device(d)}, V = "
+           f"{r0['vocab']:,}, H = {r0['hidden']}, B = {r0['batch']}, T = "
+           f"{r0['bptt']}, {d['dtype']}; {d['note']}; median of {d['reps']}):",
+           "", "| model | one-hot input | `input_lookup` | speed-up | "
+           "PTB epoch (≈ 830 chunks), lookup |", "|---|---|---|---|---|"]
+  for r in d["rows"]:
+    epoch_s = 830 * r["lookup_ms"] / 1e3
+    epoch = (f"{epoch_s / 60:.0f} min" if epoch_s >= 120
+             else f"{epoch_s:.0f} s")
+    lines.append(f"| {r['label']} | {_ms(r['one_hot_ms'] / 1e3)} | "
+                 f"{_ms(r['lookup_ms'] / 1e3)} | {r['speedup']:.2f}× | "
+                 f"{epoch} |")
+  return "\n".join(lines) + "\n"
+
+
 REPRODUCE_WORKERS_FILES = ("reproduce_workers_5epochs.json",
                            "reproduce_workers_1epoch.json",
                            "reproduce_workers_pinning.json")
@@ -864,7 +886,8 @@ def concurrent_steps_block():
 BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
           "vrns": vrns_block, "limited_vrns": limited_vrns_block,
           "reproduce_workers": reproduce_workers_block,
-          "concurrent_steps": concurrent_steps_block}
+          "concurrent_steps": concurrent_steps_block,
+          "corpus_step": corpus_step_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
                        "rns_vs_ns": rns_vs_ns_block}

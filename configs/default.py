@@ -104,6 +104,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = 0
   # Every parameter ~ U[-s, s] (PTB 0.05); 0 = the models' own initialisers.
   config.init_scale = 0.0
+  # lstm/rns/vrns: read the input by row lookup, not a one-hot product (same
+  # values; LSTM steps 3.3x faster at PTB's 10k words; GPU gradients not
+  # bitwise reproducible: a scatter-add).
+  config.input_lookup = False
 
   # --- Data ------------------------------------------------------------------
   # Strings per training / validation batch (every batch has one length).

@@ -15,8 +15,8 @@ log-uniform[0.0112, 1.12], 10 samples per model, and keep the best
 validation run; the values here are those ranges' geometric midpoints (a
 launcher over --config.learning_rate and --config.clip_norm does the
 search). The papers report test perplexities near 125 for this model.
-Deviation: the input is a one-hot vector into the LSTM's input matrix (no
-separate embedding layer); its product is an embedding lookup of width 4H.
+Deviation: the input row of the LSTM's input matrix is looked up directly
+(input_lookup; no separate embedding layer, which would be of width 4H).
 Not run here (PTB is not in the repository; a CPU epoch is long).
 """
 
@@ -37,6 +37,7 @@ def get_config():
   config.learning_rate = 10.0
   config.clip_norm = 0.112
   config.init_scale = 0.05
+  config.input_lookup = True  # 10k words: a lookup, not a one-hot product
   config.max_epochs = 100
   config.lr_decay_factor = 1 / 1.5
   config.lr_decay_patience = 0

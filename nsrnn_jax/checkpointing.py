@@ -72,6 +72,8 @@ RESUME_SAFE_FIELDS = frozenset({
     # How many strings the stack runs at once, and how far the time loop is
     # unrolled: the same values (a run may move to a GPU and back).
     "stack_batch_chunk", "scan_unroll",
+    # The controller's input by row lookup or one-hot product: same values.
+    "input_lookup",
     # Written by train_and_evaluate next to the config, derived from it.
     "alphabet", "vocab_size",
 })

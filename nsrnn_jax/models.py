@@ -62,6 +62,8 @@ from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
 
 MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
+# Models whose controller can read its input by row lookup (input_lookup).
+INPUT_LOOKUP_MODELS = ('lstm', 'rns', 'vrns')
 
 # How the NS-RNN computes its stack (``config.stack_table``). Both compute the
 # same function (tested to 1e-12 in float64):
@@ -159,6 +161,34 @@ def lstm_step(params: Params, carry: Carry, x_BxI: jax.Array,
   gates_Bx4H = _mm(jnp.concatenate([x_BxI, h_BxH], axis=-1),
                    jnp.concatenate([params['w_ih'], params['w_hh']], axis=0),
                    precision) + (params['b_ih'] + params['b_hh'])
+  return _lstm_cell(gates_Bx4H, c_BxH)
+
+
+def lstm_step_ids(params: Params, carry: Carry, ids_B: jax.Array,
+                  extra_BxR: jax.Array, vocab_size: int,
+                  precision: str = 'highest') -> tuple[Carry, jax.Array]:
+  """``lstm_step`` on the input ``[one_hot(ids); extra]``, by row lookup.
+
+  The one-hot product picks row ``ids`` of ``w_ih[:V]``; gathering it
+  instead costs B·4H rather than B·V·4H per step (LSTM-256 train step at
+  PTB size, V = 10k, 3.3x faster on CPU: benchmarks/corpus_step.py, README
+  "Corpus language modelling"). Same values up to the order of the float
+  additions. Its
+  gradient is a scatter-add, whose summation order GPUs do not fix, so the
+  one-hot product stays the default (``input_lookup``).
+  """
+  h_BxH, c_BxH = carry
+  w_ih = params['w_ih']
+  gates_Bx4H = (jnp.take(w_ih[:vocab_size], ids_B, axis=0)
+                + _mm(jnp.concatenate([extra_BxR, h_BxH], axis=-1),
+                      jnp.concatenate([w_ih[vocab_size:], params['w_hh']],
+                                      axis=0), precision)
+                + (params['b_ih'] + params['b_hh']))
+  return _lstm_cell(gates_Bx4H, c_BxH)
+
+
+def _lstm_cell(gates_Bx4H, c_BxH):
+  """The LSTM's nonlinearity: gates (i, f, g, o) and c -> ((h, c), h)."""
   i_BxH, f_BxH, g_BxH, o_BxH = jnp.split(gates_Bx4H, 4, axis=-1)
   c_BxH = (jax.nn.sigmoid(f_BxH) * c_BxH
            + jax.nn.sigmoid(i_BxH) * jnp.tanh(g_BxH))
@@ -318,20 +348,39 @@ def ns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
   return carry, actions, h_BxH
 
 
+def controller_lstm_step(params: Params, carry: Carry, x_B: jax.Array,
+                         reading_BxR: jax.Array, vocab_size: int,
+                         precision: str = 'highest',
+                         input_lookup: bool = False):
+  """The controller's LSTM on ``[one_hot(x_t); reading]``: ``(carry, h)``.
+
+  ``input_lookup``: gather the input matrix's row (``lstm_step_ids``)
+  instead of the one-hot product; same values, for large vocabularies.
+  """
+  if input_lookup:
+    return lstm_step_ids(params, carry, x_B, reading_BxR, vocab_size,
+                         precision)
+  x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxR.dtype)
+  x_BxI = jnp.concatenate([x_BxV, reading_BxR], axis=-1)
+  return lstm_step(params, carry, x_BxI, precision)
+
+
 def rns_controller_step(params: Params, carry: Carry, x_B: jax.Array,
                         reading_BxR: jax.Array, *, vocab_size: int,
                         num_states: int, num_symbols: int, normalize: bool,
-                        precision: str = 'highest'):
+                        precision: str = 'highest',
+                        input_lookup: bool = False):
   """The RNS-RNN's ``step_fn`` for ``rns_stack.run_coupled``.
 
   Same as :func:`ns_controller_step` except that the reading has size Q·S
   (state reading) or S, and the action logits are used as log-weights
   directly unless ``normalize`` (rns-vrns-reference.md section 1.1).
-  ``precision`` is the matmul precision of the LSTM and action layer.
+  ``precision`` is the matmul precision of the LSTM and action layer;
+  ``input_lookup`` see :func:`controller_lstm_step`.
   """
-  x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxR.dtype)
-  x_BxI = jnp.concatenate([x_BxV, reading_BxR], axis=-1)
-  carry, h_BxH = lstm_step(params['controller'], carry, x_BxI, precision)
+  carry, h_BxH = controller_lstm_step(params['controller'], carry, x_B,
+                                      reading_BxR, vocab_size, precision,
+                                      input_lookup)
   actions = rns_stack.split_action_logits(
       affine(params['action'], h_BxH, precision), num_states, num_symbols,
       normalize)
@@ -430,6 +479,9 @@ class LanguageModel(nn.Module):
   # `lax.scan` unroll factor of the time loop (same values; fewer loop
   # iterations, hence fewer kernel launches and syncs, on accelerators).
   scan_unroll: int = 1
+  # Input by row lookup instead of a one-hot product (`lstm_step_ids`;
+  # lstm, rns and vrns: for large vocabularies).
+  input_lookup: bool = False
 
   def _reading_size(self) -> int:
     return 0
@@ -558,19 +610,31 @@ class LanguageModel(nn.Module):
 class LSTMLM(LanguageModel):
   """The LSTM baseline (no stack); ``trace`` adds nothing model-specific."""
 
+  def _lstm_scan(self, params, carry, inputs_BxT, step_wrapper=None):
+    """The LSTM over the inputs: (carry, h [T, B, H])."""
+    batch = inputs_BxT.shape[0]
+    if self.input_lookup:
+      none_Bx0 = jnp.zeros((batch, 0), self.dtype)
+      xs = jnp.swapaxes(inputs_BxT, 0, 1)
+
+      def step(carry, ids_B):
+        return lstm_step_ids(params['controller'], carry, ids_B, none_Bx0,
+                             self.vocab_size, self.matmul_precision)
+    else:
+      xs = jnp.swapaxes(self._one_hot(inputs_BxT), 0, 1)
+
+      def step(carry, x_BxV):
+        return lstm_step(params['controller'], carry, x_BxV,
+                         self.matmul_precision)
+    if step_wrapper is not None:
+      step = step_wrapper(step)
+    return jax.lax.scan(step, carry, xs, unroll=self.scan_unroll)
+
   def _run(self, params, inputs_BxT):
-    x_BxTxV = self._one_hot(inputs_BxT)
-    batch = x_BxTxV.shape[0]
-    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
-
-    def step(carry, x_BxV):
-      return lstm_step(params['controller'], carry, x_BxV,
-                       self.matmul_precision)
-
-    _, h_TxBxH = jax.lax.scan(_loop_step('lstm', step),
-                              (zeros_BxH, zeros_BxH),
-                              jnp.swapaxes(x_BxTxV, 0, 1),
-                              unroll=self.scan_unroll)
+    zeros_BxH = jnp.zeros((inputs_BxT.shape[0], self.hidden_size),
+                          self.dtype)
+    _, h_TxBxH = self._lstm_scan(params, (zeros_BxH, zeros_BxH), inputs_BxT,
+                                 functools.partial(_loop_step, 'lstm'))
     return jnp.swapaxes(h_TxBxH, 0, 1), {}
 
   def _stream_start(self, params, batch):
@@ -582,14 +646,7 @@ class LSTMLM(LanguageModel):
     carry = jax.tree_util.tree_map(
         lambda a, b: jnp.where(first, a, jax.lax.stop_gradient(b)), start,
         carried)
-
-    def step(carry, x_BxV):
-      return lstm_step(params['controller'], carry, x_BxV,
-                       self.matmul_precision)
-
-    carry, h_TxBxH = jax.lax.scan(
-        step, carry, jnp.swapaxes(self._one_hot(inputs_BxT), 0, 1),
-        unroll=self.scan_unroll)
+    carry, h_TxBxH = self._lstm_scan(params, carry, inputs_BxT)
     return jnp.swapaxes(h_TxBxH, 0, 1), carry
 
 
@@ -1035,7 +1092,7 @@ class RNSLM(PDAStackLM):
     step_fn = functools.partial(
         rns_controller_step, vocab_size=self.vocab_size, num_states=q,
         num_symbols=s, normalize=self.normalize,
-        precision=self.matmul_precision)
+        precision=self.matmul_precision, input_lookup=self.input_lookup)
     step_params = {'controller': params['controller'],
                    'action': params['action']}
     # Truncated BPTT's boundary as in the tag of the bottom
@@ -1174,8 +1231,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         broadcast_bottom_vector: bool = False,
         stack_table: str = DEFAULT_NS_TABLE,
         stack_batch_chunk: int = 0, scan_unroll: int = 0,
-        jm_num_stacks: int = 1, jm_push_hidden_state: bool = False
-        ) -> nn.Module:
+        jm_num_stacks: int = 1, jm_push_hidden_state: bool = False,
+        input_lookup: bool = False) -> nn.Module:
   """Builds one of the language models.
 
   Args:
@@ -1209,6 +1266,9 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     jm_push_hidden_state: JM pushes the controller's hidden state itself
       (jm only; needs ``jm_num_stacks * stack_embedding_size ==
       hidden_size``).
+    input_lookup: the controller reads its input by row lookup instead of
+      a one-hot product (``lstm_step_ids``; lstm, rns and vrns; same
+      values, faster for large vocabularies).
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -1247,9 +1307,16 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
                      f'scans are not unrolled), got {scan_unroll}')
   check_stack_variant_supported(name, stack_window, truncation_length,
                                 stack_bottom)
+  if not isinstance(input_lookup, (bool, np.bool_)):
+    raise ValueError(f'input_lookup must be True or False, got '
+                     f'{input_lookup!r}')
+  if input_lookup and name not in INPUT_LOOKUP_MODELS:
+    raise ValueError(f'input_lookup applies to models '
+                     f'{", ".join(INPUT_LOOKUP_MODELS)} (got {name!r})')
   common = dict(vocab_size=vocab_size, hidden_size=hidden_size,
                 dtype=np_dtype.type,
-                matmul_precision=ns_stack.check_precision(matmul_precision))
+                matmul_precision=ns_stack.check_precision(matmul_precision),
+                input_lookup=bool(input_lookup))
   if name != 'vrns':
     common['scan_unroll'] = scan_unroll
   if name == 'lstm':
@@ -1349,7 +1416,8 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              stack_batch_chunk=field('stack_batch_chunk', 0),
              scan_unroll=field('scan_unroll', 0),
              jm_num_stacks=field('jm_num_stacks', 1),
-             jm_push_hidden_state=field('jm_push_hidden_state', False))
+             jm_push_hidden_state=field('jm_push_hidden_state', False),
+             input_lookup=field('input_lookup', False))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

@@ -214,6 +214,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
          f"{', '.join(ns_stack.MATMUL_PRECISIONS)}")
   if dtype == "float64" and not jax.config.jax_enable_x64:
     fail("dtype", "is float64 but jax_enable_x64 is off (set JAX_ENABLE_X64=1)")
+  lookup = config.get("input_lookup", False)
+  if not isinstance(lookup, (bool, np.bool_)):
+    fail("input_lookup", f"must be a bool (got {lookup!r})")
+  if lookup and model not in models.INPUT_LOOKUP_MODELS:
+    fail("input_lookup", f"applies to models "
+         f"{', '.join(models.INPUT_LOOKUP_MODELS)} (model is {model!r})")
   optimizer = config.get("optimizer", "adam")
   if optimizer not in OPTIMIZERS:
     fail("optimizer", f"is {optimizer!r}; expected one of "

@@ -69,19 +69,20 @@ def vrns_stack_inputs(params, carry, num_states, num_symbols,
 
 
 def vrns_controller_step(params, carry, x_B, reading_BxR, *, vocab_size,
-                         num_states, num_symbols, precision='highest'):
+                         num_states, num_symbols, precision='highest',
+                         input_lookup=False):
   """`step_fn` of `vrns_stack.run_coupled` (pure; params passed in).
 
   precision: matmul precision name of the LSTM, action and push-vector
-  layers (``ns_stack.MATMUL_PRECISIONS``).
+  layers (``ns_stack.MATMUL_PRECISIONS``); input_lookup: see
+  `models.controller_lstm_step`.
 
   Returns:
     (carry_t, (push, repl, pop, log_vector), h_t).
   """
-  x_BxV = jax.nn.one_hot(x_B, vocab_size, dtype=reading_BxR.dtype)
-  carry, h_BxH = models.lstm_step(
-      params['controller'], carry, jnp.concatenate([x_BxV, reading_BxR], -1),
-      precision)
+  carry, h_BxH = models.controller_lstm_step(
+      params['controller'], carry, x_B, reading_BxR, vocab_size, precision,
+      input_lookup)
   return carry, vrns_stack_inputs(params, carry, num_states, num_symbols,
                                   precision), h_BxH
 
@@ -158,7 +159,7 @@ class VRNSLM(models.PDAStackLM):
     step_fn = functools.partial(
         vrns_controller_step, vocab_size=self.vocab_size,
         num_states=self.num_states, num_symbols=self.num_stack_symbols,
-        precision=self.matmul_precision)
+        precision=self.matmul_precision, input_lookup=self.input_lookup)
     step_params = {'controller': params['controller'],
                    'action': params['action'],
                    'push_vector': params['push_vector']}
@@ -257,7 +258,7 @@ def make(vocab_size: int, hidden_size: int, num_states: int,
          stack_bottom_vector: str = 'learned',
          broadcast_bottom_vector: bool = False, stack_window: int = 0,
          truncation_length: int = 0, dtype: Any = jnp.float32,
-         matmul_precision: str = 'highest'):
+         matmul_precision: str = 'highest', input_lookup: bool = False):
   """A validated `VRNSLM` (called by `models.get`); `stack_window` D >= 1
   selects the memory-limited stack, `truncation_length` its chunks."""
   check_options(stack_vector_size, stack_bottom_vector,
@@ -269,4 +270,5 @@ def make(vocab_size: int, hidden_size: int, num_states: int,
                 broadcast_bottom_vector=bool(broadcast_bottom_vector),
                 window=int(stack_window),
                 truncation_length=int(truncation_length),
-                dtype=dtype, matmul_precision=matmul_precision)
+                dtype=dtype, matmul_precision=matmul_precision,
+                input_lookup=input_lookup)

@@ -542,6 +542,7 @@ def test_ptb_configs_have_the_reference_protocol(name, model, tmp_path):
   assert (config.batch_size, config.bptt_length, config.hidden_size) == (
       32, 35, 256)
   assert config.optimizer == "sgd" and config.init_scale == 0.05
+  assert config.input_lookup  # 10k words: gather, not a one-hot product
   assert 1 <= config.learning_rate <= 100
   assert 0.0112 <= config.clip_norm <= 1.12
   assert config.lr_decay_factor == pytest.approx(1 / 1.5)

@@ -147,3 +147,30 @@ def test_models_whose_stack_grows_cannot_stream(name, opts):
   params = model.init(jax.random.key(0), method="declare_params")
   with pytest.raises(ValueError, match="cannot carry its state across"):
     model.apply(params, B, method="initial_stream_state")
+
+
+@pytest.mark.parametrize("key", ["lstm", "rns_fixed", "vrns"])
+def test_input_lookup_gives_the_one_hot_values_and_gradients(key):
+  one_hot, lookup = _model(key), _model(key, input_lookup=True)
+  params = _params(one_hot)
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, V, (B, N)))
+  weights = jnp.asarray(np.random.default_rng(6).normal(size=(B, N, V)))
+  values = [jax.jit(m.apply)(params, tokens) for m in (one_hot, lookup)]
+  np.testing.assert_allclose(values[1], values[0], rtol=1e-12, atol=1e-12)
+  grads = [jax.jit(jax.grad(lambda p, m=m: jnp.sum(m.apply(p, tokens)
+                                                   * weights)))(params)
+           for m in (one_hot, lookup)]
+  for g, w in zip(jax.tree_util.tree_leaves(grads[1]),
+                  jax.tree_util.tree_leaves(grads[0])):
+    np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+  # The streamed chunks of the lookup model too.
+  np.testing.assert_allclose(_stream(lookup, params, tokens, T)[:, :-1],
+                             values[0][:, 1:], rtol=1e-10, atol=1e-12)
+  # Inputs beyond the vocabulary are refused, not silently clamped.
+  with pytest.raises(ValueError, match=r"symbol ids must lie in \[0, 5\)"):
+    lookup.apply(params, tokens.at[0, 0].set(V))
+
+
+def test_input_lookup_is_refused_where_it_does_not_apply():
+  with pytest.raises(ValueError, match="input_lookup applies to models"):
+    models.get("jm", V, input_lookup=True)

@@ -1,0 +1,110 @@
+"""Benchmark: one corpus train step (a BPTT chunk) at PTB size.
+
+`corpus_train.train_chunk` (forward, backward and the SGD update of one
+chunk of B rows × T tokens, the carried state in and out) for the PTB
+configs' models (configs/ptb_*.py: V = 10,000 words, H = 256, B = 32,
+T = 35, D = 35), each with the controller's input as a one-hot product
+(the default) and by row lookup (`input_lookup`), compiled once and timed
+with the calls interleaved in one process, float32. The words are random
+ids; the step's cost does not depend on them.
+
+Usage:
+  python benchmarks/corpus_step.py                 # lstm, rns 2-3, vrns 1-5-20
+  python benchmarks/corpus_step.py --quick         # V = 1,000, H = 64, lstm + rns
+Prints a table and writes benchmarks/results/corpus_step.json
+(corpus_step_quick.json with --quick).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import ptb_lstm, ptb_rns, ptb_vrns  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+CONFIGS = {"lstm": ptb_lstm, "rns": ptb_rns, "vrns": ptb_vrns}
+
+
+def _step(name, vocab, hidden, lookup):
+  config = CONFIGS[name].get_config()
+  config.hidden_size = hidden
+  config.input_lookup = lookup
+  model = models.build(config, vocab_size=vocab)
+  state = corpus_train.create_train_state(config, model, jax.random.key(0))
+  b, t = int(config.batch_size), int(config.bptt_length)
+  rng = np.random.default_rng(0)
+  batch = {"inputs": rng.integers(0, vocab, (b, t)).astype(np.int32),
+           "targets": rng.integers(0, vocab, (b, t)).astype(np.int32),
+           "mask": np.ones((b, t), np.float32)}
+  carry = model.apply({"params": state.params}, b,
+                      method="initial_stream_state")
+  step = jax.jit(corpus_train.train_chunk)
+  label = {"lstm": "LSTM",
+           "rns": f"RNS {config.num_states}-{config.num_stack_symbols}",
+           "vrns": f"VRNS {config.num_states}-{config.num_stack_symbols}-"
+                   f"{config.stack_vector_size}"}[name]
+  if name != "lstm":
+    label += f", D = {config.stack_window}"
+  return label, (lambda: step(state, batch, carry)), config
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--models", default="lstm,rns,vrns")
+  parser.add_argument("--note", default="",
+                      help="appended to the result's note (e.g. the load)")
+  args = parser.parse_args()
+  vocab, hidden = (1000, 64) if args.quick else (10000, 256)
+  names = ["lstm", "rns"] if args.quick else args.models.split(",")
+  rows = []
+  for name in names:
+    fns = {}
+    for lookup in (False, True):
+      label, fn, config = _step(name, vocab, hidden, lookup)
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      fns[lookup] = (fn, time.perf_counter() - start)
+    times = {False: [], True: []}
+    for _ in range(args.reps):
+      for lookup in (False, True):  # interleaved
+        start = time.perf_counter()
+        jax.block_until_ready(fns[lookup][0]())
+        times[lookup].append(time.perf_counter() - start)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    row = {"model": name, "label": label, "vocab": vocab, "hidden": hidden,
+           "batch": int(config.batch_size), "bptt": int(config.bptt_length),
+           "one_hot_ms": round(1e3 * med[False], 2),
+           "lookup_ms": round(1e3 * med[True], 2),
+           "speedup": round(med[False] / med[True], 2),
+           "first_call_s": {"one_hot": round(fns[False][1], 2),
+                            "lookup": round(fns[True][1], 2)}}
+    rows.append(row)
+    print(f"{label:>24}  one-hot {row['one_hot_ms']:9.1f} ms  lookup "
+          f"{row['lookup_ms']:9.1f} ms  {row['speedup']:.2f}x", flush=True)
+  info = machine.machine_info()
+  result = {**info, "device": machine.device_label(info), "dtype": "float32",
+            "reps": args.reps,
+            "note": "train step of one chunk, median of interleaved calls "
+                    "in one process" + (f"; {args.note}" if args.note
+                                        else ""),
+            "rows": rows}
+  name = "corpus_step_quick.json" if args.quick else "corpus_step.json"
+  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
+                      result)
+
+
+if __name__ == "__main__":
+  main()
