@@ -74,6 +74,9 @@ RESUME_SAFE_FIELDS = frozenset({
     "stack_batch_chunk", "scan_unroll",
     # The controller's input by row lookup or one-hot product: same values.
     "input_lookup",
+    # Where the corpus lies (a moved copy resumes; its content is checked by
+    # corpus_digest, stored beside it).
+    "corpus_dir",
     # Written by train_and_evaluate next to the config, derived from it.
     "alphabet", "vocab_size",
 })

@@ -31,6 +31,7 @@ the pipeline without PTB; sentences of uniformly drawn lengths):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -62,6 +63,17 @@ def split_path(corpus_dir: str, split: str) -> str:
       return path
   raise ValueError(f"corpus directory {corpus_dir!r} has no {split} file "
                    f"(expected {' or '.join(names)})")
+
+
+def digest(corpus_dir: str) -> str:
+  """SHA-256 of the three split files' bytes (in split order)."""
+  h = hashlib.sha256()
+  for split in SPLITS:
+    with open(split_path(corpus_dir, split), "rb") as f:
+      for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+    h.update(b"\0")
+  return h.hexdigest()
 
 
 def read_tokens(path: str) -> Iterator[tuple[int, list[str]]]:

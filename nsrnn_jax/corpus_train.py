@@ -255,7 +255,12 @@ def train_and_evaluate(config, workdir: str,
   data = corpus_lib.load(config.corpus_dir)
   bound = corpus_lib.lower_bound(config.corpus_dir)
   vocab = data.vocab
-  config_json.update(vocab_size=len(vocab), vocabulary=list(vocab.tokens))
+  config_json.update(vocab_size=len(vocab), vocabulary=list(vocab.tokens),
+                     corpus_digest=corpus_lib.digest(config.corpus_dir))
+  # Again with the corpus's digest and vocabulary: a resumed run whose
+  # corpus changed under it would otherwise go on with other data (a moved
+  # copy of the same files resumes).
+  checkpointing.check_workdir(workdir, config_json)
   model = models.build(config, vocab_size=len(vocab))
   mesh = parallel.make_mesh()
   train_rows = int(config.batch_size)

@@ -11,6 +11,7 @@ for a two-device one.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -145,6 +146,16 @@ def test_training_learns_and_a_resumed_run_matches(corpus_dir, tmp_path):
                               rel=1e-5)
   with pytest.raises(ValueError, match="unknown token 'x' in sentence 0"):
     evaluate.score(loaded, ["0 x"])
+
+  # Resuming on other files is refused; on a moved copy it is not.
+  other = str(tmp_path / "other_corpus")
+  corpus.write_synthetic(other, "marked_reversal", (60, 12, 12), 3, 9, seed=6)
+  with pytest.raises(ValueError, match=r"corpus_digest \(stored"):
+    train.train_and_evaluate(_config(other), str(tmp_path / "whole"))
+  moved = str(tmp_path / "moved_corpus")
+  shutil.copytree(corpus_dir, moved)
+  assert train.train_and_evaluate(_config(moved), str(tmp_path / "whole"))[
+      "test_perplexity"] == whole["test_perplexity"]
 
   part = str(tmp_path / "part")
   first = train.train_and_evaluate(_config(corpus_dir, stop_after_epochs=1),
