@@ -17,11 +17,8 @@ from configs import ptb_lstm
 def get_config():
   """Returns the PTB RNS-RNN configuration."""
   config = ptb_lstm.get_config()
-  config.model = "rns"
+  config.model = "rns"  # default.py's variant: RNS (NS+S+U), bottom fix
   config.num_states = 2
   config.num_stack_symbols = 3
-  config.stack_normalize = False
-  config.stack_reading = "state"
-  config.stack_bottom = "fixed"
   config.stack_window = 35
   return config

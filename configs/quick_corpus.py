@@ -15,29 +15,24 @@ after 2. --config.corpus_dir=DIR takes any directory of train/valid/test.txt
 README ("Corpus language modelling").
 """
 
-from configs import default
+from configs import ptb_lstm
 
 
 def get_config():
-  """Returns the quick corpus configuration."""
-  config = default.get_config()
-  config.task = "corpus"
+  """Returns the quick corpus configuration (ptb_lstm.py's protocol, small)."""
+  config = ptb_lstm.get_config()
   config.corpus_dir = "/tmp/dyck_corpus"
   config.model = "rns"
   config.hidden_size = 20
   config.num_states = 2
   config.num_stack_symbols = 3
   config.stack_window = 10
-  config.truncation_length = 0
   config.batch_size = 8
+  config.eval_batch_size = 0
   config.bptt_length = 20
-  config.optimizer = "sgd"
   config.learning_rate = 1.0
   config.clip_norm = 1.0
-  config.init_scale = 0.0
+  config.init_scale = 0.0  # the models' own initialisers at this size
+  config.input_lookup = False  # 5 tokens: nothing to gain
   config.max_epochs = 30
-  config.lr_decay_factor = 1 / 1.5
-  config.lr_decay_patience = 0
-  config.lr_decay_threshold = 0.0
-  config.early_stopping_patience = 1
   return config

@@ -906,6 +906,25 @@ class PDAStackLM(LanguageModel):
                                uniform_init(), uniform_init(),
                                dtype=self.dtype)
 
+  # Streams (see LanguageModel.stream), for the windowed stacks: subclasses
+  # with a `window` D >= 1 give `_controller(params)` -> (step_fn, its
+  # params, actions_fn) and `_window_parts(params, batch)` -> (update, read,
+  # state0) for `limited_stack.stream_chunk`.
+
+  def _stream_start(self, params, batch):
+    if not getattr(self, 'window', 0):
+      return super()._stream_start(params, batch)
+    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
+    return ((zeros_BxH, zeros_BxH), self._window_parts(params, batch)[2])
+
+  def _stream(self, params, inputs_BxT, start, carried, first):
+    step_fn, step_params, actions_fn = self._controller(params)
+    update, read, _ = self._window_parts(params, inputs_BxT.shape[0])
+    state, (outs_TxBxH, _) = limited_stack.stream_chunk(
+        step_fn, update, read, step_params, start, carried, first,
+        jnp.swapaxes(inputs_BxT, 0, 1), actions_fn)
+    return jnp.swapaxes(outs_TxBxH, 0, 1), state
+
 
 def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
                  num_states: int, num_symbols: int,
@@ -1107,24 +1126,11 @@ class RNSLM(PDAStackLM):
           self.normalize)
     return step_fn, step_params, actions_fn
 
-  def _window_parts(self, batch):
+  def _window_parts(self, params, batch):
+    del params
     return limited_stack.coupled_parts(
         batch, self.num_states, self.num_stack_symbols, self.window,
         self.bottom, self.reading, self.dtype, self.matmul_precision)
-
-  def _stream_start(self, params, batch):
-    if not self.window:
-      return super()._stream_start(params, batch)
-    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
-    return ((zeros_BxH, zeros_BxH), self._window_parts(batch)[2])
-
-  def _stream(self, params, inputs_BxT, start, carried, first):
-    step_fn, step_params, actions_fn = self._controller(params)
-    update, read, _ = self._window_parts(inputs_BxT.shape[0])
-    state, (outs_TxBxH, _) = limited_stack.stream_chunk(
-        step_fn, update, read, step_params, start, carried, first,
-        jnp.swapaxes(inputs_BxT, 0, 1), actions_fn)
-    return jnp.swapaxes(outs_TxBxH, 0, 1), state
 
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nsrnn_jax import limited_stack
 from nsrnn_jax import limited_vrns
 from nsrnn_jax import models
 from nsrnn_jax import vrns_stack
@@ -174,20 +173,6 @@ class VRNSLM(models.PDAStackLM):
     return limited_vrns.coupled_parts(
         log_bottom_BxM, self.num_states, self.num_stack_symbols, self.window,
         self.broadcast_bottom_vector)
-
-  def _stream_start(self, params, batch):
-    if not self.window:
-      return super()._stream_start(params, batch)
-    zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
-    return ((zeros_BxH, zeros_BxH), self._window_parts(params, batch)[2])
-
-  def _stream(self, params, inputs_BxT, start, carried, first):
-    step_fn, step_params, actions_fn = self._controller(params)
-    update, read, _ = self._window_parts(params, inputs_BxT.shape[0])
-    state, (outs_TxBxH, _) = limited_stack.stream_chunk(
-        step_fn, update, read, step_params, start, carried, first,
-        jnp.swapaxes(inputs_BxT, 0, 1), actions_fn)
-    return jnp.swapaxes(outs_TxBxH, 0, 1), state
 
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]
