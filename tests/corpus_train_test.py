@@ -5,13 +5,14 @@ Also the re-evaluation and scoring API of a corpus run (evaluate.py).
 Oracles: the model's whole-row forward (`__call__` on each row of the
 stream, no chunks, no carry) for the evaluated perplexity; optax-free
 arithmetic (p − lr · g, with g from `jax.grad` of the chunk's mean NLL) for
-an SGD step; an uninterrupted run for a resumed one; a single-device run
-for a two-device one.
+an SGD step; an uninterrupted run for a resumed one; a single-process run
+for a two-process (jax.distributed) one.
 """
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -186,21 +187,48 @@ def test_bad_config_is_a_one_line_error(corpus_dir, tmp_path, overrides,
   assert not os.path.exists(tmp_path / "run")
 
 
-def test_two_devices_give_the_one_device_result(corpus_dir, tmp_path):
-  args = [f"--config={REPO}/configs/quick_corpus.py",
+def _free_port():
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+def test_two_processes_give_the_one_process_result(corpus_dir, tmp_path):
+  # Two jax.distributed processes (one CPU device each): each builds its
+  # half of the rows of every chunk; only process 0 writes the metrics.
+  args = [sys.executable, "-m", "nsrnn_jax.main",
+          f"--config={REPO}/configs/quick_corpus.py",
           f"--config.corpus_dir={corpus_dir}", "--config.model=lstm",
           "--config.hidden_size=8", "--config.batch_size=4",
           "--config.bptt_length=7", "--config.max_epochs=2",
           "--config.progress_bar=False"]
-  results = []
-  for devices in (1, 2):
-    workdir = tmp_path / f"d{devices}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nsrnn_jax.main", *args,
-         f"--workdir={workdir}", f"--cpu_devices={devices}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"{devices} device(s)" in proc.stderr
-    results.append(json.load(open(workdir / "results.json")))
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("NSRNN_", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu")
+  single = tmp_path / "single"
+  proc = subprocess.run(args + [f"--workdir={single}"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  pair = tmp_path / "pair"
+  port = _free_port()
+  procs = [subprocess.Popen(
+      args + [f"--workdir={pair}", "--distributed"], cwd=REPO,
+      env={**env, "NSRNN_COORDINATOR_ADDRESS": f"localhost:{port}",
+           "NSRNN_NUM_PROCESSES": "2", "NSRNN_PROCESS_ID": str(i)},
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, err in zip(procs, errs):
+    assert p.returncode == 0, err[-2000:]
+  assert "process 0/2, 2 device(s)" in errs[0] and "epoch" not in errs[1]
+  want = json.load(open(single / "results.json"))
+  got = json.load(open(pair / "results.json"))
   for key in ("test_perplexity", "best_valid_perplexity"):
-    assert results[1][key] == pytest.approx(results[0][key], rel=1e-4)
+    assert got[key] == pytest.approx(want[key], rel=1e-4)
+  assert len(open(pair / "metrics.jsonl").readlines()) == 2
