@@ -296,7 +296,9 @@ def train_and_evaluate(config, workdir: str,
     restored = checkpointing.restore_latest(manager, template,
                                             move_aside=main, max_step=logged)
     resumed = 0
-    if restored is None and logged >= int(config.checkpoint_every_epochs):
+    # Every epoch is saved, so a logged epoch without a checkpoint means
+    # the checkpoints were lost: refuse rather than overwrite the log.
+    if restored is None and logged >= 1:
       raise ValueError(
           f"{workdir!r}: metrics.jsonl holds epochs 1-{logged} but there is "
           "no checkpoint; nothing was changed: restore the checkpoints, or "

@@ -158,11 +158,25 @@ def test_training_learns_and_a_resumed_run_matches(corpus_dir, tmp_path):
   assert train.train_and_evaluate(_config(moved), str(tmp_path / "whole"))[
       "test_perplexity"] == whole["test_perplexity"]
 
-  part = str(tmp_path / "part")
-  first = train.train_and_evaluate(_config(corpus_dir, stop_after_epochs=1),
-                                   part)
-  assert not first["finished"] and first["epochs"] == 1
-  resumed = train.train_and_evaluate(config, part)
+  # Stopped after 2 epochs, its newest checkpoint damaged: the resume
+  # falls back to epoch 1 (moved aside, never deleted), retrains epoch 2
+  # and ends where the uninterrupted run did.
+  part = tmp_path / "part"
+  first = train.train_and_evaluate(_config(corpus_dir, stop_after_epochs=2),
+                                   str(part))
+  assert not first["finished"] and first["epochs"] == 2
+  for root, _, files in os.walk(part / "checkpoints" / "2" / "state"):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"\x00corrupt")
+  resumed = train.train_and_evaluate(config, str(part))
+  assert os.listdir(part / "checkpoints_unreadable") == ["2"]
+  log = [json.loads(l) for l in open(part / "metrics.jsonl")]
+  assert [r["epoch"] for r in log] == [1, 2, 3]
+  # Checkpoints gone but the log kept: refused, nothing changed.
+  shutil.rmtree(part / "checkpoints")
+  with pytest.raises(ValueError, match="no checkpoint; nothing was changed"):
+    train.train_and_evaluate(config, str(part))
   for key in ("best_epoch", "steps", "test_perplexity",
               "best_valid_perplexity"):
     assert resumed[key] == pytest.approx(whole[key], rel=1e-6), key
