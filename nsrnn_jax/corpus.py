@@ -247,6 +247,10 @@ def write_synthetic(out_dir: str, task: str, num_sentences=(2000, 200, 200),
   mid-sentence knows less than the true distribution does.
   """
   from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+  for split, count in zip(SPLITS, num_sentences):
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+      raise ValueError(f"the {split} split needs >= 1 sentence (got "
+                       f"{count!r})")
   lang = languages.get(task)
   lengths = lang.valid_lengths(min_length, max_length)
   if not lengths:

@@ -111,3 +111,9 @@ def test_synthetic_corpus_holds_strings_of_the_language(tmp_path):
     assert np.isfinite(lang.log_prob(symbols))
   c = corpus.load(str(tmp_path))
   assert set(c.vocab.tokens) == set(lang.alphabet) | {corpus.EOS}
+
+
+def test_synthetic_corpus_refuses_empty_splits(tmp_path):
+  with pytest.raises(ValueError, match="valid split needs >= 1 sentence"):
+    corpus.write_synthetic(str(tmp_path), "dyck", (5, 0, 5))
+  assert not os.listdir(tmp_path)
