@@ -357,7 +357,9 @@ def _train(state, config, programs, splits, manager, writer, main,
               "learning_rate": lr_used,
               "next_learning_rate": float(after["lr"]),
               "best_epoch": int(after["best_epoch"]),
-              "time": elapsed, "train_time": train_time}
+              "time": elapsed, "train_time": train_time,
+              "train_tokens_per_second":
+                  train_split.rows.num_targets / max(train_time, 1e-9)}
     diff = ""
     if bound is not None:
       record["valid_ce_diff"] = valid["cross_entropy"] - bound["valid"]

@@ -120,6 +120,7 @@ def test_training_learns_and_a_resumed_run_matches(corpus_dir, tmp_path):
   log = [json.loads(l) for l in open(tmp_path / "whole" / "metrics.jsonl")]
   assert [r["epoch"] for r in log] == [1, 2, 3]
   assert log[-1]["valid_perplexity"] < log[0]["valid_perplexity"]
+  assert all(r["train_tokens_per_second"] > 0 for r in log)
   # A true-distribution bound below every model.
   assert all(r["valid_ce_diff"] > 0 for r in log)
   assert whole["test_ce_diff"] > 0
