@@ -6,6 +6,8 @@ Python loop that detaches every chunk (truncated BPTT), and the float64
 run of the same stack (float32 on long streams).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,9 +226,12 @@ def test_vrns_model_with_a_window(x64):
   unlimited = models.get("vrns", 3, **common)
   params = jax.tree.map(lambda a: a * 20,
                         models.init_params(unlimited, jax.random.key(1)))
-  want = unlimited.apply({"params": params}, symbols, method="trace")
+  # Jitted: eagerly, each of the sweeps' small ops compiles on its own.
+  trace = lambda m: jax.jit(functools.partial(m.apply, method="trace"))(
+      {"params": params}, symbols)
+  want = trace(unlimited)
   limited = models.get("vrns", 3, stack_window=2, **common)
-  out = limited.apply({"params": params}, symbols, method="trace")
+  out = trace(limited)
   acts = out["action_log_weights"]
   for b in range(2):
     rho, log_mass = vrns_oracle.vector_readings(
@@ -239,8 +244,9 @@ def test_vrns_model_with_a_window(x64):
   assert np.abs(out["logits"] - want["logits"]).max() > 1e-4
   chunked = models.get("vrns", 3, stack_window=2, truncation_length=2,
                        **common)
-  np.testing.assert_allclose(chunked.apply({"params": params}, symbols),
-                             out["logits"], rtol=1e-12, atol=1e-13)
+  np.testing.assert_allclose(
+      jax.jit(chunked.apply)({"params": params}, symbols), out["logits"],
+      rtol=1e-12, atol=1e-13)
   with pytest.raises(ValueError, match="truncation_length needs"):
     models.get("vrns", 3, truncation_length=2, **common)
   # A window beyond the string is the unlimited model: its gradients, every
