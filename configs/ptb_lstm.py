@@ -12,9 +12,12 @@ U[−0.05, 0.05], SGD with gradient clipping, LR ÷ 1.5 after each epoch
 without improvement, stop after 2, at most 100 epochs. The authors draw
 the LR from log-uniform[1, 100] and the clip threshold from
 log-uniform[0.0112, 1.12], 10 samples per model, and keep the best
-validation run; the values here are those ranges' geometric midpoints (a
-launcher over --config.learning_rate and --config.clip_norm does the
-search). The papers report test perplexities near 125 for this model.
+validation run; the values here are those ranges' geometric midpoints, and
+nsrnn_jax.corpus_search runs the search:
+
+  python -m nsrnn_jax.corpus_search --config=configs/ptb_lstm.py \
+      --config.corpus_dir=data/ptb --workdir=runs/ptb_lstm_search --runs=10
+
 Deviation: the input row of the LSTM's input matrix is looked up directly
 (input_lookup; no separate embedding layer, which would be of width 4H).
 Not run here (PTB is not in the repository; a CPU epoch is long).
