@@ -109,7 +109,8 @@ def validate_config(config) -> None:
 
 def create_train_state(config, model, rng: jax.Array) -> train.TrainState:
   """A fresh state; with init_scale > 0 every parameter ~ U[−s, s] (PTB)."""
-  params = model.init(rng, method="declare_params")["params"]
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  params = models.init_params(model, rng)
   scale = float(config.get("init_scale", 0.0))
   if scale > 0:
     leaves, tree = jax.tree.flatten(params)

@@ -382,9 +382,14 @@ def create_train_state(config, rng: jax.Array, model=None) -> TrainState:
     A fresh TrainState (epoch 0, not stopped).
   """
   model = build_model(config) if model is None else model
-  # Parameter shapes do not depend on the length; 4 symbols give the NS-RNN
-  # at least two stack updates to trace through.
-  params = model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"]
+  if hasattr(type(model), "declare_params"):
+    # This package's models: the parameters without a forward pass (the
+    # same values as model.init(rng, symbols), tested; a forward traced
+    # eagerly took seconds for the windowed stacks).
+    params = model.init(rng, method="declare_params")["params"]
+  else:
+    # Any other Flax LM: 4 symbols give a stack at least two updates.
+    params = model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"]
   spec = make_optimizer(config)
   zero = jnp.zeros((), jnp.int32)
   inf = jnp.asarray(jnp.inf, jnp.float32)

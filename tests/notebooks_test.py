@@ -1,4 +1,4 @@
-"""Runs both notebooks end to end (nbclient, kernel python3) on tiny workdirs.
+"""Runs the notebooks end to end (nbclient, kernel python3) on tiny workdirs.
 
 The test trains tiny runs with `train.train_and_evaluate` (two NS-RNN
 restarts that stop at different epochs, one LSTM), injects their paths into
@@ -132,3 +132,29 @@ def test_compare_models_notebook_draws_both_figures(workdirs, tmp_path):
   np.testing.assert_allclose(ours["mean"], padded.mean(0), rtol=1e-12)
   np.testing.assert_allclose(ours["std"], padded.std(0), rtol=1e-12,
                              atol=1e-15)
+
+
+def test_corpus_model_notebook_scores_the_sentence(tmp_path):
+  from configs import quick_corpus  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import corpus  # pylint: disable=g-import-not-at-top
+  corpus.write_synthetic(str(tmp_path / "corpus"), "dyck", (40, 8, 8), 4, 8)
+  config = quick_corpus.get_config()
+  config.corpus_dir = str(tmp_path / "corpus")
+  config.hidden_size, config.batch_size, config.bptt_length = 6, 4, 7
+  config.stack_window = 3
+  config.max_epochs = 2
+  config.progress_bar = False
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(config, workdir)
+  notebook = _run_notebook("corpus_model.ipynb", {
+      "WORKDIR": workdir, "SENTENCE": "( [ ] )"})
+  text, images = _outputs(notebook)
+  assert images == 3  # learning curve, next-token distributions, readings
+  printed = float(re.search(
+      r"-ln p_model\(sentence, <eos> \| <eos>\) = ([0-9.]+)", text).group(1))
+  assert printed == pytest.approx(
+      -evaluate.score(workdir, ["( [ ] )"])[0], abs=2e-4)
+  # One line per token and the final <eos>, probabilities in (0, 1].
+  lines = re.findall(r"^\s*(\S+)  p = ([0-9.]+)$", text, re.M)
+  assert [t for t, _ in lines] == ["(", "[", "]", ")", "<eos>"]
+  assert all(0 < float(p) <= 1 for _, p in lines)
