@@ -5,7 +5,8 @@ chunk of B rows × T tokens, the carried state in and out) for the PTB
 configs' models (configs/ptb_*.py: V = 10,000 words, H = 256, B = 32,
 T = 35, D = 35), each with the controller's input as a one-hot product
 (the default) and by row lookup (`input_lookup`), compiled once and timed
-with the calls interleaved in one process, float32. The words are random
+with the calls interleaved in one process, float32; also the compiled
+step's temporary memory (XLA's memory analysis). The words are random
 ids; the step's cost does not depend on them.
 
 Usage:
@@ -50,13 +51,16 @@ def _step(name, vocab, hidden, lookup):
   carry = model.apply({"params": state.params}, b,
                       method="initial_stream_state")
   step = jax.jit(corpus_train.train_chunk)
+  memory = step.lower(state, batch, carry).compile().memory_analysis()
   label = {"lstm": "LSTM",
            "rns": f"RNS {config.num_states}-{config.num_stack_symbols}",
            "vrns": f"VRNS {config.num_states}-{config.num_stack_symbols}-"
                    f"{config.stack_vector_size}"}[name]
   if name != "lstm":
     label += f", D = {config.stack_window}"
-  return label, (lambda: step(state, batch, carry)), config
+  temp_mib = (None if memory is None
+              else round(memory.temp_size_in_bytes / 2 ** 20, 1))
+  return label, (lambda: step(state, batch, carry)), config, temp_mib
 
 
 def main():
@@ -73,10 +77,10 @@ def main():
   for name in names:
     fns = {}
     for lookup in (False, True):
-      label, fn, config = _step(name, vocab, hidden, lookup)
+      label, fn, config, temp_mib = _step(name, vocab, hidden, lookup)
       start = time.perf_counter()
       jax.block_until_ready(fn())
-      fns[lookup] = (fn, time.perf_counter() - start)
+      fns[lookup] = (fn, time.perf_counter() - start, temp_mib)
     times = {False: [], True: []}
     for _ in range(args.reps):
       for lookup in (False, True):  # interleaved
@@ -90,7 +94,10 @@ def main():
            "lookup_ms": round(1e3 * med[True], 2),
            "speedup": round(med[False] / med[True], 2),
            "first_call_s": {"one_hot": round(fns[False][1], 2),
-                            "lookup": round(fns[True][1], 2)}}
+                            "lookup": round(fns[True][1], 2)},
+           # XLA's temporary buffers of the compiled step (activations,
+           # residuals of the backward), beside the state it reads.
+           "temp_mib": {"one_hot": fns[False][2], "lookup": fns[True][2]}}
     rows.append(row)
     print(f"{label:>24}  one-hot {row['one_hot_ms']:9.1f} ms  lookup "
           f"{row['lookup_ms']:9.1f} ms  {row['speedup']:.2f}x", flush=True)

@@ -790,14 +790,18 @@ def corpus_step_block():
            f"{r0['vocab']:,}, H = {r0['hidden']}, B = {r0['batch']}, T = "
            f"{r0['bptt']}, {d['dtype']}; {d['note']}; median of {d['reps']}):",
            "", "| model | one-hot input | `input_lookup` | speed-up | "
-           "PTB epoch (≈ 830 chunks), lookup |", "|---|---|---|---|---|"]
+           "PTB epoch (≈ 830 chunks), lookup | step's temporary memory |",
+           "|---|---|---|---|---|---|"]
   for r in d["rows"]:
     epoch_s = 830 * r["lookup_ms"] / 1e3
     epoch = (f"{epoch_s / 60:.0f} min" if epoch_s >= 120
              else f"{epoch_s:.0f} s")
+    temp = r.get("temp_mib", {}).get("lookup")
+    temp = "—" if temp is None else (f"{temp / 1024:.1f} GiB" if temp >= 1024
+                                     else f"{temp:.0f} MiB")
     lines.append(f"| {r['label']} | {_ms(r['one_hot_ms'] / 1e3)} | "
                  f"{_ms(r['lookup_ms'] / 1e3)} | {r['speedup']:.2f}× | "
-                 f"{epoch} |")
+                 f"{epoch} | {temp} |")
   return "\n".join(lines) + "\n"
 
 

@@ -171,7 +171,7 @@ def lstm_step_ids(params: Params, carry: Carry, ids_B: jax.Array,
 
   The one-hot product picks row ``ids`` of ``w_ih[:V]``; gathering it
   instead costs B·4H rather than B·V·4H per step (LSTM-256 train step at
-  PTB size, V = 10k, 3.3x faster on CPU: benchmarks/corpus_step.py, README
+  PTB size, V = 10k, 3.2x faster on CPU: benchmarks/corpus_step.py, README
   "Corpus language modelling"). Same values up to the order of the float
   additions. Its
   gradient is a scatter-add, whose summation order GPUs do not fix, so the
