@@ -162,8 +162,16 @@ def eval_chunk(params, batch, carry, *, apply_fn):
   return carry, nll, count
 
 
-class _Stream:
-  """A split's rows on the mesh: this process's rows, chunk by chunk."""
+class SplitStream:
+  """A split's stream as rows on the mesh (`corpus.make_rows`).
+
+  `chunk(i)` gives chunk i of every row as global arrays split over the
+  mesh's 'data' axis, each process building only its own rows.
+
+  Attributes:
+    rows: the whole split's `corpus.Rows` (every process holds them).
+    chunk_length, num_chunks, num_rows: T, ⌈L / T⌉, B.
+  """
 
   def __init__(self, stream: np.ndarray, num_rows: int, chunk_length: int,
                mesh):
@@ -191,8 +199,15 @@ def _carry_shardings(model, params, batch: int, mesh):
                               else P()), shapes)
 
 
-class _Programs:
-  """The jitted steps of one run (compiled once per chunk shape)."""
+class Programs:
+  """The jitted programs of one run (each compiled once per chunk shape).
+
+  Attributes:
+    initial: {rows: params -> the stream's start carry, sharded like the
+      rows}, for the training and the evaluation row counts.
+    train: `train_chunk` (the carry donated).
+    eval: `eval_chunk` with the model bound.
+  """
 
   def __init__(self, model, mesh, params, train_rows: int, eval_rows: int):
     self.initial = {}
@@ -207,7 +222,7 @@ class _Programs:
     self.eval = jax.jit(functools.partial(eval_chunk, apply_fn=model.apply))
 
 
-def evaluate(params, programs: _Programs, split: _Stream,
+def evaluate(params, programs: Programs, split: SplitStream,
              progress: bool = False, desc: str = "eval") -> dict:
   """Perplexity of a split from a fresh carry: {"cross_entropy" (nats per
   token), "perplexity", "num_targets"}."""
@@ -271,7 +286,7 @@ def train_and_evaluate(config, workdir: str,
   for split, rows in (("train", train_rows), ("valid", eval_rows),
                       ("test", eval_rows)):
     try:
-      splits[split] = _Stream(data.streams[split], rows, length, mesh)
+      splits[split] = SplitStream(data.streams[split], rows, length, mesh)
     except ValueError as e:
       raise ValueError(f"{split} split of {config.corpus_dir!r}: {e}") from None
   main = parallel.is_main_process()
@@ -314,7 +329,7 @@ def train_and_evaluate(config, workdir: str,
     stack.callback(writer.close)
     if resumed and main:
       print(f"resumed from epoch {resumed}", file=sys.stderr, flush=True)
-    programs = _Programs(model, mesh, state.params, train_rows, eval_rows)
+    programs = Programs(model, mesh, state.params, train_rows, eval_rows)
     return _train(state, config, programs, splits, manager, writer, main,
                   should_stop, workdir, bound)
 

@@ -189,11 +189,11 @@ def _reevaluate_corpus(loaded: Loaded, out: str) -> dict:
   mesh = parallel.make_mesh()
   rows = int(config.get("eval_batch_size", 0)) or int(config.batch_size)
   params = parallel.replicate(jax.tree.map(np.asarray, loaded.params), mesh)
-  programs = corpus_train._Programs(loaded.model, mesh, params, rows, rows)  # pylint: disable=protected-access
+  programs = corpus_train.Programs(loaded.model, mesh, params, rows, rows)
   summary = {}
   for split in ("valid", "test"):
-    stream = corpus_train._Stream(data_.streams[split], rows,  # pylint: disable=protected-access
-                                  int(config.bptt_length), mesh)
+    stream = corpus_train.SplitStream(data_.streams[split], rows,
+                                      int(config.bptt_length), mesh)
     result = corpus_train.evaluate(params, programs, stream)
     summary[f"{split}_perplexity"] = result["perplexity"]
     summary[f"{split}_cross_entropy"] = result["cross_entropy"]

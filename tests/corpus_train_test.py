@@ -62,8 +62,8 @@ def test_evaluated_perplexity_is_the_whole_rows_forward(corpus_dir):
   model = models.build(config, vocab_size=len(data.vocab))
   state = corpus_train.create_train_state(config, model, jax.random.key(3))
   mesh = parallel.make_mesh()
-  split = corpus_train._Stream(data.streams["valid"], 2, 7, mesh)  # pylint: disable=protected-access
-  programs = corpus_train._Programs(model, mesh, state.params, 4, 2)  # pylint: disable=protected-access
+  split = corpus_train.SplitStream(data.streams["valid"], 2, 7, mesh)
+  programs = corpus_train.Programs(model, mesh, state.params, 4, 2)
   got = corpus_train.evaluate(state.params, programs, split)
   rows = split.rows
   nll = 0.0
@@ -141,8 +141,8 @@ def test_training_learns_and_a_resumed_run_matches(corpus_dir, tmp_path):
   vocab = corpus.Vocabulary(tuple(stored["vocabulary"]))
   ids = [vocab.id(t) for t in ["<eos>"] + words.split() + ["<eos>"]]
   mesh = parallel.make_mesh()
-  programs = corpus_train._Programs(loaded.model, mesh, loaded.params, 1, 1)  # pylint: disable=protected-access
-  stream = corpus_train._Stream(np.asarray(ids, np.int32), 1, 3, mesh)  # pylint: disable=protected-access
+  programs = corpus_train.Programs(loaded.model, mesh, loaded.params, 1, 1)
+  stream = corpus_train.SplitStream(np.asarray(ids, np.int32), 1, 3, mesh)
   want = corpus_train.evaluate(loaded.params, programs, stream)
   assert got == pytest.approx(-want["cross_entropy"] * (len(ids) - 1),
                               rel=1e-5)
