@@ -13,7 +13,8 @@ Usage:
   python benchmarks/corpus_step.py                 # lstm, rns 2-3, vrns 1-5-20
   python benchmarks/corpus_step.py --quick         # V = 1,000, H = 64, lstm + rns
 Prints a table and writes benchmarks/results/corpus_step.json
-(corpus_step_quick.json with --quick).
+(corpus_step_quick.json with --quick; --out elsewhere, e.g. on a GPU:
+benchmarks/gpu_session.sh corpus).
 """
 
 import argparse
@@ -63,14 +64,26 @@ def _step(name, vocab, hidden, lookup):
   return label, (lambda: step(state, batch, carry)), config, temp_mib
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--reps", type=int, default=5)
-  parser.add_argument("--models", default="lstm,rns,vrns")
+  parser.add_argument("--models", default="lstm,rns,vrns",
+                      help=f"comma-separated subset of {','.join(CONFIGS)}")
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")
-  args = parser.parse_args()
+  parser.add_argument("--out", default="",
+                      help="output JSON (default: benchmarks/results/"
+                      "corpus_step[_quick].json)")
+  return parser
+
+
+def main():
+  args = build_parser().parse_args()
+  unknown = set(args.models.split(",")) - set(CONFIGS)
+  if unknown:
+    sys.exit(f"error: unknown --models {sorted(unknown)}; expected a subset "
+             f"of {','.join(CONFIGS)}")
   vocab, hidden = (1000, 64) if args.quick else (10000, 256)
   names = ["lstm", "rns"] if args.quick else args.models.split(",")
   rows = []
@@ -109,8 +122,8 @@ def main():
                                         else ""),
             "rows": rows}
   name = "corpus_step_quick.json" if args.quick else "corpus_step.json"
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
-                      result)
+  machine.save_result(args.out or os.path.join(_ROOT, "benchmarks",
+                                               "results", name), result)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@
 #              matmuls' outputs; models.PRODUCTS_ONLY_LOOPS) and with the
 #              LSTM's gates as two products (--lstm_two_products); README
 #              "Fewer ops per step"
+#   corpus     corpus train steps at PTB size (benchmarks/corpus_step.py:
+#              LSTM-256, RNS 2-3 and VRNS 1-5-20 with D = 35, one-hot input
+#              and input_lookup; README "Corpus language modelling")
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -60,7 +63,7 @@
 # profile_step_gpu.json, ..._contractions_by_sum.json,
 # profile_step_gpu_reduce_all.json, train_step_gpu_pallas_kernels.json,
 # profile_step_gpu_pallas.json, scale_gpu_pallas.json,
-# train_step_gpu_residuals.json). Copy them to
+# train_step_gpu_residuals.json, corpus_step_gpu.json). Copy them to
 # benchmarks/results/ and run `python benchmarks/report.py`.
 #
 # tests/benchmarks_gpu_session_test.py parses every phase's commands with
@@ -77,9 +80,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile pallas_scale residuals)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile pallas_scale residuals corpus)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile|pallas_scale|residuals) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile|pallas_scale|residuals|corpus) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -203,6 +206,10 @@ for p in "${phases[@]}"; do
         benchmarks/scale.py --ks=20 --lengths=80 --steps=4 --repeats=3 \
         --skip_devices --update_kernels=pallas \
         --out "$OUT/scale_gpu_pallas.json" ;;
+    corpus)
+      bench "corpus train steps at PTB size, one-hot input vs lookup" 150 -- \
+        benchmarks/corpus_step.py --models=lstm,rns,vrns --reps=5 \
+        --out "$OUT/corpus_step_gpu.json" ;;
   esac
 done
 log "done"

@@ -75,7 +75,8 @@ def test_the_command_reader_finds_each_benchmark_phase():
   assert phases == set(branches) - {"tests"}
   scripts = {argv[0] for _, argv in commands}
   assert scripts == {"benchmarks/train_step.py", "benchmarks/scale.py",
-                     "benchmarks/profile_step.py"}
+                     "benchmarks/profile_step.py",
+                     "benchmarks/corpus_step.py"}
 
 
 def test_the_reader_catches_a_bad_flag(load_benchmark):
@@ -93,7 +94,10 @@ def test_each_benchmark_command_parses(phase, argv, load_benchmark):
   args = module.build_parser().parse_args(argv[1:])
   assert args.out and args.out.startswith("/out/"), phase
   if hasattr(args, "models"):
-    settings = load_benchmark("train_step").SETTINGS
+    # The script's own model names (corpus_step: the PTB configs), else
+    # train_step's settings, which the other benchmarks share.
+    settings = getattr(module, "CONFIGS", None) or load_benchmark(
+        "train_step").SETTINGS
     models = [m for m in args.models.split(",") if m]
     assert models and set(models) <= set(settings), (phase, models)
   if getattr(args, "kernel_tiles", ""):
