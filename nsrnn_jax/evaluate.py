@@ -177,14 +177,21 @@ def _encode_sentences(sentences, vocabulary) -> list[np.ndarray]:
   return out
 
 
-def _reevaluate_corpus(loaded: Loaded, out: str) -> dict:
-  """Validation and test perplexity of a corpus run's best parameters."""
+def _reevaluate_corpus(loaded: Loaded, out: str,
+                       corpus_dir: Optional[str] = None) -> dict:
+  """Validation and test perplexity of a corpus run's best parameters, on
+  its corpus (`corpus_dir`: a moved copy of it, checked by its digest)."""
   from nsrnn_jax import corpus  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top
   config = loaded.config
-  data_ = corpus.load(config.corpus_dir)
+  corpus_dir = corpus_dir or config.corpus_dir
+  stored = config.get("corpus_digest")
+  if stored is not None and corpus.digest(corpus_dir) != stored:
+    raise ValueError(f"the files in {corpus_dir!r} are not the corpus the "
+                     "run was trained on (their SHA-256 differs)")
+  data_ = corpus.load(corpus_dir)
   if list(data_.vocab.tokens) != list(config.vocabulary):
-    raise ValueError(f"the corpus in {config.corpus_dir!r} has a different "
+    raise ValueError(f"the corpus in {corpus_dir!r} has a different "
                      "vocabulary from the one the run was trained on")
   mesh = parallel.make_mesh()
   rows = int(config.get("eval_batch_size", 0)) or int(config.batch_size)
@@ -200,14 +207,15 @@ def _reevaluate_corpus(loaded: Loaded, out: str) -> dict:
   if parallel.is_main_process():
     os.makedirs(out, exist_ok=True)
     checkpointing.write_json(out, "corpus_eval.json", summary)
-  text = (f"{config.corpus_dir}: valid perplexity "
+  text = (f"{corpus_dir}: valid perplexity "
           f"{summary['valid_perplexity']:.4f}, test perplexity "
           f"{summary['test_perplexity']:.4f} (best parameters)")
   return {"table": None, "summary": summary, "text": text}
 
 
 def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
-               model: Any = None, out: Optional[str] = None) -> dict:
+               model: Any = None, out: Optional[str] = None,
+               corpus_dir: Optional[str] = None) -> dict:
   """Recomputes the per-length test table of a workdir with its best params.
 
   Args:
@@ -216,6 +224,8 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
     model: model to use instead of models.build(config).
     out: directory for test_by_length.{json,csv} (default: the workdir);
       checked for writability before any work.
+    corpus_dir: a corpus run's corpus where it lies now (default: where it
+      was trained; the files must be the same, by SHA-256).
 
   Returns:
     {"table": per-length table, "summary": overall test metrics, "text"}.
@@ -225,7 +235,9 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
   checkpointing.check_writable(out, what="output directory")
   loaded = load_model(workdir, model=model)
   if _is_corpus(loaded.config):
-    return _reevaluate_corpus(loaded, out)
+    return _reevaluate_corpus(loaded, out, corpus_dir)
+  if corpus_dir:
+    raise ValueError("--corpus_dir applies to corpus runs (task 'corpus')")
   if splits is None:
     splits = data.from_config(loaded.config, need_test=True)
   if not splits.test.batches:
@@ -247,7 +259,8 @@ def main(argv):
   workdir = flags.FLAGS.workdir
   if not workdir:
     raise ValueError("--workdir is required")
-  result = reevaluate(workdir, out=flags.FLAGS.out)
+  result = reevaluate(workdir, out=flags.FLAGS.out,
+                      corpus_dir=flags.FLAGS.corpus_dir)
   print(result["text"])
   for key, value in sorted(result["summary"].items()):
     print(f"{key}: {value:.6f}")
@@ -259,4 +272,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "Training workdir to re-evaluate.")
   flags.DEFINE_string("out", None, "Directory for test_by_length.{json,csv} "
                       "(default: the workdir).")
+  flags.DEFINE_string("corpus_dir", None, "A corpus run's corpus where it "
+                      "lies now (default: where it was trained).")
   cli.run(main)

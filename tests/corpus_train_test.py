@@ -158,6 +158,14 @@ def test_training_learns_and_a_resumed_run_matches(corpus_dir, tmp_path):
   shutil.copytree(corpus_dir, moved)
   assert train.train_and_evaluate(_config(moved), str(tmp_path / "whole"))[
       "test_perplexity"] == whole["test_perplexity"]
+  # Re-evaluated on the moved copy; other files are refused.
+  assert evaluate.reevaluate(
+      str(tmp_path / "whole"), out=str(tmp_path / "eval2"),
+      corpus_dir=moved)["summary"]["test_perplexity"] == pytest.approx(
+          whole["test_perplexity"], rel=1e-6)
+  with pytest.raises(ValueError, match="SHA-256 differs"):
+    evaluate.reevaluate(str(tmp_path / "whole"), out=str(tmp_path / "eval3"),
+                        corpus_dir=other)
 
   # Stopped after 2 epochs, its newest checkpoint damaged: the resume
   # falls back to epoch 1 (moved aside, never deleted), retrains epoch 2
