@@ -16,7 +16,9 @@
   so that `from configs import default` inside it works.
 """
 
+import faulthandler
 import os
+import signal
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
@@ -119,7 +121,13 @@ def interrupted(what: str) -> NoReturn:
 
 
 def run(main: Callable[[Sequence[str]], None]) -> None:
-  """app.run(main) with the conventions of the module docstring."""
+  """app.run(main) with the conventions of the module docstring.
+
+  SIGUSR1 prints every thread's Python stack to stderr and lets the
+  command go on (`kill -USR1 PID`: where a command that seems stuck is).
+  """
+  if hasattr(signal, "SIGUSR1"):
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
   def wrapped(argv):
     if not flags.FLAGS["verbosity"].present:
