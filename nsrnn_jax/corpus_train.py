@@ -81,11 +81,10 @@ def validate_config(config) -> None:
   if config.get("truncation_length", 0):
     fail("truncation_length", "must be 0 for task 'corpus' (the stream is "
          "cut by bptt_length)")
-  for field in ("bptt_length",):
-    value = config.get(field, None)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-        or value < 1:
-      fail(field, f"must be an integer >= 1 (got {value!r})")
+  value = config.get("bptt_length", None)
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+      or value < 1:
+    fail("bptt_length", f"must be an integer >= 1 (got {value!r})")
   value = config.get("eval_batch_size", 0)
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
       or value < 0:
@@ -108,25 +107,19 @@ def validate_config(config) -> None:
 
 
 def create_train_state(config, model, rng: jax.Array) -> train.TrainState:
-  """A fresh state; with init_scale > 0 every parameter ~ U[−s, s] (PTB)."""
-  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
-  params = models.init_params(model, rng)
+  """`train.create_train_state`; with init_scale > 0 every parameter
+  ~ U[−s, s] (PTB) instead of the models' own initialisers."""
+  state = train.create_train_state(config, rng, model)
   scale = float(config.get("init_scale", 0.0))
-  if scale > 0:
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.fold_in(rng, 1), len(leaves))
-    params = jax.tree.unflatten(tree, [
-        jax.random.uniform(k, x.shape, x.dtype, -scale, scale)
-        for k, x in zip(keys, leaves)])
-  spec = train.make_optimizer(config)
-  zero = jnp.zeros((), jnp.int32)
-  inf = jnp.asarray(jnp.inf, jnp.float32)
-  return train.TrainState(
-      params=params, opt_state=spec.make().init(params), step=zero,
-      epoch=zero, best_params=params, best_metric=inf, best_epoch=zero,
-      bad_epochs=zero, plateau_best=inf, plateau_bad_epochs=zero,
-      stopped=jnp.zeros((), jnp.bool_), apply_fn=model.apply, optimizer=spec,
-      schedule=train.schedule_from_config(config))
+  if scale <= 0:
+    return state
+  leaves, tree = jax.tree.flatten(state.params)
+  keys = jax.random.split(jax.random.fold_in(rng, 1), len(leaves))
+  params = jax.tree.unflatten(tree, [
+      jax.random.uniform(k, x.shape, x.dtype, -scale, scale)
+      for k, x in zip(keys, leaves)])
+  return state.replace(params=params, best_params=params,
+                       opt_state=state.tx.init(params))
 
 
 def _chunk_nll(params, apply_fn, batch, carry):
@@ -207,6 +200,7 @@ class Programs:
       rows}, for the training and the evaluation row counts.
     train: `train_chunk` (the carry donated).
     eval: `eval_chunk` with the model bound.
+    end_of_epoch: `train.end_of_epoch`.
   """
 
   def __init__(self, model, mesh, params, train_rows: int, eval_rows: int):
@@ -219,6 +213,7 @@ class Programs:
                                           method="initial_stream_state"),
               rows=rows), out_shardings=shardings)
     self.train = jax.jit(train_chunk, donate_argnums=(2,))
+    self.end_of_epoch = jax.jit(train.end_of_epoch)
     self.eval = jax.jit(functools.partial(eval_chunk, apply_fn=model.apply))
 
 
@@ -361,8 +356,7 @@ def _train(state, config, programs, splits, manager, writer, main,
     train_ce = float(nlls.sum()) / train_split.rows.num_targets
     valid = evaluate(state.params, programs, splits["valid"], bar, "valid")
     lr_used = float(host(train.learning_rate(state)))
-    state = jax.jit(train.end_of_epoch)(state,
-                                        jnp.float32(valid["perplexity"]))
+    state = programs.end_of_epoch(state, jnp.float32(valid["perplexity"]))
     after = host({"best_epoch": state.best_epoch,
                   "lr": train.learning_rate(state)})
     elapsed = time.perf_counter() - start
