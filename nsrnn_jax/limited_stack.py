@@ -49,7 +49,7 @@ from nsrnn_jax.ns_stack import check_precision
 Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
-           "run_chunks", "stream_chunk", "coupled_parts"]
+           "run_chunks", "stream_chunk", "chunk_start", "coupled_parts"]
 
 
 class WindowState(NamedTuple):
@@ -284,6 +284,18 @@ def run_chunks(step_fn: Callable[..., Any],
           jax.tree_util.tree_map(batch_major, stack_out))
 
 
+def chunk_start(start, carried, first):
+  """The carry a chunk starts from: `start` if `first`, else the values of
+  `carried` with their gradient stopped.
+
+  Values cross a chunk boundary, gradients do not; the first chunk keeps
+  them, as its carry is the start (an initial carry and a state that may
+  depend on parameters, e.g. the VRNS's learned bottom vector).
+  """
+  return jax.tree_util.tree_map(
+      lambda a, b: jnp.where(first, a, lax.stop_gradient(b)), start, carried)
+
+
 def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
                  read: Callable[..., Any], params, start, carried, first,
                  xs_chunk, actions_fn: Optional[Callable[..., Any]] = None):
@@ -312,11 +324,7 @@ def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
     boundary_out is a placeholder), and this chunk's last update is left to
     the next chunk (ICLR 2023). The forward values are the same either way.
   """
-  # Values cross a chunk boundary, gradients do not; the first chunk keeps
-  # them, as its carry is the start (init_carry and a state that may depend
-  # on parameters, e.g. the VRNS's learned bottom vector).
-  ctrl, st = jax.tree_util.tree_map(
-      lambda a, b: jnp.where(first, a, lax.stop_gradient(b)), start, carried)
+  ctrl, st = chunk_start(start, carried, first)
 
   def one_step(carry, x):
     ctrl, st = carry

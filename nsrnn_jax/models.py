@@ -643,9 +643,7 @@ class LSTMLM(LanguageModel):
     return (zeros_BxH, zeros_BxH)
 
   def _stream(self, params, inputs_BxT, start, carried, first):
-    carry = jax.tree_util.tree_map(
-        lambda a, b: jnp.where(first, a, jax.lax.stop_gradient(b)), start,
-        carried)
+    carry = limited_stack.chunk_start(start, carried, first)
     carry, h_TxBxH = self._lstm_scan(params, carry, inputs_BxT)
     return jnp.swapaxes(h_TxBxH, 0, 1), carry
 
