@@ -6,7 +6,10 @@ configs' models (configs/ptb_*.py: V = 10,000 words, H = 256, B = 32,
 T = 35, D = 35), each with the controller's input as a one-hot product
 (the default) and by row lookup (`input_lookup`), compiled once and timed
 with the calls interleaved in one process, float32; also the compiled
-step's temporary memory (XLA's memory analysis). The words are random
+step's temporary memory (XLA's memory analysis). For the VRNS, a third
+variant runs the window in the log-space representation
+(`limited_vrns.initial_state(..., log_space=True)`, the stack before the
+share representation), input by lookup, to give the shares' speed-up. The words are random
 ids; the step's cost does not depend on them.
 
 Usage:
@@ -18,6 +21,8 @@ benchmarks/gpu_session.sh corpus).
 """
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
 import time
@@ -33,12 +38,25 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import ptb_lstm, ptb_rns, ptb_vrns  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import limited_vrns  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 CONFIGS = {"lstm": ptb_lstm, "rns": ptb_rns, "vrns": ptb_vrns}
 
 
-def _step(name, vocab, hidden, lookup):
+@contextlib.contextmanager
+def _log_space_window(on):
+  """While tracing: the VRNS window in log space (`log_space=True`)."""
+  original = limited_vrns.coupled_parts
+  if on:
+    limited_vrns.coupled_parts = functools.partial(original, log_space=True)
+  try:
+    yield
+  finally:
+    limited_vrns.coupled_parts = original
+
+
+def _step(name, vocab, hidden, lookup, log_space=False):
   config = CONFIGS[name].get_config()
   config.hidden_size = hidden
   config.input_lookup = lookup
@@ -49,10 +67,12 @@ def _step(name, vocab, hidden, lookup):
   batch = {"inputs": rng.integers(0, vocab, (b, t)).astype(np.int32),
            "targets": rng.integers(0, vocab, (b, t)).astype(np.int32),
            "mask": np.ones((b, t), np.float32)}
-  carry = model.apply({"params": state.params}, b,
-                      method="initial_stream_state")
-  step = jax.jit(corpus_train.train_chunk)
-  memory = step.lower(state, batch, carry).compile().memory_analysis()
+  with _log_space_window(log_space):
+    carry = model.apply({"params": state.params}, b,
+                        method="initial_stream_state")
+    compiled = jax.jit(corpus_train.train_chunk).lower(
+        state, batch, carry).compile()
+  memory = compiled.memory_analysis()
   label = {"lstm": "LSTM",
            "rns": f"RNS {config.num_states}-{config.num_stack_symbols}",
            "vrns": f"VRNS {config.num_states}-{config.num_stack_symbols}-"
@@ -61,7 +81,7 @@ def _step(name, vocab, hidden, lookup):
     label += f", D = {config.stack_window}"
   temp_mib = (None if memory is None
               else round(memory.temp_size_in_bytes / 2 ** 20, 1))
-  return label, (lambda: step(state, batch, carry)), config, temp_mib
+  return label, (lambda: compiled(state, batch, carry)), config, temp_mib
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,17 +109,19 @@ def main():
   rows = []
   for name in names:
     fns = {}
-    for lookup in (False, True):
-      label, fn, config, temp_mib = _step(name, vocab, hidden, lookup)
+    variants = [False, True] + (["log_space"] if name == "vrns" else [])
+    for variant in variants:
+      label, fn, config, temp_mib = _step(
+          name, vocab, hidden, bool(variant), variant == "log_space")
       start = time.perf_counter()
       jax.block_until_ready(fn())
-      fns[lookup] = (fn, time.perf_counter() - start, temp_mib)
-    times = {False: [], True: []}
+      fns[variant] = (fn, time.perf_counter() - start, temp_mib)
+    times = {v: [] for v in variants}
     for _ in range(args.reps):
-      for lookup in (False, True):  # interleaved
+      for variant in variants:  # interleaved
         start = time.perf_counter()
-        jax.block_until_ready(fns[lookup][0]())
-        times[lookup].append(time.perf_counter() - start)
+        jax.block_until_ready(fns[variant][0]())
+        times[variant].append(time.perf_counter() - start)
     med = {k: float(np.median(v)) for k, v in times.items()}
     row = {"model": name, "label": label, "vocab": vocab, "hidden": hidden,
            "batch": int(config.batch_size), "bptt": int(config.bptt_length),
@@ -111,9 +133,17 @@ def main():
            # XLA's temporary buffers of the compiled step (activations,
            # residuals of the backward), beside the state it reads.
            "temp_mib": {"one_hot": fns[False][2], "lookup": fns[True][2]}}
+    if "log_space" in fns:
+      row["log_space_ms"] = round(1e3 * med["log_space"], 2)
+      row["shares_speedup"] = round(med["log_space"] / med[True], 2)
+      row["first_call_s"]["log_space"] = round(fns["log_space"][1], 2)
+      row["temp_mib"]["log_space"] = fns["log_space"][2]
     rows.append(row)
     print(f"{label:>24}  one-hot {row['one_hot_ms']:9.1f} ms  lookup "
           f"{row['lookup_ms']:9.1f} ms  {row['speedup']:.2f}x", flush=True)
+    if "log_space" in fns:
+      print(f"{'':>24}  log-space window {row['log_space_ms']:9.1f} ms: "
+            f"shares {row['shares_speedup']:.2f}x faster", flush=True)
   info = machine.machine_info()
   result = {**info, "device": machine.device_label(info), "dtype": "float32",
             "reps": args.reps,

@@ -802,6 +802,19 @@ def corpus_step_block():
     lines.append(f"| {r['label']} | {_ms(r['one_hot_ms'] / 1e3)} | "
                  f"{_ms(r['lookup_ms'] / 1e3)} | {r['speedup']:.2f}× | "
                  f"{epoch} | {temp} |")
+  shares = [r for r in d["rows"] if "log_space_ms" in r]
+  if shares:
+    lines += ["", "The window's representation, measured in the same run "
+              "(input by lookup; `limited_vrns`: shares, the default, "
+              "against log space):", "",
+              "| model | log space | shares | speed-up | temporary memory, "
+              "log space / shares |", "|---|---|---|---|---|"]
+    for r in shares:
+      mem = r["temp_mib"]
+      lines.append(
+          f"| {r['label']} | {_ms(r['log_space_ms'] / 1e3)} | "
+          f"{_ms(r['lookup_ms'] / 1e3)} | {r['shares_speedup']:.2f}× | "
+          f"{mem['log_space'] / 1024:.1f} / {mem['lookup'] / 1024:.1f} GiB |")
   return "\n".join(lines) + "\n"
 
 

@@ -9,9 +9,7 @@ D ≥ T + 1 this is the unlimited stack. Cost per update O(B·D²·Q³·S²·M)
 (pop) + O(B·D·Q³·S³·M) (replace), independent of the position in the
 stream; the state is O(B·D²·Q²·S²·M), so long streams run in linear time.
 
-Recurrences (real semiring; the code works in log space with a guarded
-log-sum-exp per sum, exact for any finite log-weights, −inf allowed):
-with α_{−1} = e_{0,⊥} and γ|ζ[−1→0] the bottom element (γ one-hot at
+Recurrences (real semiring), with α_{−1} = e_{0,⊥} and γ|ζ[−1→0] the bottom element (γ one-hot at
 (0,⊥ → 0,⊥), ζ = γ ⊗ v_⊥, or v_⊥ at every (0,⊥ → r,y) with the broadcast
 bottom), update j computes column j for the rows i = j−D..j−1:
 
@@ -24,10 +22,29 @@ bottom), update j computes column j for the rows i = j−D..j−1:
 
 The bottom element is row −1 of the window (not a separate bottom row as
 in `vrns_stack`): it leaves the window after update D−1, which is when the
-limit stops ⊥ from being the top. The window shifts by one time per update
-(the oldest row and column dropped, column j appended); α is kept
-normalised (log α̂ and log Σα apart, as `limited_stack` does), so log
-weights do not grow along a long stream.
+limit stops ⊥ from being the top.
+
+Two representations, the same function (tested against each other, the
+unlimited `vrns_stack` and brute-force PDA enumeration):
+* Shares (`VectorShareState`; the run-consistent bottom, the default):
+  `limited_stack`'s ring of posterior shares H_{i,k} = α_i γ[i→k] / α_k
+  (`rns_stack`: exact for any finite log-weights) plus vector shares
+  Z_{i,k}[q,x,t,y,:] = α_i[q,x] ζ[i→k][q,x,t,y,:] / α_k[t,y] / e^σ, the
+  shares times the expected vector of the top element. Z follows H's
+  recurrence with H's kernels (its push row is H's times v_j / e^σ), so an
+  update is two linear pop matmuls and two replace mixes
+  (`rns_stack.update(..., vectors=...)`) and
+  ρ_j[r,y,:] = α̂_j[r,y] e^σ Σ_{i,q,x} Z_{i,j}[q,x,r,y,:]. The scale σ [B, M]
+  is max(0, every log v so far): stored vector shares are ≤ 1 whatever the
+  vectors (the VRNS's are sigmoids, so σ stays 0; a larger one rescales
+  the table once). Contributions below ~1e-35 e^σ (float32) flush.
+* Log space (`VectorWindowState`; needed by the broadcast bottom, whose
+  ζ[−1→0] sits on configurations that α_0 gives weight zero, where shares
+  are undefined): γ|ζ kept as log-weights with a guarded log-sum-exp per
+  sum, the window shifted by one time per update. About 10× slower at the
+  PTB size (benchmarks/limited_vrns.py).
+Both keep α normalised (log α̂ and log Σα apart), so log weights do not
+grow along a long stream.
 
 Training (truncated BPTT) uses `limited_stack.run_chunks`: chunks of
 ``truncation_length`` controller steps, values carried across chunk
@@ -43,6 +60,7 @@ Shape legend: B batch, T updates, D window, Q states, S stack symbols
 vector weight).
 """
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -50,15 +68,39 @@ import jax.numpy as jnp
 from jax import lax
 
 from nsrnn_jax import limited_stack
+from nsrnn_jax import rns_stack
 from nsrnn_jax import vrns_stack
+from nsrnn_jax.ns_stack import check_precision
+from nsrnn_jax.ns_stack import safe_log as _safe_log
 
 Array = jax.Array
 
-__all__ = ["VectorWindowState", "initial_state", "step", "reading", "run",
-           "run_coupled", "coupled_parts"]
+__all__ = ["VectorShareState", "VectorWindowState", "initial_state", "step",
+           "reading", "run", "run_coupled", "coupled_parts"]
 
 _lse = vrns_stack._lse  # pylint: disable=protected-access
 _check_window = limited_stack._check_window  # pylint: disable=protected-access
+
+
+class VectorShareState(NamedTuple):
+  """The carried stack state before update j, as shares (a pytree).
+
+  Attributes:
+    g: shares H on times j−D..j−1, [B, Y, D (column), T, D (row), Q, X],
+      a ring as in `limited_stack.WindowState`.
+    gv: vector shares Z / e^σ, [B, Y, D, T, D, Q, X, M], the same ring.
+    a_hat: normalised log α̂_{j−1}, [B, Q, S].
+    log_mass: log Σα_{j−1}, [B].
+    head: the slot of time j−1, int32 [] (D − 1 before update 1).
+    scale: σ [B, M], max(0, log v_⊥, every log v_j pushed so far); a
+      constant for differentiation.
+  """
+  g: Array
+  gv: Array
+  a_hat: Array
+  log_mass: Array
+  head: Array
+  scale: Array
 
 
 class VectorWindowState(NamedTuple):
@@ -77,9 +119,9 @@ class VectorWindowState(NamedTuple):
 
 
 def initial_state(log_bottom_vector_BxM, window, num_states, num_symbols,
-                  broadcast_bottom=False) -> VectorWindowState:
+                  broadcast_bottom=False, log_space=False):
   """The state before update 1: α_0 = α_{−1} = e_{0,⊥} and the bottom
-  element γ|ζ[−1→0] (row D−2, column D−1; absent for D = 1).
+  element γ|ζ[−1→0] (time −1 → 0; absent for D = 1).
 
   Args:
     log_bottom_vector_BxM: log v_⊥ [B, M] (−inf entries allowed).
@@ -87,8 +129,36 @@ def initial_state(log_bottom_vector_BxM, window, num_states, num_symbols,
     num_states, num_symbols: Q, S.
     broadcast_bottom: v_⊥ at every (0,⊥ → r,y) as the authors' code
       (rns-vrns-reference.md §3.3) instead of at (0,⊥ → 0,⊥) only.
+    log_space: the log-space representation also for the run-consistent
+      bottom (the reference the shares are tested and timed against).
+
+  Returns:
+    A `VectorShareState`, or with `broadcast_bottom` or `log_space` a
+    `VectorWindowState`.
   """
   _check_window(window)
+  if broadcast_bottom or log_space:
+    return _initial_log_space(log_bottom_vector_BxM, window, num_states,
+                              num_symbols, broadcast_bottom)
+  log_v = jnp.asarray(log_bottom_vector_BxM)
+  b, m = log_v.shape
+  d, dt = window, log_v.dtype
+  g = rns_stack.initial_table(b, d, num_states, num_symbols, rns_stack.FIXED,
+                              corner=d - 1, dtype=dt)
+  scale = lax.stop_gradient(jnp.maximum(log_v, 0))
+  gv = jnp.zeros(g.shape + (m,), dt)
+  if d >= 2:
+    # Z_{−1,0}[0,⊥→0,⊥] = v_⊥ (α_{−1} = α_0 = e_{0,⊥}).
+    gv = gv.at[:, 0, d - 1, 0, d - 2, 0, 0].set(jnp.exp(log_v - scale))
+  a_hat = jnp.full((b, num_states, num_symbols), -jnp.inf,
+                   dt).at[:, 0, 0].set(0)
+  return VectorShareState(g, gv, a_hat, jnp.zeros((b,), dt),
+                          jnp.asarray(d - 1, jnp.int32), scale)
+
+
+def _initial_log_space(log_bottom_vector_BxM, window, num_states,
+                       num_symbols, broadcast_bottom) -> VectorWindowState:
+  """`initial_state` of the log-space stack."""
   log_v = jnp.asarray(log_bottom_vector_BxM)
   b, m = log_v.shape
   d, q, s = window, num_states, num_symbols
@@ -111,9 +181,49 @@ def initial_reading(log_bottom_vector_BxM, num_states, num_symbols,
       log_bottom_vector_BxM, num_states, num_symbols, broadcast_bottom)[..., 1:])
 
 
-def step(state: VectorWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
-         pop_BxQxSxQ, log_vector_BxM):
-  """Update j; returns (next state, ρ_j [B, Q, S, M], log Σα_j [B])."""
+def step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
+         precision="highest"):
+  """Update j; returns (next state, ρ_j [B, Q, S, M], log Σα_j [B]).
+
+  `state` is a `VectorShareState` or a `VectorWindowState` (log space);
+  `precision` names the matmul precision of the share update's
+  contractions (`ns_stack.MATMUL_PRECISIONS`).
+  """
+  if isinstance(state, VectorWindowState):
+    return _step_log_space(state, push_BxQxSxQxS, repl_BxQxSxQxS,
+                           pop_BxQxSxQ, log_vector_BxM)
+  # σ grows to cover the new vector; the vector table is rescaled only then
+  # (never for the VRNS's sigmoid vectors).
+  scale = jnp.maximum(state.scale, lax.stop_gradient(log_vector_BxM))
+  grow = scale > state.scale
+  gv = lax.cond(
+      jnp.any(grow),
+      lambda t: t * jnp.exp(state.scale - scale)[
+          :, None, None, None, None, None, None, :],
+      lambda t: t, state.gv)
+  vec = jnp.exp(log_vector_BxM - scale)
+  col, col_v, a_hat, inc = rns_stack.update(
+      state.g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
+      pop_BxQxSxQ, precision, ring=True, vectors=(gv, vec))
+  # ρ_j = α̂_j e^σ Σ_{i,q,x} Z_{i,j} (all of column j's rows, j−D..j−1,
+  # before the oldest leaves the window).
+  sums = jnp.swapaxes(jnp.sum(col_v, axis=(3, 4, 5)), 1, 2)    # b r y M
+  rho = jnp.exp(a_hat[..., None] + _safe_log(sums) + scale[:, None, None])
+  d = state.g.shape[2]
+  head = (state.head + 1) % d
+  tables = []
+  for t, c in ((state.g, col), (gv, col_v)):
+    t = lax.dynamic_update_index_in_dim(t, c, head, axis=2)
+    tables.append(lax.dynamic_update_index_in_dim(
+        t, jnp.zeros(t.shape[:4] + t.shape[5:], t.dtype), head, axis=4))
+  log_mass = state.log_mass + inc
+  return (VectorShareState(tables[0], tables[1], a_hat, log_mass, head,
+                           scale), rho, log_mass)
+
+
+def _step_log_space(state: VectorWindowState, push_BxQxSxQxS,
+                    repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM):
+  """`step` in log space (the broadcast bottom)."""
   table, alpha = state.table, state.alpha
   d = table.shape[1]
   log_vec1 = jnp.concatenate(
@@ -170,8 +280,18 @@ def reading(rho_BxQxSxM):
   return rho_BxQxSxM.reshape(rho_BxQxSxM.shape[0], -1)
 
 
+def _state_dims(state):
+  """(window D, (B, Q, S, M)) of a carried state of either kind."""
+  if isinstance(state, VectorWindowState):
+    t = state.table.shape
+    return t[1], (t[0], t[3], t[4], t[7] - 1)
+  t = state.gv.shape
+  return t[2], (t[0], t[3], t[1], t[7])
+
+
 def run(push, repl, pop, log_vectors, log_bottom_vector, window,
-        broadcast_bottom=False, state=None):
+        broadcast_bottom=False, state=None, precision="highest",
+        log_space=False):
   """Runs T updates of given log-weights from `state` (default: initial).
 
   Args:
@@ -179,7 +299,10 @@ def run(push, repl, pop, log_vectors, log_bottom_vector, window,
       v_j [B, T, M]; log_bottom_vector: log v_⊥ [M] or [B, M].
     window: D ≥ 1.
     broadcast_bottom: see `initial_state`.
-    state: a VectorWindowState to continue from (incremental evaluation).
+    state: a state to continue from (incremental evaluation), of the kind
+      `initial_state` makes for `broadcast_bottom`.
+    precision: matmul precision name of the share update's contractions.
+    log_space: see `initial_state` (used without `state` only).
 
   Returns:
     (readings ρ [B, T+1, Q, S, M] (ρ_0 first; from `state`, ρ_0 is the
@@ -189,26 +312,31 @@ def run(push, repl, pop, log_vectors, log_bottom_vector, window,
   push, repl, pop, log_vectors = (
       jnp.asarray(a) for a in (push, repl, pop, log_vectors))
   b, _, q, s = vrns_stack._check_actions(push, repl, pop, log_vectors)  # pylint: disable=protected-access
-  log_bottom_vector = _check_bottom(q, s, log_bottom_vector, b,
-                                    log_vectors.shape[-1])
+  m = log_vectors.shape[-1]
+  log_bottom_vector = _check_bottom(q, s, log_bottom_vector, b, m)
   if state is None:
-    state = initial_state(log_bottom_vector, window, q, s, broadcast_bottom)
-  elif state.table.shape[1] != window:
-    raise ValueError(f"state has window {state.table.shape[1]}, not "
-                     f"{window}")
-  elif state.table.shape[:1] + state.table.shape[3:] != (
-      b, q, s, q, s, 1 + log_vectors.shape[-1]):
-    raise ValueError(f"state's table has shape {state.table.shape}, not "
-                     f"that of B={b}, Q={q}, S={s}, "
-                     f"M={log_vectors.shape[-1]}")
+    state = initial_state(log_bottom_vector, window, q, s, broadcast_bottom,
+                          log_space)
+  else:
+    d, dims = _state_dims(state)
+    if broadcast_bottom and not isinstance(state, VectorWindowState):
+      raise ValueError(
+          "state is a VectorShareState (the run-consistent bottom), but "
+          "broadcast_bottom=True")
+    if d != window:
+      raise ValueError(f"state has window {d}, not {window}")
+    if dims != (b, q, s, m):
+      raise ValueError(f"state has B, Q, S, M = {dims}, not that of the "
+                       f"actions ({b}, {q}, {s}, {m})")
   rho0 = initial_reading(log_bottom_vector, q, s, broadcast_bottom)
-  return _run_jit(push, repl, pop, log_vectors, state, rho0)
+  return _run_jit(push, repl, pop, log_vectors, state, rho0,
+                  check_precision(precision))
 
 
-@jax.jit
-def _run_jit(push, repl, pop, log_vectors, state, rho0):
+@functools.partial(jax.jit, static_argnums=(6,))
+def _run_jit(push, repl, pop, log_vectors, state, rho0, precision):
   def body(st, acts):
-    st, rho, lm = step(st, *acts)
+    st, rho, lm = step(st, *acts, precision=precision)
     return st, (rho, lm)
 
   xs = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop, log_vectors))
@@ -220,18 +348,19 @@ def _run_jit(push, repl, pop, log_vectors, state, rho0):
 
 
 def coupled_parts(log_bottom_vector_BxM, num_states: int, num_symbols: int,
-                  window: int, broadcast_bottom: bool = False):
+                  window: int, broadcast_bottom: bool = False,
+                  precision: str = "highest", log_space: bool = False):
   """The stack's side of `limited_stack.run_chunks` / `stream_chunk`:
   (update, read, (state0, ρ_0)). The loop carries (state, ρ_{j−1}): the
   reading the controller gets is the last update's output, so it is not
   recomputed; ``update`` returns ((state, ρ_j), (ρ_j, log Σα_j))."""
   state0 = initial_state(log_bottom_vector_BxM, window, num_states,
-                         num_symbols, broadcast_bottom)
+                         num_symbols, broadcast_bottom, log_space)
   rho0 = initial_reading(log_bottom_vector_BxM, num_states, num_symbols,
                          broadcast_bottom)
 
   def update(carried, acts):
-    st, rho, lm = step(carried[0], *acts)
+    st, rho, lm = step(carried[0], *acts, precision=precision)
     return (st, rho), (rho, lm)
 
   return update, lambda carried: reading(carried[1]), (state0, rho0)
@@ -241,7 +370,8 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                 log_bottom_vector, num_states: int, num_symbols: int,
                 window: int, broadcast_bottom: bool = False,
                 truncation_length: int = 0,
-                actions_fn: Optional[Callable[..., Any]] = None):
+                actions_fn: Optional[Callable[..., Any]] = None,
+                precision: str = "highest"):
   """Controller + limited vector stack, chunked for truncated BPTT.
 
   Args:
@@ -261,6 +391,7 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
       log_vector)`` from the carry `step_fn` returns: a chunk's last update
       is made in the next chunk from the detached carry with live `params`
       (ICLR 2023); None makes it at the chunk's end, without gradient.
+    precision: matmul precision name of the share update's contractions.
 
   Returns:
     (outs [B, T, ...], readings ρ [B, T+1, Q, S, M], log Σα [B, T+1]);
@@ -271,7 +402,8 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   log_bottom_vector = vrns_stack._check_inputs(  # pylint: disable=protected-access
       num_states, num_symbols, log_bottom_vector, b)
   update, read, (state0, rho0) = coupled_parts(
-      log_bottom_vector, num_states, num_symbols, window, broadcast_bottom)
+      log_bottom_vector, num_states, num_symbols, window, broadcast_bottom,
+      check_precision(precision))
   outs, (rho, lm) = limited_stack.run_chunks(
       step_fn, update, read, params, init_carry, (state0, rho0), xs,
       truncation_length, actions_fn)

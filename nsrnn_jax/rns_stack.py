@@ -397,7 +397,7 @@ def _column_views(prev, cs, p, ring=False):
 
 
 def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
-           pop_BxQxSxQ, prec, ring=False, residuals=False):
+           pop_BxQxSxQ, prec, ring=False, residuals=False, vectors=None):
   """The column-sized part of update j (everything but the pop matmul).
 
   Args:
@@ -406,6 +406,10 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       on the table's time axis (entries k ≥ p are ignored).
     p, a_prev_BxQxS, actions, ring: as for `update`.
     prec: lax precision of the contractions.
+    vectors: None, or (prev_v [b, z, s, i, q, x, M], v [b, M]): column j−1
+      of a vector table (`update`'s ``vectors``) and the pushed vector; its
+      replace rows and push row are then added as a last output (not with
+      `residuals`).
 
   Returns:
     (col_local [b,y,r,i,q,x] (replace rows + push row), mt [b,y,r,k,t]
@@ -483,6 +487,18 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   row = lax.dynamic_slice_in_dim(col, p, 1, axis=3)
   col = lax.dynamic_update_slice_in_dim(col, row + push_row[:, :, :, None],
                                         p, axis=3)
+  if vectors is not None:
+    # The vector table's rows follow the same kernels (they are shares
+    # times the expected vector of the top element): replace rows, then
+    # the push row times the pushed vector.
+    prev_v, vec = vectors
+    col_v = _mix_column(k_rep, prev_v.reshape((b, -1) + prev_v.shape[3:]),
+                        prec, _column_dot).reshape(
+                            (b, ny, -1) + prev_v.shape[3:])
+    row_v = lax.dynamic_slice_in_dim(col_v, p, 1, axis=3)
+    push_v = push_row[..., None] * vec[:, None, None, None, None, :]
+    col_v = lax.dynamic_update_slice_in_dim(
+        col_v, row_v + push_v[:, :, :, None], p, axis=3)
   log_z = _lse(a_j.reshape(b, -1), axis=1)                        # b
   alive = jnp.isfinite(log_z)
   a_hat = jnp.where(alive[:, None, None],
@@ -494,6 +510,8 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     kd = jnp.where(x < float(-np.log(flush) - 2.0), kern, 0)
     # One stacked array (one write per update into the scan's outputs).
     return col, mt, a_hat, log_z + m, (jnp.stack([kern, kd, sm]), w)
+  if vectors is not None:
+    return col, mt, a_hat, log_z + m, col_v
   return col, mt, a_hat, log_z + m
 
 
@@ -620,7 +638,7 @@ def _pop_matmul(g, mt, prec):
 
 
 def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
-           pop_BxQxSxQ, precision="highest", ring=False):
+           pop_BxQxSxQ, precision="highest", ring=False, vectors=None):
   """One update j on a share table.
 
   Args:
@@ -636,6 +654,11 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     precision: matmul precision name (`ns_stack.MATMUL_PRECISIONS`).
     ring: the time axis is a ring window (`limited_stack`): every column
       but p holds an earlier time, in any rotation (rows rotated alike).
+    vectors: None, or (gv [B, Y, N, T, N, Q, X, M], v [B, M]): the VRNS's
+      vector shares Z_{i,k}[q,x,t,y,:] = α_i[q,x] ζ_{i,k}[q,x,t,y,:] /
+      α_k[t,y] (`limited_vrns`) on the same time axes, and update j's
+      pushed vector. Z follows H's recurrence with H's kernels (push row
+      times v), so its new column costs one more replace mix and pop matmul.
 
   Returns:
     (col_BxYxRxNxQxX, a_hat_BxQxS, inc_B): column j on the same row axis
@@ -643,7 +666,8 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     normalised log α̂_j; and
     inc = log Σα_j − (the constant of a_prev), so that with a normalised
     a_prev, log Σα_j = log Σα_{j−1} + inc. Dead (all-zero) α_j gives
-    α̂_j = −inf and inc = −inf.
+    α̂_j = −inf and inc = −inf. With `vectors`: (col, col_v, a_hat, inc),
+    col_v [b, y, r, i, q, x, M] the vector table's column j.
 
   Why the shift m: in float32, log-weights like −1e4 or +50·j lose their
   fractional digits when added to anything; every exponent below is formed
@@ -656,6 +680,14 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   # prev[b, z, s, i, q, x] = H_{i,j−1}[q,x,s,z] (a contiguous column).
   prev = lax.dynamic_index_in_dim(g, p, axis=2, keepdims=False)
   colsum = jnp.sum(g, axis=(4, 5, 6))              # b y k t
+  if vectors is not None:
+    gv, vec = vectors
+    prev_v = lax.dynamic_index_in_dim(gv, p, axis=2, keepdims=False)
+    col, mt, a_hat, inc, col_v = _local(
+        prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
+        pop_BxQxSxQ, prec, ring, vectors=(prev_v, vec))
+    return (col + _pop_matmul(g, mt, prec), col_v + _pop_matmul(gv, mt, prec),
+            a_hat, inc)
   col, mt, a_hat, inc = _local(prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS,
                                repl_BxQxSxQxS, pop_BxQxSxQ, prec, ring)
   return col + _pop_matmul(g, mt, prec), a_hat, inc

@@ -172,7 +172,7 @@ class VRNSLM(models.PDAStackLM):
                                       (batch, self.stack_vector_size))
     return limited_vrns.coupled_parts(
         log_bottom_BxM, self.num_states, self.num_stack_symbols, self.window,
-        self.broadcast_bottom_vector)
+        self.broadcast_bottom_vector, self.matmul_precision)
 
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]
@@ -186,7 +186,7 @@ class VRNSLM(models.PDAStackLM):
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
           log_bottom_BxM, self.num_states, self.num_stack_symbols,
           self.window, self.broadcast_bottom_vector, self.truncation_length,
-          actions_fn=actions_fn)
+          actions_fn=actions_fn, precision=self.matmul_precision)
     else:
       h_BxTxH, rho, log_mass = vrns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,

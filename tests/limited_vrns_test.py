@@ -101,6 +101,79 @@ def test_incremental_runs_continue_the_stream(x64):
     limited_vrns.run(*first, np.zeros((1, 3)), window)
 
 
+@pytest.mark.parametrize("q,s,m,u,window,vec_shift", [
+    (2, 2, 2, 6, 3, 0.0),    # vectors in (0, 1): σ stays 0
+    (1, 3, 3, 7, 4, 8.0),    # vectors up to e^14: the table is rescaled
+    (2, 3, 2, 5, 2, 3.0),
+])
+def test_shares_equal_log_space_values_and_gradients(x64, q, s, m, u, window,
+                                                     vec_shift):
+  # The default share representation against the log-space one on the same
+  # (run-consistent) bottom, any vectors: values and every input's gradient.
+  rng = np.random.default_rng(u * 7 + window)
+  push, repl, pop, log_vec, log_bot = (
+      a[None] for a in _inputs(rng, u, q, s, m, 1.5, 0.15))
+  log_vec = log_vec + vec_shift * rng.normal(size=log_vec.shape)
+  log_vec[0, 2, 0] = -np.inf
+  log_bot = log_bot + vec_shift
+
+  def readings(log_space):
+    def f(*a):
+      rho, lm, st = limited_vrns.run(*a, window, log_space=log_space)
+      return rho, lm, st
+    return f
+
+  (rho_s, lm_s, st), (rho_l, lm_l, _) = (
+      readings(ls)(push, repl, pop, log_vec, log_bot) for ls in (False, True))
+  assert isinstance(st, limited_vrns.VectorShareState)
+  np.testing.assert_allclose(rho_s, rho_l, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(lm_s, lm_l, rtol=1e-10, atol=1e-12)
+  assert (np.asarray(st.scale).max() > 0) == (vec_shift > 0)
+  if u <= 6:  # and both against explicit PDA runs
+    want, _ = vrns_oracle.vector_readings(
+        *(np.exp(a[0]) for a in (push, repl, pop, log_vec, log_bot)),
+        window=window)
+    np.testing.assert_allclose(rho_s[0], want, rtol=1e-9, atol=1e-12)
+  c = rng.normal(size=rho_s.shape)
+
+  def loss(log_space):
+    def f(*a):
+      rho, lm, _ = readings(log_space)(*a)
+      return jnp.sum(c * rho / (1 + jnp.abs(rho))) + 0.1 * jnp.sum(lm)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(
+        push, repl, pop, log_vec, log_bot)
+
+  for name, g, w in zip(("push", "repl", "pop", "log_vec", "log_bot"),
+                        loss(False), loss(True)):
+    assert np.all(np.isfinite(g)), name
+    np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-10, err_msg=name)
+  # A broadcast bottom needs the log-space state.
+  with pytest.raises(ValueError, match="VectorShareState .* broadcast_bottom"):
+    limited_vrns.run(push, repl, pop, log_vec, log_bot, window, True,
+                     state=st)
+
+
+def test_shares_float32_with_large_vectors():
+  # Vectors up to ~e^40 (a float32 e^σ rescale) and unnormalised weights:
+  # float32 shares keep the float64 values to float32 precision.
+  q, s, m, u, window = 1, 3, 4, 60, 6
+  rng = np.random.default_rng(19)
+  push, repl, pop, log_vec, log_bot = (
+      a[None] for a in _inputs(rng, u, q, s, m, 2.0, 0.05))
+  log_vec = log_vec + np.linspace(0, 40, u)[None, :, None]
+  with jax.enable_x64(True):
+    want_rho, want_mass, _ = limited_vrns.run(push, repl, pop, log_vec,
+                                              log_bot, window, log_space=True)
+    want_rho, want_mass = np.asarray(want_rho), np.asarray(want_mass)
+  f32 = lambda a: np.asarray(a, np.float32)
+  rho, log_mass, st = limited_vrns.run(f32(push), f32(repl), f32(pop),
+                                       f32(log_vec), f32(log_bot), window)
+  assert rho.dtype == jnp.float32 and np.asarray(st.scale).max() > 35
+  np.testing.assert_allclose(rho, want_rho, rtol=2e-4,
+                             atol=2e-5 * np.abs(want_rho).max())
+  np.testing.assert_allclose(log_mass, want_mass, rtol=1e-5, atol=1e-4)
+
+
 def test_long_stream_float32_keeps_float64_values():
   # Unnormalised weights whose log Σα grows by ~25 nats per update: the
   # window's α is kept normalised, so float32 stays as exact as float64.
