@@ -5,13 +5,16 @@ fix, run-consistent or broadcast bottom vector) restricted to the runs in
 which an element is on top only during the D time steps after its push
 (⊥ counts as pushed at update 0, so it can be the top only at times
 0..D−1). γ[i→j] and ζ[i→j] are kept for j−D ≤ i ≤ j−1 only; with
-D ≥ T + 1 this is the unlimited stack. Cost per update O(B·D²·Q³·S²·M)
-(pop) + O(B·D·Q³·S³·M) (replace), independent of the position in the
-stream; the state is O(B·D²·Q²·S²·M), so long streams run in linear time.
+D ≥ T + 1 this is the unlimited stack. Cost per update, independent of
+the position in the stream: with shares (below) O(B·D²·Q²·S·(Q·S + M))
+(pop) + O(B·D·Q²·S²·(Q·S + M)) (replace) and a state of
+O(B·D²·Q·S·(Q·S + M)); in log space O(B·D²·Q³·S²·M) + O(B·D·Q³·S³·M)
+and O(B·D²·Q²·S²·M). Long streams run in linear time.
 
-Recurrences (real semiring), with α_{−1} = e_{0,⊥} and γ|ζ[−1→0] the bottom element (γ one-hot at
-(0,⊥ → 0,⊥), ζ = γ ⊗ v_⊥, or v_⊥ at every (0,⊥ → r,y) with the broadcast
-bottom), update j computes column j for the rows i = j−D..j−1:
+Recurrences (real semiring), with α_{−1} = e_{0,⊥} and γ|ζ[−1→0] the
+bottom element (γ one-hot at (0,⊥ → 0,⊥), ζ = γ ⊗ v_⊥, or v_⊥ at every
+(0,⊥ → r,y) with the broadcast bottom), update j computes column j for the
+rows i = j−D..j−1:
 
   γ[j−1→j] = P_j,  ζ[j−1→j] = P_j ⊗ v_j                          (push)
   γ|ζ[i→j] = Σ_{s,z} γ|ζ[i→j−1] R_j                                (replace)
@@ -31,18 +34,21 @@ unlimited `vrns_stack` and brute-force PDA enumeration):
   (`rns_stack`: exact for any finite log-weights) plus vector shares
   Z_{i,k}[q,x,t,y,:] = α_i[q,x] ζ[i→k][q,x,t,y,:] / α_k[t,y] / e^σ, the
   shares times the expected vector of the top element. Z follows H's
-  recurrence with H's kernels (its push row is H's times v_j / e^σ), so an
-  update is two linear pop matmuls and two replace mixes
-  (`rns_stack.update(..., vectors=...)`) and
-  ρ_j[r,y,:] = α̂_j[r,y] e^σ Σ_{i,q,x} Z_{i,j}[q,x,r,y,:]. The scale σ [B, M]
-  is max(0, every log v so far): stored vector shares are ≤ 1 whatever the
-  vectors (the VRNS's are sigmoids, so σ stays 0; a larger one rescales
-  the table once). Contributions below ~1e-35 e^σ (float32) flush.
+  recurrence row by row with H's kernels (its push row is H's times
+  v_j / e^σ), so any linear map of its rows commutes with the update: the
+  table keeps, per column k and cutoff time a of the window,
+  R_k^a = Σ_{i ≥ a, q, x} Z_{i,k} (Q·S times smaller than Z; dropping
+  the oldest row is dropping the oldest cutoff). An update is then two
+  pop matmuls and two replace mixes (`rns_stack.update(..., vectors=)`),
+  and ρ_j[r,y,:] = α̂_j[r,y] e^σ R_j^{j−D}[r,y,:]. The scale σ [B, M] is
+  max(0, every log v so far): stored values are ≤ 1 whatever the vectors
+  (the VRNS's are sigmoids, so σ stays 0; a larger one rescales the table
+  once). Contributions below ~1e-35 e^σ (float32) flush.
 * Log space (`VectorWindowState`; needed by the broadcast bottom, whose
   ζ[−1→0] sits on configurations that α_0 gives weight zero, where shares
   are undefined): γ|ζ kept as log-weights with a guarded log-sum-exp per
-  sum, the window shifted by one time per update. About 10× slower at the
-  PTB size (benchmarks/limited_vrns.py).
+  sum, the window shifted by one time per update. The PTB train step
+  runs 8.9× slower on it (benchmarks/corpus_step.py).
 Both keep α normalised (log α̂ and log Σα apart), so log weights do not
 grow along a long stream.
 
@@ -52,8 +58,8 @@ boundaries and gradients stopped there; the chunk's last update is made
 in the next chunk from the detached controller carry (the ICLR 2023
 boundary, which the model uses: the VRNS has the bottom fix). The first
 chunk starts from the bottom element with its gradient (a learned v_⊥
-trains). Within a chunk the gradient is autodiff of the scan,
-O(B·L·D²·Q²·S²·M) memory.
+trains). Within a chunk the gradient is autodiff of the scan: memory
+O(L) states.
 
 Shape legend: B batch, T updates, D window, Q states, S stack symbols
 (0 = ⊥), M vector size, C = 1 + M (component 0 the scalar weight, 1..M the
@@ -88,7 +94,8 @@ class VectorShareState(NamedTuple):
   Attributes:
     g: shares H on times j−D..j−1, [B, Y, D (column), T, D (row), Q, X],
       a ring as in `limited_stack.WindowState`.
-    gv: vector shares Z / e^σ, [B, Y, D, T, D, Q, X, M], the same ring.
+    gv: vector shares R_k^a / e^σ, [B, Y, D (column k), T, D (cutoff a),
+      M], the same ring on both time axes.
     a_hat: normalised log α̂_{j−1}, [B, Q, S].
     log_mass: log Σα_{j−1}, [B].
     head: the slot of time j−1, int32 [] (D − 1 before update 1).
@@ -146,10 +153,12 @@ def initial_state(log_bottom_vector_BxM, window, num_states, num_symbols,
   g = rns_stack.initial_table(b, d, num_states, num_symbols, rns_stack.FIXED,
                               corner=d - 1, dtype=dt)
   scale = lax.stop_gradient(jnp.maximum(log_v, 0))
-  gv = jnp.zeros(g.shape + (m,), dt)
+  gv = jnp.zeros(g.shape[:5] + (m,), dt)
   if d >= 2:
-    # Z_{−1,0}[0,⊥→0,⊥] = v_⊥ (α_{−1} = α_0 = e_{0,⊥}).
-    gv = gv.at[:, 0, d - 1, 0, d - 2, 0, 0].set(jnp.exp(log_v - scale))
+    # Z_{−1,0}[0,⊥→0,⊥] = v_⊥ (α_{−1} = α_0 = e_{0,⊥}): in column 0 at
+    # every cutoff ≤ −1 (times 1−D..−1, slots 0..D−2).
+    gv = gv.at[:, 0, d - 1, 0, :d - 1].set(
+        jnp.exp(log_v - scale)[:, None])
   a_hat = jnp.full((b, num_states, num_symbols), -jnp.inf,
                    dt).at[:, 0, 0].set(0)
   return VectorShareState(g, gv, a_hat, jnp.zeros((b,), dt),
@@ -199,18 +208,19 @@ def step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
   gv = lax.cond(
       jnp.any(grow),
       lambda t: t * jnp.exp(state.scale - scale)[
-          :, None, None, None, None, None, None, :],
+          :, None, None, None, None, :],
       lambda t: t, state.gv)
   vec = jnp.exp(log_vector_BxM - scale)
   col, col_v, a_hat, inc = rns_stack.update(
       state.g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
       pop_BxQxSxQ, precision, ring=True, vectors=(gv, vec))
-  # ρ_j = α̂_j e^σ Σ_{i,q,x} Z_{i,j} (all of column j's rows, j−D..j−1,
-  # before the oldest leaves the window).
-  sums = jnp.swapaxes(jnp.sum(col_v, axis=(3, 4, 5)), 1, 2)    # b r y M
-  rho = jnp.exp(a_hat[..., None] + _safe_log(sums) + scale[:, None, None])
+  # ρ_j = α̂_j e^σ R_j^{j−D}: all of column j's rows, j−D..j−1 (time j−D
+  # is the slot after the head, about to be reused for time j).
   d = state.g.shape[2]
   head = (state.head + 1) % d
+  sums = jnp.swapaxes(lax.dynamic_index_in_dim(col_v, head, axis=3,
+                                               keepdims=False), 1, 2)
+  rho = jnp.exp(a_hat[..., None] + _safe_log(sums) + scale[:, None, None])
   tables = []
   for t, c in ((state.g, col), (gv, col_v)):
     t = lax.dynamic_update_index_in_dim(t, c, head, axis=2)
@@ -286,7 +296,7 @@ def _state_dims(state):
     t = state.table.shape
     return t[1], (t[0], t[3], t[4], t[7] - 1)
   t = state.gv.shape
-  return t[2], (t[0], t[3], t[1], t[7])
+  return t[2], (t[0], t[3], t[1], t[5])
 
 
 def run(push, repl, pop, log_vectors, log_bottom_vector, window,

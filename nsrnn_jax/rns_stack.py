@@ -406,9 +406,9 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       on the table's time axis (entries k ≥ p are ignored).
     p, a_prev_BxQxS, actions, ring: as for `update`.
     prec: lax precision of the contractions.
-    vectors: None, or (prev_v [b, z, s, i, q, x, M], v [b, M]): column j−1
-      of a vector table (`update`'s ``vectors``) and the pushed vector; its
-      replace rows and push row are then added as a last output (not with
+    vectors: None, or (prev_v [b, z, s, A, M], v [b, M]): column j−1 of a
+      vector table in the cutoff basis (`update`'s ``vectors``) and the
+      pushed vector; its column j is then added as a last output (not with
       `residuals`).
 
   Returns:
@@ -488,17 +488,15 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   col = lax.dynamic_update_slice_in_dim(col, row + push_row[:, :, :, None],
                                         p, axis=3)
   if vectors is not None:
-    # The vector table's rows follow the same kernels (they are shares
-    # times the expected vector of the top element): replace rows, then
-    # the push row times the pushed vector.
+    # The vector table follows the same kernels (see `update`): its
+    # replace mix, then the push row summed over (q, x) times the pushed
+    # vector, at every cutoff (all are ≤ j−1, the push row's time).
     prev_v, vec = vectors
     col_v = _mix_column(k_rep, prev_v.reshape((b, -1) + prev_v.shape[3:]),
                         prec, _column_dot).reshape(
                             (b, ny, -1) + prev_v.shape[3:])
-    row_v = lax.dynamic_slice_in_dim(col_v, p, 1, axis=3)
-    push_v = push_row[..., None] * vec[:, None, None, None, None, :]
-    col_v = lax.dynamic_update_slice_in_dim(
-        col_v, row_v + push_v[:, :, :, None], p, axis=3)
+    push_v = jnp.sum(push_row, axis=(3, 4))[..., None] * vec[:, None, None]
+    col_v = col_v + push_v[:, :, :, None]
   log_z = _lse(a_j.reshape(b, -1), axis=1)                        # b
   alive = jnp.isfinite(log_z)
   a_hat = jnp.where(alive[:, None, None],
@@ -654,11 +652,15 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     precision: matmul precision name (`ns_stack.MATMUL_PRECISIONS`).
     ring: the time axis is a ring window (`limited_stack`): every column
       but p holds an earlier time, in any rotation (rows rotated alike).
-    vectors: None, or (gv [B, Y, N, T, N, Q, X, M], v [B, M]): the VRNS's
-      vector shares Z_{i,k}[q,x,t,y,:] = α_i[q,x] ζ_{i,k}[q,x,t,y,:] /
-      α_k[t,y] (`limited_vrns`) on the same time axes, and update j's
-      pushed vector. Z follows H's recurrence with H's kernels (push row
-      times v), so its new column costs one more replace mix and pop matmul.
+    vectors: None, or (gv [B, Y, N, T, A, M], v [B, M]): the VRNS's vector
+      shares (`limited_vrns`) and update j's pushed vector, with `ring`.
+      The vector shares Z_{i,k}[q,x,t,y,:] = α_i[q,x] ζ_{i,k}[q,x,t,y,:] /
+      α_k[t,y] follow H's recurrence with H's kernels row by row (the push
+      row times v), so any linear map of the rows commutes with the update:
+      gv holds them summed over (q, x) and over the rows i ≥ a of each
+      cutoff time a on the window's time axis (A = N slots), all that the
+      reading and the window's row limit need, Q·S times smaller than Z.
+      Its new column costs one more replace mix and pop matmul.
 
   Returns:
     (col_BxYxRxNxQxX, a_hat_BxQxS, inc_B): column j on the same row axis
@@ -667,7 +669,7 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     inc = log Σα_j − (the constant of a_prev), so that with a normalised
     a_prev, log Σα_j = log Σα_{j−1} + inc. Dead (all-zero) α_j gives
     α̂_j = −inf and inc = −inf. With `vectors`: (col, col_v, a_hat, inc),
-    col_v [b, y, r, i, q, x, M] the vector table's column j.
+    col_v [b, y, r, A, M] the vector table's column j.
 
   Why the shift m: in float32, log-weights like −1e4 or +50·j lose their
   fractional digits when added to anything; every exponent below is formed
