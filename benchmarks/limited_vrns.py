@@ -2,7 +2,8 @@
 
 For B = 10 and Q-S-m = 2-3-3 (the ICLR 2023 paper's largest VRNS), it times
 forward and forward+backward passes of `limited_vrns.run` (window D, plain
-autodiff of its scan) at string lengths n (T = n − 1 updates) and of
+autodiff of its scan; the default share representation and, as
+"log space", `log_space=True`) at string lengths n (T = n − 1 updates) and of
 `vrns_stack.run` (unlimited, O(n²·m) custom VJP) at the shorter lengths, all
 in one process with the calls interleaved per length, and reports the time
 per update: constant in n for the window (linear time), growing with n
@@ -86,8 +87,10 @@ def main():
     windows, lengths, unlimited_upto = (10, 35), (40, 80, 160, 320), 80
   rows = []
   for n in lengths:
-    variants = [(f"limited D={d}", lambda *a, d=d: limited_vrns.run(
-        *a[:4], a[4], d)) for d in windows]
+    variants = [(f"limited D={d}{', log space' if ls else ''}",
+                 lambda *a, d=d, ls=ls: limited_vrns.run(
+                     *a[:4], a[4], d, log_space=ls))
+                for d in windows for ls in (False, True)]
     if n <= unlimited_upto:
       variants.append(("unlimited", vrns_stack.run))
     fns = {name: _fns(run, args.batch, n - 1) for name, run in variants}
