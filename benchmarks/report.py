@@ -900,11 +900,32 @@ def concurrent_steps_block():
   return "\n".join(out) + "\n"
 
 
+def huge_pages_block():
+  """Train steps with and without transparent huge pages (one table)."""
+  name = "huge_pages.json"
+  d = _load(name)
+  if d is None:
+    return f"No `{name}` yet.\n"
+  lines = [f"`benchmarks/huge_pages.py` (`{name}`, {_device(d)}, "
+           f"transparent huge pages `{d['thp_enabled']}`, {d['dtype']}; "
+           f"{d['pairs']} children of {d['steps']} steps per setting; "
+           f"{d['note']}):", "",
+           "| workload | plain | `glibc.malloc.hugetlb=1` | speed-up | minor "
+           "page faults per step |", "|---|---|---|---|---|"]
+  for r in d["rows"]:
+    lines.append(
+        f"| {r['label']} | {_ms(r['plain_ms'] / 1e3)} | "
+        f"{_ms(r['huge_pages_ms'] / 1e3)} | {r['speedup']:.2f}× | "
+        f"{r['plain_faults_per_step']:,.0f} → "
+        f"{r['huge_pages_faults_per_step']:,.0f} |")
+  return "\n".join(lines) + "\n"
+
+
 BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
           "vrns": vrns_block, "limited_vrns": limited_vrns_block,
           "reproduce_workers": reproduce_workers_block,
           "concurrent_steps": concurrent_steps_block,
-          "corpus_step": corpus_step_block}
+          "corpus_step": corpus_step_block, "huge_pages": huge_pages_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
                        "rns_vs_ns": rns_vs_ns_block}

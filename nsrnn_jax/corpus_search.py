@@ -174,6 +174,7 @@ if __name__ == "__main__":
   from absl import flags as _flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  cli.reexec_with_huge_pages()
   config_flags.DEFINE_config_file(
       "config", None, "Corpus configuration (configs/ptb_*.py).",
       lock_config=True)

@@ -42,6 +42,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  if _CONFIG.value.get("task") == "corpus":
+    # Corpus steps allocate hundreds of MiB of temporaries per call.
+    cli.reexec_with_huge_pages()
   # Must precede any device use: the backend is fixed at first touch.
   parallel.use_cpu_devices(_CPU_DEVICES.value)
   cli.use_compilation_cache(_COMPILATION_CACHE.value)

@@ -34,3 +34,44 @@ def test_compilation_cache_is_set_off_or_left_to_the_environment(
       tmp_path / "env")
   assert jax.config.values["jax_compilation_cache_dir"] == path
 
+
+
+def _restarted_env(extra_env):
+  """GLIBC_TUNABLES as a restarted `python -c` program sees it, and how
+  many times the program's first line ran (1 without a restart)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("GLIBC_TUNABLES", cli.HUGE_PAGES_ENV)}
+  env.update(extra_env)
+  code = ("import sys; print('start', flush=True); "
+          "from nsrnn_jax import cli; cli.reexec_with_huge_pages(); "
+          "import os; print(os.environ.get('GLIBC_TUNABLES'))")
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True).stdout.split()
+  return out[-1], out.count("start")
+
+
+def test_commands_restart_once_with_huge_pages_where_it_helps(monkeypatch):
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  monkeypatch.delenv(cli.HUGE_PAGES_ENV, raising=False)
+  if cli.huge_pages_argv() is None:
+    pytest.skip("not Linux with glibc >= 2.35 and transparent huge pages")
+  # Restarted once, with the tunable; a process that has it (or any
+  # GLIBC_TUNABLES, or NSRNN_JAX_HUGE_PAGES=0) goes on as it is.
+  assert _restarted_env({}) == (cli.HUGE_PAGES_TUNABLE, 2)
+  assert _restarted_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == (
+      "glibc.malloc.arena_max=2", 1)
+  assert _restarted_env({cli.HUGE_PAGES_ENV: "0"}) == ("None", 1)
+  monkeypatch.setenv("GLIBC_TUNABLES", cli.HUGE_PAGES_TUNABLE)
+  assert cli.huge_pages_argv() is None
+
+
+def test_no_restart_off_linux(monkeypatch):
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  monkeypatch.setattr(cli.sys, "platform", "darwin")
+  assert cli.huge_pages_argv() is None
+  monkeypatch.setattr(cli.sys, "platform", "linux")
+  monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("glibc", "2.31"))
+  assert cli.huge_pages_argv() is None
