@@ -682,17 +682,19 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   # prev[b, z, s, i, q, x] = H_{i,j−1}[q,x,s,z] (a contiguous column).
   prev = lax.dynamic_index_in_dim(g, p, axis=2, keepdims=False)
   colsum = jnp.sum(g, axis=(4, 5, 6))              # b y k t
+  local_vectors = None
   if vectors is not None:
     gv, vec = vectors
-    prev_v = lax.dynamic_index_in_dim(gv, p, axis=2, keepdims=False)
-    col, mt, a_hat, inc, col_v = _local(
-        prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
-        pop_BxQxSxQ, prec, ring, vectors=(prev_v, vec))
-    return (col + _pop_matmul(g, mt, prec), col_v + _pop_matmul(gv, mt, prec),
-            a_hat, inc)
-  col, mt, a_hat, inc = _local(prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS,
-                               repl_BxQxSxQxS, pop_BxQxSxQ, prec, ring)
-  return col + _pop_matmul(g, mt, prec), a_hat, inc
+    local_vectors = (lax.dynamic_index_in_dim(gv, p, axis=2, keepdims=False),
+                     vec)
+  parts = _local(prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS,
+                 repl_BxQxSxQxS, pop_BxQxSxQ, prec, ring,
+                 vectors=local_vectors)
+  col, mt, a_hat, inc = parts[:4]
+  col = col + _pop_matmul(g, mt, prec)
+  if vectors is None:
+    return col, a_hat, inc
+  return col, parts[4] + _pop_matmul(gv, mt, prec), a_hat, inc
 
 
 # ---------------------------------------------------------------------------
