@@ -9,7 +9,9 @@ with the calls interleaved in one process, float32; also the compiled
 step's temporary memory (XLA's memory analysis). For the VRNS, a third
 variant runs the window in the log-space representation
 (`limited_vrns.initial_state(..., log_space=True)`, the stack before the
-share representation), input by lookup, to give the shares' speed-up. The words are random
+share representation), input by lookup, to give the shares' speed-up; for
+the RNS and the VRNS, "sliced" reads the input by lookup with the input
+matrix sliced inside the time loop, as before `models.split_input_matrix`. The words are random
 ids; the step's cost does not depend on them.
 
 Usage:
@@ -45,18 +47,22 @@ CONFIGS = {"lstm": ptb_lstm, "rns": ptb_rns, "vrns": ptb_vrns}
 
 
 @contextlib.contextmanager
-def _log_space_window(on):
-  """While tracing: the VRNS window in log space (`log_space=True`)."""
-  original = limited_vrns.coupled_parts
-  if on:
-    limited_vrns.coupled_parts = functools.partial(original, log_space=True)
+def _tracing_as_before(log_space, sliced):
+  """While tracing: the VRNS window in log space (`log_space=True`), and/or
+  the input matrix sliced in the loop (`split_input_matrix` a no-op)."""
+  originals = (limited_vrns.coupled_parts, models.split_input_matrix)
+  if log_space:
+    limited_vrns.coupled_parts = functools.partial(originals[0],
+                                                   log_space=True)
+  if sliced:
+    models.split_input_matrix = lambda params, vocab_size: params
   try:
     yield
   finally:
-    limited_vrns.coupled_parts = original
+    limited_vrns.coupled_parts, models.split_input_matrix = originals
 
 
-def _step(name, vocab, hidden, lookup, log_space=False):
+def _step(name, vocab, hidden, lookup, log_space=False, sliced=False):
   config = CONFIGS[name].get_config()
   config.hidden_size = hidden
   config.input_lookup = lookup
@@ -67,7 +73,7 @@ def _step(name, vocab, hidden, lookup, log_space=False):
   batch = {"inputs": rng.integers(0, vocab, (b, t)).astype(np.int32),
            "targets": rng.integers(0, vocab, (b, t)).astype(np.int32),
            "mask": np.ones((b, t), np.float32)}
-  with _log_space_window(log_space):
+  with _tracing_as_before(log_space, sliced):
     carry = model.apply({"params": state.params}, b,
                         method="initial_stream_state")
     compiled = jax.jit(corpus_train.train_chunk).lower(
@@ -109,10 +115,12 @@ def main():
   rows = []
   for name in names:
     fns = {}
-    variants = [False, True] + (["log_space"] if name == "vrns" else [])
+    variants = ([False, True] + (["sliced"] if name != "lstm" else [])
+                + (["log_space"] if name == "vrns" else []))
     for variant in variants:
       label, fn, config, temp_mib = _step(
-          name, vocab, hidden, bool(variant), variant == "log_space")
+          name, vocab, hidden, bool(variant), variant == "log_space",
+          variant == "sliced")
       start = time.perf_counter()
       jax.block_until_ready(fn())
       fns[variant] = (fn, time.perf_counter() - start, temp_mib)
@@ -133,6 +141,11 @@ def main():
            # XLA's temporary buffers of the compiled step (activations,
            # residuals of the backward), beside the state it reads.
            "temp_mib": {"one_hot": fns[False][2], "lookup": fns[True][2]}}
+    if "sliced" in fns:
+      row["sliced_ms"] = round(1e3 * med["sliced"], 2)
+      row["split_speedup"] = round(med["sliced"] / med[True], 2)
+      row["first_call_s"]["sliced"] = round(fns["sliced"][1], 2)
+      row["temp_mib"]["sliced"] = fns["sliced"][2]
     if "log_space" in fns:
       row["log_space_ms"] = round(1e3 * med["log_space"], 2)
       row["shares_speedup"] = round(med["log_space"] / med[True], 2)
@@ -141,6 +154,10 @@ def main():
     rows.append(row)
     print(f"{label:>24}  one-hot {row['one_hot_ms']:9.1f} ms  lookup "
           f"{row['lookup_ms']:9.1f} ms  {row['speedup']:.2f}x", flush=True)
+    if "sliced" in fns:
+      print(f"{'':>24}  input matrix sliced in the loop "
+            f"{row['sliced_ms']:9.1f} ms: split {row['split_speedup']:.2f}x "
+            "faster", flush=True)
     if "log_space" in fns:
       print(f"{'':>24}  log-space window {row['log_space_ms']:9.1f} ms: "
             f"shares {row['shares_speedup']:.2f}x faster", flush=True)

@@ -802,6 +802,16 @@ def corpus_step_block():
     lines.append(f"| {r['label']} | {_ms(r['one_hot_ms'] / 1e3)} | "
                  f"{_ms(r['lookup_ms'] / 1e3)} | {r['speedup']:.2f}× | "
                  f"{epoch} | {temp} |")
+  split = [r for r in d["rows"] if "sliced_ms" in r]
+  if split:
+    lines += ["", "The input matrix split before the time loop "
+              "(`models.split_input_matrix`), measured in the same run "
+              "(input by lookup):", "",
+              "| model | sliced in the loop | split | speed-up |",
+              "|---|---|---|---|"]
+    for r in split:
+      lines.append(f"| {r['label']} | {_ms(r['sliced_ms'] / 1e3)} | "
+                   f"{_ms(r['lookup_ms'] / 1e3)} | {r['split_speedup']:.2f}× |")
   shares = [r for r in d["rows"] if "log_space_ms" in r]
   if shares:
     lines += ["", "The window's representation, measured in the same run "

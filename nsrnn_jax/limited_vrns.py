@@ -48,7 +48,7 @@ unlimited `vrns_stack` and brute-force PDA enumeration):
   ζ[−1→0] sits on configurations that α_0 gives weight zero, where shares
   are undefined): γ|ζ kept as log-weights with a guarded log-sum-exp per
   sum, the window shifted by one time per update. The PTB train step
-  runs 8.9× slower on it (benchmarks/corpus_step.py).
+  runs 8.9-11× slower on it (benchmarks/corpus_step.py).
 Both keep α normalised (log α̂ and log Σα apart), so log weights do not
 grow along a long stream.
 

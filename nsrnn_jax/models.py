@@ -171,20 +171,42 @@ def lstm_step_ids(params: Params, carry: Carry, ids_B: jax.Array,
 
   The one-hot product picks row ``ids`` of ``w_ih[:V]``; gathering it
   instead costs B·4H rather than B·V·4H per step (LSTM-256 train step at
-  PTB size, V = 10k, 3.2x faster on CPU: benchmarks/corpus_step.py, README
+  PTB size, V = 10k, 3.2-5.5x faster on CPU: benchmarks/corpus_step.py, README
   "Corpus language modelling"). Same values up to the order of the float
   additions. Its
   gradient is a scatter-add, whose summation order GPUs do not fix, so the
   one-hot product stays the default (``input_lookup``).
   """
   h_BxH, c_BxH = carry
-  w_ih = params['w_ih']
-  gates_Bx4H = (jnp.take(w_ih[:vocab_size], ids_B, axis=0)
+  if 'w_ih_vocab' in params:                   # split_input_matrix
+    w_vocab, w_extra = params['w_ih_vocab'], params['w_ih_extra']
+  else:
+    w_vocab, w_extra = (params['w_ih'][:vocab_size],
+                        params['w_ih'][vocab_size:])
+  gates_Bx4H = (jnp.take(w_vocab, ids_B, axis=0)
                 + _mm(jnp.concatenate([extra_BxR, h_BxH], axis=-1),
-                      jnp.concatenate([w_ih[vocab_size:], params['w_hh']],
-                                      axis=0), precision)
+                      jnp.concatenate([w_extra, params['w_hh']], axis=0),
+                      precision)
                 + (params['b_ih'] + params['b_hh']))
   return _lstm_cell(gates_Bx4H, c_BxH)
+
+
+def split_input_matrix(params: Params, vocab_size: int) -> Params:
+  """LSTM params with ``w_ih`` as ``w_ih_vocab`` (its first V rows) and
+  ``w_ih_extra`` (the rest: the stack reading's rows), for
+  ``lstm_step_ids`` inside a time loop.
+
+  Split once outside the loop, each part's cotangent accumulates in place;
+  sliced at every step, autodiff pads each step's cotangent of a slice to
+  the whole [V + R, 4H] matrix and adds it (PTB size: 40 MB zeroed and
+  added twice per step; PTB train steps of the RNS-RNN 2-3 and the VRNS-RNN
+  1-5-20 1.11x and 1.36x faster: benchmarks/corpus_step.py). Same values.
+  """
+  params = dict(params)
+  w_ih = params.pop('w_ih')
+  params['w_ih_vocab'], params['w_ih_extra'] = (w_ih[:vocab_size],
+                                                w_ih[vocab_size:])
+  return params
 
 
 def _lstm_cell(gates_Bx4H, c_BxH):
@@ -1110,8 +1132,10 @@ class RNSLM(PDAStackLM):
         rns_controller_step, vocab_size=self.vocab_size, num_states=q,
         num_symbols=s, normalize=self.normalize,
         precision=self.matmul_precision, input_lookup=self.input_lookup)
-    step_params = {'controller': params['controller'],
-                   'action': params['action']}
+    controller = params['controller']
+    if self.input_lookup:
+      controller = split_input_matrix(controller, self.vocab_size)
+    step_params = {'controller': controller, 'action': params['action']}
     # Truncated BPTT's boundary as in the tag of the bottom
     # (rns-vrns-reference.md section 2.2): with the ICLR 2023 fix, every
     # update trains the action layer, a chunk's last one in the next chunk

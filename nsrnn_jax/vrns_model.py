@@ -159,8 +159,10 @@ class VRNSLM(models.PDAStackLM):
         vrns_controller_step, vocab_size=self.vocab_size,
         num_states=self.num_states, num_symbols=self.num_stack_symbols,
         precision=self.matmul_precision, input_lookup=self.input_lookup)
-    step_params = {'controller': params['controller'],
-                   'action': params['action'],
+    controller = params['controller']
+    if self.input_lookup:
+      controller = models.split_input_matrix(controller, self.vocab_size)
+    step_params = {'controller': controller, 'action': params['action'],
                    'push_vector': params['push_vector']}
     actions_fn = functools.partial(
         vrns_stack_inputs, num_states=self.num_states,
