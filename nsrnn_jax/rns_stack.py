@@ -684,6 +684,10 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   colsum = jnp.sum(g, axis=(4, 5, 6))              # b y k t
   local_vectors = None
   if vectors is not None:
+    if not ring:
+      # The push row lands at every cutoff: all must be times ≤ j−1.
+      raise ValueError("rns_stack.update: vectors need ring=True (a "
+                       "window's time axis)")
     gv, vec = vectors
     local_vectors = (lax.dynamic_index_in_dim(gv, p, axis=2, keepdims=False),
                      vec)
