@@ -151,6 +151,10 @@ def test_shares_equal_log_space_values_and_gradients(x64, q, s, m, u, window,
   with pytest.raises(ValueError, match="VectorShareState .* broadcast_bottom"):
     limited_vrns.run(push, repl, pop, log_vec, log_bot, window, True,
                      state=st)
+  # The cutoff basis is a window's: a table in time order is refused.
+  with pytest.raises(ValueError, match="vectors need ring=True"):
+    models.rns_stack.update(st.g, st.head, st.a_hat, push[:, 0], repl[:, 0],
+                            pop[:, 0], vectors=(st.gv, np.exp(log_vec[:, 0])))
 
 
 def test_shares_float32_with_large_vectors():
