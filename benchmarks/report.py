@@ -779,6 +779,28 @@ def limited_vrns_block():
   return "\n".join(lines) + "\n"
 
 
+def _against_lookup(d, key, speedup_key, intro, variant, default,
+                    memory=False):
+  """Lines of a table of the corpus step's `key` variant against the
+  default lookup step, from the rows that have it ([] if none)."""
+  rows = [r for r in d["rows"] if f"{key}_ms" in r]
+  if not rows:
+    return []
+  head, sep = f"| model | {variant} | {default} | speed-up |", "|---" * 4
+  if memory:
+    head += f" temporary memory, {variant} / {default} |"
+    sep += "|---"
+  lines = ["", intro, "", head, sep + "|"]
+  for r in rows:
+    line = (f"| {r['label']} | {_ms(r[key + '_ms'] / 1e3)} | "
+            f"{_ms(r['lookup_ms'] / 1e3)} | {r[speedup_key]:.2f}× |")
+    if memory:
+      mem = r["temp_mib"]
+      line += (f" {mem[key] / 1024:.1f} / {mem['lookup'] / 1024:.1f} GiB |")
+    lines.append(line)
+  return lines
+
+
 def corpus_step_block():
   """Corpus train step at PTB size, one-hot input vs lookup (one table)."""
   name = "corpus_step.json"
@@ -802,29 +824,15 @@ def corpus_step_block():
     lines.append(f"| {r['label']} | {_ms(r['one_hot_ms'] / 1e3)} | "
                  f"{_ms(r['lookup_ms'] / 1e3)} | {r['speedup']:.2f}× | "
                  f"{epoch} | {temp} |")
-  split = [r for r in d["rows"] if "sliced_ms" in r]
-  if split:
-    lines += ["", "The input matrix split before the time loop "
-              "(`models.split_input_matrix`), measured in the same run "
-              "(input by lookup):", "",
-              "| model | sliced in the loop | split | speed-up |",
-              "|---|---|---|---|"]
-    for r in split:
-      lines.append(f"| {r['label']} | {_ms(r['sliced_ms'] / 1e3)} | "
-                   f"{_ms(r['lookup_ms'] / 1e3)} | {r['split_speedup']:.2f}× |")
-  shares = [r for r in d["rows"] if "log_space_ms" in r]
-  if shares:
-    lines += ["", "The window's representation, measured in the same run "
-              "(input by lookup; `limited_vrns`: shares, the default, "
-              "against log space):", "",
-              "| model | log space | shares | speed-up | temporary memory, "
-              "log space / shares |", "|---|---|---|---|---|"]
-    for r in shares:
-      mem = r["temp_mib"]
-      lines.append(
-          f"| {r['label']} | {_ms(r['log_space_ms'] / 1e3)} | "
-          f"{_ms(r['lookup_ms'] / 1e3)} | {r['shares_speedup']:.2f}× | "
-          f"{mem['log_space'] / 1024:.1f} / {mem['lookup'] / 1024:.1f} GiB |")
+  lines += _against_lookup(
+      d, "sliced", "split_speedup", "The input matrix split before the "
+      "time loop (`models.split_input_matrix`), measured in the same run "
+      "(input by lookup):", "sliced in the loop", "split")
+  lines += _against_lookup(
+      d, "log_space", "shares_speedup", "The window's representation, "
+      "measured in the same run (input by lookup; `limited_vrns`: shares, "
+      "the default, against log space):", "log space", "shares",
+      memory=True)
   return "\n".join(lines) + "\n"
 
 
