@@ -720,12 +720,15 @@ def vrns_block():
     out += ["`benchmarks/vrns_stack.py --quick` (`vrns_stack_quick.json`, "
             f"{quick['device']}, {quick['dtype']}, batch "
             f"{quick['rows'][0]['batch']}, Q-S = {quick['rows'][0]['Q']}-"
-            f"{quick['rows'][0]['S']}; {quick['note']}; before the blocked "
-            "layout below):", "",
+            f"{quick['rows'][0]['S']}; {quick['note']}"
+            # Files without "machine" predate the blocked log-space layout.
+            + ("" if "machine" in quick
+               else "; before the blocked layout below") + "):", "",
             "| n | stack | fwd | fwd+bwd | XLA gradient temp |",
             "|---|---|---|---|---|"]
     for r in quick["rows"]:
       label = {"vrns": f"VRNS m={r['m']}", "vrns_m1": "VRNS m=1",
+               "vrns_log_space": f"VRNS m={r['m']}, log space",
                "ns": "NS"}[r["variant"]]
       out.append(f"| {r['n']} | {label} | {_ms(r['fwd_ms'] / 1e3)} | "
                  f"{_ms(r['fwd_bwd_ms'] / 1e3)} | "
@@ -747,7 +750,8 @@ def vrns_block():
           f"{_ms(med[('vrns', p)] / 1e3)} | "
           f"{ra['before_over_after_' + p]:.1f}× | "
           f"{_ms(med[('rns', p)] / 1e3)} | {_ms(med[('ns', p)] / 1e3)} | "
-          f"{ra['vrns_over_rns_' + p]:.0f}× | {ra['vrns_over_ns_' + p]:.0f}× |")
+          f"{ra['vrns_over_rns_' + p]:.3g}× | "
+          f"{ra['vrns_over_ns_' + p]:.3g}× |")
   if not out:
     return "No VRNS benchmark results yet.\n"
   return "\n".join(out).rstrip() + "\n"
@@ -765,8 +769,11 @@ def limited_vrns_block():
   lines = [f"`benchmarks/limited_vrns.py` (`{name}`, {_device(d)}, B = "
            f"{d['batch']}, Q-S-m = {d['Q']}-{d['S']}-{d['m']}, {d['dtype']}; "
            f"median of {d['reps']} calls, {d['note']}; time per update, "
-           "forward / forward+backward; the unlimited stack only at the "
-           "shorter lengths):", "",
+           "forward / forward+backward"
+           + ("" if any(r["variant"] == "unlimited, log space"
+                        for r in d["rows"])
+              else "; the unlimited stack only at the shorter lengths")
+           + "):", "",
            "| n | " + " | ".join(variants) + " |",
            "|---" * (len(variants) + 1) + "|"]
   for n in lengths:

@@ -4,8 +4,11 @@ For B=10, (Q, S, m) in the paper's VRNS sizes (1-1-3, 2-1-3, 2-3-3) and
 string lengths n (T = n - 1 updates), it measures in one process, with the
 variants interleaved per configuration:
 
-* `vrns`: forward time and forward+backward time of `vrns_stack.run` (custom
-  VJP, O(n²·m) memory), median of a few jitted calls;
+* `vrns`: forward time and forward+backward time of `vrns_stack.run` (the
+  default: `rns_stack.run_coupled_vectors`'s share sweep, O(n²) memory
+  custom VJP), median of a few jitted calls;
+* `vrns_log_space`: the same stack on the log-space tables
+  (`log_space=True`, the reference and the broadcast bottom's path);
 * `vrns_m1`: the same with m = 1 (the cost of the scalar stack inside the
   VRNS; the RNS-RNN's state readings, `vrns_stack` with a constant vector);
 * `ns`: `ns_stack.run` (the CoNLL 2020 NS stack, normalised actions,
@@ -63,16 +66,19 @@ def _inputs(b, t, q, s, m, seed=0):
           jax.nn.log_sigmoid(f(b, t, m)), jax.nn.log_sigmoid(f(m)))
 
 
-def _vrns_fns(b, t, q, s, m, module=vrns_stack):
+def _vrns_fns(b, t, q, s, m, module=vrns_stack, log_space=False):
   args = _inputs(b, t, q, s, m)
   c = jnp.asarray(np.random.default_rng(1).normal(size=(b, t + 1, q, s, m)),
                   jnp.float32)
+  run = module.run
+  if log_space:
+    run = lambda *a: module.run(*a, log_space=True)
 
   def loss(*a):
-    rho, log_mass = module.run(*a)
+    rho, log_mass = run(*a)
     return jnp.sum(c * rho) + 0.1 * jnp.sum(log_mass)
 
-  fwd = jax.jit(module.run)
+  fwd = jax.jit(run)
   grad = jax.jit(jax.grad(loss, argnums=tuple(range(5))))
   return fwd, grad, args
 
@@ -176,12 +182,14 @@ def compare(args):
     ratios[f"vrns_over_ns_{kind}"] = round(get("vrns") / get("ns"), 2)
   print("ratios of medians:", ratios)
   load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-  out = {"device": jax.devices()[0].device_kind, "platform": platform.node(),
+  info = machine.machine_info()
+  out = {"device": machine.device_label(info), "machine": info,
+         "platform": platform.node(),
          "jax": jax.__version__, "dtype": "float32", "batch": b, "n": n,
          "Q": q, "S": s, "m": m, "before": args.before, "reps": args.reps,
          "load_average_1min": load,
-         "note": "CPU shared with other jobs; calls interleaved in one "
-                 "process, compare ratios", "rows": rows, "ratios": ratios}
+         "note": f"{args.note}; calls interleaved in one process, compare "
+                 "ratios", "rows": rows, "ratios": ratios}
   path = os.path.join(_ROOT, "benchmarks", "results", "vrns_stack_speed.json")
   with open(path, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=2)
@@ -198,6 +206,8 @@ def main():
                       help="before/after + RNS + NS at one size")
   parser.add_argument("--before", default=None,
                       help="git revision of the 'before' vrns_stack.py")
+  parser.add_argument("--note", default="CPU shared with other jobs",
+                      help="how the machine was used, saved in the JSON")
   parser.add_argument("--length", type=int, default=80,
                       help="string length n of --compare (T = n - 1)")
   args = parser.parse_args()
@@ -213,6 +223,8 @@ def main():
     for n in lengths:
       t = n - 1
       variants = [("vrns", _vrns_fns(args.batch, t, q, s, m)),
+                  ("vrns_log_space", _vrns_fns(args.batch, t, q, s, m,
+                                               log_space=True)),
                   ("vrns_m1", _vrns_fns(args.batch, t, q, s, 1)),
                   ("ns", _ns_fns(args.batch, t, q, s))]
       for name, (fwd, grad, fargs) in variants:
@@ -221,18 +233,20 @@ def main():
                                                 repeats=args.reps)
         temp = grad.lower(*fargs).compile().memory_analysis()
         temp_mib = temp.temp_size_in_bytes / 2**20
-        row = {"Q": q, "S": s, "m": m if name == "vrns" else (
-            1 if name == "vrns_m1" else None), "n": n, "variant": name,
+        row = {"Q": q, "S": s, "m": m if name.startswith("vrns_l") or
+               name == "vrns" else (1 if name == "vrns_m1" else None),
+               "n": n, "variant": name,
                "batch": args.batch, "fwd_ms": round(fwd_ms, 2),
                "fwd_bwd_ms": round(grad_ms, 2),
                "grad_temp_mib": round(temp_mib, 3)}
         rows.append(row)
         print(f"{q}-{s}-{m:<2} {n:>4} {name:>8} {fwd_ms:9.1f} {grad_ms:11.1f}"
               f" {temp_mib:14.2f}")
-  out = {"device": jax.devices()[0].device_kind, "platform": platform.node(),
-         "jax": jax.__version__, "dtype": "float32",
-         "note": "CPU shared with other jobs; compare ratios within a run",
-         "rows": rows}
+  info = machine.machine_info()
+  out = {"device": machine.device_label(info), "machine": info,
+         "platform": platform.node(), "jax": jax.__version__,
+         "dtype": "float32",
+         "note": f"{args.note}; compare ratios within a run", "rows": rows}
   name = "vrns_stack_quick.json" if args.quick else "vrns_stack.json"
   path = os.path.join(_ROOT, "benchmarks", "results", name)
   with open(path, "w", encoding="utf-8") as f:

@@ -64,7 +64,10 @@ index = time + 1 (time −1 .. T). Column k is the contiguous block G[b, y, k]
 M̃ᵀ [R, K·T] × G [K·T, I·Q·X], with the long axis as its output axis, and
 M̃'s cotangent contracts the table's contiguous rows with the table as the
 left operand, so neither direction transposes the table.
-`limited_stack` runs the same step on a D × D sliding window.
+`limited_stack` runs the same step on a D × D sliding window;
+`run_coupled_vectors` carries the VRNS-RNN's expected top vectors beside
+the unlimited sweep (`vrns_stack`'s default), `limited_vrns` beside the
+window.
 
 Blocking (ns_stack's technique): the updates are split into up to 4 static
 time blocks (on CPU up to 6 for tables of ≥ 8 MiB: `LARGE_TABLE_BYTES`);
@@ -127,7 +130,8 @@ Array = jax.Array
 __all__ = [
     "BOTTOMS", "READINGS", "FIXED", "FROZEN", "STATE", "SYMBOL",
     "split_action_logits", "readout", "initial_table", "update",
-    "run", "run_coupled", "run_log_space", "viterbi", "replay_run",
+    "run", "run_coupled", "run_coupled_vectors", "run_log_space", "viterbi",
+    "replay_run",
     "validate_stack_config",
 ]
 
@@ -408,15 +412,16 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     prec: lax precision of the contractions.
     vectors: None, or (prev_v [b, z, s, A, M], v [b, M]): column j−1 of a
       vector table in the cutoff basis (`update`'s ``vectors``) and the
-      pushed vector; its column j is then added as a last output (not with
-      `residuals`).
+      pushed vector; its column j but for the pop term (`_vector_local`)
+      is then added as a last output.
 
   Returns:
     (col_local [b,y,r,i,q,x] (replace rows + push row), mt [b,y,r,k,t]
     (M̃_k[t,y,r]; zero for k ≥ p and where c_k flushed), a_hat_BxQxS,
     inc_B); column j = col_local + Σ_{k,t} mt[b,y,r,k,t] G[b,y,k,t,i,q,x].
     With `residuals`, a fifth entry: what `_local_bwd` needs of this update
-    (the kernels, the terms' softmax over F and W; column-sized).
+    (the kernels, the terms' softmax over F and W; column-sized); with
+    `vectors`, then the vector column.
   """
   dtype = prev.dtype
   flush = _flush(dtype)
@@ -487,33 +492,54 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   row = lax.dynamic_slice_in_dim(col, p, 1, axis=3)
   col = lax.dynamic_update_slice_in_dim(col, row + push_row[:, :, :, None],
                                         p, axis=3)
-  if vectors is not None:
-    # The vector table follows the same kernels (see `update`): its
-    # replace mix, then the push row summed over (q, x) times the pushed
-    # vector, at every cutoff (all are ≤ j−1, the push row's time).
-    prev_v, vec = vectors
-    col_v = _mix_column(k_rep, prev_v.reshape((b, -1) + prev_v.shape[3:]),
-                        prec, _column_dot).reshape(
-                            (b, ny, -1) + prev_v.shape[3:])
-    push_v = jnp.sum(push_row, axis=(3, 4))[..., None] * vec[:, None, None]
-    col_v = col_v + push_v[:, :, :, None]
   log_z = _lse(a_j.reshape(b, -1), axis=1)                        # b
   alive = jnp.isfinite(log_z)
   a_hat = jnp.where(alive[:, None, None],
                     a_j - jnp.where(alive, log_z, 0)[:, None, None], -jnp.inf)
+  out = (col, mt, a_hat, log_z + m)
   if residuals:
     # Each term's share of α_j (the softmax that a_j's logsumexp weighs).
     sm = jnp.where(ok, jnp.exp(jnp.where(ok, terms - a_j[..., None], 0)), 0)
     # d kern / d x: kern, but zero where `_exp_share` clamped x.
     kd = jnp.where(x < float(-np.log(flush) - 2.0), kern, 0)
     # One stacked array (one write per update into the scan's outputs).
-    return col, mt, a_hat, log_z + m, (jnp.stack([kern, kd, sm]), w)
+    out += ((jnp.stack([kern, kd, sm]), w),)
   if vectors is not None:
-    return col, mt, a_hat, log_z + m, col_v
-  return col, mt, a_hat, log_z + m
+    out += (_vector_local(kern, *vectors, prec),)
+  return out
 
 
-def _local_bwd(prev, cs, p, a_hat, res, cts, prec):
+def _vector_local(kern, prev_v, vec, prec):
+  """The vector table's column j but for its pop term, from the kernels.
+
+  The vector shares follow H's kernels (see `update`): the replace mix of
+  column j−1, then the push row summed over (q, x) times the pushed vector,
+  at every cutoff (all are ≤ j−1, the push row's time).
+
+  Args:
+    kern: `_local`'s kernels [b, r, y, F] (F = push (q,x), replace and pop
+      (s,z), each Q·S).
+    prev_v: column j−1 of the vector table, [b, z, s, A, M].
+    vec: the pushed vector v_j [b, M].
+    prec: lax precision.
+
+  Returns:
+    [b, y, r, A, M].
+  """
+  b, nr, ny, f3 = kern.shape
+  fs = f3 // 3
+  nz, ns_ = prev_v.shape[1:3]
+  k_rep = jnp.transpose(kern[..., fs:2 * fs].reshape(b, nr, ny, ns_, nz),
+                        (0, 2, 1, 4, 3)).reshape(b, ny * nr, nz * ns_)
+  col_v = _mix_column(k_rep, prev_v.reshape((b, -1) + prev_v.shape[3:]),
+                      prec, _column_dot).reshape((b, ny, nr)
+                                                 + prev_v.shape[3:])
+  push_sum = jnp.swapaxes(jnp.sum(kern[..., :fs], axis=-1), 1, 2)  # b y r
+  push_v = push_sum[..., None] * vec[:, None, None]
+  return col_v + push_v[:, :, :, None]
+
+
+def _local_bwd(prev, cs, p, a_hat, res, cts, prec, kern_ct=None):
   """The VJP of `_local` (time order, no ring) from its forward residuals.
 
   The backward sweep would otherwise re-run update j's column-sized part
@@ -529,6 +555,8 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec):
       stacked, w).
     cts: cotangents of (col_local, mt, a_hat, inc).
     prec: lax precision.
+    kern_ct: None, or a cotangent [b, r, y, F] of the kernels from their
+      other uses (the vector column, `_vector_local`), added to theirs.
 
   Returns:
     Cotangents of (prev, cs, a_prev, push, repl, pop).
@@ -569,11 +597,13 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec):
   # pop (s,z)), then through kern = exp(x) (zero where masked or clamped).
   def to_ryf(x_byrzs):                       # [b, y, r, z, s] -> [b, r, y, F]
     return jnp.transpose(x_byrzs, (0, 2, 1, 4, 3)).reshape(b, nr, ny, fs)
-  kern_ct = jnp.concatenate(
+  kern_ct_all = jnp.concatenate(
       [jnp.swapaxes(push_ct, 1, 2).reshape(b, nr, ny, fs),
        to_ryf(k_rep_ct.reshape(b, ny, nr, nz, ns_)),
        to_ryf(k_pop_ct.reshape(b, ny, nr, nz, ns_))], axis=-1)
-  x_ct = kern_ct * kd
+  if kern_ct is not None:
+    kern_ct_all = kern_ct_all + kern_ct
+  x_ct = kern_ct_all * kd
   # x = α̂_{j−1}[source] + action − a_j; a_j = logsumexp_F(terms) with
   # terms = lhs + action (lhs: α̂_{j−1}, + log c_{j−1} for replace, + log W
   # for pop).
@@ -739,7 +769,7 @@ def _initial(b, t, q, s, bottom, dtype):
 
 
 def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
-                    unroll=1):
+                    unroll=1, vectors0=None):
   """Runs updates 1..T in static time blocks (shared by run / run_coupled).
 
   Block [j0, j1) is one `lax.scan` over the table sliced to the time points
@@ -759,14 +789,20 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
     keep_mt: also return every update's M̃ and `_local` residuals (for
       the backward sweep).
     unroll: `lax.scan` unroll factor (same values).
+    vectors0: None, or the initial vector table [B, Y, N, T, 1, M] of the
+      vector stack (`run_coupled_vectors`: E_k[t,y] at [b, y, k+1, t, 0]);
+      actions_fn is then called with E_{j−1} [b, y, r, 1, M] as a fifth
+      argument and returns the pushed vector v_j [B, M] after the actions.
 
   Returns:
     (g, cs, la, lm, extra, ys (time-major), mt_TxBxYxRxNxT or None,
-    residuals (time-major) or None).
+    residuals (time-major) or None, the final vector table or None).
   """
   g, cs, la, lm = init
   num_pts = g.shape[2]
-  fused = _update_kernels()
+  vec = vectors0 is not None
+  # The Pallas update has no vector column: the vector stack runs on XLA.
+  fused = _update_kernels() and not vec
   if fused:
     # Imported on use: Pallas is needed only by this opt-in path.
     from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
@@ -783,22 +819,33 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   # update's values leave the scan as outputs: reading and writing rows of
   # [B, T+1, ...] carries made XLA copy them at every update.
   a_prev, lm_prev = la[:, 0], lm[:, 0]
+  # The vector table and E_{j−1} (its column j − 1, carried as a value).
+  vcarry = ()
+  if vec:
+    gv = vectors0[:, :, :n]
+    vcarry = (gv, gv[:, :, 1])
   for j0, j1 in blocks:
     n = j1 + 1
     g = _pad_to(g, n, (2, 4))
     cs = _pad_to(cs, n, (2,))
+    if vec:
+      vcarry = (_pad_to(vcarry[0], n, (2,)), vcarry[1])
 
     def body(carry, inp):
-      extra, g, cs, cs_col, a_prev, lm_prev = carry
+      extra, g, cs, cs_col, a_prev, lm_prev, vcarry = carry
       j, x_j = inp
-      extra, acts, ys = actions_fn(j, extra, x_j, a_prev)
+      if vec:
+        gv, e_prev = vcarry
+        extra, (*acts, v_j), ys = actions_fn(j, extra, x_j, a_prev, e_prev)
+      else:
+        extra, acts, ys = actions_fn(j, extra, x_j, a_prev)
       if fused:
         # One kernel: update j, column j and its sums written in place.
         g, cs, mt, a_hat, inc, res = stack_kernels.forward_update(
             g, cs, j, a_prev, *acts)
         lm_j = lm_prev + inc
         kept = (mt, res) if keep_mt else None
-        return ((extra, g, cs, cs_col, a_hat, lm_j),
+        return ((extra, g, cs, cs_col, a_hat, lm_j, vcarry),
                 (ys, kept, a_hat, lm_j))
       # Column j − 1's sums are written one update late, before anything
       # reads cs, and fenced: XLA then updates cs in place instead of
@@ -806,19 +853,26 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       cs = lax.optimization_barrier(
           lax.dynamic_update_index_in_dim(cs, cs_col, j, axis=2))
       prev = lax.dynamic_index_in_dim(g, j, axis=2, keepdims=False)
-      parts = _local(prev, cs, j, a_prev, *acts, prec, residuals=keep_mt)
+      parts = _local(prev, cs, j, a_prev, *acts, prec, residuals=keep_mt,
+                     vectors=(e_prev, v_j) if vec else None)
       col, mt, a_hat, inc = parts[:4]
       col = col + _pop_matmul(g, mt, prec)          # column j, index j + 1
       g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
+      if vec:
+        # E_j: a column-sized pop (M̃ with the vector table's columns).
+        col_v = parts[-1] + _pop_matmul(gv, mt, prec)
+        vcarry = (lax.dynamic_update_index_in_dim(gv, col_v, j + 1, axis=2),
+                  col_v)
       lm_j = lm_prev + inc
       kept = (mt, parts[4]) if keep_mt else None
-      return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j),
-              (ys, kept, a_hat, lm_j))
+      return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j,
+               vcarry), (ys, kept, a_hat, lm_j))
 
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
     cs_col = cs[:, :, j0]                     # already in place: rewritten
-    (extra, g, cs, cs_col, a_prev, lm_prev), (ys, kept, a_hat, lm_j) = (
-        lax.scan(body, (extra, g, cs, cs_col, a_prev, lm_prev),
+    (extra, g, cs, cs_col, a_prev, lm_prev, vcarry), (ys, kept, a_hat,
+                                                      lm_j) = (
+        lax.scan(body, (extra, g, cs, cs_col, a_prev, lm_prev, vcarry),
                  (jnp.arange(j0, j1), x_blk), unroll=unroll))
     if not fused:
       cs = lax.dynamic_update_index_in_dim(cs, cs_col, j1, axis=2)
@@ -837,8 +891,9 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
                        axis=1)[:, :t + 1]
   lm = jnp.concatenate([lm[:, :1]] + [jnp.swapaxes(a, 0, 1) for a in lms],
                        axis=1)[:, :t + 1]
+  gv = _pad_to(vcarry[0], num_pts, (2,)) if vec else None
   return (_pad_to(g, num_pts, (2, 4)), _pad_to(cs, num_pts, (2,)), la, lm,
-          extra, ys, mt, res)
+          extra, ys, mt, res, gv)
 
 
 def _pad_to(x, n, axes):
@@ -994,7 +1049,7 @@ def _forward(push, repl, pop, bottom, precision, keep_mt=False, unroll=1):
   b, t, q, s = push.shape[:4]
   prec = lax_precision(precision)
   xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
-  g, cs, la, lm, _, _, mt, res = _forward_blocks(
+  g, cs, la, lm, _, _, mt, res, _ = _forward_blocks(
       t, _initial(b, t, q, s, bottom, push.dtype), xs_T,
       _given_actions, (), prec, keep_mt, unroll)
   return g, cs, la, lm, mt, res
@@ -1098,7 +1153,7 @@ def _coupled_forward(step_fn, q, s, bottom, reading, precision, unroll,
   prec = lax_precision(precision)
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
   init = _initial(b, t, q, s, bottom, _float_dtype(params))
-  g, cs, la, lm, _, (outs, ctrls), mt, lres = _forward_blocks(
+  g, cs, la, lm, _, (outs, ctrls), mt, lres, _ = _forward_blocks(
       t, init, xs_T, _controller_actions(step_fn, reading, params),
       init_carry, prec, keep_mt, unroll)
   return outs, la, lm, g, cs, ctrls, (mt, lres)
@@ -1209,6 +1264,197 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                             check_unroll(unroll), params, init_carry, xs)
   outs = jax.tree_util.tree_map(lambda o: jnp.swapaxes(o, 0, 1), outs_T)
   return outs, la, lm
+
+
+# ---------------------------------------------------------------------------
+# The vector stack (VRNS-RNN) on the share sweep.
+# ---------------------------------------------------------------------------
+#
+# Without a window one cutoff is enough (`update`'s ``vectors`` with A = 1):
+# the vector shares summed over every row, E_k[t,y] = Σ_{i,q,x} Z_{i,k}, are
+# the expected top vector jointly with the share of (t, y) at time k, and
+# E_j = Σ_{s,z} E_{j−1} K^R + Σ_{k,t} E_k[t,y] M̃_k[t,y,r] + (Σ_{q,x} K^P) v_j
+# (`_vector_local` + a pop with M̃): column-sized work per update next to
+# the table's pop matmul, where the log-space `vrns_stack` sweeps an m-fold
+# table. ρ_j[r,y] = α̂_j[r,y] E_j[r,y] (vrns_stack.py's readings).
+
+
+def _initial_vectors(bottom_vector_BxM, num_steps, num_states, num_symbols):
+  """Vector table [B, Y, N, T, 1, M]: E_0 = v_⊥ at (q0, ⊥), else zero."""
+  b, m = bottom_vector_BxM.shape
+  gv = jnp.zeros((b, num_symbols, num_steps + 2, num_states, 1, m),
+                 bottom_vector_BxM.dtype)
+  return gv.at[:, 0, 1, 0, 0].set(bottom_vector_BxM)
+
+
+def _vector_reading(a_hat_BxQxS, e_BxYxRx1xM):
+  """The controller's reading ρ [B, Q·S·M] (order r, y, m) from α̂ and E."""
+  rho = (jnp.exp(a_hat_BxQxS)[..., None]
+         * jnp.swapaxes(e_BxYxRx1xM[:, :, :, 0], 1, 2))
+  return rho.reshape(rho.shape[0], -1)
+
+
+def _vector_actions(step_fn, params):
+  """actions_fn of `run_coupled_vectors`: controller step j reads ρ_{j−1}."""
+  def actions_fn(j, ctrl, x, a_prev, e_prev, params=params):
+    del j
+    new_ctrl, (pu, re, po, log_v), out = step_fn(
+        params, ctrl, x, _vector_reading(a_prev, e_prev))
+    return new_ctrl, (pu, re, po, jnp.exp(log_v)), (out, ctrl)
+  return actions_fn
+
+
+def _coupled_vectors_forward(step_fn, q, s, precision, unroll, params,
+                             init_carry, bottom_v, xs, keep_mt):
+  b, t = jax.tree_util.tree_leaves(xs)[0].shape[:2]
+  dtype = _float_dtype((params, bottom_v))
+  xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
+  g, cs, la, lm, _, (outs, ctrls), mt, lres, gv = _forward_blocks(
+      t, _initial(b, t, q, s, FIXED, dtype), xs_T,
+      _vector_actions(step_fn, params), init_carry, lax_precision(precision),
+      keep_mt, unroll,
+      vectors0=_initial_vectors(bottom_v.astype(dtype), t, q, s))
+  return outs, la, lm, gv, (g, cs, ctrls, mt, lres)
+
+
+def _e_of(gv):
+  """E [B, T+1, R, Y, M] (times 0..T) from the vector table."""
+  return jnp.transpose(gv[:, :, 1:, :, 0], (0, 2, 3, 1, 4))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _coupled_vectors(step_fn, q, s, precision, unroll, params, init_carry,
+                     bottom_v, xs):
+  outs, la, lm, gv, _ = _coupled_vectors_forward(
+      step_fn, q, s, precision, unroll, params, init_carry, bottom_v, xs,
+      False)
+  return outs, la, lm, _e_of(gv)
+
+
+def _coupled_vectors_fwd(step_fn, q, s, precision, unroll, params,
+                         init_carry, bottom_v, xs):
+  outs, la, lm, gv, (g, cs, ctrls, mt, lres) = _coupled_vectors_forward(
+      step_fn, q, s, precision, unroll, params, init_carry, bottom_v, xs,
+      True)
+  return ((outs, la, lm, _e_of(gv)),
+          (params, xs, gv, g, cs, la, ctrls, mt, lres))
+
+
+def _coupled_vectors_bwd(step_fn, q, s, precision, unroll, res, cts):
+  """Reverse sweep: `_coupled_bwd`'s, with the vector column's VJP.
+
+  The vector table's cotangent (column-sized per time, carried whole)
+  collects Ē_k from every later update's pop and replace and from the
+  controller step that read ρ_k; when the sweep reaches update k it is
+  complete. Update j's vector column is differentiated with `jax.vjp` on
+  its kernels (the forward's residuals), E_{j−1}, v_j, M̃_j and the final
+  vector table; the kernels' and M̃'s cotangents join the stack's own in
+  `_local_bwd`.
+  """
+  del q, s
+  params, xs, gv, g, cs, la, ctrls, mt, lres = res
+  outs_ct, la_ct, lm_ct, e_ct = cts
+  prec = lax_precision(precision)
+  x_leaves, x_def = jax.tree_util.tree_flatten(xs)
+  is_f = [jnp.issubdtype(jnp.result_type(l), jnp.floating) for l in x_leaves]
+  xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
+  zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
+  gv_bar = jnp.zeros_like(gv).at[:, :, 1:, :, 0].set(
+      jnp.transpose(e_ct, (0, 3, 1, 2, 4)))
+
+  def local_vjp(j, extra, inp, prev, cs_p, a_prev, a_hat, res_j, cts):
+    p_bar, c_bar, gv_bar = extra
+    x, ctrl_prev, out_ct, mt_j = inp
+    n = prev.shape[3]
+    e_prev = lax.dynamic_index_in_dim(gv, j, axis=2, keepdims=False)
+    e_bar = lax.dynamic_index_in_dim(gv_bar, j + 1, axis=2, keepdims=False)
+    leaves = jax.tree_util.tree_leaves(x)
+
+    def ctrl(p, c, ap, ep, xf):
+      it = iter(xf)
+      xx = jax.tree_util.tree_unflatten(
+          x_def, [next(it) if f else l for l, f in zip(leaves, is_f)])
+      new_ctrl, acts, out = step_fn(p, c, xx, _vector_reading(ap, ep))
+      return new_ctrl, out, acts
+
+    xf = [l for l, f in zip(leaves, is_f) if f]
+    (_, _, (_, _, _, log_v)), ctrl_vjp = jax.vjp(
+        ctrl, params, ctrl_prev, a_prev, e_prev, xf)
+    v = jnp.exp(log_v)
+
+    def vector_column(kern, ep, v, mt_n, gv_n):
+      return _vector_local(kern, ep, v, prec) + _pop_matmul(gv_n, mt_n, prec)
+
+    _, vec_vjp = jax.vjp(vector_column, res_j[0][0], e_prev, v,
+                         mt_j[:, :, :, :n], gv[:, :, :n])
+    kern_ct, ep_ct, v_ct, mt_ct_v, gv_ct = vec_vjp(e_bar)
+    col_ct, mt_ct, a_ct, i_ct = cts
+    d_prev, d_cs, d_a, *d_acts = _local_bwd(
+        prev, cs_p, j, a_hat, res_j, (col_ct, mt_ct + mt_ct_v, a_ct, i_ct),
+        prec, kern_ct=kern_ct)
+    dp, dc, d_a_ctrl, d_ep, dxf = ctrl_vjp(
+        (c_bar, out_ct, (*d_acts, v_ct * v)))
+    gv_bar = gv_bar.at[:, :, :n].add(gv_ct)
+    gv_bar = lax.dynamic_update_index_in_dim(
+        gv_bar, lax.dynamic_index_in_dim(gv_bar, j, axis=2, keepdims=False)
+        + ep_ct + d_ep, j, axis=2)
+    p_bar = jax.tree_util.tree_map(jnp.add, p_bar, dp)
+    return (p_bar, dc, gv_bar), d_prev, d_cs, d_a + d_a_ctrl, dxf
+
+  ctrl_last = jax.tree_util.tree_map(lambda c: c[-1], ctrls)
+  (p_bar, c_bar, gv_bar), dxf_T = _backward_blocks(
+      g, cs, la, mt, lres, (xs_T, ctrls, outs_ct, mt), la_ct,
+      _increment_cotangents(lm_ct), local_vjp,
+      (zeros(params), zeros(ctrl_last), gv_bar), prec, unroll)
+  it = iter(dxf_T or ())
+  xs_ct = jax.tree_util.tree_unflatten(x_def, [
+      (jnp.swapaxes(next(it), 0, 1) if dxf_T is not None
+       else jnp.zeros_like(l)) if f else _zero_cotangent(l)
+      for l, f in zip(x_leaves, is_f)])
+  return p_bar, c_bar, gv_bar[:, 0, 1, 0, 0], xs_ct
+
+
+_coupled_vectors.defvjp(_coupled_vectors_fwd, _coupled_vectors_bwd)
+
+
+def run_coupled_vectors(step_fn: Callable[..., Any], params, init_carry, xs,
+                        bottom_vector, num_states: int, num_symbols: int,
+                        precision: str = "highest", unroll: int = 1):
+  """The vector stack (VRNS-RNN, fixed bottom) with a controller, t = 1..T.
+
+  The run-consistent vector stack of `vrns_stack` (its module docstring:
+  semantics and readings) computed on this module's share sweep: exact
+  for any finite log-weights, O(T²) gradient memory, and the vectors cost
+  column-sized work per update (module comment above `_initial_vectors`).
+  `vrns_stack.run_coupled` calls it for the run-consistent bottom.
+
+  Args:
+    step_fn: (params, carry, x_t, reading_prev [B, Q·S·M]) -> (carry_t,
+      (push_t, repl_t, pop_t, log_vector_t), out_t): log-weights as for
+      `run_coupled`, log_vector [B, M] = log v_t (any values; v_t must be
+      finite in the dtype).
+    params, init_carry: differentiable pytrees.
+    xs: pytree of batch-major inputs [B, T, ...]; float leaves get their
+      cotangents, the others float0.
+    bottom_vector: v_⊥ [B, M] (linear; differentiable).
+    num_states, num_symbols: Q, S.
+    precision: matmul precision of the stack's contractions (as `run`).
+    unroll: `lax.scan` unroll factor (as `run`).
+
+  Returns:
+    (outs [B, T, ...], readings [B, T+1, Q, S, M], log_mass [B, T+1]):
+    ρ_j = α̂_j ⊗ E_j and log Σα_j.
+  """
+  b, t = jax.tree_util.tree_leaves(xs)[0].shape[:2]
+  bottom_vector = jnp.asarray(bottom_vector)
+  if bottom_vector.shape[:1] != (b,) or bottom_vector.ndim != 2:
+    raise ValueError(f"bottom_vector must be [B={b}, M], got shape "
+                     f"{bottom_vector.shape}")
+  outs_T, la, lm, e = _coupled_vectors(
+      step_fn, int(num_states), int(num_symbols), check_precision(precision),
+      check_unroll(unroll), params, init_carry, bottom_vector, xs)
+  outs = jax.tree_util.tree_map(lambda o: jnp.swapaxes(o, 0, 1), outs_T)
+  return outs, jnp.exp(la)[..., None] * e, lm
 
 
 # ---------------------------------------------------------------------------

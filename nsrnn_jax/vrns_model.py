@@ -193,7 +193,7 @@ class VRNSLM(models.PDAStackLM):
       h_BxTxH, rho, log_mass = vrns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
           log_bottom_BxM, self.num_states, self.num_stack_symbols,
-          self.broadcast_bottom_vector)
+          self.broadcast_bottom_vector, precision=self.matmul_precision)
     push, repl, pop = jax.vmap(
         lambda h: vrns_action_log_weights(params['action'], h,
                                           self.num_states,

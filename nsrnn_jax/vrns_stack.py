@@ -41,8 +41,22 @@ each, the Q·S start configurations (state t, stack [y]) that the stack was
 never in, for runs whose top is still the bottom element; the denominator
 does not, so ρ_j is no longer an expectation.
 
-Representation and numerics
----------------------------
+Two implementations
+-------------------
+`run` and `run_coupled` compute the run-consistent stack by default on the
+RNS-RNN's share sweep (`rns_stack.run_coupled_vectors`): α as posterior
+shares and, per (state, top) and time, the expected top vector E_k summed
+over every row (η_j = α_j ⊗ E_j), whose recurrence uses the share kernels and
+M̃ already formed for α, so the vectors add column-sized work per update
+(≈ the RNS stack's cost; ~100× faster than the tables below at n = 80;
+README, "Benchmarks"). E_k is a share-weighted average of pushed vectors, so
+it stays within the vectors' range in any dtype. The log-space tables below
+are the reference (``log_space=True``; equal values and gradients, tested in
+float64) and the broadcast bottom's path, whose phantom start
+configurations have no α to take shares of.
+
+Representation and numerics of the log-space tables
+---------------------------------------------------
 Everything is in log space (γ, ζ, α, η, b, c and the inputs; −inf = weight
 zero, log v for vectors). Each semiring contraction is an explicit
 broadcast followed by a log-sum-exp whose shift is the maximum of that very
@@ -85,6 +99,7 @@ import numpy as np
 from jax import lax
 
 from nsrnn_jax import ns_stack
+from nsrnn_jax import rns_stack
 
 Array = jax.Array
 
@@ -520,7 +535,7 @@ def _check_inputs(num_states, num_symbols, log_bottom_vector, b):
 
 def run_coupled(step_fn, params, init_carry, xs, log_bottom_vector,
                 num_states, num_symbols, broadcast_bottom=False,
-                time_blocks=None):
+                time_blocks=None, log_space=False, precision="highest"):
   """Runs a controller and the vector stack together, t = 1..T.
 
   Controller step t sees the reading ρ_{t−1} (flattened, [B, Q·S·M]), and
@@ -540,9 +555,16 @@ def run_coupled(step_fn, params, init_carry, xs, log_bottom_vector,
     num_symbols: S.
     broadcast_bottom: the authors' broadcast bottom vector (module
       docstring); default False (run-consistent).
-    time_blocks: at most this many static time blocks (`time_blocks_of`;
-      None = automatic). Same values for any setting; only speed and
-      compile time change.
+    time_blocks: at most this many static time blocks of the log-space
+      sweeps (`time_blocks_of`; None = automatic). Same values for any
+      setting; only speed and compile time change.
+    log_space: the log-space tables of this module also for the
+      run-consistent bottom (the reference; the broadcast bottom always
+      uses them). By default the run-consistent bottom runs on
+      `rns_stack.run_coupled_vectors` (shares; the vectors' work is
+      column-sized there, m-fold table-sized here): same values.
+    precision: matmul precision name of the share sweep's contractions
+      (`ns_stack.MATMUL_PRECISIONS`).
 
   Returns:
     (outs [B, T, ...], readings [B, T+1, Q, S, M], log_mass [B, T+1]).
@@ -552,6 +574,10 @@ def run_coupled(step_fn, params, init_carry, xs, log_bottom_vector,
     raise ValueError("xs must be a pytree of [B, T, ...] arrays")
   b, t = jnp.shape(leaves[0])[:2]
   lv = _check_inputs(num_states, num_symbols, log_bottom_vector, b)
+  if not broadcast_bottom and not log_space:
+    return rns_stack.run_coupled_vectors(
+        step_fn, params, init_carry, xs, jnp.exp(lv), int(num_states),
+        int(num_symbols), precision)
   init = init_state(lv, t, int(num_states), int(num_symbols),
                     broadcast_bottom)
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
@@ -584,7 +610,8 @@ def _check_actions(push, repl, pop, log_vectors):
 
 
 def run(push, repl, pop, log_vectors, log_bottom_vector,
-        broadcast_bottom=False, time_blocks=None):
+        broadcast_bottom=False, time_blocks=None, log_space=False,
+        precision="highest"):
   """The vector stack for given actions and vectors (custom O(T²) VJP).
 
   Args:
@@ -596,6 +623,7 @@ def run(push, repl, pop, log_vectors, log_bottom_vector,
     broadcast_bottom: the authors' broadcast bottom (module docstring).
     time_blocks: at most this many static time blocks (None = automatic;
       see `time_blocks_of`).
+    log_space, precision: as for `run_coupled`.
 
   Returns:
     (readings [B, T+1, Q, S, M], log_mass [B, T+1]); readings[:, j] is ρ_j
@@ -604,7 +632,8 @@ def run(push, repl, pop, log_vectors, log_bottom_vector,
   b, _, q, s = _check_actions(push, repl, pop, log_vectors)
   _, rho, log_mass = run_coupled(
       _given_actions, (), (), (push, repl, pop, log_vectors),
-      log_bottom_vector, q, s, broadcast_bottom, time_blocks)
+      log_bottom_vector, q, s, broadcast_bottom, time_blocks, log_space,
+      precision)
   return rho, log_mass
 
 

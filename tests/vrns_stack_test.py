@@ -139,11 +139,11 @@ def test_large_unnormalised_weights_float32_match_float64():
   t = 30
   push, repl, pop, lv, lb = _random_inputs(rng, 1, t, 2, 2, 2, scale=10.0)
   push, repl, pop = push + 50, repl + 50, pop + 50
-  with jax.enable_x64(True):
-    rho64, mass64 = _run(push, repl, pop, lv, lb)
+  with jax.enable_x64(True):  # the log-space tables as the reference
+    rho64, mass64 = vrns_stack.run(push, repl, pop, lv, lb, log_space=True)
     rho64, mass64 = np.asarray(rho64), np.asarray(mass64)
   args = [jnp.asarray(x, jnp.float32) for x in (push, repl, pop, lv, lb)]
-  rho32, mass32 = _run(*args)
+  rho32, mass32 = _run(*args)  # the default: the share sweep
   assert np.all(np.isfinite(rho32)) and np.all(np.isfinite(mass32))
   assert mass64[0, -1] > 1500  # far beyond float32's exp range
   np.testing.assert_allclose(rho32, rho64, atol=2e-4)
@@ -151,6 +151,61 @@ def test_large_unnormalised_weights_float32_match_float64():
   grads = jax.jit(jax.grad(lambda *a: jnp.sum(vrns_stack.run(*a)[0] ** 2),
                            argnums=(0, 1, 2, 3, 4)))(*args)
   assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+@pytest.mark.usefixtures("fast_compile_test")
+def test_share_sweep_equals_log_space_values_and_gradients(x64):
+  # The default (rns_stack.run_coupled_vectors) against this module's
+  # log-space tables: unnormalised weights spread over tens of nats, −inf
+  # actions, vectors from e^-30 to e^14 with zero entries, a zero bottom
+  # component; values and the gradients of all five inputs.
+  rng = np.random.default_rng(11)
+  b, t, q, s, m = 2, 7, 2, 3, 3
+  push, repl, pop, _, _ = _random_inputs(rng, b, t, q, s, m, scale=5.0)
+  lv = rng.uniform(-30, 14, size=(b, t, m))
+  lv[0, 2, 1] = -np.inf
+  lb = rng.normal(size=(b, m))
+  lb[1, 0] = -np.inf
+  w = rng.normal(size=(b, t + 1, q, s, m)) * np.exp(-10)
+  wm = rng.normal(size=(b, t + 1))
+
+  def loss(log_space):
+    def f(*a):
+      rho, log_mass = vrns_stack.run(*a, log_space=log_space)
+      return jnp.sum(rho * w) + jnp.sum(log_mass * wm), (rho, log_mass)
+    return jax.jit(jax.value_and_grad(f, tuple(range(5)), has_aux=True))
+
+  inputs = (push, repl, pop, lv, lb)
+  (_, (rho, mass)), grads = loss(False)(*inputs)
+  (_, (want_rho, want_mass)), want_grads = loss(True)(*inputs)
+  np.testing.assert_allclose(rho, want_rho, rtol=1e-10, atol=1e-300)
+  np.testing.assert_allclose(mass, want_mass, rtol=1e-11, atol=1e-11)
+  for g, want in zip(grads, want_grads):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, want, rtol=1e-8,
+                               atol=1e-10 * np.max(np.abs(want)))
+  assert grads[3][0, 2, 1] == 0 and grads[4][1, 0] == 0  # zero vectors
+
+
+def test_run_consistent_bottom_runs_on_the_share_sweep(monkeypatch):
+  # Which implementation answers: the share sweep for the run-consistent
+  # bottom unless log_space is asked for; the log-space tables for the
+  # authors' broadcast bottom (its phantom starts have no α to share).
+  calls = []
+  real = vrns_stack.rns_stack.run_coupled_vectors
+
+  def spy(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(vrns_stack.rns_stack, "run_coupled_vectors", spy)
+  inputs = _random_inputs(np.random.default_rng(0), 1, 3, 2, 2, 2)
+  inputs = [jnp.asarray(x, jnp.float32) for x in inputs]
+  for kwargs, want in [({}, 1), ({"log_space": True}, 0),
+                       ({"broadcast_bottom": True}, 0)]:
+    calls.clear()
+    vrns_stack.run(*inputs, **kwargs)
+    assert len(calls) == want, kwargs
 
 
 def _loss(fn, weights, broadcast):
