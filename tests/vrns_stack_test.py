@@ -365,3 +365,22 @@ def test_time_blocks_cover_every_update_once():
   for bad in (0, -2, 1.5, True, "4"):
     with pytest.raises(ValueError, match="time_blocks must be a positive"):
       vrns_stack.time_blocks_of(10, bad)
+
+
+@pytest.mark.usefixtures("fast_compile_test")
+def test_share_sweep_under_pallas_update_kernels(monkeypatch):
+  # With rns_stack.UPDATE_KERNELS = "pallas" (interpreted on CPU) the
+  # forward's vector column stays on XLA ops and the backward's table part
+  # runs as a kernel: the gradients still equal the log-space tables'.
+  rng = np.random.default_rng(12)
+  inputs = [jnp.asarray(x, jnp.float32)
+            for x in _random_inputs(rng, 2, 5, 2, 2, 2)]
+
+  def loss(log_space):
+    return lambda *a: jnp.sum(vrns_stack.run(*a, log_space=log_space)[0] ** 2)
+
+  want = jax.grad(loss(True), tuple(range(5)))(*inputs)
+  monkeypatch.setattr(vrns_stack.rns_stack, "UPDATE_KERNELS", "pallas")
+  got = jax.grad(loss(False), tuple(range(5)))(*inputs)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
