@@ -946,11 +946,35 @@ def huge_pages_block():
   return "\n".join(lines) + "\n"
 
 
+def window_vjp_block():
+  """The windowed stack's hand-written gradient against autodiff."""
+  files = [n for n in ("window_vjp.json", "window_vjp_huge_pages.json")
+           if _load(n) is not None]
+  if not files:
+    return "No `window_vjp.json` yet.\n"
+  lines = ["`benchmarks/window_vjp.py` (limited_stack.WINDOW_VJP = \"custom\", "
+           "the default, against \"autodiff\"; float32, Q-S = 2-3; each file "
+           "one run):", "",
+           "| file | case | hand-written | autodiff | speed-up | temporary "
+           "memory, hand-written / autodiff |", "|---|---|---|---|---|---|"]
+  for name in files:
+    d = _load(name)
+    for r in d["rows"]:
+      lines.append(
+          f"| `{name}` | {r['label']} | {_ms(r['custom_ms'] / 1e3)} | "
+          f"{_ms(r['autodiff_ms'] / 1e3)} | {r['speedup']:.2f}× | "
+          f"{r['custom_temp_mib']:.1f} / {r['autodiff_temp_mib']:.1f} MiB |")
+  notes = "; ".join(f"`{n}`: {_device(_load(n))}, {_load(n)['note']}"
+                    for n in files)
+  return "\n".join(lines) + f"\n\n{notes}.\n"
+
+
 BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
           "vrns": vrns_block, "limited_vrns": limited_vrns_block,
           "reproduce_workers": reproduce_workers_block,
           "concurrent_steps": concurrent_steps_block,
-          "corpus_step": corpus_step_block, "huge_pages": huge_pages_block}
+          "corpus_step": corpus_step_block, "huge_pages": huge_pages_block,
+          "window_vjp": window_vjp_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
                        "rns_vs_ns": rns_vs_ns_block}

@@ -29,8 +29,11 @@ computations the boundary's gradient reaches follows the authors' two tags
   every update trains the action layer (not h);
 * None (ICLR 2022): a chunk's last update is made at its end and then
   detached: the actions of each chunk's last hidden state get no gradient.
-Within a chunk the gradient is plain autodiff of the scan:
-O(B·L·D²·Q²·S²) memory for chunk length L.
+Within a chunk the gradient is hand-written (`WINDOW_VJP`, "custom" by
+default): the forward keeps the column and the row each update overwrites
+and the backward rebuilds the windows in reverse, O(B·L·D·Q²·S²) memory for
+chunk length L (autodiff of the scan, "autodiff", keeps every window:
+O(B·L·D²·Q²·S²)).
 
 Shape legend: B batch, T updates, D window, Q states, S stack symbols,
 Y/X symbols in roles, L chunk length, C chunks.
@@ -41,6 +44,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from nsrnn_jax import rns_stack
@@ -88,25 +92,240 @@ def initial_state(batch_size, window, num_states, num_symbols,
                      jnp.asarray(window - 1, jnp.int32))
 
 
+# How a window update is differentiated: "custom" (`_window_update`'s
+# hand-written VJP, the default) or "autodiff" (JAX's transpose of the
+# same forward; the reference). Read when the update is traced.
+WINDOW_VJP = "custom"
+WINDOW_VJP_MODES = ("custom", "autodiff")
+
+
+def _ring_write(g, col, head):
+  """Column j into slot `head` (the oldest time's), then that slot's row
+  (time j−D, now time j: no entries yet) cleared in every column."""
+  g = lax.dynamic_update_index_in_dim(g, col, head, axis=2)
+  return lax.dynamic_update_index_in_dim(
+      g, jnp.zeros(g.shape[:4] + g.shape[5:], g.dtype), head, axis=4)
+
+
+def _window_update_plain(g, head, a_prev, push, repl, pop, precision):
+  col, a_hat, inc = rns_stack.update(g, head, a_prev, push, repl, pop,
+                                     precision, ring=True)
+  return _ring_write(g, col, (head + 1) % g.shape[2]), a_hat, inc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _window_update(g, head, a_prev, push, repl, pop, precision):
+  """One ring update: (next window, log α̂_j, inc); hand-written VJP.
+
+  Same values as `_window_update_plain`. The backward takes the next
+  window's cotangent apart as the forward put it together (row clear,
+  column write, the pop matmul's two transposes as table-sized matmuls)
+  and differentiates the column-sized part with `rns_stack._local_bwd`
+  from the forward's residuals, so each update's backward is a few
+  table-sized ops where autodiff's transpose of the ring writes and the
+  column sums made several more.
+  """
+  return _window_update_fwd(g, head, a_prev, push, repl, pop, precision)[0]
+
+
+def _window_update_fwd(g, head, a_prev, push, repl, pop, precision):
+  prec = rns_stack.lax_precision(precision)
+  prev = lax.dynamic_index_in_dim(g, head, axis=2, keepdims=False)
+  cs = jnp.sum(g, axis=(4, 5, 6))
+  col, mt, a_hat, inc, res = rns_stack._local(  # pylint: disable=protected-access
+      prev, cs, head, a_prev, push, repl, pop, prec, ring=True,
+      residuals=True)
+  col = col + rns_stack._pop_matmul(g, mt, prec)  # pylint: disable=protected-access
+  out = (_ring_write(g, col, (head + 1) % g.shape[2]), a_hat, inc)
+  return out, (g, head, cs, mt, res, a_hat)
+
+
+def _window_update_bwd(precision, resid, cts):
+  g, head, cs, mt, res, a_hat = resid
+  g_ct, a_hat_ct, inc_ct = cts
+  prec = rns_stack.lax_precision(precision)
+  b, ny, d, nr = g.shape[:4]
+  nxt = (head + 1) % d
+  # The row clear and the column write, transposed: the cleared row and
+  # the overwritten column of the old window get no cotangent.
+  g_ct = lax.dynamic_update_index_in_dim(
+      g_ct, jnp.zeros(g.shape[:4] + g.shape[5:], g.dtype), nxt, axis=4)
+  col_ct = lax.dynamic_index_in_dim(g_ct, nxt, axis=2, keepdims=False)
+  g_ct = lax.dynamic_update_index_in_dim(
+      g_ct, jnp.zeros_like(col_ct), nxt, axis=2)
+  # col += Σ_{k,t} mt[b,y,r,k,t] G[b,y,k,t,i,q,x], transposed: M̃'s
+  # cotangent contracts the table's rows (the table as it lies, the left
+  # operand), the table's is a rank-R product added to the carried one.
+  g_rows = g.reshape(b * ny, d * nr, -1)
+  col_rows = col_ct.reshape(b * ny, nr, -1)
+  mt_ct = jnp.transpose(rns_stack._table_dot(  # pylint: disable=protected-access
+      g_rows, col_rows, 2, prec).reshape(b, ny, d, nr, nr),
+                        (0, 1, 4, 2, 3))                   # b y r k t
+  outer = rns_stack._table_dot(  # pylint: disable=protected-access
+      jnp.swapaxes(mt.reshape(b * ny, nr, d * nr), 1, 2), col_rows, 1, prec)
+  prev = lax.dynamic_index_in_dim(g, head, axis=2, keepdims=False)
+  d_prev, d_cs, d_a, d_pu, d_re, d_po = rns_stack._local_bwd(  # pylint: disable=protected-access
+      prev, cs, head, a_hat, res, (col_ct, mt_ct, a_hat_ct, inc_ct), prec,
+      ring=True)
+  g_ct = (g_ct + outer.reshape(g.shape)
+          + d_cs[:, :, :, :, None, None, None])
+  g_ct = lax.dynamic_update_index_in_dim(
+      g_ct, lax.dynamic_index_in_dim(g_ct, head, axis=2, keepdims=False)
+      + d_prev, head, axis=2)
+  return (g_ct, np.zeros(jnp.shape(head), jax.dtypes.float0), d_a, d_pu,
+          d_re, d_po)
+
+
+_window_update.defvjp(_window_update_fwd, _window_update_bwd)
+
+
+# ---------------------------------------------------------------------------
+# A chunk of coupled steps with a reversible window (the training path).
+# ---------------------------------------------------------------------------
+#
+# Autodiff of a scan saves every carried value at every step: here the whole
+# D × D window per update, L·D² memory written in the forward and read in
+# the backward (profiled at D = 35, B = 10, L = 79 on 2 CPU cores: ~40% of
+# the gradient's time, most of it zeroing the fresh residual buffer;
+# benchmarks/window_vjp.py has the before/after). An update changes the
+# window only in one column slot and one row slot, so the backward can
+# rebuild the window before update j from the one after it and the two
+# slices the update overwrote: `_coupled_window_scan` saves those (L·D) and
+# sweeps the chunk in reverse with the window as a carry, differentiating
+# each update with `_window_update_bwd` and the controller with `jax.vjp`.
+
+
+def _split_xs(x):
+  """(leaves, treedef, float mask, float leaves) of one step's inputs."""
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  is_f = [jnp.issubdtype(jnp.result_type(l), jnp.floating) for l in leaves]
+  return leaves, treedef, is_f, [l for l, f in zip(leaves, is_f) if f]
+
+
+def _controller_step(step_fn, reading, params, ctrl, x, a_prev):
+  rho = rns_stack.readout(a_prev, reading)[0]
+  return step_fn(params, ctrl, x, rho)
+
+
+def _window_scan_forward(step_fn, reading, precision, params, ctrl0, state0,
+                         xs_T, keep):
+  def body(carry, x):
+    ctrl, g, a_prev, lm_prev, head = carry
+    ctrl_new, acts, out = _controller_step(step_fn, reading, params, ctrl, x,
+                                           a_prev)
+    (g_new, a_hat, inc), resid = _window_update_fwd(g, head, a_prev, *acts,
+                                                    precision)
+    lm = lm_prev + inc
+    nxt = (head + 1) % g.shape[2]
+    saved = None
+    if keep:
+      _, _, cs, mt, res, _ = resid
+      # What update j overwrote (the rest of the window is unchanged).
+      saved = (ctrl, a_prev, head,
+               lax.dynamic_index_in_dim(g, nxt, axis=2, keepdims=False),
+               lax.dynamic_index_in_dim(g, nxt, axis=4, keepdims=False),
+               cs, mt, res)
+    return (ctrl_new, g_new, a_hat, lm, nxt), (out, a_hat, lm, saved)
+
+  carry = (ctrl0, state0.g, state0.a_hat, state0.log_mass, state0.head)
+  return lax.scan(body, carry, xs_T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _window_scan(step_fn, reading, precision, params, ctrl0, state0, xs_T):
+  (ctrl, g, a, lm, head), (outs, a_hats, lms, _) = _window_scan_forward(
+      step_fn, reading, precision, params, ctrl0, state0, xs_T, False)
+  return ctrl, WindowState(g, a, lm, head), outs, a_hats, lms
+
+
+def _window_scan_fwd(step_fn, reading, precision, params, ctrl0, state0,
+                     xs_T):
+  (ctrl, g, a, lm, head), (outs, a_hats, lms, saved) = _window_scan_forward(
+      step_fn, reading, precision, params, ctrl0, state0, xs_T, True)
+  out = (ctrl, WindowState(g, a, lm, head), outs, a_hats, lms)
+  return out, (params, xs_T, g, a_hats, saved)
+
+
+def _window_scan_bwd(step_fn, reading, precision, resid, cts):
+  params, xs_T, g_last, a_hats, saved = resid
+  ctrl_ct, state_ct, outs_ct, a_hats_ct, lms_ct = cts
+
+  def body(carry, inp):
+    g, g_ct, ctrl_ct, a_ct, lm_ct, p_ct = carry
+    x, out_ct, a_out_ct, lm_out_ct, a_hat, sv = inp
+    ctrl_prev, a_prev, head, old_col, old_row, cs, mt, res = sv
+    a_ct = a_ct + a_out_ct
+    lm_ct = lm_ct + lm_out_ct
+    # The window before update j: its overwritten row and column back.
+    nxt = (head + 1) % g.shape[2]
+    g = lax.dynamic_update_index_in_dim(g, old_row, nxt, axis=4)
+    g = lax.dynamic_update_index_in_dim(g, old_col, nxt, axis=2)
+    g_ct, _, d_a, *d_acts = _window_update_bwd(
+        precision, (g, head, cs, mt, res, a_hat), (g_ct, a_ct, lm_ct))
+    leaves, treedef, is_f, xf = _split_xs(x)
+
+    def ctrl(p, c, ap, xf):
+      it = iter(xf)
+      xx = jax.tree_util.tree_unflatten(
+          treedef, [next(it) if f else l for l, f in zip(leaves, is_f)])
+      return _controller_step(step_fn, reading, p, c, xx, ap)
+
+    _, vjp = jax.vjp(ctrl, params, ctrl_prev, a_prev, xf)
+    dp, dc, d_a_ctrl, dxf = vjp((ctrl_ct, tuple(d_acts), out_ct))
+    p_ct = jax.tree_util.tree_map(jnp.add, p_ct, dp)
+    return (g, g_ct, dc, d_a + d_a_ctrl, lm_ct, p_ct), dxf
+
+  init = (g_last, state_ct.g, ctrl_ct, state_ct.a_hat, state_ct.log_mass,
+          jax.tree_util.tree_map(jnp.zeros_like, params))
+  (_, g_ct, ctrl_ct, a_ct, lm_ct, p_ct), dxf_T = lax.scan(
+      body, init, (xs_T, outs_ct, a_hats_ct, lms_ct, a_hats, saved),
+      reverse=True)
+  leaves, treedef, is_f, _ = _split_xs(xs_T)
+  it = iter(dxf_T)
+  xs_ct = jax.tree_util.tree_unflatten(treedef, [
+      next(it) if f else np.zeros(jnp.shape(l), jax.dtypes.float0)
+      for l, f in zip(leaves, is_f)])
+  state0_ct = WindowState(g_ct, a_ct, lm_ct, np.zeros((), jax.dtypes.float0))
+  return p_ct, ctrl_ct, state0_ct, xs_ct
+
+
+_window_scan.defvjp(_window_scan_fwd, _window_scan_bwd)
+
+
+def _coupled_window_scan(reading, precision, step_fn, params, carry,
+                         xs_chunk):
+  """`stream_chunk`'s scan of coupled steps for this module's window.
+
+  Same values and gradients as ``lax.scan`` over (controller step, `step`)
+  (`run_chunks`' generic loop); memory O(L·D) rather than O(L·D²).
+
+  Returns:
+    ((controller carry, WindowState), (outs, (log α̂_j, log Σα_j))), all
+    time-major [L, B, ...].
+  """
+  ctrl, st = carry
+  ctrl, st, outs, a_hats, lms = _window_scan(step_fn, reading, precision,
+                                             params, ctrl, st, xs_chunk)
+  return (ctrl, st), (outs, (a_hats, lms))
+
+
 def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
          precision="highest"):
   """One update; returns (next state, log α̂_j [B,Q,S], log Σα_j [B]).
 
   `precision` is the matmul precision name of the update's contractions
-  (`ns_stack.MATMUL_PRECISIONS`); their autodiff transposes inherit it.
+  (`ns_stack.MATMUL_PRECISIONS`), forward and backward.
   """
-  d = state.g.shape[2]
-  col, a_hat, inc = rns_stack.update(state.g, state.head, state.a_hat,
-                                     push_BxQxSxQxS, repl_BxQxSxQxS,
-                                     pop_BxQxSxQ, precision, ring=True)
-  # Column j replaces the oldest column (time j−D), then that slot's row
-  # (time j−D, now time j: no entries yet) is cleared in every column.
-  head = (state.head + 1) % d
-  g = lax.dynamic_update_index_in_dim(state.g, col, head, axis=2)
-  g = lax.dynamic_update_index_in_dim(
-      g, jnp.zeros(g.shape[:4] + g.shape[5:], g.dtype), head, axis=4)
+  if WINDOW_VJP not in WINDOW_VJP_MODES:
+    raise ValueError(f"limited_stack.WINDOW_VJP must be one of "
+                     f"{WINDOW_VJP_MODES}, got {WINDOW_VJP!r}")
+  update = (_window_update if WINDOW_VJP == "custom"
+            else _window_update_plain)
+  g, a_hat, inc = update(state.g, state.head, state.a_hat, push_BxQxSxQxS,
+                         repl_BxQxSxQxS, pop_BxQxSxQ, precision)
   log_mass = state.log_mass + inc
-  return WindowState(g, a_hat, log_mass, head), a_hat, log_mass
+  return (WindowState(g, a_hat, log_mass, (state.head + 1) % g.shape[2]),
+          a_hat, log_mass)
 
 
 def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
@@ -203,6 +422,10 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
     st, a_hat, lm = step(st, *acts, precision=precision)
     return st, (a_hat, lm)
 
+  if WINDOW_VJP == "custom":
+    # stream_chunk's fast path: the chunk's scan with the reversible window.
+    update.coupled_scan = functools.partial(_coupled_window_scan, reading,
+                                            precision)
   read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
   return update, read, state0
 
@@ -219,7 +442,12 @@ def run_chunks(step_fn: Callable[..., Any],
     step_fn: ``step_fn(params, carry, x_t, reading) -> (carry, actions,
       out)``, the controller step.
     update: ``update(state, actions) -> (state, stack_out)``, one update of
-      the stack (``stack_out`` a pytree of [B, ...] arrays per time).
+      the stack (``stack_out`` a pytree of [B, ...] arrays per time). It
+      may carry an attribute ``coupled_scan(step_fn, params, (ctrl,
+      state), xs) -> ((ctrl, state), (outs, stack_out))`` that replaces
+      the chunk's ``lax.scan`` over (controller step, update) with the
+      same values and gradients (this module's window:
+      `_coupled_window_scan`).
     read: ``read(state) -> reading``, what the controller reads.
     params, init_carry: differentiable pytrees.
     state0: the stack state before update 1 (differentiable: it may depend
@@ -325,6 +553,7 @@ def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
     the next chunk (ICLR 2023). The forward values are the same either way.
   """
   ctrl, st = chunk_start(start, carried, first)
+  coupled_scan = getattr(update, "coupled_scan", None)
 
   def one_step(carry, x):
     ctrl, st = carry
@@ -332,15 +561,22 @@ def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
     st, stack_out = update(st, acts)
     return (ctrl, st), (out, stack_out)
 
+  def scan(carry, xs):
+    # An update may bring its own scan of coupled steps (same values and
+    # gradients; e.g. `_coupled_window_scan`'s O(L·D) memory).
+    if coupled_scan is not None:
+      return coupled_scan(step_fn, params, carry, xs)
+    return lax.scan(one_step, carry, xs)
+
   if actions_fn is None:
-    return lax.scan(one_step, (ctrl, st), xs_chunk)
+    return scan((ctrl, st), xs_chunk)
   st_b, out_b = update(st, actions_fn(params, ctrl))
   # A stream's first chunk has no earlier update to make.
   st = jax.tree_util.tree_map(lambda old, new: jnp.where(first, old, new),
                               st, st_b)
   body = jax.tree_util.tree_map(lambda l: l[:-1], xs_chunk)
   last = jax.tree_util.tree_map(lambda l: l[-1], xs_chunk)
-  (ctrl, st), (outs, stack_out) = lax.scan(one_step, (ctrl, st), body)
+  (ctrl, st), (outs, stack_out) = scan((ctrl, st), body)
   ctrl, _, out = step_fn(params, ctrl, last, read(st))
   outs = jax.tree_util.tree_map(
       lambda a, o: jnp.concatenate([a, o[None]], axis=0), outs, out)

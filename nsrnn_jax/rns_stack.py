@@ -539,8 +539,9 @@ def _vector_local(kern, prev_v, vec, prec):
   return col_v + push_v[:, :, :, None]
 
 
-def _local_bwd(prev, cs, p, a_hat, res, cts, prec, kern_ct=None):
-  """The VJP of `_local` (time order, no ring) from its forward residuals.
+def _local_bwd(prev, cs, p, a_hat, res, cts, prec, kern_ct=None,
+               ring=False):
+  """The VJP of `_local` from its forward residuals.
 
   The backward sweep would otherwise re-run update j's column-sized part
   under `jax.vjp` to rebuild what this reads from `res`; written out, the
@@ -557,6 +558,7 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec, kern_ct=None):
     prec: lax precision.
     kern_ct: None, or a cotangent [b, r, y, F] of the kernels from their
       other uses (the vector column, `_vector_local`), added to theirs.
+    ring: as for `_local` (a window's ring of time slots).
 
   Returns:
     Cotangents of (prev, cs, a_prev, push, repl, pop).
@@ -568,7 +570,7 @@ def _local_bwd(prev, cs, p, a_hat, res, cts, prec, kern_ct=None):
   b, nz, ns_, nk, nt, ny = prev.shape
   nr = kern.shape[1]
   fs = nz * ns_
-  left, c_left, c_prev, prev_t = _column_views(prev, cs, p)
+  left, c_left, c_prev, prev_t = _column_views(prev, cs, p, ring)
   # a_hat = a_j − log_z, log_z = logsumexp(a_j), inc = log_z + m.
   alive = jnp.isfinite(jnp.max(a_hat, axis=(1, 2)))              # b
   e = jnp.exp(a_hat)                                               # b r y

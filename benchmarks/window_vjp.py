@@ -1,0 +1,139 @@
+"""Benchmark: the windowed stack's hand-written gradient against autodiff.
+
+`limited_stack.WINDOW_VJP` = "custom" (the default: each update's
+hand-written VJP and, for a chunk of coupled steps, the reverse sweep that
+rebuilds the window from the two slices each update overwrote) against
+"autodiff" (JAX's transpose of the same forward, which keeps the whole
+D × D window at every update), compiled once each and timed with the calls
+interleaved in one process:
+
+* `chunk`: the gradient of `limited_stack.run_coupled` (a tanh controller,
+  H = 8, Q-S = 2-3) for B = 10 strings of n = 80 at windows D = 10 and 35,
+  one chunk (no truncation); median wall time and XLA's temporary memory;
+* `ptb`: the PTB RNS-RNN's corpus train step (configs/ptb_rns.py: V =
+  10,000, H = 256, B = 32, T = D = 35, input by lookup), forward, backward
+  and SGD update of one BPTT chunk.
+
+Usage:
+  python benchmarks/window_vjp.py [--reps=7] [--note=...]
+Prints a table and writes benchmarks/results/window_vjp.json, or
+window_vjp_huge_pages.json when run as corpus training runs, with huge pages
+(GLIBC_TUNABLES=glibc.malloc.hugetlb=1, `cli.reexec_with_huge_pages`).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import corpus_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+MODES = ("custom", "autodiff")
+
+
+def _chunk_gradient(window, batch=10, length=80, q=2, s=3, hidden=8):
+  """(compiled gradient, its args) of one coupled chunk at this window."""
+  rng = np.random.default_rng(0)
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  params = {"wr": f(q * s, hidden), "wx": f(hidden, hidden),
+            "wa": 0.3 * f(hidden, q * s * (2 * q * s + q))}
+  t = length - 1
+  xs, w = f(batch, t, hidden), f(batch, t + 1, q, s)
+
+  def step_fn(p, h, x, rho):
+    h = jnp.tanh(x @ p["wx"] + rho @ p["wr"])
+    return h, rns_stack.split_action_logits(h @ p["wa"], q, s, False), h
+
+  def loss(p):
+    outs, hat, lm = limited_stack.run_coupled(
+        step_fn, p, jnp.zeros((batch, hidden)), xs, q, s, window)
+    return (jnp.sum(outs) + jnp.sum(w * jnp.exp(hat))
+            + 0.01 * jnp.sum(lm))
+
+  compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+  return (lambda: compiled(params)), compiled.memory_analysis()
+
+
+def _ptb_step():
+  _, fn, _, temp_mib = corpus_step._step("rns", 10000, 256, True)  # pylint: disable=protected-access
+  return fn, temp_mib
+
+
+def _timed(builders, reps):
+  """{mode: (median s, temp MiB)} with the calls interleaved."""
+  fns, temp = {}, {}
+  for mode in MODES:
+    limited_stack.WINDOW_VJP = mode      # read while tracing
+    try:
+      fns[mode], temp[mode] = builders()
+    finally:
+      limited_stack.WINDOW_VJP = "custom"
+    jax.block_until_ready(fns[mode]())
+  times = {m: [] for m in MODES}
+  for _ in range(reps):
+    for mode in MODES:
+      start = time.perf_counter()
+      jax.block_until_ready(fns[mode]())
+      times[mode].append(time.perf_counter() - start)
+  return {m: (float(np.median(times[m])), temp[m]) for m in MODES}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--reps", type=int, default=7)
+  parser.add_argument("--note", default="",
+                      help="appended to the result's note (e.g. the load)")
+  args = parser.parse_args()
+  rows = []
+
+  def mib(analysis):
+    return round(analysis.temp_size_in_bytes / 2**20, 1)
+
+  for window in (10, 35):
+    res = _timed(lambda w=window: (lambda f, m: (f, mib(m)))(
+        *_chunk_gradient(w)), args.reps)
+    rows.append({"case": "chunk", "label": f"chunk gradient, D = {window}",
+                 "window": window, "batch": 10, "length": 80,
+                 **{f"{m}_ms": round(1e3 * res[m][0], 2) for m in MODES},
+                 **{f"{m}_temp_mib": res[m][1] for m in MODES}})
+  res = _timed(_ptb_step, args.reps)
+  rows.append({"case": "ptb", "label": "PTB RNS 2-3 train step, D = 35",
+               "window": 35, "batch": 32, "length": 35,
+               **{f"{m}_ms": round(1e3 * res[m][0], 2) for m in MODES},
+               **{f"{m}_temp_mib": res[m][1] for m in MODES}})
+  print("| case | hand-written | autodiff | speed-up | temp memory, "
+        "hand-written / autodiff |")
+  print("|---|---|---|---|---|")
+  for r in rows:
+    r["speedup"] = round(r["autodiff_ms"] / r["custom_ms"], 2)
+    print(f"| {r['label']} | {r['custom_ms']:.1f} ms | "
+          f"{r['autodiff_ms']:.1f} ms | {r['speedup']:.2f}x | "
+          f"{r['custom_temp_mib']} / {r['autodiff_temp_mib']} MiB |")
+  info = machine.machine_info()
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  result = {**info, "device": machine.device_label(info), "dtype": "float32",
+            "reps": args.reps, "glibc_tunables": tunables,
+            "note": "median of interleaved calls in one process"
+                    + ("; huge pages (GLIBC_TUNABLES="
+                       f"{tunables})" if tunables else "; no huge pages")
+                    + (f"; {args.note}" if args.note else ""),
+            "rows": rows}
+  name = "window_vjp_huge_pages.json" if tunables else "window_vjp.json"
+  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
+                      result)
+
+
+if __name__ == "__main__":
+  main()
