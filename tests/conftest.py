@@ -26,6 +26,7 @@ The repository root is on sys.path through setup.cfg (`pythonpath = .`), so
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -53,8 +54,16 @@ _created_cache_dir = None
 
 
 def pytest_configure(config):
-  """Turns on the session's compilation cache (unless the user set one)."""
+  """Turns on the session's compilation cache (unless the user set one),
+  and takes Ctrl-C back if the session started with it ignored."""
   del config
+  # A non-interactive shell starts background jobs (`cmd &`, nohup) with
+  # SIGINT ignored, and the xdist workers and the tests' subprocesses
+  # inherit that: the Ctrl-C tests (checkpointing, main, reproduce) would
+  # see no interrupt. Their subject is our handling of SIGINT, so the
+  # session restores Python's.
+  if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
   global _created_cache_dir
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     return

@@ -129,6 +129,15 @@ def _controller(q, s):
   return step_fn
 
 
+def _controller_params(rng, q, s, dtype=np.float64):
+  """Random parameters of `_controller`'s step."""
+  shapes = {"wx": (_V, _H), "wr": (q * s, _H), "wh": (_H, _H),
+            "wa": (_H, q * s * (2 * q * s + q)), "wo": (_H, _V)}
+  params = {k: rng.normal(size=sh) for k, sh in shapes.items()}
+  params["wh"] *= 0.5
+  return {k: jnp.asarray(v, dtype) for k, v in params.items()}
+
+
 def _actions_of(q, s):
   # The log-weights _controller's step computes from its carry h.
   return lambda p, h: rns_stack.split_action_logits(h @ p["wa"] * 3, q, s,
@@ -141,11 +150,7 @@ def test_truncated_bptt(x64, fast_compile_test, boundary):
   rng = np.random.default_rng(3)
   step_fn = _controller(q, s)
   actions_of = _actions_of(q, s)
-  params = {"wx": rng.normal(size=(_V, _H)),
-            "wr": rng.normal(size=(q * s, _H)),
-            "wh": 0.5 * rng.normal(size=(_H, _H)),
-            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
-            "wo": rng.normal(size=(_H, _V))}
+  params = _controller_params(rng, q, s)
   h0 = jnp.zeros((b, _H))
   xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
   c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, q * s))
@@ -295,11 +300,7 @@ def test_hand_written_window_gradients_equal_autodiff(x64, monkeypatch,
     return jax.grad(loss, (0, 1, 2))(*acts)
 
   step_fn = _controller(q, s)
-  params = {"wx": rng.normal(size=(_V, _H)),
-            "wr": rng.normal(size=(q * s, _H)),
-            "wh": 0.5 * rng.normal(size=(_H, _H)),
-            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
-            "wo": rng.normal(size=(_H, _V))}
+  params = _controller_params(rng, q, s)
   h0 = jnp.asarray(rng.normal(size=(b, _H)))
   xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
   c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, q * s))
@@ -328,10 +329,7 @@ def test_chunk_gradient_keeps_two_slices_per_update(monkeypatch):
   # D × D window at every update, the reverse sweep one column and one row.
   q, s, b, t, window = 2, 2, 2, 48, 24
   step_fn = _controller(q, s)
-  rng = np.random.default_rng(0)
-  params = {k: jnp.asarray(rng.normal(size=sh), jnp.float32) for k, sh in
-            [("wx", (_V, _H)), ("wr", (q * s, _H)), ("wh", (_H, _H)),
-             ("wa", (_H, q * s * (2 * q * s + q))), ("wo", (_H, _V))]}
+  params = _controller_params(np.random.default_rng(0), q, s, np.float32)
   xs = jnp.zeros((b, t), jnp.int32)
 
   def temp_bytes(mode):
