@@ -68,9 +68,12 @@ authors' later experiments (§4.1). One difference from the authors, kept on
 purpose: the run-consistent bottom vector (the authors' code
 broadcasts v_⊥, §3.3: --config.broadcast_bottom_vector=True reproduces it).
 
-Cost: the (V)RNS stacks are O(n^3) per string; at lengths 40-80 an epoch of
-1000 batches takes hours on a CPU (benchmarks/vrns_stack.py), so run them
-on an accelerator. LSTM, JM and Gref pad to length buckets.
+Cost: the (V)RNS stacks are O(n^3) per string. Measured on 2 CPU cores
+(AMD EPYC, nothing else running): the first epoch of marked_reversal,
+vrns-2-3-3 (1000 batches of lengths 40-80, compilation of each length
+included, then validation) took 120 s (the log-space vector stack it ran
+on before took hours), so a run of up to 200 epochs takes hours on a CPU.
+LSTM, JM and Gref pad to length buckets.
 
 Expected: not yet measured (the paper's figures are plots of the best run).
 A bad argument is a one-line ValueError listing the valid forms.
