@@ -71,8 +71,10 @@ broadcasts v_⊥, §3.3: --config.broadcast_bottom_vector=True reproduces it).
 Cost: the (V)RNS stacks are O(n^3) per string. Measured on 2 CPU cores
 (AMD EPYC, nothing else running): the first epoch of marked_reversal,
 vrns-2-3-3 (1000 batches of lengths 40-80, compilation of each length
-included, then validation) took 120 s (the log-space vector stack it ran
-on before took hours), so a run of up to 200 epochs takes hours on a CPU.
+included, then validation) took 120 s; the log-space vector stack it ran
+on before took ~2.7 s per batch at n = 80 where the share sweep takes
+~0.03 s (benchmarks/vrns_stack.py). A run of up to 200 epochs still takes
+hours on a CPU.
 LSTM, JM and Gref pad to length buckets.
 
 Expected: not yet measured (the paper's figures are plots of the best run).
