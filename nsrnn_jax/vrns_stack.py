@@ -580,6 +580,15 @@ def run_coupled(step_fn, params, init_carry, xs, log_bottom_vector,
         int(num_symbols), precision)
   init = init_state(lv, t, int(num_states), int(num_symbols),
                     broadcast_bottom)
+  if not t:
+    # No update: ρ_0 alone, and outs [B, 0, ...] shaped as step_fn's.
+    x0 = jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct(
+        (l.shape[0],) + l.shape[2:], l.dtype), xs)
+    out = jax.eval_shape(lambda x: step_fn(params, init_carry, x, readings(
+        init, 0)[0])[2], x0)
+    outs = jax.tree_util.tree_map(
+        lambda o: jnp.zeros((b, 0) + o.shape[1:], o.dtype), out)
+    return (outs,) + readings(init)
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
   blocks = tuple(time_blocks_of(t, time_blocks))
   _, state, outs_T = _coupled(step_fn, params, init_carry, init, xs_T, blocks)

@@ -384,3 +384,26 @@ def test_share_sweep_under_pallas_update_kernels(monkeypatch):
   got = jax.grad(loss(False), tuple(range(5)))(*inputs)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("log_space,broadcast", [(False, False),
+                                                 (True, False), (True, True)])
+def test_no_updates_reads_the_bottom_vector(log_space, broadcast):
+  # T = 0: ρ_0 alone (e_{0,⊥} ⊗ v_⊥, or v_⊥ everywhere when broadcast), on
+  # every path; its gradient is that of ρ_0 in v_⊥.
+  b, q, s, m = 2, 2, 2, 3
+  acts = [jnp.zeros((b, 0) + sh) for sh in ((q, s, q, s), (q, s, q, s),
+                                            (q, s, q), (m,))]
+  lb = jnp.asarray(np.linspace(-1.0, 0.0, b * m).reshape(b, m), jnp.float32)
+  kw = {"log_space": log_space, "broadcast_bottom": broadcast}
+  rho, log_mass = vrns_stack.run(*acts, lb, **kw)
+  want = np.zeros((b, 1, q, s, m), np.float32)
+  if broadcast:
+    want[:] = np.exp(lb)[:, None, None, None]
+  else:
+    want[:, 0, 0, 0] = np.exp(lb)
+  np.testing.assert_allclose(rho, want, rtol=1e-6)
+  np.testing.assert_array_equal(log_mass, np.zeros((b, 1)))
+  grad = jax.grad(lambda v: jnp.sum(vrns_stack.run(*acts, v, **kw)[0]))(lb)
+  np.testing.assert_allclose(grad, np.exp(lb) * (q * s if broadcast else 1),
+                             rtol=1e-6)
