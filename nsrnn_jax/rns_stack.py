@@ -1447,7 +1447,13 @@ def run_coupled_vectors(step_fn: Callable[..., Any], params, init_carry, xs,
     (outs [B, T, ...], readings [B, T+1, Q, S, M], log_mass [B, T+1]):
     ρ_j = α̂_j ⊗ E_j and log Σα_j.
   """
-  b, t = jax.tree_util.tree_leaves(xs)[0].shape[:2]
+  leaves = jax.tree_util.tree_leaves(xs)
+  if not leaves or any(jnp.ndim(l) < 2 for l in leaves):
+    raise ValueError("xs must be a pytree of arrays [B, T, ...]")
+  if int(num_states) < 1 or int(num_symbols) < 1:
+    raise ValueError(f"num_states and num_symbols must be >= 1, got "
+                     f"{num_states}, {num_symbols}")
+  b = jnp.shape(leaves[0])[0]
   bottom_vector = jnp.asarray(bottom_vector)
   if bottom_vector.shape[:1] != (b,) or bottom_vector.ndim != 2:
     raise ValueError(f"bottom_vector must be [B={b}, M], got shape "

@@ -407,3 +407,17 @@ def test_no_updates_reads_the_bottom_vector(log_space, broadcast):
   grad = jax.grad(lambda v: jnp.sum(vrns_stack.run(*acts, v, **kw)[0]))(lb)
   np.testing.assert_allclose(grad, np.exp(lb) * (q * s if broadcast else 1),
                              rtol=1e-6)
+
+
+def test_share_sweep_bad_inputs_give_one_line_errors():
+  step = vrns_stack._given_actions  # pylint: disable=protected-access
+  xs = tuple(jnp.zeros((1, 2) + sh) for sh in ((2, 2, 2, 2), (2, 2, 2, 2),
+                                               (2, 2, 2), (3,)))
+  for args, match in [
+      ((xs, jnp.ones((2, 3)), 2, 2), "bottom_vector must be"),
+      ((jnp.zeros((3,)), jnp.ones((1, 3)), 2, 2), "xs must be"),
+      ((xs, jnp.ones((1, 3)), 0, 2), "num_states and num_symbols"),
+  ]:
+    with pytest.raises(ValueError, match=match) as info:
+      vrns_stack.rns_stack.run_coupled_vectors(step, (), (), *args)
+    assert "\n" not in str(info.value)
