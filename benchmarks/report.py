@@ -845,7 +845,8 @@ def corpus_step_block():
 
 REPRODUCE_WORKERS_FILES = ("reproduce_workers_5epochs.json",
                            "reproduce_workers_1epoch.json",
-                           "reproduce_workers_pinning.json")
+                           "reproduce_workers_pinning.json",
+                           "reproduce_workers_hardest_cfl_ns.json")
 
 
 def _table_over_files(files, header, rows_of):
@@ -870,7 +871,9 @@ def reproduce_workers_block():
       mode = r["mode"]
       if mode == "workers" and "speedup_against" not in d:
         mode += " (unpinned: measured before workers were pinned)"
-      rows.append(f"| `{name}` | {d['runs']} × {d['max_epochs']} epoch(s) | "
+      rows.append(f"| `{name}` | {d['runs']} × {d['max_epochs']} epoch(s) "
+                  f"of {d['model']} on {d['task']}, lr "
+                  f"{d['learning_rate']:g} | "
                   f"{mode} | `{r['flags']}` | {r['wall_s']:.1f} | "
                   f"{r['runs_per_hour']:.1f} | {speedup:.2f}× |")
     return rows
@@ -881,10 +884,9 @@ def reproduce_workers_block():
        "vs the file's first row |", "|---|---|---|---|---|---|---|"], rows_of)
   if not out:
     return "No reproduce_workers results yet.\n"
-  d = (_load("reproduce_workers_5epochs.json")
-       or _load("reproduce_workers_1epoch.json"))
-  out += ["", f"{d['model']} on {d['task']} at lr {d['learning_rate']:g}, "
-          f"{d['device']}, each file one run "
+  devices = sorted({_load(n)["device"] for n in REPRODUCE_WORKERS_FILES
+                    if _load(n) is not None})
+  out += ["", f"{', '.join(devices)}; each file one run "
           "(`benchmarks/results/reproduce_workers_*.json`)."]
   return "\n".join(out) + "\n"
 
