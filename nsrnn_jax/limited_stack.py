@@ -414,7 +414,12 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
                   reading: str = rns_stack.STATE, dtype=jnp.float32,
                   precision: str = "highest"):
   """The stack's side of `run_chunks` / `stream_chunk`: (update, read,
-  state0) for B strings (``update`` returns (state, (α̂_j, log Σα_j)))."""
+  state0) for B strings (``update`` returns (state, (α̂_j, log Σα_j))).
+
+  With WINDOW_VJP = "custom" (as when this is called), ``update`` carries
+  ``coupled_scan``: `stream_chunk` then runs a chunk's steps as
+  `_coupled_window_scan` (same values and gradients, O(L·D) memory).
+  """
   state0 = initial_state(batch, window, num_states, num_symbols, bottom,
                          dtype)
 
