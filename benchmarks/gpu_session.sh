@@ -54,6 +54,11 @@
 #   corpus     corpus train steps at PTB size (benchmarks/corpus_step.py:
 #              LSTM-256, RNS 2-3 and VRNS 1-5-20 with D = 35, one-hot input
 #              and input_lookup; README "Corpus language modelling")
+#   later      the later stacks' newest paths: the unlimited VRNS on the
+#              share sweep against the RNS and NS stacks
+#              (benchmarks/vrns_stack.py --compare, no git revision on the
+#              device) and the windowed stack's hand-written gradient
+#              against autodiff (benchmarks/window_vjp.py)
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
 # a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
@@ -80,9 +85,9 @@ DEADLINE=${DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile pallas_scale residuals corpus)
+[ ${#phases[@]} -eq 0 ] && phases=(tests ns baselines scale precision cmdbuf profile fewerops contractions pallas pallas_profile pallas_scale residuals corpus later)
 for p in "${phases[@]}"; do
-  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile|pallas_scale|residuals|corpus) ;;
+  case "$p" in tests|ns|baselines|scale|precision|cmdbuf|profile|fewerops|contractions|pallas|pallas_profile|pallas_scale|residuals|corpus|later) ;;
     *) echo "error: unknown phase $p" >&2; exit 2 ;; esac
 done
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -210,6 +215,12 @@ for p in "${phases[@]}"; do
       bench "corpus train steps at PTB size, one-hot input vs lookup" 150 -- \
         benchmarks/corpus_step.py --models=lstm,rns,vrns --reps=5 \
         --out "$OUT/corpus_step_gpu.json" ;;
+    later)
+      bench "VRNS share sweep against the RNS and NS stacks, n = 80" 120 -- \
+        benchmarks/vrns_stack.py --compare --reps=7 \
+        --out "$OUT/vrns_stack_speed_gpu.json"
+      bench "windowed stack: hand-written gradient against autodiff" 150 -- \
+        benchmarks/window_vjp.py --reps=7 --out "$OUT/window_vjp_gpu.json" ;;
   esac
 done
 log "done"

@@ -190,14 +190,15 @@ def compare(args):
          "load_average_1min": load,
          "note": f"{args.note}; calls interleaved in one process, compare "
                  "ratios", "rows": rows, "ratios": ratios}
-  path = os.path.join(_ROOT, "benchmarks", "results", "vrns_stack_speed.json")
+  path = args.out or os.path.join(_ROOT, "benchmarks", "results",
+                                  "vrns_stack_speed.json")
   with open(path, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=2)
     f.write("\n")
   print(f"wrote {path}")
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--batch", type=int, default=10)
@@ -210,7 +211,15 @@ def main():
                       help="how the machine was used, saved in the JSON")
   parser.add_argument("--length", type=int, default=80,
                       help="string length n of --compare (T = n - 1)")
-  args = parser.parse_args()
+  parser.add_argument("--out", default=None,
+                      help="output JSON (default: benchmarks/results/"
+                      "vrns_stack_speed.json with --compare, else "
+                      "vrns_stack[_quick].json)")
+  return parser
+
+
+def main():
+  args = build_parser().parse_args()
   if args.compare:
     compare(args)
     return
@@ -248,7 +257,7 @@ def main():
          "dtype": "float32",
          "note": f"{args.note}; compare ratios within a run", "rows": rows}
   name = "vrns_stack_quick.json" if args.quick else "vrns_stack.json"
-  path = os.path.join(_ROOT, "benchmarks", "results", name)
+  path = args.out or os.path.join(_ROOT, "benchmarks", "results", name)
   with open(path, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=2)
     f.write("\n")

@@ -15,7 +15,7 @@ interleaved in one process:
   and SGD update of one BPTT chunk.
 
 Usage:
-  python benchmarks/window_vjp.py [--reps=7] [--note=...]
+  python benchmarks/window_vjp.py [--reps=7] [--note=...] [--out=...]
 Prints a table and writes benchmarks/results/window_vjp.json, or
 window_vjp_huge_pages.json when run as corpus training runs, with huge pages
 (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, `cli.reexec_with_huge_pages`).
@@ -90,12 +90,19 @@ def _timed(builders, reps):
   return {m: (float(np.median(times[m])), temp[m]) for m in MODES}
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")
-  args = parser.parse_args()
+  parser.add_argument("--out", default=None,
+                      help="output JSON (default: benchmarks/results/"
+                      "window_vjp[_huge_pages].json)")
+  return parser
+
+
+def main():
+  args = build_parser().parse_args()
   rows = []
 
   def mib(analysis):
@@ -131,8 +138,8 @@ def main():
                     + (f"; {args.note}" if args.note else ""),
             "rows": rows}
   name = "window_vjp_huge_pages.json" if tunables else "window_vjp.json"
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
-                      result)
+  machine.save_result(
+      args.out or os.path.join(_ROOT, "benchmarks", "results", name), result)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def test_the_command_reader_finds_each_benchmark_phase():
   scripts = {argv[0] for _, argv in commands}
   assert scripts == {"benchmarks/train_step.py", "benchmarks/scale.py",
                      "benchmarks/profile_step.py",
-                     "benchmarks/corpus_step.py"}
+                     "benchmarks/corpus_step.py", "benchmarks/vrns_stack.py",
+                     "benchmarks/window_vjp.py"}
 
 
 def test_the_reader_catches_a_bad_flag(load_benchmark):
