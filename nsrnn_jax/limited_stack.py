@@ -129,13 +129,8 @@ def _window_update(g, head, a_prev, push, repl, pop, precision):
 
 
 def _window_update_fwd(g, head, a_prev, push, repl, pop, precision):
-  prec = rns_stack.lax_precision(precision)
-  prev = lax.dynamic_index_in_dim(g, head, axis=2, keepdims=False)
-  cs = jnp.sum(g, axis=(4, 5, 6))
-  col, mt, a_hat, inc, res = rns_stack._local(  # pylint: disable=protected-access
-      prev, cs, head, a_prev, push, repl, pop, prec, ring=True,
-      residuals=True)
-  col = col + rns_stack._pop_matmul(g, mt, prec)  # pylint: disable=protected-access
+  col, a_hat, inc, (cs, mt, res) = rns_stack.update(
+      g, head, a_prev, push, repl, pop, precision, ring=True, residuals=True)
   out = (_ring_write(g, col, (head + 1) % g.shape[2]), a_hat, inc)
   return out, (g, head, cs, mt, res, a_hat)
 
@@ -193,13 +188,6 @@ _window_update.defvjp(_window_update_fwd, _window_update_bwd)
 # slices the update overwrote: `_coupled_window_scan` saves those (L·D) and
 # sweeps the chunk in reverse with the window as a carry, differentiating
 # each update with `_window_update_bwd` and the controller with `jax.vjp`.
-
-
-def _split_xs(x):
-  """(leaves, treedef, float mask, float leaves) of one step's inputs."""
-  leaves, treedef = jax.tree_util.tree_flatten(x)
-  is_f = [jnp.issubdtype(jnp.result_type(l), jnp.floating) for l in leaves]
-  return leaves, treedef, is_f, [l for l, f in zip(leaves, is_f) if f]
 
 
 def _controller_step(step_fn, reading, params, ctrl, x, a_prev):
@@ -262,13 +250,10 @@ def _window_scan_bwd(step_fn, reading, precision, resid, cts):
     g = lax.dynamic_update_index_in_dim(g, old_col, nxt, axis=2)
     g_ct, _, d_a, *d_acts = _window_update_bwd(
         precision, (g, head, cs, mt, res, a_hat), (g_ct, a_ct, lm_ct))
-    leaves, treedef, is_f, xf = _split_xs(x)
+    xf, merge = rns_stack.float_inputs(x)
 
     def ctrl(p, c, ap, xf):
-      it = iter(xf)
-      xx = jax.tree_util.tree_unflatten(
-          treedef, [next(it) if f else l for l, f in zip(leaves, is_f)])
-      return _controller_step(step_fn, reading, p, c, xx, ap)
+      return _controller_step(step_fn, reading, p, c, merge(xf), ap)
 
     _, vjp = jax.vjp(ctrl, params, ctrl_prev, a_prev, xf)
     dp, dc, d_a_ctrl, dxf = vjp((ctrl_ct, tuple(d_acts), out_ct))
@@ -280,11 +265,7 @@ def _window_scan_bwd(step_fn, reading, precision, resid, cts):
   (_, g_ct, ctrl_ct, a_ct, lm_ct, p_ct), dxf_T = lax.scan(
       body, init, (xs_T, outs_ct, a_hats_ct, lms_ct, a_hats, saved),
       reverse=True)
-  leaves, treedef, is_f, _ = _split_xs(xs_T)
-  it = iter(dxf_T)
-  xs_ct = jax.tree_util.tree_unflatten(treedef, [
-      next(it) if f else np.zeros(jnp.shape(l), jax.dtypes.float0)
-      for l, f in zip(leaves, is_f)])
+  xs_ct = rns_stack.inputs_cotangent(xs_T, dxf_T)
   state0_ct = WindowState(g_ct, a_ct, lm_ct, np.zeros((), jax.dtypes.float0))
   return p_ct, ctrl_ct, state0_ct, xs_ct
 

@@ -668,7 +668,8 @@ def _pop_matmul(g, mt, prec):
 
 
 def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
-           pop_BxQxSxQ, precision="highest", ring=False, vectors=None):
+           pop_BxQxSxQ, precision="highest", ring=False, vectors=None,
+           residuals=False):
   """One update j on a share table.
 
   Args:
@@ -693,6 +694,8 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       cutoff time a on the window's time axis (A = N slots), all that the
       reading and the window's row limit need, Q·S times smaller than Z.
       Its new column costs one more replace mix and pop matmul.
+    residuals: also return what `_local_bwd` needs to differentiate the
+      update by hand (`limited_stack`'s window VJP).
 
   Returns:
     (col_BxYxRxNxQxX, a_hat_BxQxS, inc_B): column j on the same row axis
@@ -701,7 +704,9 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     inc = log Σα_j − (the constant of a_prev), so that with a normalised
     a_prev, log Σα_j = log Σα_{j−1} + inc. Dead (all-zero) α_j gives
     α̂_j = −inf and inc = −inf. With `vectors`: (col, col_v, a_hat, inc),
-    col_v [b, y, r, A, M] the vector table's column j.
+    col_v [b, y, r, A, M] the vector table's column j. With `residuals`,
+    a last entry (cs, mt, res): the column sums it read, M̃ and `_local`'s
+    residuals.
 
   Why the shift m: in float32, log-weights like −1e4 or +50·j lose their
   fractional digits when added to anything; every exponent below is formed
@@ -725,12 +730,15 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
                      vec)
   parts = _local(prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS,
                  repl_BxQxSxQxS, pop_BxQxSxQ, prec, ring,
-                 vectors=local_vectors)
+                 residuals=residuals, vectors=local_vectors)
   col, mt, a_hat, inc = parts[:4]
   col = col + _pop_matmul(g, mt, prec)
-  if vectors is None:
-    return col, a_hat, inc
-  return col, parts[4] + _pop_matmul(gv, mt, prec), a_hat, inc
+  out = (col, a_hat, inc)
+  if vectors is not None:
+    out = (col, parts[-1] + _pop_matmul(gv, mt, prec), a_hat, inc)
+  if residuals:
+    out += ((colsum, mt, parts[4]),)
+  return out
 
 
 # ---------------------------------------------------------------------------
@@ -1184,6 +1192,33 @@ def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
+def float_inputs(x):
+  """(float leaves of pytree x, merge): what a VJP over one step's inputs
+  differentiates; ``merge(float_leaves)`` rebuilds x with the others (ids)
+  as they were. Shared by the reverse sweeps that re-run controller steps
+  (`run_coupled_vectors`, `limited_stack`'s window)."""
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  is_f = [jnp.issubdtype(jnp.result_type(l), jnp.floating) for l in leaves]
+
+  def merge(xf):
+    it = iter(xf)
+    return jax.tree_util.tree_unflatten(
+        treedef, [next(it) if f else l for l, f in zip(leaves, is_f)])
+
+  return [l for l, f in zip(leaves, is_f) if f], merge
+
+
+def inputs_cotangent(xs, float_cts):
+  """xs's cotangent: `float_cts` (its float leaves' cotangents, in order,
+  shaped as those leaves; None: zeros) and float0 for the other leaves."""
+  leaves, treedef = jax.tree_util.tree_flatten(xs)
+  it = iter(float_cts or ())
+  return jax.tree_util.tree_unflatten(treedef, [
+      (next(it) if float_cts is not None else jnp.zeros_like(l))
+      if jnp.issubdtype(jnp.result_type(l), jnp.floating)
+      else _zero_cotangent(l) for l in leaves])
+
+
 def _coupled_bwd(step_fn, q, s, bottom, reading, precision, unroll, res,
                  cts):
   """Reverse sweep: vjp of (controller step j + update j's local part)."""
@@ -1357,8 +1392,6 @@ def _coupled_vectors_bwd(step_fn, q, s, precision, unroll, res, cts):
   params, xs, gv, g, cs, la, ctrls, mt, lres = res
   outs_ct, la_ct, lm_ct, e_ct = cts
   prec = lax_precision(precision)
-  x_leaves, x_def = jax.tree_util.tree_flatten(xs)
-  is_f = [jnp.issubdtype(jnp.result_type(l), jnp.floating) for l in x_leaves]
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
   zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
   gv_bar = jnp.zeros_like(gv).at[:, :, 1:, :, 0].set(
@@ -1370,16 +1403,12 @@ def _coupled_vectors_bwd(step_fn, q, s, precision, unroll, res, cts):
     n = prev.shape[3]
     e_prev = lax.dynamic_index_in_dim(gv, j, axis=2, keepdims=False)
     e_bar = lax.dynamic_index_in_dim(gv_bar, j + 1, axis=2, keepdims=False)
-    leaves = jax.tree_util.tree_leaves(x)
+    xf, merge = float_inputs(x)
 
     def ctrl(p, c, ap, ep, xf):
-      it = iter(xf)
-      xx = jax.tree_util.tree_unflatten(
-          x_def, [next(it) if f else l for l, f in zip(leaves, is_f)])
-      new_ctrl, acts, out = step_fn(p, c, xx, _vector_reading(ap, ep))
+      new_ctrl, acts, out = step_fn(p, c, merge(xf), _vector_reading(ap, ep))
       return new_ctrl, out, acts
 
-    xf = [l for l, f in zip(leaves, is_f) if f]
     (_, _, (_, _, _, log_v)), ctrl_vjp = jax.vjp(
         ctrl, params, ctrl_prev, a_prev, e_prev, xf)
     v = jnp.exp(log_v)
@@ -1408,11 +1437,8 @@ def _coupled_vectors_bwd(step_fn, q, s, precision, unroll, res, cts):
       g, cs, la, mt, lres, (xs_T, ctrls, outs_ct, mt), la_ct,
       _increment_cotangents(lm_ct), local_vjp,
       (zeros(params), zeros(ctrl_last), gv_bar), prec, unroll)
-  it = iter(dxf_T or ())
-  xs_ct = jax.tree_util.tree_unflatten(x_def, [
-      (jnp.swapaxes(next(it), 0, 1) if dxf_T is not None
-       else jnp.zeros_like(l)) if f else _zero_cotangent(l)
-      for l, f in zip(x_leaves, is_f)])
+  xs_ct = inputs_cotangent(xs, None if dxf_T is None else [
+      jnp.swapaxes(d, 0, 1) for d in dxf_T])
   return p_bar, c_bar, gv_bar[:, 0, 1, 0, 0], xs_ct
 
 
