@@ -60,6 +60,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from nsrnn_jax import reproduce
+from nsrnn_jax import run_records
 
 # rns-vrns-reference.md §4.3.
 LEARNING_RATE_RANGE = (5e-4, 1e-2)
@@ -107,13 +108,13 @@ def grid_learning_rates(num_runs: int) -> list[float]:
 def _check_num_runs(num_runs) -> None:
   if isinstance(num_runs, bool) or not isinstance(num_runs, int) or (
       num_runs < 1):
-    raise reproduce.ReproduceError(f"--runs must be a positive integer, got "
+    raise run_records.ReproduceError(f"--runs must be a positive integer, got "
                                    f"{num_runs!r}")
 
 
 def _check_protocol(protocol: str) -> None:
   if protocol not in PROTOCOLS:
-    raise reproduce.ReproduceError(
+    raise run_records.ReproduceError(
         f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
 
 
@@ -130,7 +131,7 @@ def _workdir_protocol(workdir: str) -> Optional[str]:
         with open(path) as f:
           return json.load(f)["protocol"]
       except (OSError, ValueError, KeyError, TypeError):
-        raise reproduce.ReproduceError(
+        raise run_records.ReproduceError(
             f"{path} is unreadable; it names the protocol of the workdir's "
             "runs") from None
   return None
@@ -139,7 +140,7 @@ def _workdir_protocol(workdir: str) -> Optional[str]:
 def _later_module():
   """configs/later.py, loaded afresh (edits to it are seen by the next call)."""
   return reproduce.load_module(
-      os.path.join(reproduce.REPO_ROOT, "configs", "later.py"))
+      os.path.join(run_records.REPO_ROOT, "configs", "later.py"))
 
 
 def _later_config(task: str, model: str, module=None):
@@ -148,7 +149,7 @@ def _later_config(task: str, model: str, module=None):
     return reproduce.call_with_repo_on_path(module.get_config,
                                             f"{task},{model}")
   except ValueError as e:
-    raise reproduce.ReproduceError(str(e)) from None
+    raise run_records.ReproduceError(str(e)) from None
 
 
 def models_for(task: str, models: Sequence[str], module=None,
@@ -161,7 +162,7 @@ def models_for(task: str, models: Sequence[str], module=None,
   """
   if list(models) != [PAPER]:
     if PAPER in models:
-      raise reproduce.ReproduceError("--models=paper stands alone (the "
+      raise run_records.ReproduceError("--models=paper stands alone (the "
                                      "paper's models of each task)")
     return tuple(models)
   try:
@@ -170,7 +171,7 @@ def models_for(task: str, models: Sequence[str], module=None,
         module.iclr2022_models if protocol == ICLR2022
         else module.paper_models, task))
   except ValueError as e:
-    raise reproduce.ReproduceError(f"--models=paper: {e}") from None
+    raise run_records.ReproduceError(f"--models=paper: {e}") from None
 
 
 def run_config(task: str, model: str, run_index: int, learning_rate: float,
@@ -183,23 +184,23 @@ def run_config(task: str, model: str, run_index: int, learning_rate: float,
   config = _later_config(task, model, module)
   with config.unlocked():
     config.learning_rate = float(learning_rate)
-    seed = reproduce.BASE_SEED + run_index
+    seed = run_records.BASE_SEED + run_index
     config.data_seed = config.param_seed = config.shuffle_seed = seed
     config.progress_bar = False
     for field, value in dict(overrides).items():
       if field not in config:
-        raise reproduce.ReproduceError(f"--set {field}: unknown config field "
+        raise run_records.ReproduceError(f"--set {field}: unknown config field "
                                        "(fields: configs/default.py)")
       config[field] = value
   try:
     train.validate_config(config)
   except ValueError as e:
-    raise reproduce.ReproduceError(str(e)) from None
+    raise run_records.ReproduceError(str(e)) from None
   return config
 
 
 def _spec(task, model, k, lr):
-  # The fields reproduce.make_record reads.
+  # The fields run_records.make_record reads.
   return types.SimpleNamespace(task=task, model=model, setting=f"run_{k}",
                                learning_rate=lr, stack_size=None, restart=k)
 
@@ -208,9 +209,9 @@ def _parse_list(value, what) -> list[str]:
   items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(
       value, str) else list(value)
   if not items:
-    raise reproduce.ReproduceError(f"{what} is empty")
+    raise run_records.ReproduceError(f"{what} is empty")
   if len(set(items)) != len(items):
-    raise reproduce.ReproduceError(f"{what} repeats an entry: {value!r}")
+    raise run_records.ReproduceError(f"{what} repeats an entry: {value!r}")
   return items
 
 
@@ -229,7 +230,7 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
   out = out or sys.stdout
   _check_protocol(protocol)
   if protocol == ICLR2022 and seed is not None:
-    raise reproduce.ReproduceError(
+    raise run_records.ReproduceError(
         "--seed draws the iclr2023 learning rates; iclr2022 runs the grid "
         f"{', '.join(map(str, ICLR2022_LEARNING_RATES))} (no draws)")
   # configs/later.py is loaded once for the whole plan (1610 configs for
@@ -242,7 +243,7 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
     from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
     tasks = list(tasks_ncf.TASKS)
   elif PAPER in tasks:
-    raise reproduce.ReproduceError("--task=paper stands alone (every task "
+    raise run_records.ReproduceError("--task=paper stands alone (every task "
                                    "of the paper)")
   models = _parse_list(models, "--models")
   if num_runs is None:
@@ -251,7 +252,7 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
            else learning_rates(num_runs, seed or 0))
   held = _workdir_protocol(workdir)
   if held is not None and held != protocol:
-    raise reproduce.ReproduceError(
+    raise run_records.ReproduceError(
         f"{workdir} holds {held} runs; run --protocol={protocol} in another "
         "--workdir")
   plan = [(k, t, m) for k in range(num_runs) for t in tasks
@@ -259,10 +260,10 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
   # Every config is built (and checked) before the first run starts.
   configs = {(k, t, m): run_config(t, m, k, rates[k], overrides, module)
              for k, t, m in plan}
-  reproduce.write_json_atomic(os.path.join(workdir, PROTOCOL_FILE),
+  run_records.write_json_atomic(os.path.join(workdir, PROTOCOL_FILE),
                               {"protocol": protocol})
   records_dir = os.path.join(workdir, RECORDS_DIR)
-  hw = reproduce.hardware()
+  hw = run_records.hardware()
   for i, (k, t, m) in enumerate(plan, start=1):
     run_dir = os.path.join(workdir, t, m, f"run_{k}")
     record_path = os.path.join(records_dir, t, m, f"restart_{k}.json")
@@ -273,12 +274,12 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
       if not results.get("finished"):
         print(f"stopped in {name}; rerun the command to continue", file=out)
         break
-      record = reproduce.make_record(_spec(t, m, k, rates[k]), run_dir,
+      record = run_records.make_record(_spec(t, m, k, rates[k]), run_dir,
                                      overrides, hw)
       record["protocol"] = protocol if not overrides else "custom"
-      reproduce.write_json_atomic(record_path, record)
-  rows = summarize(reproduce.load_records(records_dir))
-  reproduce.write_json_atomic(os.path.join(workdir, SUMMARY_FILE),
+      run_records.write_json_atomic(record_path, record)
+  rows = summarize(run_records.load_records(records_dir))
+  run_records.write_json_atomic(os.path.join(workdir, SUMMARY_FILE),
                               {"protocol": protocol, "rows": rows})
   return rows
 
@@ -447,7 +448,7 @@ def save_best_run_plots(records: Sequence[Mapping[str, Any]], workdir: str
   out_dir = os.path.join(workdir, BEST_RUNS_DIR)
   os.makedirs(out_dir, exist_ok=True)
   for task, task_curves in curves.items():
-    reproduce.write_json_atomic(os.path.join(out_dir, f"{task}.json"),
+    run_records.write_json_atomic(os.path.join(out_dir, f"{task}.json"),
                                 {"task": task, "models": task_curves})
     plot_best_runs(task, task_curves).savefig(
         os.path.join(out_dir, f"{task}.png"), dpi=120)
@@ -543,17 +544,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     records_dir = os.path.join(args.workdir, RECORDS_DIR)
     if args.report:
-      records = reproduce.load_records(records_dir)
+      records = run_records.load_records(records_dir)
       rows = summarize(records)
     else:
       if not args.task or not args.models:
-        raise reproduce.ReproduceError("--task and --models are required "
+        raise run_records.ReproduceError("--task and --models are required "
                                        "(or --report)")
       rows = run(args.task, args.models, args.workdir, args.runs, args.seed,
                  reproduce.parse_overrides(args.set),
                  protocol=args.protocol)
-      records = reproduce.load_records(records_dir)
-  except (reproduce.ReproduceError, ValueError) as e:
+      records = run_records.load_records(records_dir)
+  except (run_records.ReproduceError, ValueError) as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
   print(render_table(rows))

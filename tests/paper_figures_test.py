@@ -3,7 +3,7 @@
 The parser is checked on a synthetic LaTeX source built here from known
 curves, the committed data against the paper's headline numbers that
 reference-behaviour.md section 10 read off the same figures (the constants
-`reproduce.PAPER_VALID` / `PAPER_TEST`, curve lengths and the lengths
+`reproduction_report.PAPER_VALID` / `PAPER_TEST`, curve lengths and the lengths
 present), and the figures against the curves they are given.
 """
 
@@ -15,7 +15,8 @@ import pytest
 
 from nsrnn_jax import paper_figures
 from nsrnn_jax import plots
-from nsrnn_jax import reproduce
+from nsrnn_jax import reproduction_report
+from nsrnn_jax import run_records
 
 
 def _figure_file(kind, task, curves, legends=True):
@@ -134,25 +135,25 @@ def test_committed_data_gives_the_papers_headline_numbers():
   data = paper_figures.load()
   assert data is not None, "results/paper_figures.json is missing"
   # The source has no training figure of unmarked or padded reversal.
-  assert set(data["train"]) == {t for t, v in reproduce.PAPER_VALID.items()
+  assert set(data["train"]) == {t for t, v in reproduction_report.PAPER_VALID.items()
                                 if v is not None} == set(_EPOCHS)
-  assert set(data["test"]) == set(reproduce.TASKS)
+  assert set(data["test"]) == set(run_records.TASKS)
   for task, models in data["train"].items():
-    assert set(models) == set(reproduce.MODELS)
+    assert set(models) == set(run_records.MODELS)
     for model, c in models.items():
       assert c["x"] == list(range(1, _EPOCHS[task][model] + 1))
-      mean, std = reproduce.PAPER_VALID[task][model]
+      mean, std = reproduction_report.PAPER_VALID[task][model]
       # Section 10 rounded to 4 places (marked JM: 0.033848 written 0.0339).
       assert abs(c["mean"][-1] - mean) <= 1e-4, (task, model)
       assert abs(c["std"][-1] - std) <= 1e-4, (task, model)
   for task, models in data["test"].items():
-    assert set(models) == set(reproduce.MODELS)
+    assert set(models) == set(run_records.MODELS)
     for model, c in models.items():
       assert c["x"] == list(_LENGTHS[task])
       x, mean = np.asarray(c["x"]), np.asarray(c["mean"])
       assert np.all(np.asarray(c["std"]) >= 0)
-      for (lo, hi), want in zip(reproduce.TEST_BINS,
-                                reproduce.PAPER_TEST[task][model]):
+      for (lo, hi), want in zip(reproduction_report.TEST_BINS,
+                                reproduction_report.PAPER_TEST[task][model]):
         got = mean[(x >= lo) & (x <= hi)].mean()
         assert abs(got - want) <= 5.01e-5, (task, model, lo, got, want)
 
@@ -183,7 +184,7 @@ def test_figures_draw_the_reference_dashed_in_each_models_colour():
 def test_report_refuses_corrupt_paper_data(tmp_path):
   results = tmp_path / "results"
   results.mkdir()
-  (results / reproduce.PAPER_FIGURES_FILE).write_text("[1, 2")
-  with pytest.raises(reproduce.ReproduceError, match="unreadable"):
-    reproduce.write_report(str(results), str(tmp_path / "docs" / "r.md"))
+  (results / reproduction_report.PAPER_FIGURES_FILE).write_text("[1, 2")
+  with pytest.raises(run_records.ReproduceError, match="unreadable"):
+    reproduction_report.write_report(str(results), str(tmp_path / "docs" / "r.md"))
   assert not os.path.exists(tmp_path / "docs")

@@ -1,4 +1,6 @@
-"""Tests of nsrnn_jax.reproduce: protocol, budget/resume, records, report.
+"""Tests of nsrnn_jax.reproduce: protocol, budget/resume, workers, records.
+
+The report has its own tests (reproduction_report_test.py).
 
 Runs use the LSTM on short marked-reversal strings (a tiny override of the
 paper's config), so each takes seconds; the protocol's arithmetic (grid size,
@@ -8,7 +10,6 @@ seeds, selection) is checked on the full-size plan without training.
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,9 +19,10 @@ import jax
 import numpy as np
 import pytest
 
-from nsrnn_jax import paper_figures
 from nsrnn_jax import parallel
 from nsrnn_jax import reproduce
+from nsrnn_jax import run_records
+from fake_records import fake_record  # tests/fake_records.py, on sys.path under pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,8 +49,8 @@ def _tiny_run(tmp_path, name, task="marked_reversal", **kwargs):
 
 
 def test_full_plan_is_the_papers_grid():
-  runs = reproduce.plan("dyck", reproduce.MODELS)
-  counts = {m: sum(r.model == m for r in runs) for m in reproduce.MODELS}
+  runs = run_records.plan("dyck", run_records.MODELS)
+  counts = {m: sum(r.model == m for r in runs) for m in run_records.MODELS}
   # 4 lr x 5 restarts; JM and Gref also x 3 values of m (ref. section 9).
   assert counts == {"lstm": 20, "jm": 60, "gref": 60, "ns": 20}
   assert len({r.record_path for r in runs}) == 160
@@ -58,17 +60,17 @@ def test_full_plan_is_the_papers_grid():
 
 
 def test_restart_ids_keep_only_those_restarts_with_their_seeds():
-  full = reproduce.plan("dyck", ("lstm", "ns"), restarts=3)
-  part = reproduce.plan("dyck", ("lstm", "ns"), restarts=3, restart_ids=[2])
+  full = run_records.plan("dyck", ("lstm", "ns"), restarts=3)
+  part = run_records.plan("dyck", ("lstm", "ns"), restarts=3, restart_ids=[2])
   assert part == [r for r in full if r.restart == 2] and len(part) == 8
   # The same run (and so the same seeds and record path) as in the full plan.
   seeds = lambda c: (c.data_seed, c.param_seed, c.shuffle_seed)
   assert seeds(reproduce.run_config(part[0])) == (3, 3, 3)
 
 
-@pytest.mark.parametrize("task,shape", sorted(reproduce.NS_SHAPES.items()))
+@pytest.mark.parametrize("task,shape", sorted(run_records.NS_SHAPES.items()))
 def test_ns_runs_use_the_papers_q_and_s(task, shape):
-  spec = reproduce.RunSpec(task, "ns", 0.001, None, 2)
+  spec = run_records.RunSpec(task, "ns", 0.001, None, 2)
   config = reproduce.run_config(spec)
   assert (config.num_states, config.num_stack_symbols) == shape
   assert config.task == task and config.learning_rate == 0.001
@@ -76,7 +78,7 @@ def test_ns_runs_use_the_papers_q_and_s(task, shape):
 
 def test_restarts_have_their_own_seeds_and_settings_are_paired():
   seeds = {}
-  for spec in reproduce.plan("padded_reversal", ("jm",), restarts=3):
+  for spec in run_records.plan("padded_reversal", ("jm",), restarts=3):
     c = reproduce.run_config(spec)
     assert c.stack_embedding_size == spec.stack_size
     seeds.setdefault(spec.restart, set()).add(
@@ -114,7 +116,7 @@ def test_budget_stops_at_an_epoch_and_a_rerun_finishes_identically(
     tmp_path, monkeypatch):
   whole = _tiny_run(tmp_path, "whole")
   assert whole["finished"]
-  reference = reproduce.load_records(str(tmp_path / "whole_results"))
+  reference = run_records.load_records(str(tmp_path / "whole_results"))
   assert len(reference) == 1
 
   # A budget that has run out after the first epoch: stop there.
@@ -135,7 +137,7 @@ def test_budget_stops_at_an_epoch_and_a_rerun_finishes_identically(
   assert "stopped at the budget" in text and "Continue with:" in text
   run_dir = tmp_path / "split" / "lstm" / "lr_0.01" / "restart_0"
   assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
-  assert not reproduce.load_records(str(tmp_path / "split_results"))
+  assert not run_records.load_records(str(tmp_path / "split_results"))
   # A budget already spent starts nothing.
   spent = _tiny_run(tmp_path, "split", budget_minutes=1e-9, out=Out())
   assert not spent["finished"]
@@ -143,7 +145,7 @@ def test_budget_stops_at_an_epoch_and_a_rerun_finishes_identically(
 
   second = _tiny_run(tmp_path, "split")
   assert second["finished"]
-  (record,) = reproduce.load_records(str(tmp_path / "split_results"))
+  (record,) = run_records.load_records(str(tmp_path / "split_results"))
   (ref,) = reference
   # Resumed training equals the uninterrupted run, epoch by epoch.
   for key in ("valid_ce_diff", "train_loss", "learning_rate"):
@@ -165,7 +167,7 @@ def test_budget_stops_at_an_epoch_and_a_rerun_finishes_identically(
 
 
 def record_path(record):
-  spec = reproduce.RunSpec(record["task"], record["model"],
+  spec = run_records.RunSpec(record["task"], record["model"],
                            record["learning_rate"], record["stack_size"],
                            record["restart"])
   return spec.record_path
@@ -229,7 +231,7 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path, sig):
   rerun = _cli(flags)
   out, err = rerun.communicate(timeout=300)
   assert rerun.returncode == 0, err[-1000:]
-  (record,) = reproduce.load_records(str(results))
+  (record,) = run_records.load_records(str(results))
   assert [e["epoch"] for e in record["epochs"]] == list(
       range(1, record["num_epochs"] + 1))
 
@@ -241,7 +243,7 @@ def test_restart_ids_train_and_record_only_those_restarts(tmp_path):
                      overrides={**TINY, "max_epochs": 1})
   assert result["finished"]
   assert result["done"] == ["lstm/lr_0.01/restart_1"]
-  (record,) = reproduce.load_records(str(tmp_path / "one_results"))
+  (record,) = run_records.load_records(str(tmp_path / "one_results"))
   assert record["restart"] == 1 and record["config"]["data_seed"] == 2
 
 
@@ -252,7 +254,7 @@ def test_restart_ids_on_the_model_axis_train_only_those_restarts(tmp_path):
   assert result["finished"] and result["done"] == ["lstm/lr_0.01/restart_2"]
   group = tmp_path / "axis" / "lstm" / "lr_0.01"
   assert sorted(os.listdir(group)) == ["restart_2"]
-  (record,) = reproduce.load_records(str(tmp_path / "axis_results"))
+  (record,) = run_records.load_records(str(tmp_path / "axis_results"))
   assert record["restart"] == 2 and record["config"]["data_seed"] == 3
 
 
@@ -267,7 +269,7 @@ def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
                             f"--results={results}"])
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err[-1000:]
-  (record,) = reproduce.load_records(str(results))
+  (record,) = run_records.load_records(str(results))
   assert record["hardware"]["num_devices"] == 2
   assert record["num_epochs"] == 2
   assert "2 device(s)" in out + err
@@ -354,171 +356,6 @@ def test_workdir_of_another_task_or_config_is_refused(tmp_path, capsys):
 # ---------------------------------------------------------------------------
 
 
-def fake_record(task, model, lr, restart, best, last, stack_size=None,
-                test_in=None, test_out=None):
-  spec = reproduce.RunSpec(task, model, lr, stack_size, restart)
-  test = None
-  if test_in is not None:
-    lengths = list(range(40, 101))
-    test = {"lengths": lengths,
-            "ce_diff": [test_in if n <= 80 else test_out for n in lengths]}
-  return {"format": reproduce.RECORD_FORMAT, "task": task, "model": model,
-          "setting": spec.setting, "learning_rate": lr,
-          "stack_size": stack_size, "restart": restart, "protocol": "paper",
-          "overrides": {}, "epochs": [{"epoch": 1, "valid_ce_diff": 0.3},
-                                      {"epoch": 2, "valid_ce_diff": last}],
-          "num_epochs": 2, "best_epoch": 2, "best_valid_ce_diff": best,
-          "last_valid_ce_diff": last, "test": test, "train_time_s": 600.0,
-          "hardware": {"backend": "cpu", "device_kind": "cpu",
-                       "cpu_count": 2}}
-
-
-def test_report_says_which_stack_table_the_ns_runs_used():
-  old = fake_record("dyck", "ns", 0.005, 0, 0.01, 0.01)   # before the field
-  new = [dict(fake_record("dyck", "ns", 0.005, r, 0.01, 0.01),
-              config={"stack_table": "shares"}) for r in (1, 2)]
-  text = reproduce.render_report([old] + new)
-  assert ("NS-RNN runs: 1 on the 'scaled' table, 2 on the 'shares' table"
-          in text)
-  lstm_only = reproduce.render_report([fake_record("dyck", "lstm", 0.005, 0,
-                                                   0.01, 0.01)])
-  assert "NS-RNN runs:" not in lstm_only
-
-
-def _three_lstm_settings():
-  """Dyck LSTM records: lr 0.01 and 0.005 with 3 restarts, 0.001 with 1."""
-  recs = [fake_record("dyck", "lstm", 0.01, r, best, 0.1)
-          for r, best in enumerate([0.02, 0.04, 0.03])]       # mean 0.03
-  recs += [fake_record("dyck", "lstm", 0.005, r, best, 0.2)
-           for r, best in enumerate([0.01, 0.05, 0.02])]      # mean 0.0267
-  # Lowest mean, but from fewer restarts: not eligible under "mean".
-  return recs + [fake_record("dyck", "lstm", 0.001, 0, 0.001, 0.3)]
-
-
-def test_selection_lowest_mean_best_epoch_among_most_restarts():
-  recs = _three_lstm_settings()
-  cell = reproduce.summarize_cells(recs)[("dyck", "lstm")]
-  assert cell.selected.name == "lr_0.005"
-  assert len(cell.runs) == 3 and len(cell.settings) == 3
-  mean, std = cell.last_valid()
-  assert mean == pytest.approx(0.2) and std == pytest.approx(0.0)
-
-
-def test_report_gaps_add_up_to_the_whole_paper():
-  # 7 Dyck LSTM runs of 600 s each: every LSTM cell is timed by them (the
-  # same model on any task), the other models are unknown.
-  recs = [fake_record("dyck", "lstm", 0.005, r, 0.01, 0.01) for r in range(5)]
-  recs += [fake_record("dyck", "lstm", 0.01, r, 0.01, 0.01) for r in (0, 1)]
-  text = reproduce.render_report(recs)
-  section = text.split("## What has not run yet")[1].split("\n## ")[0]
-  rows = [l for l in section.splitlines() if l.startswith("| ")]
-  assert "| Dyck | LSTM | 7 | 20 | 13 | 2.2 h |" in rows
-  assert "| Marked reversal | LSTM | 0 | 20 | 20 | 3.3 h |" in rows
-  # 93 missing LSTM runs x 600 s = 15.5 h; 5 x (60 + 60 + 20) of the rest.
-  assert rows[-1] == "| **All** | | 7 | 800 | 793 | 15.5 h + 700 runs of unknown cost |"
-  assert "--task=all" in section
-
-
-def test_report_lists_every_grid_point_with_what_the_selection_compared():
-  recs = _three_lstm_settings()
-  text = reproduce.render_report(recs)
-  section = text.split("## Every grid point")[1].split("\n## ")[0]
-  rows = [l for l in section.splitlines() if l.startswith("| Dyck")]
-  # std (ddof=0) of 0.02, 0.04, 0.03 is 0.00816; of 0.01, 0.05, 0.02 0.01700.
-  assert rows == [
-      "| Dyck | LSTM | lr_0.001 | 1 | 0.0010 ± 0.0000 | 0.0010 (restart 0) "
-      "| fewer restarts |",
-      "| Dyck | LSTM | lr_0.005 | 3 | 0.0267 ± 0.0170 | 0.0100 (restart 0) "
-      "| selected |",
-      "| Dyck | LSTM | lr_0.01 | 3 | 0.0300 ± 0.0082 | 0.0200 (restart 0) |  |",
-  ]
-  # Under best_run the single best run's setting is the selected one.
-  text = reproduce.render_report(recs, selection="best_run")
-  assert ("| Dyck | LSTM | lr_0.001 | 1 | 0.0010 ± 0.0000 | 0.0010 (restart 0)"
-          " | selected |") in text
-  assert "fewer restarts |" not in text
-
-
-def test_best_run_selection_picks_the_single_best_run():
-  recs = [fake_record("dyck", "ns", 0.01, r, best, 0.1 + r)
-          for r, best in enumerate([0.02, 0.04, 0.03])]
-  recs += [fake_record("dyck", "ns", 0.005, r, best, 0.5 + r)
-           for r, best in enumerate([0.01, 0.001, 0.02])]
-  cell = reproduce.summarize_cells(recs, selection="best_run")[("dyck", "ns")]
-  assert cell.selected.name == "lr_0.005/restart_1"
-  assert cell.last_valid() == (1.5, 0.0)
-  mean_cell = reproduce.summarize_cells(recs)[("dyck", "ns")]
-  assert mean_cell.selected.name == "lr_0.005"
-  with pytest.raises(ValueError, match="selection"):
-    reproduce.summarize_cells(recs, selection="median")
-
-
-def test_report_values_claims_and_gaps():
-  recs = []
-  for r in range(3):
-    recs.append(fake_record("marked_reversal", "ns", 0.005, r, 0.002,
-                            0.003 + 0.001 * (r - 1),
-                            test_in=-0.005 + 0.001 * (r - 1), test_out=0.05))
-    for model, t_in in (("lstm", 0.05), ("gref", 0.02)):
-      recs.append(fake_record("marked_reversal", model, 0.005, r, 0.05, 0.09,
-                              test_in=t_in, test_out=0.2))
-    recs.append(fake_record("marked_reversal", "jm", 0.005, r, 0.05, 0.09,
-                            stack_size=20, test_in=0.03, test_out=0.2))
-  text = reproduce.render_report(recs)
-  assert text == reproduce.render_report(list(reversed(recs)))
-  # NS-RNN: last-epoch 0.0030 +- 0.0008 is within the paper's 0.0038 +- 0.0022.
-  assert ("| Marked reversal | Ours | lr_0.005 | 3 | 1 | "
-          "0.0030 ± 0.0008 | 0.0038 ± 0.0022 | ✓ |") in text
-  # LSTM 0.09 lies within 0.0871 +- 0.0148; Gref 0.09 not within 0.035 +- 0.0355.
-  assert "| Marked reversal | LSTM | lr_0.005 | 3 | 1 | 0.0900" in text
-  assert "0.0350 ± 0.0355 | ✗ |" in text
-  # Test bins: mean ± std over restarts (std of -0.006, -0.005, -0.004).
-  assert ("| Marked reversal | Ours | -0.0050 ± 0.0008 | 0.0500 ± 0.0000 | "
-          "-0.0055 | 0.0796 |") in text
-  # The verdict, and the numbers it compared.
-  assert ("| Marked reversal | the NS-RNN has the lowest test difference on "
-          "lengths 40-80 | agrees | Ours -0.0050 ± 0.0008, JM 0.0300 ± "
-          "0.0000, Gref 0.0200 ± 0.0000, LSTM 0.0500 ± 0.0000 | "
-          "Ours 0/4, JM 0/12, Gref 0/12, LSTM 0/4 |") in text
-  assert ("| Dyck | all stack models end near 0 (last validation difference "
-          "within ±0.005) | not decidable yet (cells missing) | Ours —, JM —, "
-          "Gref — | Ours 0/4, JM 0/12, Gref 0/12 |") in text
-  assert "| Dyck | all stack models end near 0" in text
-  assert "not decidable yet" in text
-  # Gaps: 3 of 20 NS-RNN runs done; 17 x 600 s = 2.8 h.
-  assert "| Marked reversal | Ours | 3 | 20 | 17 | 2.8 h |" in text
-  assert "| Dyck | Ours | 0 | 20 | 20 | 3.3 h |" in text  # Rate of any task.
-  assert "| Dyck | JM | 0 | 60 | 60 | 10.0 h |" in text
-
-
-def test_claims_say_whether_their_grids_are_complete():
-  # Every setting of the paper's grid for the three stack models on Dyck,
-  # all restarts finished: the claim's grid is complete.
-  recs = []
-  for lr in reproduce.LEARNING_RATES:
-    for r in range(reproduce.NUM_RESTARTS):
-      recs.append(fake_record("dyck", "ns", lr, r, 0.001, 0.001,
-                              test_in=0.0, test_out=0.03))
-      for model in ("jm", "gref"):
-        for m in reproduce.STACK_SIZES:
-          recs.append(fake_record("dyck", model, lr, r, 0.002, 0.002,
-                                  stack_size=m, test_in=0.0, test_out=0.02))
-  claim = ("| Dyck | all stack models end near 0 (last validation "
-           "difference within ±0.005) | agrees | Ours 0.0010 ± 0.0000, JM "
-           "0.0020 ± 0.0000, Gref 0.0020 ± 0.0000 | ")
-  assert claim + "complete |" in reproduce.render_report(recs)
-  # One restart missing makes its setting unfinished (it no longer counts),
-  # and the selection falls back on the finished settings.
-  missing = [x for x in recs if not (x["model"] == "gref" and x["restart"] == 4
-                                     and x["setting"] == "m_40-lr_0.001")]
-  cells = reproduce.summarize_cells(missing)
-  assert reproduce.grid_progress(cells[("dyck", "gref")]) == (11, 12)
-  assert reproduce.grid_progress(cells[("dyck", "ns")]) == (4, 4)
-  assert reproduce.grid_progress(cells[("dyck", "lstm")]) == (0, 4)
-  assert (claim + "Ours 4/4, JM 12/12, Gref 11/12 |"
-          in reproduce.render_report(missing))
-
-
 def test_cost_estimates_ignore_pauses_of_the_machine():
   # Epoch 1 compiles; epoch 4 ran while the process was stopped for 490 s.
   rec = dict(fake_record("dyck", "ns", 0.005, 0, 0.01, 0.01),
@@ -526,12 +363,12 @@ def test_cost_estimates_ignore_pauses_of_the_machine():
                      for e, t in enumerate([600.0, 10.0, 12.0, 500.0, 10.0],
                                            start=1)],
              train_time_s=1132.0)
-  assert reproduce.training_seconds(rec) == 5 * 11.0   # median 11 s x 5
-  probe = reproduce.RunSpec("dyck", "ns", 0.005, None, 1)
+  assert run_records.training_seconds(rec) == 5 * 11.0   # median 11 s x 5
+  probe = run_records.RunSpec("dyck", "ns", 0.005, None, 1)
   other = dict(rec, epochs=[dict(e, time=20.0) for e in rec["epochs"]])
-  assert reproduce.estimate_seconds(probe, [rec, other]) == (55.0 + 100.0) / 2
+  assert run_records.estimate_seconds(probe, [rec, other]) == (55.0 + 100.0) / 2
   # A record without epoch times falls back to its total.
-  assert reproduce.training_seconds(fake_record("dyck", "ns", 0.005, 0, 0.01,
+  assert run_records.training_seconds(fake_record("dyck", "ns", 0.005, 0, 0.01,
                                                 0.01)) == 600.0
 
 
@@ -543,10 +380,10 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
                      for e, t in enumerate([600.0, 10.0, 12.0, 500.0, 10.0],
                                            start=1)])
   other = dict(rec, epochs=[dict(e, time=20.0) for e in rec["epochs"]])
-  probe = reproduce.RunSpec("dyck", "ns", 0.005, None, 1)
-  assert reproduce.estimate_seconds(probe, [rec, other], 2) == 77.5 / 5 * 3
+  probe = run_records.RunSpec("dyck", "ns", 0.005, None, 1)
+  assert run_records.estimate_seconds(probe, [rec, other], 2) == 77.5 / 5 * 3
   # Past the mean epoch count: at least one epoch is left.
-  assert reproduce.estimate_seconds(probe, [rec, other], 9) == 77.5 / 5
+  assert run_records.estimate_seconds(probe, [rec, other], 9) == 77.5 / 5
   # The epochs come from the run directory's metrics.jsonl; a line cut by a
   # kill does not count.
   run_dir = tmp_path / probe.run_subdir
@@ -560,7 +397,7 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
   # The progress line sums the left times of the runs not yet recorded.
   records = [dict(rec, restart=5), dict(other, restart=6)]
   for r in records:
-    spec = reproduce.RunSpec("dyck", "ns", 0.005, None, r["restart"])
+    spec = run_records.RunSpec("dyck", "ns", 0.005, None, r["restart"])
     path = results / spec.record_path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(r))
@@ -571,7 +408,7 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
   # With workers, the length of their schedule: each takes the next run when
   # it frees up. The resumed run (46.5 s left) and two fresh ones (77.5 s):
   # one lane runs 46.5 + 77.5, the other 77.5.
-  fresh = [reproduce.RunSpec("dyck", "ns", 0.005, None, r) for r in (2, 3)]
+  fresh = [run_records.RunSpec("dyck", "ns", 0.005, None, r) for r in (2, 3)]
   two = reproduce.Progress([probe] + fresh, str(results),
                            run_dir=dir_of, lanes=2)
   assert two.line([probe]).endswith(
@@ -583,57 +420,8 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
                                       + " (3 runs at a time)")
 
 
-def test_committed_report_is_generated_from_committed_records(tmp_path):
-  results = os.path.join(REPO, "results")
-  records = reproduce.load_records(results)
-  with open(os.path.join(REPO, "docs", "reproduction.md")) as f:
-    committed = f.read()
-  paper = paper_figures.load(os.path.join(results,
-                                         reproduce.PAPER_FIGURES_FILE))
-  assert committed == reproduce.render_report(records, paper_data=paper), (
-      "docs/reproduction.md is stale: run python -m nsrnn_jax.reproduce "
-      "--report")
-  # The plotted numbers too (PNG bytes depend on the matplotlib version).
-  report = tmp_path / "docs" / "reproduction.md"
-  reproduce.write_report(results, str(report))
-  for task in reproduce.TASKS:
-    generated = tmp_path / "docs" / "figures" / task / "series.json"
-    committed_series = os.path.join(REPO, "docs", "figures", task,
-                                    "series.json")
-    assert generated.exists() == os.path.exists(committed_series), task
-    if generated.exists():
-      with open(committed_series) as f:
-        assert json.load(f) == json.loads(generated.read_text())
-
-
-def test_report_names_records_git_does_not_track(tmp_path):
-  if shutil.which("git") is None:
-    pytest.skip("git not installed")
-  env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
-             GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
-  run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, env=env,
-                                  check=True, capture_output=True)
-  run("init", "-q")
-  results = tmp_path / "results"
-  for name in ("committed", "modified", "new"):
-    (results / "dyck" / "ns" / name).mkdir(parents=True)
-    (results / "dyck" / "ns" / name / "restart_0.json").write_text("{}")
-  run("add", "results/dyck/ns/committed", "results/dyck/ns/modified")
-  run("commit", "-q", "-m", "records")
-  (results / "dyck" / "ns" / "modified" / "restart_0.json").write_text("[]")
-  (results / "notes.txt").write_text("not a record")
-  assert reproduce.uncommitted_records(str(results)) == [
-      str(results / "dyck/ns/modified/restart_0.json"),
-      str(results / "dyck/ns/new/restart_0.json")]
-  run("add", "-A")
-  run("commit", "-q", "-m", "all")
-  assert reproduce.uncommitted_records(str(results)) == []
-  # No such directory: nothing to say.
-  assert reproduce.uncommitted_records(str(tmp_path / "missing")) == []
-
-
 def test_every_committed_record_is_consistent():
-  for rec in reproduce.load_records(os.path.join(REPO, "results")):
+  for rec in run_records.load_records(os.path.join(REPO, "results")):
     assert rec["protocol"] == "paper", rec["task"]
     epochs = [e["epoch"] for e in rec["epochs"]]
     assert epochs == list(range(1, rec["num_epochs"] + 1))
@@ -642,7 +430,7 @@ def test_every_committed_record_is_consistent():
     assert rec["config"]["task"] == rec["task"]
     assert rec["config"]["model"] == rec["model"]
     assert rec["config"]["learning_rate"] == rec["learning_rate"]
-    assert rec["config"]["data_seed"] == reproduce.BASE_SEED + rec["restart"]
+    assert rec["config"]["data_seed"] == run_records.BASE_SEED + rec["restart"]
     # The paper's test set: every valid length in 40..100.
     assert rec["test"] and min(rec["test"]["lengths"]) >= 40
     assert max(rec["test"]["lengths"]) <= 100
@@ -715,16 +503,16 @@ TWO_TASKS = ("marked_reversal", "unmarked_reversal")
 
 
 def test_several_tasks_are_one_grid_restart_major():
-  runs = reproduce.plan_tasks(reproduce.TASKS, reproduce.MODELS)
+  runs = reproduce.plan_tasks(run_records.TASKS, run_records.MODELS)
   assert len(runs) == 5 * 160 and len({r.record_path for r in runs}) == 800
   # Restart 0 of every task before restart 1 of any; within a restart the
   # tasks in order, each in its own plan's order.
-  keys = [(r.restart, reproduce.TASKS.index(r.task)) for r in runs]
+  keys = [(r.restart, run_records.TASKS.index(r.task)) for r in runs]
   assert keys == sorted(keys)
-  for task in reproduce.TASKS:
-    assert [r for r in runs if r.task == task] == reproduce.plan(
-        task, reproduce.MODELS)
-  assert reproduce.parse_tasks("all") == list(reproduce.TASKS)
+  for task in run_records.TASKS:
+    assert [r for r in runs if r.task == task] == run_records.plan(
+        task, run_records.MODELS)
+  assert reproduce.parse_tasks("all") == list(run_records.TASKS)
   assert reproduce.parse_tasks(" dyck, hardest_cfl") == ["dyck", "hardest_cfl"]
 
 
@@ -767,8 +555,8 @@ def test_several_tasks_in_process_and_in_workers_give_single_task_records(
     assert pinned == {parallel.format_cores(g) for g in groups}
   assert text.count("finished ") == 2  # Only restart 1 went to workers.
   assert "finished marked_reversal/lstm/lr_0.01/restart_1" in text
-  recs_ref = reproduce.load_records(str(tmp_path / "ref_results"))
-  recs = reproduce.load_records(str(tmp_path / "both_results"))
+  recs_ref = run_records.load_records(str(tmp_path / "ref_results"))
+  recs = run_records.load_records(str(tmp_path / "both_results"))
   assert len(recs_ref) == len(recs) == 4
   # The workers' runs equal the single-task runs to float32 rounding: in the
   # full suite (pytest-xdist, one persistent compilation cache shared by all
@@ -857,7 +645,7 @@ def test_a_failed_worker_is_one_error_naming_its_run_and_log(tmp_path):
   assert "in use by process" in message
   assert message.endswith(str(workdir / reproduce.WORKER_LOGS /
                               "lstm-lr_0.01-restart_0.log"))
-  (record,) = reproduce.load_records(str(tmp_path / "r"))
+  (record,) = run_records.load_records(str(tmp_path / "r"))
   assert record["setting"] == "lr_0.005"
 
 
@@ -883,11 +671,11 @@ def test_model_axis_gives_the_records_of_sequential_runs(tmp_path):
   for task in TWO_TASKS:
     assert (tmp_path / "axis" / task / "lstm/lr_0.01/restart_1/results.json"
            ).is_file()
-  recs_seq = reproduce.load_records(str(tmp_path / "seq_results"))
-  recs_axis = reproduce.load_records(str(tmp_path / "axis_results"),
+  recs_seq = run_records.load_records(str(tmp_path / "seq_results"))
+  recs_axis = run_records.load_records(str(tmp_path / "axis_results"),
                                      task="marked_reversal")
   assert len(recs_seq) == len(recs_axis) == 2
-  assert len(reproduce.load_records(str(tmp_path / "axis_results"))) == 4
+  assert len(run_records.load_records(str(tmp_path / "axis_results"))) == 4
   for a, b in zip(recs_seq, recs_axis):
     assert (a["setting"], a["restart"]) == (b["setting"], b["restart"])
     assert a["num_epochs"] == b["num_epochs"]

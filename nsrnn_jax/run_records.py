@@ -1,0 +1,267 @@
+"""The paper's protocol grid and the records of its runs.
+
+What `reproduce` runs and what it writes, shared by the runner and the
+report (`reproduction_report`): the grid's constants (tasks, models,
+learning rates, JM/Gref stack sizes, restarts and their seeds), `RunSpec`
+(one run: its setting name, run directory and record path) and `plan`
+(all runs of one task, restart-major), and the records themselves
+(format `RECORD_FORMAT`, documented in results/README.md): made from a
+finished run's directory, written atomically, loaded and checked, and the
+training time they imply for runs still to come.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+RECORD_FORMAT = "nsrnn_jax.run_record.v1"
+MODELS = ("lstm", "jm", "gref", "ns")
+STACK_MODELS = ("jm", "gref")
+TASKS = ("marked_reversal", "unmarked_reversal", "padded_reversal", "dyck",
+         "hardest_cfl")
+# The NS-RNN's (Q, S) per task (paper section 5.5).
+NS_SHAPES = {"marked_reversal": (2, 2), "unmarked_reversal": (2, 2),
+             "padded_reversal": (3, 2), "dyck": (2, 2), "hardest_cfl": (3, 3)}
+LEARNING_RATES = (0.01, 0.005, 0.001, 0.0005)
+STACK_SIZES = (2, 20, 40)
+NUM_RESTARTS = 5
+# Seeds of restart r are BASE_SEED + r (as grid.members with seed 1).
+BASE_SEED = 1
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_RESULTS = os.path.join(REPO_ROOT, "results")
+
+
+class ReproduceError(ValueError):
+  """Bad input to the reproduction tool (reported as one line, exit 2)."""
+
+
+# ---------------------------------------------------------------------------
+# The protocol: which runs exist.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One run of the protocol.
+
+  Attributes:
+    task: languages task name.
+    model: lstm, jm, gref or ns.
+    learning_rate: initial Adam learning rate.
+    stack_size: JM/Gref stack embedding size m (None for lstm/ns).
+    restart: restart index r (0-based); seeds are BASE_SEED + r.
+  """
+  task: str
+  model: str
+  learning_rate: float
+  stack_size: Optional[int]
+  restart: int
+
+  @property
+  def group(self) -> str:
+    """Path of the runs trained together on a model axis: model[/m_<m>]."""
+    if self.stack_size is None:
+      return self.model
+    return f"{self.model}/m_{self.stack_size}"
+
+  @property
+  def setting(self) -> str:
+    """Name of the grid point (restarts excluded)."""
+    lr = f"lr_{self.learning_rate:g}"
+    return lr if self.stack_size is None else f"m_{self.stack_size}-{lr}"
+
+  @property
+  def run_subdir(self) -> str:
+    """Run directory under the workdir (grid.py's member layout)."""
+    return os.path.join(self.group, f"lr_{self.learning_rate:g}",
+                        f"restart_{self.restart}")
+
+  @property
+  def record_path(self) -> str:
+    """Record path under the results directory."""
+    return os.path.join(self.task, self.model, self.setting,
+                        f"restart_{self.restart}.json")
+
+  @property
+  def name(self) -> str:
+    return f"{self.model}/{self.setting}/restart_{self.restart}"
+
+
+def plan(task: str, models: Sequence[str],
+         learning_rates: Sequence[float] = LEARNING_RATES,
+         stack_sizes: Sequence[int] = STACK_SIZES,
+         restarts: int = NUM_RESTARTS,
+         restart_ids: Optional[Sequence[int]] = None) -> list[RunSpec]:
+  """All runs of the protocol, restart-major so early stops cover every cell.
+
+  Within a restart the cheap models come first (in `MODELS` order), so a
+  budgeted invocation finishes whole cells of restart 0 before spending
+  hours on restart 1 of the NS-RNN. `restart_ids` (each < `restarts`)
+  keeps only those restarts (None: all).
+  """
+  runs = []
+  for r in range(restarts):
+    if restart_ids is not None and r not in restart_ids:
+      continue
+    for model in MODELS:
+      if model not in models:
+        continue
+      sizes = stack_sizes if model in STACK_MODELS else (None,)
+      for m in sizes:
+        for lr in learning_rates:
+          runs.append(RunSpec(task, model, float(lr), m, r))
+  return runs
+
+
+# ---------------------------------------------------------------------------
+# Records.
+# ---------------------------------------------------------------------------
+
+
+def hardware() -> dict[str, Any]:
+  """What the run ran on (the invocation that finished it)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  cores = parallel.usable_cores()
+  return {"backend": jax.default_backend(),
+          "device_kind": devices[0].device_kind,
+          "num_devices": len(devices), "cpu": cpu,
+          "cpu_count": os.cpu_count(),
+          "process_cores": None if cores is None else len(cores),
+          "jax": jax.__version__}
+
+
+def read_json(path: str):
+  """A JSON file's contents."""
+  with open(path) as f:
+    return json.load(f)
+
+
+def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
+                hw: Mapping[str, Any]) -> dict[str, Any]:
+  """The committed record of a finished run, from its run directory."""
+  from nsrnn_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  results = read_json(os.path.join(run_dir, "results.json"))
+  config = read_json(os.path.join(run_dir, "config.json"))
+  epochs = {}
+  for rec in metrics_lib.read_jsonl(os.path.join(run_dir, "metrics.jsonl")):
+    if "epoch" in rec and "valid_ce_diff" in rec:
+      epochs[int(rec["epoch"])] = rec  # The last record of an epoch wins.
+  keys = ("train_loss", "valid_ce_diff", "valid_perplexity", "learning_rate",
+          "time")
+  history = [{"epoch": e, **{k: epochs[e].get(k) for k in keys}}
+             for e in sorted(epochs)]
+  if [h["epoch"] for h in history] != list(range(1, results["epochs"] + 1)):
+    raise ReproduceError(f"{run_dir}: metrics.jsonl does not hold epochs "
+                         f"1..{results['epochs']}")
+  test = None
+  test_path = os.path.join(run_dir, "test_by_length.json")
+  if os.path.isfile(test_path):
+    table = read_json(test_path)
+    test = {k: table[k] for k in ("lengths", "ce_diff", "perplexity",
+                                  "lower_bound_perplexity", "num_strings")
+            if k in table}
+  return {
+      "format": RECORD_FORMAT,
+      "task": spec.task, "model": spec.model, "setting": spec.setting,
+      "learning_rate": spec.learning_rate, "stack_size": spec.stack_size,
+      "restart": spec.restart,
+      "protocol": "paper" if not overrides else "custom",
+      "overrides": dict(overrides),
+      "config": config,
+      "epochs": history,
+      "num_epochs": results["epochs"],
+      "best_epoch": results["best_epoch"],
+      "best_valid_ce_diff": results.get("best_valid_ce_diff"),
+      "last_valid_ce_diff": history[-1]["valid_ce_diff"],
+      "test": test,
+      "train_time_s": float(sum(h["time"] or 0.0 for h in history)),
+      "hardware": dict(hw),
+      "finished_on": datetime.date.today().isoformat(),
+  }
+
+
+def write_json_atomic(path: str, obj) -> None:
+  """Writes JSON via a temporary file and a rename (never half a file)."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def load_records(results_dir: str, task: Optional[str] = None
+                 ) -> list[dict[str, Any]]:
+  """Every record under results_dir (of one task if given), sorted by path."""
+  out = []
+  root = results_dir if task is None else os.path.join(results_dir, task)
+  for dirpath, _, filenames in sorted(os.walk(root)):
+    for name in sorted(filenames):
+      if name.startswith("restart_") and name.endswith(".json"):
+        path = os.path.join(dirpath, name)
+        try:
+          rec = read_json(path)
+        except (OSError, json.JSONDecodeError) as e:
+          raise ReproduceError(f"unreadable record {path}: {e}") from e
+        if rec.get("format") != RECORD_FORMAT:
+          raise ReproduceError(f"{path} is not a {RECORD_FORMAT} record")
+        out.append(rec)
+  return out
+
+
+def training_seconds(record: Mapping[str, Any]) -> float:
+  """A finished run's training time, robust to pauses of the machine.
+
+  The median epoch time (epochs after the first, which also compiles) times
+  the number of epochs: a run stopped or starved for a while (other work on
+  the cores, a suspended process) has a few long epochs, which
+  `train_time_s`, their sum, counts in full. Compilation (a minute or two
+  per run) is left out.
+  """
+  times = [e.get("time") for e in record.get("epochs", [])]
+  times = [t for t in times[1:] if t is not None]
+  if not times:
+    return float(record["train_time_s"])
+  return float(np.median(times)) * len(record["epochs"])
+
+
+def estimate_seconds(spec: RunSpec, records: Sequence[Mapping[str, Any]],
+                     epochs_done: int = 0) -> Optional[float]:
+  """Expected training time left of a run: mean over finished runs like it
+  (`training_seconds`).
+
+  The same task and model first, else the same model on any task. A run
+  that has trained `epochs_done` epochs (a resumed one) is left with the
+  mean time per epoch of those runs times the rest of their mean epoch
+  count, and at least one epoch.
+  """
+  for same in (lambda r: r["task"] == spec.task and r["model"] == spec.model,
+               lambda r: r["model"] == spec.model):
+    like = [r for r in records if same(r)]
+    if like:
+      total = float(np.mean([training_seconds(r) for r in like]))
+      if not epochs_done:
+        return total
+      epochs = float(np.mean([max(len(r.get("epochs", [])), 1)
+                              for r in like]))
+      return total / epochs * max(epochs - epochs_done, 1.0)
+  return None
