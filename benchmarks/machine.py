@@ -44,6 +44,10 @@ def machine_info():
       "cpu_model": parallel.host_cpu_model(),
       "cpu_vector_isa": parallel.host_cpu_vector_isa(),
       "cpu_count": os.cpu_count(),
+      # The cores this process may run on (fewer under taskset / a pinned
+      # worker); None where the OS does not say.
+      "process_cores": (None if parallel.usable_cores() is None
+                        else len(parallel.usable_cores())),
       "load_average_1_5_15": list(os.getloadavg()),
       "platform": platform.platform(),
       "jax": jax.__version__,

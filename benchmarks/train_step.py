@@ -42,6 +42,12 @@ Variants (each adds rows; the plain row is always measured):
                         (every contraction of the stack); each row of the
                         model records the dot_general count of its lowered
                         step, which shows the setting took
+  --table_matmul_cost   the NS models (shares table) once more with the
+                        stack's table-sized products (rns_stack._table_dot:
+                        the pop matmul, the backward's M̃ cotangent and W
+                        products) replaced by zeros of their shape: not a
+                        valid step (wrong values), a measurement: its time
+                        below the plain row's is what those products cost
   --pallas_kernels      the NS models (shares table) with the stack's
                         updates as Pallas kernels (rns_stack.UPDATE_KERNELS
                         = "pallas", nsrnn_jax/stack_kernels.py: one per
@@ -338,11 +344,28 @@ def tile_patches(tiles, module=stack_kernels):
       ("ROW_TILE", "KT_CHUNK", "NUM_WARPS", "ROW_GRID"), tiles)]
 
 
+# Label of the --table_matmul_cost variant (its values are not a step's).
+TABLE_MATMULS_ZEROED = "table matmuls zeroed (cost)"
+
+
+def zero_table_dot(lhs, rhs, rhs_contracting, prec):
+  """`rns_stack._table_dot`'s result shape, all zeros (--table_matmul_cost).
+
+  Tied to both operands by a negligible term, so XLA keeps every op that
+  makes them (the table, the W table and M̃ are still built); only the
+  products themselves are gone.
+  """
+  del prec
+  n = rhs.shape[2] if rhs_contracting == 1 else rhs.shape[1]
+  tie = 0.0 * (lhs[:, :1, :1].sum() + rhs[:, :1, :1].sum())
+  return jnp.zeros(lhs.shape[:2] + (n,), lhs.dtype) + tie
+
+
 def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
                 contractions_by_sum=False, pallas_kernels=False,
                 kernel_tiles=(), lstm_two_products=False,
-                other_residuals=False):
+                other_residuals=False, table_matmul_cost=False):
   """Rows for one model: every variant, timed in alternation.
 
   `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID) settings of
@@ -366,6 +389,10 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
         Variant(name, "all stack contractions by sum", length, precision,
                 patches=[column, (rns_stack, "TABLE_CONTRACTIONS", "reduce")],
                 count_dots=True)]
+  if table_matmul_cost and on_shares:
+    variants.append(Variant(name, TABLE_MATMULS_ZEROED, length, precision,
+                            patches=[(rns_stack, "_table_dot",
+                                      zero_table_dot)]))
   if pallas:
     on_kernels = (rns_stack, "UPDATE_KERNELS", "pallas")
     variants.append(Variant(
@@ -575,6 +602,10 @@ def build_parser():
                       help="add a variant of every model with the LSTM's "
                       "gates as two products added (their form before "
                       "they became one product)")
+  parser.add_argument("--table_matmul_cost", action="store_true",
+                      help="add NS variants (shares table) with the stack's "
+                      "table-sized products zeroed: what they cost (not a "
+                      "valid step)")
   parser.add_argument("--pallas_kernels", action="store_true",
                       help="add NS variants with the stack's updates as "
                       "Pallas kernels (stack_kernels; GPUs)")
@@ -592,6 +623,10 @@ def build_parser():
                       help="comma-separated models for --compile_study")
   parser.add_argument("--study_lengths", default="41,61,79")
   parser.add_argument("--buckets", default="50,60,70,80")
+  parser.add_argument("--conditions", default=None,
+                      help="how the run was made (e.g. pinned to one core, "
+                      "background paused): recorded in the JSON and shown "
+                      "by report.py")
   parser.add_argument("--out", default=None,
                       help="default results/train_step_<backend>.json")
   return parser
@@ -614,6 +649,8 @@ def main():
                  "matmul's CPU-time rate; bytes_limit_ratio = min_step_s / "
                  "bytes_limit_s (the table reads, 2*B*Q^2*S^2*n^3 bytes, at "
                  "the streaming read rate of a jitted sum over 256 MB)"}
+  if args.conditions:
+    out["conditions"] = args.conditions
   # What else decides the numbers: XLA flags and JAX's precision default.
   out["env"] = {k: os.environ[k] for k in
                 ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION") if k in os.environ}
@@ -660,7 +697,8 @@ def main():
           args.cpu_devices,
           [int(c) for c in args.batch_chunk.split(",") if c],
           args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
-          kernel_tiles, args.lstm_two_products, args.other_residuals)
+          kernel_tiles, args.lstm_two_products, args.other_residuals,
+          args.table_matmul_cost)
       # Variants that did not compile are kept apart from the timed rows.
       out["steps"] += [r for r in rows if "error" not in r]
       failed = [r for r in rows if "error" in r]

@@ -1,0 +1,31 @@
+"""benchmarks/train_step.py's analysis variants measure what they say.
+
+Oracle: the lowered program. The --table_matmul_cost variant must remove
+exactly the stack's table-sized products (one pop matmul in every forward
+time block, the M̃ cotangent and the W product in every backward block)
+and nothing else that the step computes, or its time difference would not
+be their cost.
+"""
+
+import numpy as np
+
+from nsrnn_jax import rns_stack
+
+
+def test_table_matmul_cost_variant_drops_only_the_table_products(
+    load_benchmark):
+  train_step = load_benchmark("train_step")
+  length = 50                # two time blocks (rns_stack._time_blocks)
+  current = train_step.Variant("ns22", "current", length, "highest",
+                               count_dots=True)
+  zeroed = train_step.Variant(
+      "ns22", train_step.TABLE_MATMULS_ZEROED, length, "highest",
+      patches=[(rns_stack, "_table_dot", train_step.zero_table_dot)],
+      count_dots=True)
+  blocks = len(rns_stack._time_blocks(length - 1))  # pylint: disable=protected-access
+  assert blocks >= 2
+  assert current.dots - zeroed.dots == 3 * blocks
+  # The same step otherwise: it trains (finite loss) and runs.
+  zeroed.time_once()
+  _, metrics = zeroed.step(zeroed.state, zeroed.batch)
+  assert np.isfinite(float(metrics["loss"]))
