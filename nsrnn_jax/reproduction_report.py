@@ -393,6 +393,13 @@ def draw_figures(cells, task: str, out_dir: str,
   return files
 
 
+def _in_report_order(cells):
+  """(task, model, cell) of every task and model, in the report's order."""
+  for task in TASKS:
+    for model in REPORT_ORDER:
+      yield task, model, cells[(task, model)]
+
+
 def render_report(records: Sequence[Mapping[str, Any]],
                   figures_rel: str = "figures", selection: str = "mean",
                   paper_data: Optional[Mapping[str, Any]] = None) -> str:
@@ -448,22 +455,20 @@ def render_report(records: Sequence[Mapping[str, Any]],
       "| within | epochs |",
       "|---|---|---|---|---|---|---|---|---|",
   ]
-  for task in TASKS:
-    for model in REPORT_ORDER:
-      cell = cells[(task, model)]
-      paper = (PAPER_VALID[task] or {}).get(model)
-      ours = cell.last_valid()
-      within = "—"
-      if ours is not None and paper is not None:
-        within = "✓" if abs(ours[0] - paper[0]) <= paper[1] else "✗"
-      setting = cell.selected.name if cell.selected else "not run"
-      curve = paper_figures.curve(paper_data, "train", task, model)
-      epochs = (f"{max(r['num_epochs'] for r in cell.runs) if cell.runs else '—'}"
-                f" / {len(curve['x']) if curve else '—'}")
-      lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | {setting} | "
-                   f"{len(cell.runs)} | {len(cell.settings)} | {_pm(ours)} | "
-                   f"{_pm(paper) if paper else 'no figure'} | {within} | "
-                   f"{epochs} |")
+  for task, model, cell in _in_report_order(cells):
+    paper = (PAPER_VALID[task] or {}).get(model)
+    ours = cell.last_valid()
+    within = "—"
+    if ours is not None and paper is not None:
+      within = "✓" if abs(ours[0] - paper[0]) <= paper[1] else "✗"
+    setting = cell.selected.name if cell.selected else "not run"
+    curve = paper_figures.curve(paper_data, "train", task, model)
+    epochs = (f"{max(r['num_epochs'] for r in cell.runs) if cell.runs else '—'}"
+              f" / {len(curve['x']) if curve else '—'}")
+    lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | {setting} | "
+                 f"{len(cell.runs)} | {len(cell.settings)} | {_pm(ours)} | "
+                 f"{_pm(paper) if paper else 'no figure'} | {within} | "
+                 f"{epochs} |")
   lines += [
       "",
       "## Test cross-entropy difference by length",
@@ -477,13 +482,12 @@ def render_report(records: Sequence[Mapping[str, Any]],
       "| task | model | ours 40–80 | ours 81–100 | paper 40–80 | paper 81–100 |",
       "|---|---|---|---|---|---|",
   ]
-  for task in TASKS:
-    for model in REPORT_ORDER:
-      bins = cells[(task, model)].test_bin_stats() or [None, None]
-      paper = PAPER_TEST[task][model]
-      lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | "
-                   f"{_pm(bins[0])} | {_pm(bins[1])} | {paper[0]:.4f} | "
-                   f"{paper[1]:.4f} |")
+  for task, model, cell in _in_report_order(cells):
+    bins = cell.test_bin_stats() or [None, None]
+    paper = PAPER_TEST[task][model]
+    lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | "
+                 f"{_pm(bins[0])} | {_pm(bins[1])} | {paper[0]:.4f} | "
+                 f"{paper[1]:.4f} |")
   lines += ["", "## The paper's qualitative claims", "",
             "Each verdict compares our means; the numbers it compares are "
             "shown with their std over restarts, so a verdict decided by "
@@ -543,25 +547,23 @@ def _grid_section(cells, selection: str) -> list[str]:
       "| |",
       "|---|---|---|---|---|---|---|",
   ]
-  for task in TASKS:
-    for model in REPORT_ORDER:
-      cell = cells[(task, model)]
-      if not cell.settings:
-        continue
-      most = max(len(s.records) for s in cell.settings)
-      chosen = (cell.selected.name.split("/")[0] if cell.selected else None)
-      for setting in cell.settings:
-        note = ""
-        if setting.name == chosen:
-          note = "selected"
-        elif selection == "mean" and len(setting.records) < most:
-          note = "fewer restarts"
-        best = int(np.argmin(setting.best_valid))
-        lines.append(
-            f"| {TASK_TITLES[task]} | {LABELS[model]} | {setting.name} | "
-            f"{len(setting.records)} | {_pm(setting.rank())} | "
-            f"{_f(float(setting.best_valid[best]))} (restart "
-            f"{setting.records[best]['restart']}) | {note} |")
+  for task, model, cell in _in_report_order(cells):
+    if not cell.settings:
+      continue
+    most = max(len(s.records) for s in cell.settings)
+    chosen = (cell.selected.name.split("/")[0] if cell.selected else None)
+    for setting in cell.settings:
+      note = ""
+      if setting.name == chosen:
+        note = "selected"
+      elif selection == "mean" and len(setting.records) < most:
+        note = "fewer restarts"
+      best = int(np.argmin(setting.best_valid))
+      lines.append(
+          f"| {TASK_TITLES[task]} | {LABELS[model]} | {setting.name} | "
+          f"{len(setting.records)} | {_pm(setting.rank())} | "
+          f"{_f(float(setting.best_valid[best]))} (restart "
+          f"{setting.records[best]['restart']}) | {note} |")
   return lines + [""]
 
 
@@ -584,24 +586,23 @@ def _gaps_section(cells, records) -> list[str]:
   all_done = all_total = 0
   all_seconds = 0.0
   unknown = 0  # Missing runs of models with no finished run to time.
-  for task in TASKS:
-    for model in REPORT_ORDER:
-      done = sum(len(s.records) for s in cells[(task, model)].settings)
-      total = _grid_size(model)
-      missing = max(total - done, 0)
-      all_done, all_total = all_done + min(done, total), all_total + total
-      probe = RunSpec(task, model, 0.005, None, 0)
-      est = estimate_seconds(probe, records)
-      if missing == 0:
-        rest = "—"
-      elif est is None:
-        rest = "unknown (no run of this model yet)"
-        unknown += missing
-      else:
-        rest = _hours(est * missing)
-        all_seconds += est * missing
-      lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | {done} | "
-                   f"{total} | {total - done} | {rest} |")
+  for task, model, cell in _in_report_order(cells):
+    done = sum(len(s.records) for s in cell.settings)
+    total = _grid_size(model)
+    missing = max(total - done, 0)
+    all_done, all_total = all_done + min(done, total), all_total + total
+    probe = RunSpec(task, model, 0.005, None, 0)
+    est = estimate_seconds(probe, records)
+    if missing == 0:
+      rest = "—"
+    elif est is None:
+      rest = "unknown (no run of this model yet)"
+      unknown += missing
+    else:
+      rest = _hours(est * missing)
+      all_seconds += est * missing
+    lines.append(f"| {TASK_TITLES[task]} | {LABELS[model]} | {done} | "
+                 f"{total} | {total - done} | {rest} |")
   rest = _hours(all_seconds)
   if unknown:
     rest += f" + {unknown} runs of unknown cost"
