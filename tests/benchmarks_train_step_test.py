@@ -22,7 +22,8 @@ def test_table_matmul_cost_variant_drops_only_the_table_products(
       "ns22", train_step.TABLE_MATMULS_ZEROED, length, "highest",
       patches=[(rns_stack, "_table_dot", train_step.zero_table_dot)],
       count_dots=True)
-  blocks = len(rns_stack._time_blocks(length - 1))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  blocks = len(rns_stack._time_blocks(length - 1))
   assert blocks >= 2
   assert current.dots - zeroed.dots == 3 * blocks
   # The same step otherwise: it trains (finite loss) and runs.

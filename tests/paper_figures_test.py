@@ -135,7 +135,8 @@ def test_committed_data_gives_the_papers_headline_numbers():
   data = paper_figures.load()
   assert data is not None, "results/paper_figures.json is missing"
   # The source has no training figure of unmarked or padded reversal.
-  assert set(data["train"]) == {t for t, v in reproduction_report.PAPER_VALID.items()
+  paper_valid = reproduction_report.PAPER_VALID
+  assert set(data["train"]) == {t for t, v in paper_valid.items()
                                 if v is not None} == set(_EPOCHS)
   assert set(data["test"]) == set(run_records.TASKS)
   for task, models in data["train"].items():
@@ -186,5 +187,6 @@ def test_report_refuses_corrupt_paper_data(tmp_path):
   results.mkdir()
   (results / reproduction_report.PAPER_FIGURES_FILE).write_text("[1, 2")
   with pytest.raises(run_records.ReproduceError, match="unreadable"):
-    reproduction_report.write_report(str(results), str(tmp_path / "docs" / "r.md"))
+    reproduction_report.write_report(str(results),
+                                     str(tmp_path / "docs" / "r.md"))
   assert not os.path.exists(tmp_path / "docs")

@@ -22,7 +22,8 @@ import pytest
 from nsrnn_jax import parallel
 from nsrnn_jax import reproduce
 from nsrnn_jax import run_records
-from fake_records import fake_record  # tests/fake_records.py, on sys.path under pytest
+# tests/fake_records.py (tests/ is on sys.path under pytest).
+from fake_records import fake_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

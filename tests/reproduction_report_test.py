@@ -10,7 +10,8 @@ import pytest
 from nsrnn_jax import paper_figures
 from nsrnn_jax import reproduction_report
 from nsrnn_jax import run_records
-from fake_records import fake_record  # tests/fake_records.py, on sys.path under pytest
+# tests/fake_records.py (tests/ is on sys.path under pytest).
+from fake_records import fake_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,8 +23,8 @@ def test_report_says_which_stack_table_the_ns_runs_used():
   text = reproduction_report.render_report([old] + new)
   assert ("NS-RNN runs: 1 on the 'scaled' table, 2 on the 'shares' table"
           in text)
-  lstm_only = reproduction_report.render_report([fake_record("dyck", "lstm", 0.005, 0,
-                                                   0.01, 0.01)])
+  lstm_only = reproduction_report.render_report(
+      [fake_record("dyck", "lstm", 0.005, 0, 0.01, 0.01)])
   assert "NS-RNN runs:" not in lstm_only
 
 
@@ -86,7 +87,8 @@ def test_best_run_selection_picks_the_single_best_run():
           for r, best in enumerate([0.02, 0.04, 0.03])]
   recs += [fake_record("dyck", "ns", 0.005, r, best, 0.5 + r)
            for r, best in enumerate([0.01, 0.001, 0.02])]
-  cell = reproduction_report.summarize_cells(recs, selection="best_run")[("dyck", "ns")]
+  cell = reproduction_report.summarize_cells(
+      recs, selection="best_run")[("dyck", "ns")]
   assert cell.selected.name == "lr_0.005/restart_1"
   assert cell.last_valid() == (1.5, 0.0)
   mean_cell = reproduction_report.summarize_cells(recs)[("dyck", "ns")]
@@ -166,9 +168,10 @@ def test_committed_report_is_generated_from_committed_records(tmp_path):
   records = run_records.load_records(results)
   with open(os.path.join(REPO, "docs", "reproduction.md")) as f:
     committed = f.read()
-  paper = paper_figures.load(os.path.join(results,
-                                         reproduction_report.PAPER_FIGURES_FILE))
-  assert committed == reproduction_report.render_report(records, paper_data=paper), (
+  paper = paper_figures.load(
+      os.path.join(results, reproduction_report.PAPER_FIGURES_FILE))
+  rendered = reproduction_report.render_report(records, paper_data=paper)
+  assert committed == rendered, (
       "docs/reproduction.md is stale: run python -m nsrnn_jax.reproduce "
       "--report")
   # The plotted numbers too (PNG bytes depend on the matplotlib version).
@@ -207,4 +210,5 @@ def test_report_names_records_git_does_not_track(tmp_path):
   run("commit", "-q", "-m", "all")
   assert reproduction_report.uncommitted_records(str(results)) == []
   # No such directory: nothing to say.
-  assert reproduction_report.uncommitted_records(str(tmp_path / "missing")) == []
+  missing = str(tmp_path / "missing")
+  assert reproduction_report.uncommitted_records(missing) == []
