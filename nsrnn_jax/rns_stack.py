@@ -71,11 +71,19 @@ window.
 
 Blocking (ns_stack's technique): the updates are split into up to 4 static
 time blocks (on CPU up to 6 for tables of ≥ 8 MiB: `LARGE_TABLE_BYTES`);
-block [j0, j1) is one `lax.scan` over the table sliced to the
-time points ≤ j1, the only ones it reads or writes, so the padded table is
-not swept in full at every step. The column sums c_k are carried (written
-with their column) rather than recomputed from the table, so the pop matmul
-G·M̃ is the only table-sized work of an update.
+block [j0, j1) is one `lax.scan` over the time points ≤ j1, the only ones
+it reads or writes, so the padded table is not swept in full at every
+step. The sweeps keep the table in column chunks, one per block: the
+columns block [j0, j1) writes hold rows ≤ j1 only (a column's rows are the
+times before it), so its chunk stores those rows and no more, and the pop
+matmul is one product per chunk on the rows it has. A square table holds
+zeros in every row at or after its column, half of it, which the pop
+matmul and M̃'s cotangent would read at every update; the chunks also need
+no copy of the table at block boundaries (train step 1.28x faster at Q =
+S = 3 and 1.09x at Q = S = 2 on one CPU core, n = 80; README). The Pallas
+update kernels keep the square table. The column sums c_k are carried
+(written with their column) rather than recomputed from the table, so the
+pop matmul G·M̃ is the only table-sized work of an update.
 
 Gradient: `run` and `run_coupled` have a custom VJP whose forward keeps the
 final table, the column sums, log α̂, every update's M̃ (O(B·T²·Q²·S)) and
@@ -667,6 +675,34 @@ def _pop_matmul(g, mt, prec):
   return out.reshape((bsz, ny, nr) + g.shape[4:])
 
 
+def _chunk_pop(frozen, g, mt, prec):
+  """`_pop_matmul` over a table stored in column chunks (`_forward_blocks`).
+
+  `g` is the block's own chunk (its columns, rows up to its last column),
+  `frozen` the earlier blocks' chunks, each with only the rows older than
+  its last column: the rows a column can hold. Each chunk's product fills
+  the rows it has; the square table's other entries are all zero.
+  """
+  n = g.shape[4]
+  out = _pop_matmul(g, mt[:, :, :, n - g.shape[2]:], prec)
+  for c in frozen:
+    start, end = c.shape[4] - c.shape[2], c.shape[4]
+    out = out + _pad_to(_pop_matmul(c, mt[:, :, :, start:end], prec), n,
+                        (3,))
+  return out
+
+
+def square_table(table, num_points):
+  """A share table as one square array [B, Y, N, T, N, Q, X] of
+  `num_points` time points, from `_forward_blocks`' column chunks (or as it
+  is, zero-padded, if already square)."""
+  if not isinstance(table, tuple):
+    return _pad_to(table, num_points, (2, 4))
+  return _pad_to(jnp.concatenate(
+      [_pad_to(c, table[-1].shape[4], (4,)) for c in table], axis=2),
+                 num_points, (2, 4))
+
+
 def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
            pop_BxQxSxQ, precision="highest", ring=False, vectors=None,
            residuals=False):
@@ -805,8 +841,13 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       argument and returns the pushed vector v_j [B, M] after the actions.
 
   Returns:
-    (g, cs, la, lm, extra, ys (time-major), mt_TxBxYxRxNxT or None,
-    residuals (time-major) or None, the final vector table or None).
+    (table, cs, la, lm, extra, ys (time-major), mt_TxBxYxRxNxT or None,
+    residuals (time-major) or None, the final vector table or None); the
+    table as column chunks, a tuple with one per time block (block [j0, j1)
+    writes axis indices j0+1..j1: chunk [B, Y, K, T, j1+1, Q, X] holds
+    those columns, the first also 0..j0, with their rows ≤ j1), or square
+    [B, Y, N, T, N, Q, X] on the Pallas path (`square_table` makes any of
+    them square).
   """
   g, cs, la, lm = init
   num_pts = g.shape[2]
@@ -819,16 +860,29 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   extra, ys_all, mts, a_hats, lms, res_all = extra0, [], [], [], [], []
   # T = 0: one empty block.
   blocks = _time_blocks(t, _table_bytes(g)) or [(1, 1)]
-  # The table grows block by block (zero-padded at each boundary) instead
-  # of being sliced out of, and written back into, a full-size table: two
-  # table copies per block fewer (train step 1.03-1.05x, XLA temporary
-  # memory -16%).
+  # Off the Pallas path the table is kept in column chunks, one per block:
+  # block [j0, j1) writes columns j0+1..j1 (axis indices), which hold rows
+  # ≤ j1 only, so its chunk has those rows and no more. A square table
+  # holds zeros in every row at or after its column (half of it); the
+  # chunks leave them out of the pop matmul's reads and need no copy of
+  # the table at block boundaries.
+  # (The vector stack's forward runs on XLA under Pallas too, but keeps
+  # the square table: its backward runs the Pallas table kernel.)
+  chunked = not _update_kernels()
+  frozen = []
+  # On the Pallas path the square table grows block by block (zero-padded
+  # at each boundary) instead of being sliced out of, and written back
+  # into, a full-size table: two table copies per block fewer (train step
+  # 1.03-1.05x, XLA temporary memory -16%).
   n = blocks[0][1] + 1
   g, cs = g[:, :, :n, :, :n], cs[:, :, :n]
   # log α̂_{j−1} and log Σα_{j−1} are carried as they are and every
   # update's values leave the scan as outputs: reading and writing rows of
   # [B, T+1, ...] carries made XLA copy them at every update.
   a_prev, lm_prev = la[:, 0], lm[:, 0]
+  # Column j − 1 of update j (time 0's at first), carried as a value by the
+  # chunked table: the column update j writes is update j + 1's.
+  prev = g[:, :, 1] if chunked else ()
   # The vector table and E_{j−1} (its column j − 1, carried as a value).
   vcarry = ()
   if vec:
@@ -836,13 +890,19 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
     vcarry = (gv, gv[:, :, 1])
   for j0, j1 in blocks:
     n = j1 + 1
-    g = _pad_to(g, n, (2, 4))
+    if chunked and j0 > blocks[0][0]:
+      frozen.append(g)
+      g = jnp.zeros(g.shape[:2] + (n - g.shape[4],) + g.shape[3:4]
+                    + (n,) + g.shape[5:], g.dtype)
+      prev = _pad_to(prev, n, (3,))
+    elif not chunked:
+      g = _pad_to(g, n, (2, 4))
     cs = _pad_to(cs, n, (2,))
     if vec:
       vcarry = (_pad_to(vcarry[0], n, (2,)), vcarry[1])
 
-    def body(carry, inp):
-      extra, g, cs, cs_col, a_prev, lm_prev, vcarry = carry
+    def body(carry, inp, frozen_b=tuple(frozen)):
+      extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev = carry
       j, x_j = inp
       if vec:
         gv, e_prev = vcarry
@@ -855,19 +915,25 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
             g, cs, j, a_prev, *acts)
         lm_j = lm_prev + inc
         kept = (mt, res) if keep_mt else None
-        return ((extra, g, cs, cs_col, a_hat, lm_j, vcarry),
+        return ((extra, g, cs, cs_col, a_hat, lm_j, vcarry, prev),
                 (ys, kept, a_hat, lm_j))
       # Column j − 1's sums are written one update late, before anything
       # reads cs, and fenced: XLA then updates cs in place instead of
       # copying it twice per update (as ns_stack's backward does for W).
       cs = lax.optimization_barrier(
           lax.dynamic_update_index_in_dim(cs, cs_col, j, axis=2))
-      prev = lax.dynamic_index_in_dim(g, j, axis=2, keepdims=False)
+      if not chunked:
+        prev = lax.dynamic_index_in_dim(g, j, axis=2, keepdims=False)
       parts = _local(prev, cs, j, a_prev, *acts, prec, residuals=keep_mt,
                      vectors=(e_prev, v_j) if vec else None)
       col, mt, a_hat, inc = parts[:4]
-      col = col + _pop_matmul(g, mt, prec)          # column j, index j + 1
-      g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
+      if chunked:                                   # column j, index j + 1
+        col = col + _chunk_pop(frozen_b, g, mt, prec)
+        g = lax.dynamic_update_index_in_dim(
+            g, col, j + 1 - (n - g.shape[2]), axis=2)
+      else:
+        col = col + _pop_matmul(g, mt, prec)
+        g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
       if vec:
         # E_j: a column-sized pop (M̃ with the vector table's columns).
         col_v = parts[-1] + _pop_matmul(gv, mt, prec)
@@ -876,14 +942,14 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       lm_j = lm_prev + inc
       kept = (mt, parts[4]) if keep_mt else None
       return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j,
-               vcarry), (ys, kept, a_hat, lm_j))
+               vcarry, col if chunked else ()), (ys, kept, a_hat, lm_j))
 
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
     cs_col = cs[:, :, j0]                     # already in place: rewritten
-    (extra, g, cs, cs_col, a_prev, lm_prev, vcarry), (ys, kept, a_hat,
-                                                      lm_j) = (
-        lax.scan(body, (extra, g, cs, cs_col, a_prev, lm_prev, vcarry),
-                 (jnp.arange(j0, j1), x_blk), unroll=unroll))
+    (extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev), (
+        ys, kept, a_hat, lm_j) = lax.scan(
+            body, (extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev),
+            (jnp.arange(j0, j1), x_blk), unroll=unroll)
     if not fused:
       cs = lax.dynamic_update_index_in_dim(cs, cs_col, j1, axis=2)
     ys_all.append(ys)
@@ -902,8 +968,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   lm = jnp.concatenate([lm[:, :1]] + [jnp.swapaxes(a, 0, 1) for a in lms],
                        axis=1)[:, :t + 1]
   gv = _pad_to(vcarry[0], num_pts, (2,)) if vec else None
-  return (_pad_to(g, num_pts, (2, 4)), _pad_to(cs, num_pts, (2,)), la, lm,
-          extra, ys, mt, res, gv)
+  table = tuple(frozen) + (g,) if chunked else _pad_to(g, num_pts, (2, 4))
+  return (table, _pad_to(cs, num_pts, (2,)), la, lm, extra, ys, mt, res, gv)
 
 
 def _pad_to(x, n, axes):
@@ -932,7 +998,8 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
   cotangent as it stands (no transposed copy).
 
   Args:
-    g, cs, la: final share table, column sums, log α̂.
+    g, cs, la: final share table (as `_forward_blocks` returns it: column
+      chunks, or square on the Pallas path), column sums, log α̂.
     mt_all: M̃ of every update, [T, B, Y, R, N, T(state)].
     res_T: `_local`'s residuals of every update (time-major).
     xs_T: time-major per-update inputs passed to `local_vjp`.
@@ -950,13 +1017,19 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
     (final extra carry, ys (time-major)).
   """
   num_steps = mt_all.shape[0]
-  bsz, ny, npt, nr, _, nq, nx = g.shape
+  chunked = isinstance(g, tuple)
+  # npt: the row axis of the column cotangents (the chunks' longest).
+  bsz, ny, _, nr, npt, nq, nx = (g[-1] if chunked else g).shape
+  # The forward's blocks: those of its square table of N points.
+  num_pts = mt_all.shape[4]
+  table_bytes = (bsz * ny * num_pts**2 * nr * nq * nx
+                 * jnp.dtype(mt_all.dtype).itemsize)
   fused = _update_kernels()
   if fused:
     from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
   # e_all[b, y, k, t, j', r] = M̃_{j'+1}[b, y, r, k, t].
   e_all = jnp.transpose(mt_all, (1, 2, 4, 5, 0, 3))
-  dtype = g.dtype
+  dtype = mt_all.dtype
   if not num_steps:           # no update: nothing to differentiate.
     return extra_init, None
   # Block-sized carries: the W table (rows: updates j' ≥ j0 of the block,
@@ -973,7 +1046,9 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
   la_ct_T, inc_ct_T, la_T = (jnp.swapaxes(a, 0, 1)
                              for a in (la_ct, inc_ct, la))
   ys_all = []
-  for j0, j1 in reversed(_time_blocks(num_steps, _table_bytes(g))):
+  blocks = _time_blocks(num_steps, table_bytes)
+  for bi in reversed(range(len(blocks))):
+    j0, j1 = blocks[bi]
     n = j1 + 1
     rows = (num_steps - j0 + 1) * nr
     if w_tab is None:
@@ -982,14 +1057,28 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
       w_tab = jnp.concatenate(
           [jnp.zeros((bsz * ny, rows - w_tab.shape[1], n * nq * nx), dtype),
            w_tab[:, :, :n * nq * nx]], axis=1)
-    # The table as [b·y, (k, t), (i, q, x)] (one copy per block; none for
-    # the last): M̃'s cotangent contracts its contiguous rows (i, q, x),
-    # and column j − 1 is a contiguous slice of it.
-    g_t = g[:, :, :n, :, :n].reshape(bsz * ny, n * nr, n * nq * nx)
+    if chunked:
+      # The block's chunk and those before it, each as [b·y, (k, t),
+      # (i, q, x)] (no copy): M̃'s cotangent contracts each chunk's rows
+      # with as many rows of the column cotangent. Update j reads column
+      # j − 1 from the block's chunk, but update j0 the last column of
+      # the chunk before, its rows padded to this block's.
+      views = tuple(c.reshape(bsz * ny, c.shape[2] * nr, -1)
+                    for c in g[:bi + 1])
+      start = n - g[bi].shape[2]
+      first_prev = (_pad_to(g[bi - 1][:, :, -1], n, (3,)) if bi
+                    else jnp.zeros((), dtype))
+      g_t = (views, first_prev)
+    else:
+      # The table as [b·y, (k, t), (i, q, x)] (one copy per block; none
+      # for the last): M̃'s cotangent contracts its contiguous rows (i, q,
+      # x), and column j − 1 is a contiguous slice of it.
+      g_t = g[:, :, :n, :, :n].reshape(bsz * ny, n * nr, n * nq * nx)
     cs_p = cs[:, :, :n]
     e_p = e_all[:, :, :n, :, j0 - 1:].reshape(bsz, ny, n, nr, -1)
 
-    def body(carry, inp, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n):
+    def body(carry, inp, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n, bi=bi,
+             start=start if chunked else 0):
       w_tab, w_next, prev_hat, cs_bar, la_bar, extra = carry
       j, x_j, a_ct, i_ct, a_prev, a_hat, res_j = inp
       if fused:
@@ -1012,12 +1101,25 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
         # [b·y, (k, t), r] with the table as the left operand (measured
         # faster than W·Gᵀ: 1.3-2.5x for these shapes on XLA:CPU), then
         # the small result to M̃'s layout.
-        mt_ct = jnp.transpose(_table_dot(
-            g_t, col_ct.reshape(bsz * ny, nr, -1), 2, prec).reshape(
-                bsz, ny, n, nr, nr), (0, 1, 4, 2, 3))
+        col_flat = col_ct.reshape(bsz * ny, nr, -1)
+        if chunked:
+          mt_ct = jnp.concatenate(
+              [_table_dot(v, col_flat[:, :, :v.shape[2]], 2, prec)
+               for v in g_t[0]], axis=1)
+        else:
+          mt_ct = _table_dot(g_t, col_flat, 2, prec)
+        mt_ct = jnp.transpose(mt_ct.reshape(bsz, ny, n, nr, nr),
+                              (0, 1, 4, 2, 3))
       a_ct = a_ct + la_bar
-      prev = lax.dynamic_slice_in_dim(g_t, j * nr, nr, axis=1).reshape(
-          bsz, ny, nr, n, nq, nx)
+      if chunked:
+        prev = lax.dynamic_slice_in_dim(
+            g_t[0][-1], (j - start) * nr, nr, axis=1).reshape(
+                bsz, ny, nr, n, nq, nx)
+        if bi:
+          prev = jnp.where(j == j0, g_t[1], prev)
+      else:
+        prev = lax.dynamic_slice_in_dim(g_t, j * nr, nr, axis=1).reshape(
+            bsz, ny, nr, n, nq, nx)
       extra, d_prev, d_cs, d_a, ys = local_vjp(
           j, extra, x_j, prev, cs_p, a_prev, a_hat, res_j,
           (col_ct, mt_ct, a_ct, i_ct))
@@ -1054,25 +1156,29 @@ def _given_actions(j, extra, acts, a_prev):
   return extra, acts, None
 
 
-def _forward(push, repl, pop, bottom, precision, keep_mt=False, unroll=1):
-  """Forward; returns (g, cs, log α̂, log Σα, M̃ of every update or None)."""
+def _forward(push, repl, pop, bottom, precision, keep_mt=False, unroll=1,
+             square=True):
+  """Forward; returns (g, cs, log α̂, log Σα, M̃ of every update or None,
+  `_local`'s residuals or None); g square [B, Y, T+2, T, T+2, Q, X], or as
+  `_forward_blocks` keeps it (`square=False`: the backward's residual)."""
   b, t, q, s = push.shape[:4]
   prec = lax_precision(precision)
   xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
   g, cs, la, lm, _, _, mt, res, _ = _forward_blocks(
       t, _initial(b, t, q, s, bottom, push.dtype), xs_T,
       _given_actions, (), prec, keep_mt, unroll)
-  return g, cs, la, lm, mt, res
+  return (square_table(g, t + 2) if square else g), cs, la, lm, mt, res
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _tables(push, repl, pop, bottom, precision, unroll):
-  return _forward(push, repl, pop, bottom, precision, unroll=unroll)[2:4]
+  return _forward(push, repl, pop, bottom, precision, unroll=unroll,
+                  square=False)[2:4]
 
 
 def _tables_fwd(push, repl, pop, bottom, precision, unroll):
   g, cs, la, lm, mt, lres = _forward(push, repl, pop, bottom, precision,
-                                     True, unroll)
+                                     True, unroll, square=False)
   return (la, lm), (g, cs, la, mt, lres, push, repl, pop)
 
 

@@ -1,10 +1,10 @@
 """benchmarks/train_step.py's analysis variants measure what they say.
 
 Oracle: the lowered program. The --table_matmul_cost variant must remove
-exactly the stack's table-sized products (one pop matmul in every forward
-time block, the M̃ cotangent and the W product in every backward block)
-and nothing else that the step computes, or its time difference would not
-be their cost.
+exactly the stack's table-sized products (the pop matmul of every column
+chunk in every forward time block, M̃'s cotangent per chunk and the W
+product in every backward block) and nothing else that the step computes,
+or its time difference would not be their cost.
 """
 
 import numpy as np
@@ -25,7 +25,10 @@ def test_table_matmul_cost_variant_drops_only_the_table_products(
   # pylint: disable-next=protected-access
   blocks = len(rns_stack._time_blocks(length - 1))
   assert blocks >= 2
-  assert current.dots - zeroed.dots == 3 * blocks
+  # Block b (0-based) of the forward: one pop matmul per column chunk
+  # (b + 1); of the backward: M̃'s cotangent per chunk (b + 1) and the W
+  # product (1).
+  assert current.dots - zeroed.dots == blocks * (blocks + 1) + blocks
   # The same step otherwise: it trains (finite loss) and runs.
   zeroed.time_once()
   _, metrics = zeroed.step(zeroed.state, zeroed.batch)
