@@ -79,8 +79,9 @@ times before it), so its chunk stores those rows and no more, and the pop
 matmul is one product per chunk on the rows it has. A square table holds
 zeros in every row at or after its column, half of it, which the pop
 matmul and M̃'s cotangent would read at every update; the chunks also need
-no copy of the table at block boundaries (train step 1.28x faster at Q =
-S = 3 and 1.09x at Q = S = 2 on one CPU core, n = 80; README). The Pallas
+no copy of the table at block boundaries (train step, n = 80, one CPU
+core, one run: 1.09x best / 1.27x median at Q = S = 3, 1.07x at Q = S =
+2; README). The Pallas
 update kernels keep the square table. The column sums c_k are carried
 (written with their column) rather than recomputed from the table, so the
 pop matmul G·M̃ is the only table-sized work of an update.
