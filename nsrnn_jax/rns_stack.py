@@ -81,7 +81,7 @@ zeros in every row at or after its column, half of it, which the pop
 matmul and M̃'s cotangent would read at every update; the chunks also need
 no copy of the table at block boundaries (train step, n = 80, one CPU
 core, one run: 1.09x best / 1.27x median at Q = S = 3, 1.07x at Q = S =
-2; README). The Pallas
+2; README; on CPU: `TABLE_LAYOUT`). The Pallas
 update kernels keep the square table. The column sums c_k are carried
 (written with their column) rather than recomputed from the table, so the
 pop matmul G·M̃ is the only table-sized work of an update.
@@ -352,6 +352,30 @@ def _contraction_mode(name):
     raise ValueError(f"rns_stack.{name} must be one of {CONTRACTION_MODES}, "
                      f"got {mode!r}")
   return mode
+
+
+# How the sweeps (XLA path) store the share table: "chunks", one column
+# chunk per time block holding only the rows its columns can have (CPU:
+# train step 1.09x best / 1.27x median at Q = S = 3 on one core, by fewer
+# reads and no table copies at block boundaries), or "square" (one array:
+# one pop matmul and one M̃ cotangent product per update instead of one
+# per chunk, fewer ops for launch-bound accelerators, where the chunks are
+# not measured yet). "auto": chunks on CPU, square elsewhere. The Pallas
+# update kernels always use the square table.
+TABLE_LAYOUT = "auto"
+TABLE_LAYOUTS = ("auto", "chunks", "square")
+
+
+def _chunked_table():
+  """True: the sweeps keep the table in column chunks (`TABLE_LAYOUT`)."""
+  if TABLE_LAYOUT not in TABLE_LAYOUTS:
+    raise ValueError(f"rns_stack.TABLE_LAYOUT must be one of "
+                     f"{TABLE_LAYOUTS}, got {TABLE_LAYOUT!r}")
+  if _update_kernels():
+    return False
+  if TABLE_LAYOUT == "auto":
+    return jax.default_backend() == "cpu"
+  return TABLE_LAYOUT == "chunks"
 
 
 def _update_kernels():
@@ -869,7 +893,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   # the table at block boundaries.
   # (The vector stack's forward runs on XLA under Pallas too, but keeps
   # the square table: its backward runs the Pallas table kernel.)
-  chunked = not _update_kernels()
+  chunked = _chunked_table()
   frozen = []
   # On the Pallas path the square table grows block by block (zero-padded
   # at each boundary) instead of being sliced out of, and written back

@@ -357,7 +357,8 @@ def test_contractions_by_sum_give_the_same_update(x64, monkeypatch, ring):
                                  err_msg=str(key))
 
 
-@pytest.mark.parametrize("name", ["COLUMN_CONTRACTIONS", "TABLE_CONTRACTIONS"])
+@pytest.mark.parametrize("name", ["COLUMN_CONTRACTIONS", "TABLE_CONTRACTIONS",
+                                  "TABLE_LAYOUT"])
 def test_unknown_contractions_is_a_clear_error(monkeypatch, name):
   monkeypatch.setattr(rns_stack, name, "einsum")
   rng = np.random.default_rng(0)
@@ -535,9 +536,12 @@ def test_large_tables_get_more_time_blocks(monkeypatch):
   assert rns_stack._time_blocks(80, 0) == ns_stack.time_blocks(80)
 
 
-def test_time_blocks_change_nothing(x64, monkeypatch):
-  # The blocked scans (table sliced per block, W table and M̃ handed across
-  # block boundaries in the backward) against one block and plain autodiff.
+@pytest.mark.parametrize("layout", ["chunks", "square"])
+def test_time_blocks_change_nothing(x64, monkeypatch, layout):
+  # The blocked scans (the table in column chunks, or square and sliced per
+  # block; W table and M̃ handed across block boundaries in the backward)
+  # against one block and plain autodiff.
+  monkeypatch.setattr(rns_stack, "TABLE_LAYOUT", layout)
   q, s, b, t = 2, 2, 3, 7
   rng = np.random.default_rng(11)
   push, repl, pop = (np.concatenate(a, 0) for a in zip(
