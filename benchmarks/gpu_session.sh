@@ -220,7 +220,10 @@ for p in "${phases[@]}"; do
         benchmarks/vrns_stack.py --compare --reps=7 \
         --out "$OUT/vrns_stack_speed_gpu.json"
       bench "windowed stack: hand-written gradient against autodiff" 150 -- \
-        benchmarks/window_vjp.py --reps=7 --out "$OUT/window_vjp_gpu.json" ;;
+        benchmarks/window_vjp.py --reps=7 --out "$OUT/window_vjp_gpu.json"
+      bench "NS train step, the table in column chunks against square" 120 -- \
+        $TS --models=ns22,ns33 --table_layouts --repeats=9 \
+        --out "$OUT/train_step_gpu_table_layouts.json" ;;
   esac
 done
 log "done"

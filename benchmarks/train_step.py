@@ -48,6 +48,10 @@ Variants (each adds rows; the plain row is always measured):
                         products) replaced by zeros of their shape: not a
                         valid step (wrong values), a measurement: its time
                         below the plain row's is what those products cost
+  --table_layouts       the NS models (shares table) once more with each
+                        rns_stack.TABLE_LAYOUT other than the one the
+                        backend gets by default ("chunks" on CPU, "square"
+                        elsewhere)
   --pallas_kernels      the NS models (shares table) with the stack's
                         updates as Pallas kernels (rns_stack.UPDATE_KERNELS
                         = "pallas", nsrnn_jax/stack_kernels.py: one per
@@ -365,7 +369,8 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 cpu_devices, batch_chunks=(), gref_cumsum=False,
                 contractions_by_sum=False, pallas_kernels=False,
                 kernel_tiles=(), lstm_two_products=False,
-                other_residuals=False, table_matmul_cost=False):
+                other_residuals=False, table_matmul_cost=False,
+                table_layouts=False):
   """Rows for one model: every variant, timed in alternation.
 
   `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID) settings of
@@ -389,6 +394,13 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
         Variant(name, "all stack contractions by sum", length, precision,
                 patches=[column, (rns_stack, "TABLE_CONTRACTIONS", "reduce")],
                 count_dots=True)]
+  if table_layouts and on_shares:
+    default = "chunks" if jax.default_backend() == "cpu" else "square"
+    for layout in ("chunks", "square"):
+      if layout != default:
+        variants.append(Variant(name, f"table layout {layout}", length,
+                                precision,
+                                patches=[(rns_stack, "TABLE_LAYOUT", layout)]))
   if table_matmul_cost and on_shares:
     variants.append(Variant(name, TABLE_MATMULS_ZEROED, length, precision,
                             patches=[(rns_stack, "_table_dot",
@@ -602,6 +614,9 @@ def build_parser():
                       help="add a variant of every model with the LSTM's "
                       "gates as two products added (their form before "
                       "they became one product)")
+  parser.add_argument("--table_layouts", action="store_true",
+                      help="add NS variants (shares table) with the other "
+                      "rns_stack.TABLE_LAYOUT (chunks / square)")
   parser.add_argument("--table_matmul_cost", action="store_true",
                       help="add NS variants (shares table) with the stack's "
                       "table-sized products zeroed: what they cost (not a "
@@ -698,7 +713,7 @@ def main():
           [int(c) for c in args.batch_chunk.split(",") if c],
           args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
           kernel_tiles, args.lstm_two_products, args.other_residuals,
-          args.table_matmul_cost)
+          args.table_matmul_cost, args.table_layouts)
       # Variants that did not compile are kept apart from the timed rows.
       out["steps"] += [r for r in rows if "error" not in r]
       failed = [r for r in rows if "error" in r]
