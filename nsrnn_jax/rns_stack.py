@@ -140,7 +140,7 @@ __all__ = [
     "BOTTOMS", "READINGS", "FIXED", "FROZEN", "STATE", "SYMBOL",
     "split_action_logits", "readout", "initial_table", "update",
     "run", "run_coupled", "run_coupled_vectors", "run_log_space", "viterbi",
-    "replay_run",
+    "replay_run", "square_table",
     "validate_stack_config",
 ]
 
