@@ -23,7 +23,9 @@ Variants (each adds rows; the plain row is always measured):
                         re-executes itself with N CPU devices)
   --batch_chunk=10,2    the NS models with config.stack_batch_chunk = N
                         (the plain row chooses automatically; a baseline
-                        ref from before the field runs the whole batch)
+                        ref from before the field runs the whole batch);
+                        with --cpu_devices, on the devices too (each
+                        device's share of the batch in chunks of N)
   --gref_cumsum         Gref with its "sum of the strengths above" by
                         lax.cumsum, as before it became one matmul
   --other_residuals     LSTM, JM and Gref with their time loops storing the
@@ -468,6 +470,12 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
   if cpu_devices > 1:
     variants.append(Variant(name, f"{cpu_devices} devices (batch split)",
                             length, precision, num_devices=cpu_devices))
+    if is_ns:
+      for c in batch_chunks:
+        variants.append(Variant(
+            name, f"{cpu_devices} devices, batch_chunk={c}", length,
+            precision, num_devices=cpu_devices,
+            overrides={"stack_batch_chunk": c}))
   gflops, cpu_gflops, gbytes = [], [], []
   for i in range(repeats):
     gflops.append(machine.matmul_gflops())

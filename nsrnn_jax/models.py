@@ -1008,6 +1008,11 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
 # (4-9 MiB); Q = S = 3 at 2 strings (4.4 MB), since the fewer-ops update
 # 1.07-1.26x faster than 5 (10.9 MB) and 1.6x faster than 10: cache-bound.
 CPU_TABLE_BUDGET_BYTES = 6 * 2**20
+# ... except that a chunk of one string is taken only when the next divisor
+# of the batch would exceed this many budgets: on two CPU devices (5 strings
+# each) Q = S = 3 at n = 80 ran faster in chunks of 5 (11 MB) than of 1, on
+# the column-chunked table (train_step_cpu_chunk_of_five.json).
+CPU_SINGLE_STRING_LIMIT = 4
 
 
 def stack_batch_chunk(requested: int, batch: int, steps: int,
@@ -1017,18 +1022,26 @@ def stack_batch_chunk(requested: int, batch: int, steps: int,
 
   requested: 0 = automatic: on CPU the largest divisor of the batch whose
     table, B·(T+2)²·Q²·S² entries of `itemsize` bytes (4 float32, 8
-    float64), fits CPU_TABLE_BUDGET_BYTES (at least 1); on accelerators the
-    whole batch. N >= 1: the largest divisor of the batch <= N
+    float64), fits CPU_TABLE_BUDGET_BYTES, but not 1 where the next divisor
+    fits CPU_SINGLE_STRING_LIMIT budgets; on accelerators the whole batch.
+    N >= 1: the largest divisor of the batch <= N
     (``config.stack_batch_chunk``).
   """
+  divisors = [d for d in range(1, batch + 1) if batch % d == 0]
   if requested:
-    limit = requested
-  elif jax.default_backend() == 'cpu':
-    per_string = itemsize * (steps + 2)**2 * (num_states * num_symbols)**2
-    limit = max(1, CPU_TABLE_BUDGET_BYTES // per_string)
-  else:
+    return max(d for d in divisors if d <= requested)
+  if jax.default_backend() != 'cpu':
     return batch
-  return max(d for d in range(1, batch + 1) if batch % d == 0 and d <= limit)
+  per_string = itemsize * (steps + 2)**2 * (num_states * num_symbols)**2
+  limit = max(1, CPU_TABLE_BUDGET_BYTES // per_string)
+  chunk = max(d for d in divisors if d <= limit)
+  if chunk == 1 and batch > 1:
+    # One string per run is slower per string than a few over the budget:
+    # the next divisor, unless its table is far beyond the cache.
+    bigger = divisors[1]
+    if bigger * per_string <= CPU_SINGLE_STRING_LIMIT * CPU_TABLE_BUDGET_BYTES:
+      chunk = bigger
+  return chunk
 
 
 class NSLM(PDAStackLM):

@@ -777,10 +777,16 @@ def test_stack_batch_chunk_choice(monkeypatch):
   # string (2 of 10), Q = S = 2 is 0.43 MB (all 10).
   assert models.stack_batch_chunk(0, 10, 80, 3, 3) == 2
   assert models.stack_batch_chunk(0, 10, 80, 2, 2) == 10
+  # Not one string where the next divisor's table is within 4 budgets: a
+  # device's 5 strings (11 MB) run at once; 7 strings at T = 400 (366 MB)
+  # one by one.
+  assert models.stack_batch_chunk(0, 5, 80, 3, 3) == 5
   assert models.stack_batch_chunk(0, 7, 400, 3, 3) == 1
+  assert models.stack_batch_chunk(0, 1, 400, 3, 3) == 1
   # float64 tables take twice the bytes: Q = S = 3 (4.4 MB a string) fits
-  # 1 string, Q = S = 2 (0.86 MB) 7, so 5 (a divisor of 10).
-  assert models.stack_batch_chunk(0, 10, 80, 3, 3, itemsize=8) == 1
+  # 1 string, so the next divisor, 2 (8.8 MB); Q = S = 2 (0.86 MB) 7, so 5
+  # (a divisor of 10).
+  assert models.stack_batch_chunk(0, 10, 80, 3, 3, itemsize=8) == 2
   assert models.stack_batch_chunk(0, 10, 80, 2, 2, itemsize=8) == 5
   # Requested: the largest divisor <= N.
   assert models.stack_batch_chunk(3, 10, 80, 2, 2) == 2
