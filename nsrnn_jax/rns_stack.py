@@ -81,8 +81,8 @@ zeros in every row at or after its column, half of it, which the pop
 matmul and M̃'s cotangent would read at every update; the chunks also need
 no copy of the table at block boundaries (train step, n = 80, one CPU
 core, one run: 1.09x best / 1.27x median at Q = S = 3, 1.07x at Q = S =
-2; README; on CPU: `TABLE_LAYOUT`). The Pallas
-update kernels keep the square table. The column sums c_k are carried
+2; README). That is the CPU's default (`TABLE_LAYOUT`); accelerators and
+the Pallas update kernels keep the square table. The column sums c_k are carried
 (written with their column) rather than recomputed from the table, so the
 pop matmul G·M̃ is the only table-sized work of an update.
 
@@ -871,8 +871,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
     table as column chunks, a tuple with one per time block (block [j0, j1)
     writes axis indices j0+1..j1: chunk [B, Y, K, T, j1+1, Q, X] holds
     those columns, the first also 0..j0, with their rows ≤ j1), or square
-    [B, Y, N, T, N, Q, X] on the Pallas path (`square_table` makes any of
-    them square).
+    [B, Y, N, T, N, Q, X] (`TABLE_LAYOUT`, the Pallas path; `square_table`
+    makes any of them square).
   """
   g, cs, la, lm = init
   num_pts = g.shape[2]
@@ -885,7 +885,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   extra, ys_all, mts, a_hats, lms, res_all = extra0, [], [], [], [], []
   # T = 0: one empty block.
   blocks = _time_blocks(t, _table_bytes(g)) or [(1, 1)]
-  # Off the Pallas path the table is kept in column chunks, one per block:
+  # With the chunked layout (`TABLE_LAYOUT`) the table is kept in column
+  # chunks, one per block:
   # block [j0, j1) writes columns j0+1..j1 (axis indices), which hold rows
   # ≤ j1 only, so its chunk has those rows and no more. A square table
   # holds zeros in every row at or after its column (half of it); the
@@ -895,7 +896,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   # the square table: its backward runs the Pallas table kernel.)
   chunked = _chunked_table()
   frozen = []
-  # On the Pallas path the square table grows block by block (zero-padded
+  # Otherwise the square table grows block by block (zero-padded
   # at each boundary) instead of being sliced out of, and written back
   # into, a full-size table: two table copies per block fewer (train step
   # 1.03-1.05x, XLA temporary memory -16%).
@@ -1024,7 +1025,7 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
 
   Args:
     g, cs, la: final share table (as `_forward_blocks` returns it: column
-      chunks, or square on the Pallas path), column sums, log α̂.
+      chunks, or square: `TABLE_LAYOUT`), column sums, log α̂.
     mt_all: M̃ of every update, [T, B, Y, R, N, T(state)].
     res_T: `_local`'s residuals of every update (time-major).
     xs_T: time-major per-update inputs passed to `local_vjp`.
