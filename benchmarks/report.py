@@ -26,6 +26,7 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 README = os.path.join(REPO, "README.md")
 
 MODEL_LABELS = {"ns22": "NS-RNN Q=S=2", "ns33": "NS-RNN Q=S=3",
+                "ns32": "NS-RNN Q=3, S=2",
                 "ns22_scaled": "NS-RNN Q=S=2, scaled table",
                 "ns33_scaled": "NS-RNN Q=S=3, scaled table",
                 "jm": "JM m=20", "gref": "Gref m=20", "lstm": "LSTM"}

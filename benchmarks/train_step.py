@@ -125,6 +125,9 @@ SETTINGS = {
                  stack_table="shares"),
     "ns33": dict(model="ns", num_states=3, num_stack_symbols=3,
                  stack_table="shares"),
+    # Padded reversal's NS-RNN (paper section 5.5); not in the default list.
+    "ns32": dict(model="ns", num_states=3, num_stack_symbols=2,
+                 stack_table="shares"),
     "ns22_scaled": dict(model="ns", num_states=2, num_stack_symbols=2,
                         stack_table="scaled"),
     "ns33_scaled": dict(model="ns", num_states=3, num_stack_symbols=3,

@@ -1007,7 +1007,10 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
 # L3 16 MiB; train step at n = 80): Q = S = 2 fastest at 10-20 strings
 # (4-9 MiB); Q = S = 3 at 2 strings (4.4 MB), since the fewer-ops update
 # 1.07-1.26x faster than 5 (10.9 MB) and 1.6x faster than 10: cache-bound.
-CPU_TABLE_BUDGET_BYTES = 6 * 2**20
+# 10 MiB (was 6) since the sweeps keep the table in column chunks: Q = 3,
+# S = 2 (padded reversal) then ran fastest on its whole batch (9.7 MB) on one
+# core, and Q = S = 3 still at 2 strings (train_step_cpu_table_budget.json).
+CPU_TABLE_BUDGET_BYTES = 10 * 2**20
 # ... except that a chunk of one string is taken only when the next divisor
 # of the batch would exceed this many budgets: on two CPU devices (5 strings
 # each) Q = S = 3 at n = 80 ran faster in chunks of 5 (11 MB) than of 1, on

@@ -773,9 +773,11 @@ def test_ns_stack_chunk_is_sized_by_the_model_float_type(monkeypatch, dtype,
 def test_stack_batch_chunk_choice(monkeypatch):
   monkeypatch.setattr(jax, 'default_backend', lambda: 'cpu')
   # Automatic on CPU: the largest divisor of the batch whose float32 table,
-  # B·(T+2)²·Q²·S²·4 bytes, fits 6 MiB: Q = S = 3 at T = 80 is 2.2 MB a
-  # string (2 of 10), Q = S = 2 is 0.43 MB (all 10).
+  # B·(T+2)²·Q²·S²·4 bytes, fits 10 MiB: Q = S = 3 at T = 80 is 2.2 MB a
+  # string (4, so 2 of 10), Q = 3, S = 2 0.97 MB (all 10), Q = S = 2
+  # 0.43 MB (all 10).
   assert models.stack_batch_chunk(0, 10, 80, 3, 3) == 2
+  assert models.stack_batch_chunk(0, 10, 80, 3, 2) == 10
   assert models.stack_batch_chunk(0, 10, 80, 2, 2) == 10
   # Not one string where the next divisor's table is within 4 budgets: a
   # device's 5 strings (11 MB) run at once; 7 strings at T = 400 (366 MB)
@@ -784,10 +786,10 @@ def test_stack_batch_chunk_choice(monkeypatch):
   assert models.stack_batch_chunk(0, 7, 400, 3, 3) == 1
   assert models.stack_batch_chunk(0, 1, 400, 3, 3) == 1
   # float64 tables take twice the bytes: Q = S = 3 (4.4 MB a string) fits
-  # 1 string, so the next divisor, 2 (8.8 MB); Q = S = 2 (0.86 MB) 7, so 5
-  # (a divisor of 10).
+  # 2 strings; Q = 3, S = 2 (1.9 MB) 5; Q = S = 2 (0.86 MB) 12, so 10.
   assert models.stack_batch_chunk(0, 10, 80, 3, 3, itemsize=8) == 2
-  assert models.stack_batch_chunk(0, 10, 80, 2, 2, itemsize=8) == 5
+  assert models.stack_batch_chunk(0, 10, 80, 3, 2, itemsize=8) == 5
+  assert models.stack_batch_chunk(0, 10, 80, 2, 2, itemsize=8) == 10
   # Requested: the largest divisor <= N.
   assert models.stack_batch_chunk(3, 10, 80, 2, 2) == 2
   assert models.stack_batch_chunk(20, 10, 80, 3, 3) == 10
