@@ -400,7 +400,8 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 patches=[column, (rns_stack, "TABLE_CONTRACTIONS", "reduce")],
                 count_dots=True)]
   if table_layouts and on_shares:
-    default = "chunks" if jax.default_backend() == "cpu" else "square"
+    # pylint: disable-next=protected-access
+    default = "chunks" if rns_stack._chunked_table() else "square"
     for layout in ("chunks", "square"):
       if layout != default:
         variants.append(Variant(name, f"table layout {layout}", length,

@@ -886,20 +886,18 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   # T = 0: one empty block.
   blocks = _time_blocks(t, _table_bytes(g)) or [(1, 1)]
   # With the chunked layout (`TABLE_LAYOUT`) the table is kept in column
-  # chunks, one per block:
-  # block [j0, j1) writes columns j0+1..j1 (axis indices), which hold rows
-  # ≤ j1 only, so its chunk has those rows and no more. A square table
-  # holds zeros in every row at or after its column (half of it); the
-  # chunks leave them out of the pop matmul's reads and need no copy of
-  # the table at block boundaries.
-  # (The vector stack's forward runs on XLA under Pallas too, but keeps
-  # the square table: its backward runs the Pallas table kernel.)
+  # chunks, one per block: block [j0, j1) writes columns j0+1..j1 (axis
+  # indices), which hold rows ≤ j1 only, so its chunk has those rows and
+  # no more. A square table holds zeros in every row at or after its
+  # column (half of it); the chunks leave them out of the pop matmul's
+  # reads and need no copy of the table at block boundaries. The square
+  # table grows block by block (zero-padded at each boundary) instead of
+  # being sliced out of, and written back into, a full-size table: two
+  # table copies per block fewer (train step 1.03-1.05x, XLA temporary
+  # memory -16%). (The vector stack's forward runs on XLA under Pallas too,
+  # but keeps the square table: its backward runs the Pallas kernel.)
   chunked = _chunked_table()
-  frozen = []
-  # Otherwise the square table grows block by block (zero-padded
-  # at each boundary) instead of being sliced out of, and written back
-  # into, a full-size table: two table copies per block fewer (train step
-  # 1.03-1.05x, XLA temporary memory -16%).
+  frozen = []                   # chunked: the earlier blocks' chunks
   n = blocks[0][1] + 1
   g, cs = g[:, :, :n, :, :n], cs[:, :, :n]
   # log α̂_{j−1} and log Σα_{j−1} are carried as they are and every
@@ -1046,16 +1044,16 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
   chunked = isinstance(g, tuple)
   # npt: the row axis of the column cotangents (the chunks' longest).
   bsz, ny, _, nr, npt, nq, nx = (g[-1] if chunked else g).shape
+  dtype = mt_all.dtype
   # The forward's blocks: those of its square table of N points.
   num_pts = mt_all.shape[4]
-  table_bytes = (bsz * ny * num_pts**2 * nr * nq * nx
-                 * jnp.dtype(mt_all.dtype).itemsize)
+  table_bytes = _table_bytes(jax.ShapeDtypeStruct(
+      (bsz, ny, num_pts, nr, num_pts, nq, nx), dtype))
   fused = _update_kernels()
   if fused:
     from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
   # e_all[b, y, k, t, j', r] = M̃_{j'+1}[b, y, r, k, t].
   e_all = jnp.transpose(mt_all, (1, 2, 4, 5, 0, 3))
-  dtype = mt_all.dtype
   if not num_steps:           # no update: nothing to differentiate.
     return extra_init, None
   # Block-sized carries: the W table (rows: updates j' ≥ j0 of the block,
@@ -1091,20 +1089,19 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
       # the chunk before, its rows padded to this block's.
       views = tuple(c.reshape(bsz * ny, c.shape[2] * nr, -1)
                     for c in g[:bi + 1])
-      start = n - g[bi].shape[2]
-      first_prev = (_pad_to(g[bi - 1][:, :, -1], n, (3,)) if bi
-                    else jnp.zeros((), dtype))
-      g_t = (views, first_prev)
+      start = n - g[bi].shape[2]             # the block's first column
+      g_t = (views, _pad_to(g[bi - 1][:, :, -1], n, (3,)) if bi else None)
     else:
       # The table as [b·y, (k, t), (i, q, x)] (one copy per block; none
       # for the last): M̃'s cotangent contracts its contiguous rows (i, q,
       # x), and column j − 1 is a contiguous slice of it.
       g_t = g[:, :, :n, :, :n].reshape(bsz * ny, n * nr, n * nq * nx)
+      start = 0
     cs_p = cs[:, :, :n]
     e_p = e_all[:, :, :n, :, j0 - 1:].reshape(bsz, ny, n, nr, -1)
 
-    def body(carry, inp, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n, bi=bi,
-             start=start if chunked else 0):
+    def body(carry, inp, g_t=g_t, cs_p=cs_p, e_p=e_p, j0=j0, n=n,
+             start=start):
       w_tab, w_next, prev_hat, cs_bar, la_bar, extra = carry
       j, x_j, a_ct, i_ct, a_prev, a_hat, res_j = inp
       if fused:
@@ -1141,7 +1138,7 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
         prev = lax.dynamic_slice_in_dim(
             g_t[0][-1], (j - start) * nr, nr, axis=1).reshape(
                 bsz, ny, nr, n, nq, nx)
-        if bi:
+        if g_t[1] is not None:                # column j0 − 1: chunk before
           prev = jnp.where(j == j0, g_t[1], prev)
       else:
         prev = lax.dynamic_slice_in_dim(g_t, j * nr, nr, axis=1).reshape(
