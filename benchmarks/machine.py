@@ -8,6 +8,7 @@ load average (other jobs on shared cores skew timings) and the XLA flags;
 
 import os
 import platform
+import re
 import subprocess
 import time
 
@@ -130,6 +131,97 @@ def read_gbytes_per_s(megabytes=256, repeats=3):
 
   return megabytes * 2**20 / _best_seconds(("read", megabytes), build,
                                            repeats) / 1e9
+
+
+# Instructions of compiled HLO text that run no code of their own.
+_NO_THUNK = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast",
+                       "constant"})
+# `[ROOT] %name = shape opcode(` of one instruction; shape may be a tuple.
+# (A tuple shape may hold `/*index=5*/` comments and nested tuples.)
+_HLO_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?:\(.*?\)|\S+)\s+([\w-]+)\(")
+
+
+def sequential_ops(hlo_text):
+  """Ops one call of a compiled HLO module runs, loops counted per trip.
+
+  `hlo_text`: `jax.jit(f).lower(...).compile().as_text()`. Every instruction
+  of the entry computation that runs code (a fusion, a dot, a copy, ...)
+  counts one; a while loop one more than its known trip count times the ops
+  of its body and condition, a call the ops of the computation it calls, a
+  conditional one more than the ops of its largest branch. XLA:CPU runs
+  each such op as one thunk, one after another where each needs the last,
+  so this count times the cost of one tiny op (`op_dispatch_us`) is a floor
+  on the program's time, however fast its arithmetic. A while loop without
+  a known trip count raises ValueError.
+  """
+  computations, current = {}, None
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      current = re.match(r"^(?:ENTRY\s+)?%?(\S+)", line).group(1)
+      computations[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      computations[current].append(line)
+
+  def count(name):
+    total = 0
+    for line in computations[name]:
+      op = _HLO_OP.match(line)
+      if op is None or op.group(1) in _NO_THUNK:
+        continue
+      if op.group(1) == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        if trips is None:
+          raise ValueError("a while loop without a known trip count: "
+                           + line.strip()[:120])
+        body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+        condition = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+        total += 1 + int(trips.group(1)) * (count(body)
+                                            + count(condition))
+      elif op.group(1) == "call":
+        total += count(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+      elif op.group(1) == "conditional":
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                 if branches else
+                 [re.search(k + r"=%?([\w.\-]+)", line).group(1)
+                  for k in ("true_computation", "false_computation")])
+        total += 1 + max(count(b) for b in names)
+      else:
+        total += 1
+    return total
+
+  return count(entry)
+
+
+def op_dispatch_us(repeats=3, ops_per_step=40, steps=160):
+  """Best-of-`repeats` time per op of a loop of tiny dependent ops, in µs.
+
+  The yardstick of `sequential_ops`: a `lax.scan` of `steps` steps whose
+  body chains `ops_per_step` ops on a 10 x 4 float32 array (cumulative sums
+  and sines, which XLA does not fuse into one), timed and divided by the ops
+  its compiled program runs (`sequential_ops`). The arrays are as small as
+  the NS stack's smallest (batch 10, Q·S = 4), so this is close to XLA's
+  fixed cost of running one op (on a CPU, one thunk): ops times this is a
+  floor on a program's time however fast its arithmetic.
+  """
+  def body(x_BxH, _):
+    for i in range(ops_per_step):
+      x_BxH = jnp.sin(x_BxH) if i % 2 else jnp.cumsum(x_BxH, axis=0)
+    return x_BxH, None
+
+  key = ("dispatch", ops_per_step, steps)
+
+  def build():
+    f = jax.jit(lambda x: jax.lax.scan(body, x, None, length=steps)[0])
+    return f, jnp.ones((10, 4), jnp.float32)
+
+  seconds = _best_seconds(key, build, repeats)
+  f, x = _YARDSTICKS[key]
+  return seconds * 1e6 / sequential_ops(f.lower(x).compile().as_text())
 
 
 def ns_bytes_limit_s(q, s, n, batch, gbytes_per_s):

@@ -574,6 +574,42 @@ def profile_table():
   return out[:-1]
 
 
+def dispatch_floor_table():
+  """Train steps against their dispatch floor (train_step_*.json rows with
+  `dispatch_floor_s`: `benchmarks/train_step.py --dispatch_floor`)."""
+  out = []
+  for path in sorted(glob.glob(os.path.join(RESULTS, "train_step_*.json"))):
+    name = os.path.basename(path)
+    d = _load(name)
+    rows = [r for r in d.get("steps", []) if "dispatch_floor_s" in r]
+    if not rows:
+      continue
+    when = "".join(f"; {x}" for x in (
+        f"code at {_commit(d)}" if _commit(d) else "",
+        d.get("conditions", "")) if x)
+    out += [f"Each step against its dispatch floor (`benchmarks/train_step.py "
+            f"--dispatch_floor`, `{name}`, {_device(d)}{when}): the ops its "
+            "compiled program runs one after another (loops counted per "
+            "trip; on two devices, per device) times the time of one tiny "
+            "op measured in the same run (a chain of ops on 10 × 4 arrays). "
+            "A step many times its floor spends its time in the ops' work, "
+            "not in running many of them:", "",
+            "| model | variant | best step | ops per step | per op | "
+            "dispatch floor | step / floor | step / FLOP limit |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      flop = (f"{r['limit_ratio']:.1f}×" if "limit_ratio" in r else "")
+      variant = "plain" if r["variant"] == "current" else r["variant"]
+      out.append(
+          f"| {MODEL_LABELS.get(_model_key(r), _model_key(r))} | {variant} | "
+          f"{_ms(r['min_step_s'])} | {r['sequential_ops']:,} | "
+          f"{r['op_dispatch_us'] * 1e3:.0f} ns | "
+          f"{_ms(r['dispatch_floor_s'])} | "
+          f"{r['dispatch_floor_ratio']:.1f}× | {flop} |")
+    out.append("")
+  return out[:-1]
+
+
 def kernel_resources_table():
   """The Pallas stack kernels compiled for a GPU (kernel_resources.json)."""
   d = _load("kernel_resources.json")
@@ -610,7 +646,8 @@ def kernel_resources_table():
 
 def benchmarks_block():
   out = []
-  for part in (train_step_table(), cpu_comparison_table(), profile_table(),
+  for part in (train_step_table(), cpu_comparison_table(),
+               dispatch_floor_table(), profile_table(),
                kernel_resources_table(),
                gpu_suite_line(),
                gpu_variants_table(),

@@ -54,6 +54,13 @@ Variants (each adds rows; the plain row is always measured):
                         rns_stack.TABLE_LAYOUT other than the one the
                         backend gets by default ("chunks" on CPU, "square"
                         elsewhere)
+  --dispatch_floor      every row (no variant added) also gets the number
+                        of ops its compiled step runs one after another,
+                        loops counted per trip (machine.sequential_ops),
+                        times the cost of one small op measured in the
+                        same run (machine.op_dispatch_us): on a CPU, where
+                        XLA runs each op as a thunk, a floor on the step
+                        that no faster arithmetic gets under
   --pallas_kernels      the NS models (shares table) with the stack's
                         updates as Pallas kernels (rns_stack.UPDATE_KERNELS
                         = "pallas", nsrnn_jax/stack_kernels.py: one per
@@ -289,6 +296,14 @@ class Variant:
     with patched(self.patches):
       return self.step.lower(self.state, self.batch)
 
+  def sequential_ops(self):
+    """Ops one call of the compiled step runs, loops counted per trip.
+
+    machine.sequential_ops of this variant's program, compiled once more.
+    """
+    with patched(self.patches):
+      return machine.sequential_ops(self.lower().compile().as_text())
+
   def time_once(self):
     start, cpu_start = time.perf_counter(), time.process_time()
     s, m = self.step(self.state, self.batch)
@@ -375,13 +390,16 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
                 contractions_by_sum=False, pallas_kernels=False,
                 kernel_tiles=(), lstm_two_products=False,
                 other_residuals=False, table_matmul_cost=False,
-                table_layouts=False):
+                table_layouts=False, dispatch_floor=False):
   """Rows for one model: every variant, timed in alternation.
 
   `kernel_tiles`: (ROW_TILE, KT_CHUNK, NUM_WARPS, ROW_GRID) settings of
   stack_kernels, one more Pallas variant each (with `pallas_kernels`);
   one that fails to compile gives a row with its error instead (an
-  "error" field, no times).
+  "error" field, no times). `dispatch_floor`: every row also gets the ops
+  its compiled step runs one after another (`sequential_ops`) times the
+  machine's cost of one small op (`op_dispatch_us`, measured in the same
+  run), a floor no arithmetic speed-up gets under.
   """
   failed = []
   on_shares = (SETTINGS[name]["model"] == "ns"
@@ -480,8 +498,11 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
             name, f"{cpu_devices} devices, batch_chunk={c}", length,
             precision, num_devices=cpu_devices,
             overrides={"stack_batch_chunk": c}))
-  gflops, cpu_gflops, gbytes = [], [], []
+  ops = [v.sequential_ops() if dispatch_floor else None for v in variants]
+  gflops, cpu_gflops, gbytes, dispatch_us = [], [], [], []
   for i in range(repeats):
+    if dispatch_floor:
+      dispatch_us.append(machine.op_dispatch_us())
     gflops.append(machine.matmul_gflops())
     cpu_gflops.append(machine.matmul_gflops(clock="cpu"))
     if is_ns:
@@ -492,7 +513,7 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
   rate, cpu_rate = max(gflops), max(cpu_gflops)
   backend = jax.default_backend()
   rows = []
-  for v in variants:
+  for v, v_ops in zip(variants, ops):
     row = {"model": name, "variant": v.label, "length": length,
            "batch": BATCH, "precision": precision, "compile_s": v.compile_s,
            "step_s": statistics.median(v.times), "min_step_s": min(v.times),
@@ -503,6 +524,14 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
            "scan_unroll": unroll_of.get(v.label, auto_unroll)}
     if v.dots is not None:
       row["dot_generals"] = v.dots
+    floor = ""
+    if v_ops is not None:
+      # The best per-op time: the floor is a lower bound.
+      row.update(sequential_ops=v_ops, op_dispatch_us=min(dispatch_us),
+                 dispatch_floor_s=v_ops * min(dispatch_us) * 1e-6)
+      row["dispatch_floor_ratio"] = row["min_step_s"] / row["dispatch_floor_s"]
+      floor = (f", {row['dispatch_floor_ratio']:4.1f}x dispatch floor "
+               f"({row['dispatch_floor_s'] * 1e3:.2f} ms: {v_ops} ops)")
     if is_ns:
       row["stack_table"] = SETTINGS[name]["stack_table"]
       q, s = SETTINGS[name]["num_states"], SETTINGS[name]["num_stack_symbols"]
@@ -525,7 +554,8 @@ def bench_model(name, length, repeats, precision, unrolls, baseline,
           f"median {row['step_s'] * 1e3:8.2f} ms  min "
           f"{row['min_step_s'] * 1e3:8.2f} ms  CPU time "
           f"{row['cpu_step_s'] * 1e3:8.2f} ms{ratio}"
-          + (f", {v.dots} dot_generals" if v.dots is not None else ""),
+          + (f", {v.dots} dot_generals" if v.dots is not None else "")
+          + floor,
           flush=True)
   for row in rows[1:]:
     row["min_step_over_current"] = row["min_step_s"] / rows[0]["min_step_s"]
@@ -629,6 +659,10 @@ def build_parser():
   parser.add_argument("--table_layouts", action="store_true",
                       help="add NS variants (shares table) with the other "
                       "rns_stack.TABLE_LAYOUT (chunks / square)")
+  parser.add_argument("--dispatch_floor", action="store_true",
+                      help="every row also gets the ops its compiled step "
+                      "runs one after another times the machine's cost of "
+                      "one small op (measured in the same run): a floor")
   parser.add_argument("--table_matmul_cost", action="store_true",
                       help="add NS variants (shares table) with the stack's "
                       "table-sized products zeroed: what they cost (not a "
@@ -725,7 +759,7 @@ def main():
           [int(c) for c in args.batch_chunk.split(",") if c],
           args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
           kernel_tiles, args.lstm_two_products, args.other_residuals,
-          args.table_matmul_cost, args.table_layouts)
+          args.table_matmul_cost, args.table_layouts, args.dispatch_floor)
       # Variants that did not compile are kept apart from the timed rows.
       out["steps"] += [r for r in rows if "error" not in r]
       failed = [r for r in rows if "error" in r]
