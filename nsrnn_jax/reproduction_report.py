@@ -619,7 +619,15 @@ def _gaps_section(cells, records) -> list[str]:
 def write_report(results_dir: str = DEFAULT_RESULTS,
                  report_path: str = DEFAULT_REPORT,
                  selection: str = "mean") -> list[str]:
-  """Writes the report and the figures next to it; returns the paths."""
+  """Writes the report and the figures next to it; returns the paths.
+
+  A `results_dir` that is not a directory raises ReproduceError before
+  anything is written (a mistyped path must not replace the report with an
+  empty one and delete its figures).
+  """
+  if not os.path.isdir(results_dir):
+    raise ReproduceError(f"--results: {results_dir} is not a directory of "
+                         "run records")
   records = load_records(results_dir)
   figures_dir = os.path.join(os.path.dirname(report_path), "figures")
   cells = summarize_cells(records, selection=selection)

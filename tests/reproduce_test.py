@@ -325,6 +325,21 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args,
   assert not os.path.exists(tmp_path / "r")
 
 
+def test_report_of_a_missing_results_dir_is_refused_and_writes_nothing(
+    tmp_path, capsys):
+  report = tmp_path / "docs" / "reproduction.md"
+  report.parent.mkdir()
+  report.write_text("the committed report")
+  (report.parent / "figures").mkdir()
+  code = reproduce.main(["--report", f"--results={tmp_path / 'nope'}",
+                         f"--report_path={report}"])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count("\n") == 1
+  assert err.startswith("error: --results: ") and "not a directory" in err
+  assert report.read_text() == "the committed report"
+  assert os.listdir(report.parent / "figures") == []
+
+
 def test_workdir_of_another_task_or_config_is_refused(tmp_path, capsys):
   workdir = tmp_path / "w"
   reproduce.check_workdir(str(workdir), "dyck", {})
