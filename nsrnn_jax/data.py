@@ -408,7 +408,17 @@ def _main(argv: Sequence[str]) -> None:
   total = f.train_batches + f.valid_batches + len(
       languages.get(f.task).valid_lengths(f.test_min_length,
                                           f.test_max_length))
-  with tqdm.tqdm(total=total, desc=f"{f.task} batches") as bar:
+  # The bar opens at the first batch drawn, after make_splits has checked
+  # its arguments: a bad one is then the only line on stderr.
+  bar = None
+
+  def progress(n):
+    nonlocal bar
+    if bar is None:
+      bar = tqdm.tqdm(total=total, desc=f"{f.task} batches")
+    bar.update(n)
+
+  try:
     splits = make_splits(
         f.task, seed=f.seed, test_seed=f.test_seed,
         train_batches=f.train_batches, valid_batches=f.valid_batches,
@@ -416,7 +426,10 @@ def _main(argv: Sequence[str]) -> None:
         train_max_length=f.train_max_length,
         test_per_length=f.test_per_length, test_min_length=f.test_min_length,
         test_max_length=f.test_max_length, preserve_start=f.preserve_start,
-        progress=bar.update)
+        progress=progress)
+  finally:
+    if bar is not None:
+      bar.close()
   write_splits(splits, f.out)
   for name in SPLITS:
     split = splits.split(name)
