@@ -221,8 +221,8 @@ for p in "${phases[@]}"; do
         --out "$OUT/vrns_stack_speed_gpu.json"
       bench "windowed stack: hand-written gradient against autodiff" 150 -- \
         benchmarks/window_vjp.py --reps=7 --out "$OUT/window_vjp_gpu.json"
-      bench "NS train step, the table in column chunks against square" 120 -- \
-        $TS --models=ns22,ns33 --table_layouts --repeats=9 \
+      bench "NS train step, the table in column chunks against square" 150 -- \
+        $TS --models=ns22,ns33 --table_layouts --dispatch_floor --repeats=9 \
         --out "$OUT/train_step_gpu_table_layouts.json" ;;
   esac
 done

@@ -90,3 +90,11 @@ def test_compiled_scans_count_each_trip(load_benchmark):
   per_trip = count(7) - count(6)
   assert per_trip >= 1
   assert count(12) - count(6) == 6 * per_trip
+
+
+def test_a_data_dependent_loop_has_no_count(load_benchmark):
+  machine = load_benchmark("machine")
+  f = jax.jit(lambda x: jax.lax.while_loop(lambda v: v.sum() < 100.0,
+                                           lambda v: v * 2.0, x))
+  with pytest.raises(ValueError, match="known trip count"):
+    machine.sequential_ops(f.lower(jnp.ones(3)).compile().as_text())
