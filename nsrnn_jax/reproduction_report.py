@@ -226,6 +226,41 @@ def claim_verdict(cells, task, kind, models, which) -> Optional[bool]:
   return bool(_VERDICTS[kind]([mean for mean, _ in values]))
 
 
+def _restart_values(cell: "Cell", which) -> dict:
+  """{restart: value} of a cell's selected runs: the mean of test bin
+  `which` (0 = lengths 40-80, 1 = 81-100) or 'last' (last-epoch
+  validation); runs without the value are left out."""
+  out = {}
+  for r in cell.runs:
+    if which == "last":
+      value = r["last_valid_ce_diff"]
+    else:
+      lo, hi = TEST_BINS[which]
+      value = _bin_mean(r.get("test"), lo, hi)
+    if value is not None:
+      out[r["restart"]] = value
+  return out
+
+
+def paired_agreement(cells, task, kind, models, which
+                     ) -> Optional[tuple[int, int]]:
+  """(restarts where the claim holds, restarts compared), or None.
+
+  Restart r of every model and setting trains on the same data (seed 1 + r),
+  so a claim can be read restart by restart: its verdict applied to the
+  compared models' values of restart r, over the restarts that every
+  compared model's selected setting has finished. None when there is no
+  such restart (e.g. with the best-run selection, one run per model).
+  """
+  per_model = [_restart_values(cells[(task, m)], which) for m in models]
+  common = sorted(set.intersection(*(set(p) for p in per_model)))
+  if not common:
+    return None
+  agree = sum(1 for r in common
+              if _VERDICTS[kind]([p[r] for p in per_model]))
+  return agree, len(common)
+
+
 def grid_progress(cell: "Cell") -> tuple[int, int]:
   """(settings with all restarts finished, settings in the paper's grid).
 
@@ -495,17 +530,23 @@ def render_report(records: Sequence[Mapping[str, Any]],
             "every compared model has finished all restarts of every "
             "setting of the paper's grid; otherwise each model's finished / "
             "total settings, and the verdict may change as the rest is run "
-            "(the selection is made among finished settings only).", "",
-            "| task | claim | ours | compared (mean ± std) | grid |",
-            "|---|---|---|---|---|"]
+            "(the selection is made among finished settings only). "
+            "*Restarts*: the claim read restart by restart (restart r of "
+            "every model trains on the same data): in how many of the "
+            "restarts that all compared models finished it holds.", "",
+            "| task | claim | ours | compared (mean ± std) | restarts | "
+            "grid |",
+            "|---|---|---|---|---|---|"]
   for task in TASKS:
     for text, kind, models, which in CLAIMS[task]:
       verdict = claim_verdict(cells, task, kind, models, which)
       word = {True: "agrees", False: "**disagrees**",
               None: "not decidable yet (cells missing)"}[verdict]
+      paired = paired_agreement(cells, task, kind, models, which)
       lines.append(f"| {TASK_TITLES[task]} | {text} | {word} | "
                    f"{_evidence(cells, task, models, which)} | "
-                   f"{_grid_column(cells, task, models)} |")
+                   + ("—" if paired is None else f"{paired[0]} of {paired[1]}")
+                   + f" | {_grid_column(cells, task, models)} |")
   lines += ["", "## Figures", "",
             "Lines and shaded bands: our selected restarts, mean ± std "
             "(Figure 3 pads a finished restart with its last value, as the "

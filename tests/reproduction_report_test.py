@@ -122,11 +122,11 @@ def test_report_values_claims_and_gaps():
   # The verdict, and the numbers it compared.
   assert ("| Marked reversal | the NS-RNN has the lowest test difference on "
           "lengths 40-80 | agrees | Ours -0.0050 ± 0.0008, JM 0.0300 ± "
-          "0.0000, Gref 0.0200 ± 0.0000, LSTM 0.0500 ± 0.0000 | "
+          "0.0000, Gref 0.0200 ± 0.0000, LSTM 0.0500 ± 0.0000 | 3 of 3 | "
           "Ours 0/4, JM 0/12, Gref 0/12, LSTM 0/4 |") in text
   assert ("| Dyck | all stack models end near 0 (last validation difference "
           "within ±0.005) | not decidable yet (cells missing) | Ours —, JM —, "
-          "Gref — | Ours 0/4, JM 0/12, Gref 0/12 |") in text
+          "Gref — | — | Ours 0/4, JM 0/12, Gref 0/12 |") in text
   assert "| Dyck | all stack models end near 0" in text
   assert "not decidable yet" in text
   # Gaps: 3 of 20 NS-RNN runs done; 17 x 600 s = 2.8 h.
@@ -150,7 +150,8 @@ def test_claims_say_whether_their_grids_are_complete():
   claim = ("| Dyck | all stack models end near 0 (last validation "
            "difference within ±0.005) | agrees | Ours 0.0010 ± 0.0000, JM "
            "0.0020 ± 0.0000, Gref 0.0020 ± 0.0000 | ")
-  assert claim + "complete |" in reproduction_report.render_report(recs)
+  assert claim + "5 of 5 | complete |" in reproduction_report.render_report(
+      recs)
   # One restart missing makes its setting unfinished (it no longer counts),
   # and the selection falls back on the finished settings.
   missing = [x for x in recs if not (x["model"] == "gref" and x["restart"] == 4
@@ -159,8 +160,46 @@ def test_claims_say_whether_their_grids_are_complete():
   assert reproduction_report.grid_progress(cells[("dyck", "gref")]) == (11, 12)
   assert reproduction_report.grid_progress(cells[("dyck", "ns")]) == (4, 4)
   assert reproduction_report.grid_progress(cells[("dyck", "lstm")]) == (0, 4)
-  assert (claim + "Ours 4/4, JM 12/12, Gref 11/12 |"
+  assert (claim + "5 of 5 | Ours 4/4, JM 12/12, Gref 11/12 |"
           in reproduction_report.render_report(missing))
+
+
+def test_claims_are_read_restart_by_restart_on_shared_restarts():
+  # Restart r: the NS-RNN's 40-80 test difference against the others'. It is
+  # the lowest in restarts 0 and 2 (0.10 < 0.15), not in 1 (0.20): 2 of 3,
+  # though its mean (0.1333) is the lowest.
+  ns = {0: 0.10, 1: 0.20, 2: 0.10}
+  recs = []
+  for r in range(3):
+    # (Restart 1 has the NS-RNN's best validation difference.)
+    recs.append(fake_record("unmarked_reversal", "ns", 0.005, r,
+                            0.05 if r == 1 else 0.1, 0.1,
+                            test_in=ns[r], test_out=0.3))
+    recs.append(fake_record("unmarked_reversal", "jm", 0.005, r, 0.1, 0.1,
+                            stack_size=20, test_in=0.15, test_out=0.3))
+    for model in ("gref", "lstm"):
+      recs.append(fake_record("unmarked_reversal", model, 0.005, r, 0.1, 0.1,
+                              stack_size=20 if model == "gref" else None,
+                              test_in=0.3, test_out=0.3))
+  claim = ("unmarked_reversal", "lowest", ("ns", "jm", "gref", "lstm"), 0)
+  cells = reproduction_report.summarize_cells(recs)
+  assert reproduction_report.claim_verdict(cells, *claim)
+  assert reproduction_report.paired_agreement(cells, *claim) == (2, 3)
+  assert "| agrees | Ours 0.1333 ± 0.0471, JM 0.1500 ± 0.0000" in (
+      reproduction_report.render_report(recs))
+  assert "0.3000 ± 0.0000 | 2 of 3 | " in reproduction_report.render_report(
+      recs)
+  # Only the restarts every compared model finished count: without JM's
+  # restart 0, restarts 1 and 2 remain, and the claim holds in 2 only.
+  fewer = [x for x in recs if not (x["model"] == "jm" and x["restart"] == 0)]
+  cells = reproduction_report.summarize_cells(fewer)
+  assert reproduction_report.paired_agreement(cells, *claim) == (1, 2)
+  # The best-run selection keeps one run per model: the NS-RNN's restart 1,
+  # the others' restart 0 (ties go to the lowest restart): nothing to pair.
+  cells = reproduction_report.summarize_cells(recs, selection="best_run")
+  assert [cells[("unmarked_reversal", m)].runs[0]["restart"]
+          for m in ("ns", "jm")] == [1, 0]
+  assert reproduction_report.paired_agreement(cells, *claim) is None
 
 
 def test_committed_report_is_generated_from_committed_records(tmp_path):
