@@ -154,7 +154,7 @@ def sequential_ops(hlo_text):
   on the program's time, however fast its arithmetic. A while loop without
   a known trip count raises ValueError.
   """
-  computations, current = {}, None
+  computations, current, entry = {}, None, None
   for line in hlo_text.splitlines():
     if line and not line[0].isspace() and line.rstrip().endswith("{"):
       current = re.match(r"^(?:ENTRY\s+)?%?(\S+)", line).group(1)
@@ -194,6 +194,8 @@ def sequential_ops(hlo_text):
         total += 1
     return total
 
+  if entry is None:
+    raise ValueError("no ENTRY computation: not the text of an HLO module")
   return count(entry)
 
 

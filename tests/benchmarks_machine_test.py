@@ -74,6 +74,8 @@ def test_a_loop_without_a_known_trip_count_is_an_error(load_benchmark):
                          "")
   with pytest.raises(ValueError, match="known trip count"):
     machine.sequential_ops(unknown)
+  with pytest.raises(ValueError, match="no ENTRY computation"):
+    machine.sequential_ops(_HLO.replace("ENTRY %main", "%main"))
 
 
 def test_compiled_scans_count_each_trip(load_benchmark):
