@@ -152,7 +152,8 @@ def sequential_ops(hlo_text):
   each such op as one thunk, one after another where each needs the last,
   so this count times the cost of one tiny op (`op_dispatch_us`) is a floor
   on the program's time, however fast its arithmetic. A while loop without
-  a known trip count raises ValueError.
+  a known trip count, or text without an entry computation, raises
+  ValueError.
   """
   computations, current, entry = {}, None, None
   for line in hlo_text.splitlines():
