@@ -120,25 +120,36 @@ class Cell:
   def runs(self) -> list:
     return [] if self.selected is None else self.selected.records
 
+  def per_run(self, which) -> dict:
+    """{restart: value} of the selected runs: the mean of test bin `which`
+    (an index of TEST_BINS) or, for 'last', the last-epoch validation
+    difference; runs without the value are left out."""
+    out = {}
+    for r in self.runs:
+      value = (r["last_valid_ce_diff"] if which == "last"
+               else _bin_mean(r.get("test"), *TEST_BINS[which]))
+      if value is not None:
+        out[r["restart"]] = value
+    return out
+
   def last_valid(self) -> Optional[tuple[float, float]]:
-    if not self.runs:
-      return None
-    values = np.asarray([r["last_valid_ce_diff"] for r in self.runs])
-    return float(np.mean(values)), float(np.std(values))
+    return _mean_std(self.per_run("last").values())
 
   def test_bin_stats(self) -> Optional[list[Optional[tuple[float, float]]]]:
     """(mean, std) over restarts of each bin's per-length mean (None if
     missing); std with ddof=0, as for the validation figures."""
-    tested = [r for r in self.runs if r.get("test")]
-    if not tested:
+    if not any(r.get("test") for r in self.runs):
       return None
-    out = []
-    for lo, hi in TEST_BINS:
-      means = [_bin_mean(r["test"], lo, hi) for r in tested]
-      means = [m for m in means if m is not None]
-      out.append((float(np.mean(means)), float(np.std(means)))
-                 if means else None)
-    return out
+    return [_mean_std(self.per_run(i).values())
+            for i in range(len(TEST_BINS))]
+
+
+def _mean_std(values) -> Optional[tuple[float, float]]:
+  """(mean, std with ddof=0) of `values`, None if there are none."""
+  values = np.asarray(list(values))
+  if not values.size:
+    return None
+  return float(np.mean(values)), float(np.std(values))
 
 
 SELECTIONS = ("mean", "best_run")
@@ -226,22 +237,6 @@ def claim_verdict(cells, task, kind, models, which) -> Optional[bool]:
   return bool(_VERDICTS[kind]([mean for mean, _ in values]))
 
 
-def _restart_values(cell: "Cell", which) -> dict:
-  """{restart: value} of a cell's selected runs: the mean of test bin
-  `which` (0 = lengths 40-80, 1 = 81-100) or 'last' (last-epoch
-  validation); runs without the value are left out."""
-  out = {}
-  for r in cell.runs:
-    if which == "last":
-      value = r["last_valid_ce_diff"]
-    else:
-      lo, hi = TEST_BINS[which]
-      value = _bin_mean(r.get("test"), lo, hi)
-    if value is not None:
-      out[r["restart"]] = value
-  return out
-
-
 def paired_agreement(cells, task, kind, models, which
                      ) -> Optional[tuple[int, int]]:
   """(restarts where the claim holds, restarts compared), or None.
@@ -252,7 +247,7 @@ def paired_agreement(cells, task, kind, models, which
   compared model's selected setting has finished. None when there is no
   such restart (e.g. with the best-run selection, one run per model).
   """
-  per_model = [_restart_values(cells[(task, m)], which) for m in models]
+  per_model = [cells[(task, m)].per_run(which) for m in models]
   common = sorted(set.intersection(*(set(p) for p in per_model)))
   if not common:
     return None
@@ -545,7 +540,8 @@ def render_report(records: Sequence[Mapping[str, Any]],
       paired = paired_agreement(cells, task, kind, models, which)
       lines.append(f"| {TASK_TITLES[task]} | {text} | {word} | "
                    f"{_evidence(cells, task, models, which)} | "
-                   + ("—" if paired is None else f"{paired[0]} of {paired[1]}")
+                   + ("—" if paired is None
+                      else f"{paired[0]} of {paired[1]}")
                    + f" | {_grid_column(cells, task, models)} |")
   lines += ["", "## Figures", "",
             "Lines and shaded bands: our selected restarts, mean ± std "

@@ -1,4 +1,4 @@
-"""benchmarks/machine.py's op count: ops a compiled program runs, loops per trip.
+"""benchmarks/machine.py's op count: the ops a compiled program runs.
 
 Oracles: a hand-written HLO module whose count follows from its text (a
 while loop, a call and a conditional nested in it), and real compiled scans
