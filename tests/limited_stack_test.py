@@ -218,6 +218,7 @@ def test_truncated_bptt(x64, fast_compile_test, boundary):
       np.testing.assert_allclose(g, w, atol=1e-12)
   for g, n in zip(whole, jax.jit(naive, static_argnums=1)(params, 2)):
     np.testing.assert_allclose(g, n, atol=1e-12)
+  for chunk in (1, 2):
     # Chunks of one step: every update is a chunk's last (the boundary
     # alone); the LM loss is the one that can miss it.
     for with_stack in (True, False) if chunk == 2 else (False,):
