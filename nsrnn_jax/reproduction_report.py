@@ -658,20 +658,23 @@ def write_report(results_dir: str = DEFAULT_RESULTS,
                  selection: str = "mean") -> list[str]:
   """Writes the report and the figures next to it; returns the paths.
 
-  A `results_dir` that is not a directory raises ReproduceError before
-  anything is written (a mistyped path must not replace the report with an
-  empty one and delete its figures).
+  A `results_dir` that is not a directory, or holds no run record, raises
+  ReproduceError before anything is written (a mistyped path must not
+  replace the report with an empty one and delete its figures).
   """
   if not os.path.isdir(results_dir):
     raise ReproduceError(f"--results: {results_dir} is not a directory of "
                          "run records")
   records = load_records(results_dir)
-  figures_dir = os.path.join(os.path.dirname(report_path), "figures")
-  cells = summarize_cells(records, selection=selection)
   try:
     paper = paper_figures.load(os.path.join(results_dir, PAPER_FIGURES_FILE))
   except paper_figures.PaperFiguresError as e:
     raise ReproduceError(str(e)) from e
+  if not records:
+    raise ReproduceError(f"--results: {results_dir} holds no run record "
+                         "(restart_<r>.json); nothing written")
+  figures_dir = os.path.join(os.path.dirname(report_path), "figures")
+  cells = summarize_cells(records, selection=selection)
   files = []
   for task in TASKS:
     files += draw_figures(cells, task, os.path.join(figures_dir, task),

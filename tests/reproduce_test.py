@@ -325,19 +325,26 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args,
   assert not os.path.exists(tmp_path / "r")
 
 
-def test_report_of_a_missing_results_dir_is_refused_and_writes_nothing(
-    tmp_path, capsys):
+@pytest.mark.parametrize("results,message", [
+    ("nope", "not a directory"),
+    ("empty", "holds no run record"),     # e.g. a workdir given for results
+])
+def test_report_of_no_records_is_refused_and_writes_nothing(
+    tmp_path, capsys, results, message):
   report = tmp_path / "docs" / "reproduction.md"
-  report.parent.mkdir()
+  figure = report.parent / "figures" / "dyck" / "figure3.png"
+  figure.parent.mkdir(parents=True)
   report.write_text("the committed report")
-  (report.parent / "figures").mkdir()
-  code = reproduce.main(["--report", f"--results={tmp_path / 'nope'}",
+  figure.write_bytes(b"a committed figure")
+  (tmp_path / "empty" / "dyck" / "ns").mkdir(parents=True)
+  (tmp_path / "empty" / "dyck" / "ns" / "metrics.jsonl").write_text("{}\n")
+  code = reproduce.main(["--report", f"--results={tmp_path / results}",
                          f"--report_path={report}"])
   err = capsys.readouterr().err
   assert code == 2 and err.count("\n") == 1
-  assert err.startswith("error: --results: ") and "not a directory" in err
+  assert err.startswith("error: --results: ") and message in err
   assert report.read_text() == "the committed report"
-  assert os.listdir(report.parent / "figures") == []
+  assert figure.read_bytes() == b"a committed figure"
 
 
 def test_workdir_of_another_task_or_config_is_refused(tmp_path, capsys):
