@@ -21,6 +21,7 @@
   (benchmarks/huge_pages.py).
 """
 
+import argparse
 import faulthandler
 import os
 import platform
@@ -132,6 +133,15 @@ def fail(error) -> NoReturn:
     message = "cannot load --config: " + message[message.index("[Errno"):]
   print(f"error: {message}", file=sys.stderr)
   sys.exit(2)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+  """argparse for the package's smaller commands (paper_figures, plots):
+  a flag that does not parse is one line on stderr and exit 2 (`fail`),
+  not argparse's usage block."""
+
+  def error(self, message):
+    fail(f"{message} (--help lists the flags)")
 
 
 def _config_roots(argv: Sequence[str]) -> list[str]:

@@ -28,7 +28,6 @@ The source lacks the training figures of unmarked and padded reversal.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -180,7 +179,9 @@ def curve(data: Optional[Mapping[str, Any]], kind: str, task: str,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  parser = cli.OneLineArgumentParser(
+      prog="python -m nsrnn_jax.paper_figures",
       description="Write the paper's Figure 3/4 data (from its LaTeX "
       "source) as JSON.")
   parser.add_argument("--tex", required=True,
@@ -198,9 +199,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "and 4 in the paper's LaTeX source; std = half the shaded "
                     "band's height",
           **data}
-  with open(args.out, "w") as f:
-    json.dump(data, f, sort_keys=True)
-    f.write("\n")
+  try:
+    with open(args.out, "w") as f:
+      json.dump(data, f, sort_keys=True)
+      f.write("\n")
+  except OSError as e:
+    print(f"error: --out: {e}", file=sys.stderr)
+    return 2
   panels = sum(len(v) for k, v in data.items() if k in ("train", "test"))
   print(f"wrote {args.out}: {panels} panels")
   return 0

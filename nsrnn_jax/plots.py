@@ -662,8 +662,8 @@ def _split(value: str | None) -> list[str] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """CLI entry point; see the module docstring. Returns the exit status."""
-  import argparse  # pylint: disable=g-import-not-at-top
-  parser = argparse.ArgumentParser(
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  parser = cli.OneLineArgumentParser(
       prog="python -m nsrnn_jax.plots",
       description="Draw the paper's Figures 3 and 4 from training workdirs.")
   parser.add_argument(
