@@ -263,7 +263,7 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
   run_records.write_json_atomic(os.path.join(workdir, PROTOCOL_FILE),
                               {"protocol": protocol})
   records_dir = os.path.join(workdir, RECORDS_DIR)
-  hw = run_records.hardware()
+  hw, code = run_records.hardware(), run_records.code_version()
   for i, (k, t, m) in enumerate(plan, start=1):
     run_dir = os.path.join(workdir, t, m, f"run_{k}")
     record_path = os.path.join(records_dir, t, m, f"restart_{k}.json")
@@ -275,7 +275,7 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
         print(f"stopped in {name}; rerun the command to continue", file=out)
         break
       record = run_records.make_record(_spec(t, m, k, rates[k]), run_dir,
-                                     overrides, hw)
+                                     overrides, hw, code)
       record["protocol"] = protocol if not overrides else "custom"
       run_records.write_json_atomic(record_path, record)
   rows = summarize(run_records.load_records(records_dir))

@@ -88,6 +88,7 @@ from typing import (Any, Callable, Iterable, Mapping, Optional, Sequence,
 
 from nsrnn_jax import reproduction_report
 from nsrnn_jax.run_records import BASE_SEED
+from nsrnn_jax.run_records import code_version
 from nsrnn_jax.run_records import DEFAULT_RESULTS
 from nsrnn_jax.run_records import estimate_seconds
 from nsrnn_jax.run_records import hardware
@@ -400,14 +401,15 @@ class Progress:
     print(self.line(running), file=self.out, flush=True)
 
 
-def _record_finished(spec, run_dir, results_dir, overrides, hw) -> bool:
+def _record_finished(spec, run_dir, results_dir, overrides, hw,
+                     code) -> bool:
   results_path = os.path.join(run_dir, "results.json")
   if not os.path.isfile(results_path):
     return False
   if not read_json(results_path).get("finished"):
     return False
   write_json_atomic(os.path.join(results_dir, spec.record_path),
-                    make_record(spec, run_dir, overrides, hw))
+                    make_record(spec, run_dir, overrides, hw, code))
   return True
 
 
@@ -509,7 +511,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
   budget = Budget(budget_minutes)
   progress = Progress(runs, results_dir, run_dir, out, label=label,
                       lanes=workers if mode == "sequential" else 1)
-  hw = hardware()
+  hw, code = hardware(), code_version()
   train_fn = train.train_and_evaluate if train_fn is None else train_fn
 
   def pending():
@@ -531,7 +533,8 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       if budget.expired():
         stopped = True
         break
-      if _record_finished(spec, run_dir(spec), results_dir, overrides, hw):
+      if _record_finished(spec, run_dir(spec), results_dir, overrides, hw,
+                          code):
         continue  # Finished earlier, record not yet written.
       if trained:
         # Every run compiles its own programs (its train state's static
@@ -549,10 +552,12 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       if not results.get("finished"):
         stopped = True
         break
-      _record_finished(spec, run_dir(spec), results_dir, overrides, hw)
+      _record_finished(spec, run_dir(spec), results_dir, overrides, hw,
+                       code)
   else:
     stopped = _run_model_axis(pending(), configs, task_dirs, run_dir,
-                              results_dir, overrides, hw, budget, progress)
+                              results_dir, overrides, hw, code, budget,
+                              progress)
   left = pending()
   if left and stopped:
     print(f"stopped at the budget ({budget_minutes:g} min): "
@@ -568,7 +573,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
 
 
 def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
-                    overrides, hw, budget, progress) -> bool:
+                    overrides, hw, code, budget, progress) -> bool:
   """Trains each (task, model, m) group's runs at once with grid.run_grid."""
   import jax  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
@@ -597,7 +602,8 @@ def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
     if not summary.get("finished", True):
       return True
     for spec in specs:
-      _record_finished(spec, run_dir(spec), results_dir, overrides, hw)
+      _record_finished(spec, run_dir(spec), results_dir, overrides, hw,
+                       code)
   return False
 
 

@@ -360,6 +360,24 @@ def _hardware_summary(records) -> str:
   return "; ".join(kinds) if kinds else "—"
 
 
+def _code_summary(records) -> str:
+  """Which code made the records (their `code` field, where they have one)."""
+  named = [r["code"] for r in records if r.get("code")
+           and r["code"].get("commit")]
+  if not named:
+    return ""
+  commits = {c["commit"] for c in named}
+  modified = sum(1 for c in named if c.get("modified"))
+  text = (f"Code: {len(named)} records name the commit that made them "
+          f"(`code`), {len(commits)} commit(s)")
+  if modified:
+    text += f", {modified} of them with uncommitted changes"
+  if len(named) < len(records):
+    text += (f"; {len(records) - len(named)} name none (made before the "
+             "field, or outside a git checkout)")
+  return text + "."
+
+
 def figure_series(cell: Cell) -> Optional[dict]:
   """Figure 3/4 series of a cell's selected restarts (plots.py's rules)."""
   from nsrnn_jax import plots  # pylint: disable=g-import-not-at-top
@@ -460,9 +478,10 @@ def render_report(records: Sequence[Mapping[str, Any]],
       f"{NUM_RESTARTS} datasets (paired); the authors drew fresh seeds for "
       "every run.",
       "",
-      f"Records: {len(paper_runs)} finished runs of the paper's protocol, on "
-      f"{_hardware_summary(paper_runs)}. {_ns_table_summary(paper_runs)}"
-      .rstrip(),
+      (f"Records: {len(paper_runs)} finished runs of the paper's protocol, "
+       f"on {_hardware_summary(paper_runs)}. " + " ".join(
+          part for part in (_ns_table_summary(paper_runs),
+                            _code_summary(paper_runs)) if part)).rstrip(),
       "",
       ("Selection as in the paper: per model, the setting (learning rate, "
        "and m for JM/Gref) with the lowest mean best-epoch validation CE "

@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -149,6 +150,39 @@ def hardware() -> dict[str, Any]:
           "jax": jax.__version__}
 
 
+def code_version(root: Optional[str] = None) -> dict[str, Any]:
+  """The code a run trains with: the package checkout's git commit.
+
+  {"commit": HEAD's hash, "modified": whether nsrnn_jax/ or configs/ differ
+  from it (uncommitted or untracked files)}; both None where the package is
+  not the top of a git checkout (e.g. installed into site-packages) or git
+  is unavailable. Take it when the process starts, as its modules are
+  imported then: the checkout can move on while a long command runs.
+  Training is chaotic: code that rounds differently (same function) can
+  change when a run learns, so a record names the code that made it.
+
+  Args:
+    root: the checkout to read; default, the one holding this package.
+  """
+  if root is None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  unknown = {"commit": None, "modified": None}
+
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=root, capture_output=True,
+                          text=True, timeout=60, check=True).stdout.strip()
+
+  try:
+    top = git("rev-parse", "--show-toplevel")
+    if os.path.realpath(top) != os.path.realpath(root):
+      return unknown            # e.g. site-packages inside some other repo
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--", "nsrnn_jax", "configs")
+  except (OSError, subprocess.SubprocessError):
+    return unknown
+  return {"commit": commit, "modified": bool(changes)}
+
+
 def read_json(path: str):
   """A JSON file's contents."""
   with open(path) as f:
@@ -156,8 +190,13 @@ def read_json(path: str):
 
 
 def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
-                hw: Mapping[str, Any]) -> dict[str, Any]:
-  """The committed record of a finished run, from its run directory."""
+                hw: Mapping[str, Any],
+                code: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+  """The committed record of a finished run, from its run directory.
+
+  `hw` (`hardware()`) and `code` (`code_version()`) describe the invocation
+  that finishes the run.
+  """
   from nsrnn_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   results = read_json(os.path.join(run_dir, "results.json"))
   config = read_json(os.path.join(run_dir, "config.json"))
@@ -195,6 +234,7 @@ def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
       "test": test,
       "train_time_s": float(sum(h["time"] or 0.0 for h in history)),
       "hardware": dict(hw),
+      "code": None if code is None else dict(code),
       "finished_on": datetime.date.today().isoformat(),
   }
 

@@ -158,6 +158,7 @@ def test_budget_stops_at_an_epoch_and_a_rerun_finishes_identically(
                              rtol=1e-5)
   assert record["protocol"] == "custom"  # Overrides are not the paper's.
   assert record["hardware"]["backend"] == jax.default_backend()
+  assert record["code"] == run_records.code_version()  # This checkout's.
   assert record["last_valid_ce_diff"] == record["epochs"][-1]["valid_ce_diff"]
 
   # A third invocation has nothing to do and rewrites nothing.
@@ -441,6 +442,33 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
                              run_dir=dir_of, lanes=3)
   assert three.line([probe]).endswith(reproduce._fmt_duration(77.5)
                                       + " (3 runs at a time)")
+
+
+def test_code_version_names_the_checkout_commit_and_its_changes(tmp_path):
+  def git(*args):
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+  unknown = {"commit": None, "modified": None}
+  assert run_records.code_version(str(tmp_path)) == unknown   # no git
+  git("init", "-q")
+  (tmp_path / "nsrnn_jax").mkdir()
+  (tmp_path / "nsrnn_jax" / "a.py").write_text("x = 1\n")
+  (tmp_path / "notes.txt").write_text("not code\n")
+  git("add", "-A")
+  git("commit", "-q", "-m", "one")
+  head = git("rev-parse", "HEAD").strip()
+  assert run_records.code_version(str(tmp_path)) == {"commit": head,
+                                                     "modified": False}
+  (tmp_path / "notes.txt").write_text("changed, but not code\n")
+  assert not run_records.code_version(str(tmp_path))["modified"]
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "new.py").write_text("y = 2\n")  # untracked
+  assert run_records.code_version(str(tmp_path)) == {"commit": head,
+                                                     "modified": True}
+  # A folder inside a checkout is not one (a package installed into a
+  # virtual environment that lives in some repository).
+  assert run_records.code_version(str(tmp_path / "nsrnn_jax")) == unknown
 
 
 def test_every_committed_record_is_consistent():

@@ -28,6 +28,25 @@ def test_report_says_which_stack_table_the_ns_runs_used():
   assert "NS-RNN runs:" not in lstm_only
 
 
+def test_report_says_which_code_made_the_records():
+  def made_by(commit, modified, restart):
+    return dict(fake_record("dyck", "lstm", 0.005, restart, 0.01, 0.01),
+                code={"commit": commit, "modified": modified})
+  records = [fake_record("dyck", "lstm", 0.005, 0, 0.01, 0.01),  # before
+             made_by("a" * 40, False, 1), made_by("a" * 40, True, 2),
+             made_by("b" * 40, False, 3),
+             made_by(None, None, 4)]         # not made in a git checkout
+  line = next(l for l in reproduction_report.render_report(
+      records).splitlines() if l.startswith("Records: "))
+  assert line.endswith(
+      "(cpu, 2 cores). Code: 3 records name the commit that made them "
+      "(`code`), 2 commit(s), 1 of them with uncommitted changes; 2 name "
+      "none (made before the field, or outside a git checkout)."), line
+  line = next(l for l in reproduction_report.render_report(
+      records[:1]).splitlines() if l.startswith("Records: "))
+  assert line.endswith("(cpu, 2 cores)."), line
+
+
 def _three_lstm_settings():
   """Dyck LSTM records: lr 0.01 and 0.005 with 3 restarts, 0.001 with 1."""
   recs = [fake_record("dyck", "lstm", 0.01, r, best, 0.1)
