@@ -1009,12 +1009,93 @@ def window_vjp_block():
   return "\n".join(lines) + f"\n\n{notes}.\n"
 
 
+RERUN_RECORDS_FILES = ("rerun_records_marked_reversal_ns.json",)
+
+
+def _paper_mean_at(task, model, epoch):
+  """The paper's Figure 3 mean at `epoch` (results/paper_figures.json)."""
+  path = os.path.join(REPO, "results", "paper_figures.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    curve = json.load(f)["train"].get(task, {}).get(model)
+  if not curve or epoch not in curve["x"]:
+    return None
+  return curve["mean"][curve["x"].index(epoch)]
+
+
+def _codes(d):
+  """The code that made a rerun_records file's runs, in words."""
+  codes = d.get("rerun_code") or []
+  if not codes or any(not c or not c.get("commit") for c in codes):
+    return f"the checkout at {d['source_revision']}"
+  return " and ".join(f"the code at {c['commit'][:7]}"
+                      + (" with uncommitted changes" if c["modified"] else "")
+                      for c in codes)
+
+
+def rerun_records_block():
+  """Committed records rerun under today's code
+  (benchmarks/rerun_records.py): when does a run learn its task?"""
+  lines = []
+  for name in RERUN_RECORDS_FILES:
+    d = _load(name)
+    if d is None:
+      continue
+    e, thr = d["epochs"], d["threshold"]
+    first = lambda x: "–" if x is None else str(x)
+    if not lines:
+      lines = [f"| file | lr | learned within {e} epochs: committed records "
+               "| the same restarts rerun | outcome changed | all reruns | "
+               "first epoch below the threshold, restart by restart "
+               "(record → rerun) |", "|---|---|---|---|---|---|---|"]
+    for lr, summ in d["summary"].items():
+      rows = [r for r in d["rows"] if f"{r['learning_rate']:g}" == lr]
+      moves = ", ".join(
+          f"r{r['restart']} {first(r['recorded_first'])} → "
+          f"{first(r['rerun_first'])}" for r in rows if r["committed"])
+      lines.append(
+          f"| `{name}` | {lr} | {summ['recorded_learned']}/"
+          f"{summ['committed_runs']} | {summ['rerun_learned_on_committed']}/"
+          f"{summ['committed_runs']} | {summ['outcome_changed']} | "
+          f"{summ['rerun_learned']}/{summ['runs']} | {moves} |")
+    paper = _paper_mean_at(d["task"], d["model"], e)
+    note = (f" The paper's Figure 3 mean (its 5 selected runs) at epoch "
+            f"{e}: {paper:.4f}." if paper is not None else "")
+    a = d.get("against")
+    if a:
+      same = lambda ok: "equal" if ok else "**differ**"
+      note += (f" `--against={a['revision']}`: that code retrains the first "
+               f"{a['retrained_epochs']} epochs of `{a['record']}` "
+               + ("exactly as recorded" if a["retrained_equals_record"]
+                  else "**not** as recorded")
+               + f"; at initialisation, on its first {a['batches']} batches,"
+               f" it and the rerun's code give parameters "
+               f"{same(a['params_equal'])}, batches "
+               f"{same(a['batches_equal'])}, loss max relative difference "
+               f"{a['loss_max_rel_diff']:.1e}, gradient "
+               f"{a['grad_max_rel_diff']:.1e}.")
+    if d.get("note"):
+      note += f" Note: {d['note']}."
+    lines += ["", f"`{name}`: {d['model']} on {d['task']}, the first {e} "
+              f"epochs of restarts 0–{d['restarts'] - 1} (seeds 1 + r; "
+              f"committed records for those in `results/`), learned = "
+              f"validation CE difference below {thr:g} nats/symbol; rerun by "
+              f"{_codes(d)}, {d['device']}"
+              f"{'; ' + d['conditions'] if d.get('conditions') else ''}; one "
+              f"run.{note}", ""]
+  if not lines:
+    return "No rerun_records results yet.\n"
+  return "\n".join(lines[:-1]) + "\n"
+
+
 BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
           "vrns": vrns_block, "limited_vrns": limited_vrns_block,
           "reproduce_workers": reproduce_workers_block,
           "concurrent_steps": concurrent_steps_block,
           "corpus_step": corpus_step_block, "huge_pages": huge_pages_block,
-          "window_vjp": window_vjp_block}
+          "window_vjp": window_vjp_block,
+          "rerun_records": rerun_records_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
                        "rns_vs_ns": rns_vs_ns_block}
