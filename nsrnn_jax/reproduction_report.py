@@ -476,7 +476,10 @@ def render_report(records: Sequence[Mapping[str, Any]],
       f"uses seed {BASE_SEED} + r for its data, parameters and shuffling, "
       "so models and settings are compared on the same "
       f"{NUM_RESTARTS} datasets (paired); the authors drew fresh seeds for "
-      "every run.",
+      "every run. Training is chaotic: the same seeds under code that only "
+      "rounds differently can learn at another epoch, so a restart's record "
+      "is one draw, not what its seeds always give (README, \"Records and "
+      "the code that made them\", measures it).",
       "",
       (f"Records: {len(paper_runs)} finished runs of the paper's protocol, "
        f"on {_hardware_summary(paper_runs)}. " + " ".join(
