@@ -524,6 +524,14 @@ def data_table():
   return lines
 
 
+def _when(d, *extra):
+  """"; code at C; conditions; extra..." for a caption (empty parts left
+  out)."""
+  parts = (f"code at {_commit(d)}" if _commit(d) else "",
+           d.get("conditions", "")) + extra
+  return "".join(f"; {x}" for x in parts if x)
+
+
 def profile_table():
   """Where a train step's time goes, by kind of op (profile_step_*.json)."""
   out = []
@@ -539,16 +547,14 @@ def profile_table():
       for k in m["by_kind_ms_per_step"]:
         if k not in kinds:
           kinds.append(k)
-    when = "".join(f"; {x}" for x in (
-        f"code at {_commit(d)}" if _commit(d) else "",
-        d.get("conditions", ""),
-        f"the stack's contractions: {d['contractions']} (rns_stack)"
+    when = _when(
+        d, f"the stack's contractions: {d['contractions']} (rns_stack)"
         if d.get("contractions", "dot") != "dot" else "",
         "the stack's updates as Pallas kernels (rns_stack.UPDATE_KERNELS)"
         if d.get("update_kernels", "xla") != "xla" else "",
         f"the batch split over {d['cpu_devices']} CPU devices "
         "(`--cpu_devices`; time summed over the devices' threads)"
-        if d.get("cpu_devices", 1) > 1 else "") if x)
+        if d.get("cpu_devices", 1) > 1 else "")
     out += [f"Where the train step's time goes (`benchmarks/profile_step.py`, "
             f"`{name}`, {_device(d)}{when}; batch {d['batch']}, n = "
             f"{d['length']}; "
@@ -584,9 +590,7 @@ def dispatch_floor_table():
     rows = [r for r in d.get("steps", []) if "dispatch_floor_s" in r]
     if not rows:
       continue
-    when = "".join(f"; {x}" for x in (
-        f"code at {_commit(d)}" if _commit(d) else "",
-        d.get("conditions", "")) if x)
+    when = _when(d)
     out += [f"Each step against its dispatch floor (`benchmarks/train_step.py "
             f"--dispatch_floor`, `{name}`, {_device(d)}{when}): the ops its "
             "compiled program runs one after another (loops counted per "
