@@ -1013,7 +1013,8 @@ def window_vjp_block():
   return "\n".join(lines) + f"\n\n{notes}.\n"
 
 
-RERUN_RECORDS_FILES = ("rerun_records_marked_reversal_ns.json",)
+RERUN_RECORDS_FILES = ("rerun_records_marked_reversal_ns.json",
+                       "rerun_records_marked_reversal_ns_float64.json")
 
 
 def _paper_mean_at(task, model, epoch):
@@ -1041,31 +1042,27 @@ def _codes(d):
 def rerun_records_block():
   """Committed records rerun under today's code
   (benchmarks/rerun_records.py): when does a run learn its task?"""
-  lines = []
+  first = lambda x: "–" if x is None else str(x)
+  rows, captions, papers = [], [], {}
   for name in RERUN_RECORDS_FILES:
     d = _load(name)
     if d is None:
       continue
     e, thr = d["epochs"], d["threshold"]
-    first = lambda x: "–" if x is None else str(x)
-    if not lines:
-      lines = [f"| file | lr | learned within {e} epochs: committed records "
-               "| the same restarts rerun | outcome changed | all reruns | "
-               "first epoch below the threshold, restart by restart "
-               "(record → rerun) |", "|---|---|---|---|---|---|---|"]
     for lr, summ in d["summary"].items():
-      rows = [r for r in d["rows"] if f"{r['learning_rate']:g}" == lr]
+      runs = [r for r in d["rows"] if f"{r['learning_rate']:g}" == lr]
       moves = ", ".join(
           f"r{r['restart']} {first(r['recorded_first'])} → "
-          f"{first(r['rerun_first'])}" for r in rows if r["committed"])
-      lines.append(
-          f"| `{name}` | {lr} | {summ['recorded_learned']}/"
+          f"{first(r['rerun_first'])}" for r in runs if r["committed"])
+      rows.append(
+          f"| `{name}` | {lr} | {e} | {summ['recorded_learned']}/"
           f"{summ['committed_runs']} | {summ['rerun_learned_on_committed']}/"
           f"{summ['committed_runs']} | {summ['outcome_changed']} | "
           f"{summ['rerun_learned']}/{summ['runs']} | {moves} |")
     paper = _paper_mean_at(d["task"], d["model"], e)
-    note = (f" The paper's Figure 3 mean (its 5 selected runs) at epoch "
-            f"{e}: {paper:.4f}." if paper is not None else "")
+    if paper is not None:
+      papers[(d["model"], d["task"], e)] = paper
+    note = ""
     a = d.get("against")
     if a:
       same = lambda ok: "equal" if ok else "**differ**"
@@ -1081,16 +1078,26 @@ def rerun_records_block():
                f"{a['grad_max_rel_diff']:.1e}.")
     if d.get("note"):
       note += f" Note: {d['note']}."
-    lines += ["", f"`{name}`: {d['model']} on {d['task']}, the first {e} "
-              f"epochs of restarts 0–{d['restarts'] - 1} (seeds 1 + r; "
-              f"committed records for those in `results/`), learned = "
-              f"validation CE difference below {thr:g} nats/symbol; rerun by "
-              f"{_codes(d)}, {d['device']}"
-              f"{'; ' + d['conditions'] if d.get('conditions') else ''}; one "
-              f"run.{note}", ""]
-  if not lines:
+    captions.append(
+        f"`{name}`: {d['model']} on {d['task']}, the first {e} epochs of "
+        f"restarts 0–{d['restarts'] - 1} (seeds 1 + r; committed records "
+        f"for those in `results/`), learned = validation CE difference "
+        f"below {thr:g} nats/symbol; rerun"
+        + "".join(f" with `--set={x}`" for x in d.get("overrides", []))
+        + f" by {_codes(d)}, {d['device']}"
+        + (f"; {d['conditions']}" if d.get("conditions") else "")
+        + f"; one run.{note}")
+  if not rows:
     return "No rerun_records results yet.\n"
-  return "\n".join(lines[:-1]) + "\n"
+  lines = ["| file | lr | epochs | learned: committed records | the same "
+           "restarts rerun | outcome changed | all reruns | first epoch "
+           "below the threshold, restart by restart (record → rerun) |",
+           "|---|---|---|---|---|---|---|---|"] + rows + [""]
+  lines += [c + "\n" for c in captions]
+  lines += [f"The paper's Figure 3 mean (its 5 selected runs) for {model} on "
+            f"{task} at epoch {e}: {v:.4f}."
+            for (model, task, e), v in sorted(papers.items())]
+  return "\n".join(lines) + "\n"
 
 
 BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,

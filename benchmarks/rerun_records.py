@@ -212,6 +212,10 @@ def main():
   parser.add_argument("--threshold", type=float, default=0.05,
                       help="validation CE difference (nats/symbol) below "
                       "which a run has learned the task")
+  parser.add_argument("--set", action="append", default=[],
+                      metavar="FIELD=VALUE",
+                      help="a config override for the reruns (e.g. "
+                      "dtype=float64, with JAX_ENABLE_X64=1 set)")
   parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
   parser.add_argument("--workdir", default=None,
                       help="keep the runs here (a rerun of the command "
@@ -248,7 +252,8 @@ def main():
             f"--stack_sizes={args.stack_size}",
             f"--restarts={args.restarts}", f"--workers={args.workers}",
             f"--set=max_epochs={args.epochs}", "--set=run_test=False",
-            f"--workdir={workdir}", f"--results={results}"]
+            f"--workdir={workdir}", f"--results={results}"] + [
+                f"--set={x}" for x in args.set]
     start = time.perf_counter()
     proc = subprocess.run(argv, cwd=REPO, check=False)
     if proc.returncode != 0:
@@ -308,7 +313,8 @@ def main():
             "source_revision": machine.source_revision(), "task": args.task,
             "model": args.model, "epochs": args.epochs,
             "threshold": args.threshold, "restarts": args.restarts,
-            "workers": args.workers, "wall_s": seconds,
+            "workers": args.workers, "overrides": args.set,
+            "wall_s": seconds,
             "rerun_code": [json.loads(c) for c in codes],
             "conditions": args.conditions, "against": against,
             "rows": rows,

@@ -69,10 +69,16 @@ def test_readme_block_reads_the_json(load_benchmark, rerun, monkeypatch):
   monkeypatch.setattr(report, "_load", lambda name: data)
   monkeypatch.setattr(report, "_paper_mean_at", lambda *a: 0.25)
   lines = report.rerun_records_block().splitlines()
-  assert lines[2] == ("| `rerun_records_marked_reversal_ns.json` | 0.01 | "
-                      "0/1 | 1/1 | 1 | 1/2 | r0 – → 2 |")
-  assert lines[-1].endswith("one run. The paper's Figure 3 mean (its 5 "
-                            "selected runs) at epoch 2: 0.2500.")
+  files = report.RERUN_RECORDS_FILES
+  # One table: a row per file and learning rate, then a caption per file.
+  assert lines[2:2 + len(files)] == [
+      f"| `{name}` | 0.01 | 2 | 0/1 | 1/1 | 1 | 1/2 | r0 – → 2 |"
+      for name in files]
+  assert lines[2 + len(files)] == ""
+  assert lines[3 + len(files)].startswith(f"`{files[0]}`: ns on "
+                                          "marked_reversal, the first 2")
+  assert lines[-1] == ("The paper's Figure 3 mean (its 5 selected runs) for "
+                       "ns on marked_reversal at epoch 2: 0.2500.")
 
 
 def test_init_gradients_compare_relative_to_each_array(rerun):
@@ -98,6 +104,7 @@ def test_readme_block_names_the_codes(load_benchmark, rerun, monkeypatch):
   data = {"task": "marked_reversal", "model": "ns", "epochs": 2,
           "threshold": 0.05, "restarts": 1, "rows": rows,
           "summary": rerun.summarize(rows), "source_revision": "abc1234",
+          "overrides": ["dtype=float64"],
           "device": "cpu", "rerun_code": [{"commit": "f" * 40,
                                            "modified": True}],
           "against": {"revision": "0123456", "record": "results/r.json",
@@ -108,7 +115,8 @@ def test_readme_block_names_the_codes(load_benchmark, rerun, monkeypatch):
   monkeypatch.setattr(report, "_load", lambda name: data)
   monkeypatch.setattr(report, "_paper_mean_at", lambda *a: None)
   text = report.rerun_records_block()
-  assert "rerun by the code at fffffff with uncommitted changes, cpu;" in text
+  assert ("rerun with `--set=dtype=float64` by the code at fffffff with "
+          "uncommitted changes, cpu;") in text
   assert ("`--against=0123456`: that code retrains the first 3 epochs of "
           "`results/r.json` **not** as recorded; at initialisation, on its "
           "first 3 batches, it and the rerun's code give parameters equal, "
