@@ -32,12 +32,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_states = 2
   # NS-RNN: number of stack symbols S, including the bottom symbol 0.
   config.num_stack_symbols = 2
+  # NS-RNN: action-layer init, "uniform" U[-0.1, 0.1] (authors' code) or "xavier" (paper's text).
+  config.ns_action_init = "uniform"
   # NS-RNN: dynamic program, "shares" (exact for any finite log-weights) or
   # "scaled" (1.3x slower steps on CPU; float32 can flush when the weights
   # decay fast: models.NS_TABLES).
   config.stack_table = "shares"
   # NS-RNN: strings the stack runs at once, a divisor of the batch (0 =
-  # automatic: on CPU chunks whose table fits 6 MiB, on accelerators all).
+  # automatic: on CPU chunks whose table fits 10 MiB, on accelerators all).
   config.stack_batch_chunk = 0
   # JM/Gref: stack embedding size m (grid value; the paper does not publish
   # the selected value, 20 is the middle of the grid).

@@ -79,6 +79,10 @@ NS_TABLES = ('shares', 'scaled')
 # Also the table of a config stored before ``stack_table`` existed (same
 # function as the 'scaled' table those runs used).
 DEFAULT_NS_TABLE = 'shares'
+# The NS-RNN's action-layer initialisations: the authors' code draws the bare
+# nn.Linear from U[-0.1, 0.1] (reference-behaviour.md §4); the paper's text
+# (§5.5) has every fully-connected layer but the LSTM's Xavier-initialised.
+NS_ACTION_INITS = ('uniform', 'xavier')
 
 
 def check_stack_table(table: str) -> str:
@@ -908,13 +912,16 @@ class PDAStackLM(LanguageModel):
   """Base of the models whose stack is driven by a PDA's actions (NS, RNS, VRNS).
 
   Holds the PDA's size and its action layer h -> push, repl, pop logits
-  (Q·S·(2·Q·S + Q) outputs, U[-0.1, 0.1] init as the authors'); subclasses
-  add the reading and the recurrence, and extend ``_stack_params`` and
-  ``setup`` for parameters of their own.
+  (Q·S·(2·Q·S + Q) outputs, U[-0.1, 0.1] init as the authors' code, or
+  with ``action_init='xavier'`` Xavier uniform and bias 0, as the paper's
+  text has every fully-connected layer); subclasses add the reading and the
+  recurrence, and extend ``_stack_params`` and ``setup`` for parameters of
+  their own.
   """
 
   num_states: int = 2
   num_stack_symbols: int = 2
+  action_init: str = 'uniform'
 
   def _stack_params(self):
     return {'action': self.action()}
@@ -922,9 +929,11 @@ class PDAStackLM(LanguageModel):
   def setup(self):
     super().setup()
     q, s = self.num_states, self.num_stack_symbols
+    kernel, bias = ((xavier_uniform(1.0), nn.initializers.zeros)
+                    if self.action_init == 'xavier'
+                    else (uniform_init(), uniform_init()))
     self.action = AffineParams(self.hidden_size, q * s * (2 * q * s + q),
-                               uniform_init(), uniform_init(),
-                               dtype=self.dtype)
+                               kernel, bias, dtype=self.dtype)
 
   # Streams (see LanguageModel.stream), for the windowed stacks: subclasses
   # with a `window` D >= 1 give `_controller(params)` -> (step_fn, its
@@ -1276,7 +1285,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_table: str = DEFAULT_NS_TABLE,
         stack_batch_chunk: int = 0, scan_unroll: int = 0,
         jm_num_stacks: int = 1, jm_push_hidden_state: bool = False,
-        input_lookup: bool = False) -> nn.Module:
+        input_lookup: bool = False,
+        ns_action_init: str = 'uniform') -> nn.Module:
   """Builds one of the language models.
 
   Args:
@@ -1313,6 +1323,9 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     input_lookup: the controller reads its input by row lookup instead of
       a one-hot product (``lstm_step_ids``; lstm, rns and vrns; same
       values, faster for large vocabularies).
+    ns_action_init: the NS-RNN's action-layer initialisation, one of
+      ``NS_ACTION_INITS`` (ns only): 'uniform' U[-0.1, 0.1] (the authors'
+      code), 'xavier' (Xavier uniform, bias 0: the paper's section 5.5).
 
   Returns:
     A Linen module; ``apply({'params': p}, symbols_BxN)`` gives logits
@@ -1354,6 +1367,12 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
   if not isinstance(input_lookup, (bool, np.bool_)):
     raise ValueError(f'input_lookup must be True or False, got '
                      f'{input_lookup!r}')
+  if ns_action_init not in NS_ACTION_INITS:
+    raise ValueError(f'ns_action_init must be one of '
+                     f'{", ".join(NS_ACTION_INITS)}, got {ns_action_init!r}')
+  if ns_action_init != 'uniform' and name != 'ns':
+    raise ValueError(f'ns_action_init applies to model \'ns\' only (got '
+                     f'{name!r})')
   if input_lookup and name not in INPUT_LOOKUP_MODELS:
     raise ValueError(f'input_lookup applies to models '
                      f'{", ".join(INPUT_LOOKUP_MODELS)} (got {name!r})')
@@ -1403,7 +1422,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         truncation_length=int(truncation_length), **common)
   return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
               table=stack_table, batch_chunk=stack_batch_chunk,
-              **common)
+              action_init=ns_action_init, **common)
 
 
 def build(config, vocab_size: int | None = None) -> nn.Module:
@@ -1461,7 +1480,8 @@ def build(config, vocab_size: int | None = None) -> nn.Module:
              scan_unroll=field('scan_unroll', 0),
              jm_num_stacks=field('jm_num_stacks', 1),
              jm_push_hidden_state=field('jm_push_hidden_state', False),
-             input_lookup=field('input_lookup', False))
+             input_lookup=field('input_lookup', False),
+             ns_action_init=field('ns_action_init', 'uniform'))
 
 
 def init_params(model: nn.Module, rng: jax.Array) -> dict[str, Any]:

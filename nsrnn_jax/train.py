@@ -101,6 +101,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if table not in models.NS_TABLES:
     fail("stack_table", f"is {table!r}; expected one of "
          f"{', '.join(models.NS_TABLES)}")
+  action_init = config.get("ns_action_init", "uniform")
+  if action_init not in models.NS_ACTION_INITS:
+    fail("ns_action_init", f"is {action_init!r}; expected one of "
+         f"{', '.join(models.NS_ACTION_INITS)}")
+  if action_init != "uniform" and model != "ns":
+    fail("ns_action_init", f"applies to model 'ns' only (model is {model!r})")
   chunk = config.get("stack_batch_chunk", 0)
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
     fail("stack_batch_chunk", f"is {chunk!r}; expected 0 (automatic) or a "

@@ -119,6 +119,8 @@ def test_quick_config_is_small_and_valid():
     ("data_seed", -1, "config.data_seed"),
     ("scan_unroll", -1, "config.scan_unroll must be 0 (automatic) or a "
      "positive integer"),
+    ("ns_action_init", "glorot", "config.ns_action_init is 'glorot'; "
+     "expected one of uniform, xavier"),
 ])
 def test_validation_errors_name_the_field(field, value, message):
   config = default.get_config()
@@ -137,6 +139,16 @@ def test_scan_unroll_is_refused_where_the_scans_are_not_unrolled(overrides):
   config.scan_unroll = 4
   with pytest.raises(ValueError, match="config.scan_unroll must be 1 for "
                      "model"):
+    train.validate_config(config)
+
+
+def test_xavier_action_init_is_the_ns_rnn_s_only():
+  config = default.get_config()
+  config.ns_action_init = "xavier"
+  train.validate_config(config)          # model ns
+  config.model = "rns"
+  with pytest.raises(ValueError, match="config.ns_action_init applies to "
+                     "model 'ns' only"):
     train.validate_config(config)
 
 

@@ -582,6 +582,20 @@ def test_initialisation_statistics():
     np.testing.assert_array_equal(init[name]['push']['bias'], 0)
   check_uniform(init['ns']['action']['kernel'], 0.1)
   check_uniform(init['ns']['action']['bias'], 0.1)
+  # The paper's text instead: Xavier uniform (gain 1), bias 0; nothing else
+  # changes.
+  xavier = models.init_params(models.get('ns', v, ns_action_init='xavier'),
+                              jax.random.key(7))
+  check_uniform(xavier['action']['kernel'], np.sqrt(6 / (20 + 40)))
+  np.testing.assert_array_equal(xavier['action']['bias'], 0)
+  for key in ('controller', 'output'):
+    for a, b in zip(jax.tree_util.tree_leaves(xavier[key]),
+                    jax.tree_util.tree_leaves(init['ns'][key])):
+      np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match='ns_action_init must be one of'):
+    models.get('ns', v, ns_action_init='glorot')
+  with pytest.raises(ValueError, match="applies to model 'ns' only"):
+    models.get('rns', v, ns_action_init='xavier')
 
 
 # ---------------------------------------------------------------------------
