@@ -1014,7 +1014,8 @@ def window_vjp_block():
 
 
 RERUN_RECORDS_FILES = ("rerun_records_marked_reversal_ns.json",
-                       "rerun_records_marked_reversal_ns_float64.json")
+                       "rerun_records_marked_reversal_ns_float64.json",
+                       "rerun_records_marked_reversal_ns_xavier.json")
 
 
 def _paper_mean_at(task, model, epoch):
