@@ -4,6 +4,8 @@ import jax
 import pytest
 
 from nsrnn_jax import cli
+from nsrnn_jax import paper_figures
+from nsrnn_jax import plots
 
 _KEYS = ("jax_compilation_cache_dir",
          "jax_persistent_cache_min_compile_time_secs")
@@ -75,3 +77,19 @@ def test_no_restart_off_linux(monkeypatch):
   monkeypatch.setattr(cli.sys, "platform", "linux")
   monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("glibc", "2.31"))
   assert cli.huge_pages_argv() is None
+
+
+@pytest.mark.parametrize("main,argv,message", [
+    (paper_figures.main, [], "--tex"),
+    (paper_figures.main, ["--tex=x", "--bogus"], "--bogus"),
+    (plots.main, [], "--workdirs"),
+    (plots.main, ["--workdirs=a", "--out=b", "--group_by=x"], "--group_by"),
+])
+def test_argparse_commands_fail_in_one_line_with_exit_2(main, argv, message,
+                                                        capsys):
+  # OneLineArgumentParser: no usage block, one "error: ..." line.
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv)
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and err.count("\n") == 1
+  assert err.startswith("error: ") and message in err

@@ -207,17 +207,6 @@ def test_bad_input_gives_clear_errors(tmp_path, runs):
     plots.main([f"--workdirs={tmp_path}/nowhere", "--out=x"])
 
 
-def test_cli_flag_errors_are_one_line_exit_2(capsys):
-  for argv, message in (([], "--workdirs"),
-                        (["--workdirs=a", "--out=b", "--group_by=x"],
-                         "--group_by")):
-    with pytest.raises(SystemExit) as exit_info:
-      plots.main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1
-    assert err.startswith("error: ") and message in err
-
-
 def test_cli_reports_bad_pattern_without_traceback(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "nsrnn_jax.plots",
