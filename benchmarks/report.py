@@ -1020,11 +1020,9 @@ RERUN_RECORDS_FILES = ("rerun_records_marked_reversal_ns.json",
 
 def _paper_mean_at(task, model, epoch):
   """The paper's Figure 3 mean at `epoch` (results/paper_figures.json)."""
-  path = os.path.join(REPO, "results", "paper_figures.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    curve = json.load(f)["train"].get(task, {}).get(model)
+  sys.path.insert(0, REPO)
+  from nsrnn_jax import paper_figures  # pylint: disable=g-import-not-at-top
+  curve = paper_figures.curve(paper_figures.load(), "train", task, model)
   if not curve or epoch not in curve["x"]:
     return None
   return curve["mean"][curve["x"].index(epoch)]

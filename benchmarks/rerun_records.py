@@ -134,28 +134,28 @@ print(json.dumps([[r["train_loss"], r["valid_ce_diff"]] for r in rows
 """
 
 
+def run_under(root, code, *args):
+  """Runs the Python `code` (with `args`) on the nsrnn_jax of checkout
+  `root`; its stdout. Exits with a one-line error if it fails."""
+  proc = subprocess.run([sys.executable, "-c", code, *map(str, args)],
+                        cwd=root, env=dict(os.environ, PYTHONPATH=root),
+                        capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    sys.exit(f"error: a run under {root} failed: "
+             + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+  return proc.stdout
+
+
 def first_epochs(root, record, workdir, epochs):
   """(train loss, validation CE difference) of a record's first epochs,
   trained by the nsrnn_jax of checkout `root`."""
-  env = dict(os.environ, PYTHONPATH=root)
-  proc = subprocess.run([sys.executable, "-c", _FIRST_EPOCHS, record,
-                         workdir, str(epochs)], cwd=root, env=env,
-                        capture_output=True, text=True, check=False)
-  if proc.returncode != 0:
-    sys.exit(f"error: training under {root} failed: "
-             + (proc.stderr.strip().splitlines() or ["no output"])[-1])
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  out = run_under(root, _FIRST_EPOCHS, record, workdir, epochs)
+  return json.loads(out.strip().splitlines()[-1])
 
 
 def init_gradients(root, record, out, batches):
-  """Runs _INIT_GRADIENTS with the nsrnn_jax of checkout `root`."""
-  env = dict(os.environ, PYTHONPATH=root)
-  proc = subprocess.run([sys.executable, "-c", _INIT_GRADIENTS, record, out,
-                         str(batches)], cwd=root, env=env,
-                        capture_output=True, text=True, check=False)
-  if proc.returncode != 0:
-    sys.exit(f"error: the gradient at initialisation failed under {root}: "
-             + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+  """_INIT_GRADIENTS's arrays under the nsrnn_jax of checkout `root`."""
+  run_under(root, _INIT_GRADIENTS, record, out, batches)
   return dict(np.load(out))
 
 
@@ -263,12 +263,11 @@ def main():
     against = None
     if args.against:
       lr = float(args.learning_rates.split(",")[0])
+      stack_size = (args.stack_size if args.model in run_records.STACK_MODELS
+                    else None)
       record = args.against_record or os.path.join(
-          REPO, "results", reruns[0]["task"], reruns[0]["model"],
-          run_records.RunSpec(args.task, args.model, lr,
-                              None if args.model in ("lstm", "ns")
-                              else args.stack_size, 1).setting,
-          "restart_1.json")
+          REPO, "results", run_records.RunSpec(args.task, args.model, lr,
+                                               stack_size, 1).record_path)
       against = against_revision(args.against, os.path.abspath(record), 3,
                                  args.against_epochs, tmp)
     codes = sorted({json.dumps(r.get("code"), sort_keys=True)
@@ -277,8 +276,9 @@ def main():
   rows = []
   for rec in sorted(reruns, key=lambda r: (-r["learning_rate"],
                                            r["restart"])):
-    path = os.path.join(REPO, "results", rec["task"], rec["model"],
-                        rec["setting"], f"restart_{rec['restart']}.json")
+    path = os.path.join(REPO, "results", run_records.RunSpec(
+        rec["task"], rec["model"], rec["learning_rate"], rec["stack_size"],
+        rec["restart"]).record_path)
     committed = run_records.read_json(path) if os.path.isfile(path) else None
     rows.append(compare(rec, committed, args.epochs, args.threshold))
   summary = summarize(rows)
