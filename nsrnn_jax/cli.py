@@ -136,11 +136,22 @@ def fail(error) -> NoReturn:
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-  """argparse for the package's smaller commands (paper_figures, plots):
-  a flag that does not parse is one line on stderr and exit 2 (`fail`),
-  not argparse's usage block."""
+  """argparse for the package's argparse commands: a flag that does not parse
+  is one line, not argparse's usage block.
+
+  With `error_type` unset (paper_figures, plots) the line goes to stderr and
+  the process exits 2 (`fail`); with it set (reproduce, later_protocol, whose
+  `main` returns its exit code) the message is raised as that exception for
+  the command's own one-line handler.
+  """
+
+  def __init__(self, *args, error_type: Optional[type] = None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._error_type = error_type
 
   def error(self, message):
+    if self._error_type is not None:
+      raise self._error_type(message)
     fail(f"{message} (--help lists the flags)")
 
 

@@ -59,6 +59,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from nsrnn_jax import cli
 from nsrnn_jax import reproduce
 from nsrnn_jax import run_records
 
@@ -514,9 +515,10 @@ def render_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """CLI; returns the exit code (2 with one line on bad input)."""
-  parser = reproduce.OneLineArgumentParser(
+  parser = cli.OneLineArgumentParser(
       prog="python -m nsrnn_jax.later_protocol",
-      description=__doc__.split("\n")[0])
+      description=__doc__.split("\n")[0],
+      error_type=run_records.ReproduceError)
   parser.add_argument("--task", help="comma-separated configs/later.py "
                       "tasks, or 'paper' (all of the paper's)")
   parser.add_argument("--models", help="comma-separated configs/later.py "

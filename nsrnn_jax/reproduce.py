@@ -75,7 +75,6 @@ and the paper's numbers in `reproduction_report`.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import math
@@ -761,19 +760,12 @@ def _split_list(value: str, cast, what: str) -> list:
                          f"{cast.__name__}s") from e
 
 
-class OneLineArgumentParser(argparse.ArgumentParser):
-  """An argparse parser whose errors raise ReproduceError (one line, exit 2
-  from `main`) instead of printing usage and exiting."""
-
-  def error(self, message):
-    raise ReproduceError(message)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """CLI entry point; returns the exit code (2 with one line on bad input)."""
   from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
-  parser = OneLineArgumentParser(prog="python -m nsrnn_jax.reproduce",
-                  description=__doc__.split("\n\n")[0])
+  parser = cli.OneLineArgumentParser(prog="python -m nsrnn_jax.reproduce",
+                                     description=__doc__.split("\n\n")[0],
+                                     error_type=ReproduceError)
   parser.add_argument("--task", help=f"one of {', '.join(TASKS)}; several "
                       "(comma-separated) or 'all' run as one grid, each "
                       "task in <workdir>/<task>")
