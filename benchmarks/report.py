@@ -1,12 +1,15 @@
-"""Writes README's and docs/architecture.md's benchmark tables from JSON.
+"""Writes the benchmark tables of README, docs/benchmarks.md and
+docs/architecture.md from JSON.
 
-Every number in README's "Benchmarks", "Compilation across lengths" and
-vector-stack tables, and in docs/architecture.md's stack tables, comes from a file under benchmarks/results/ (named beside it); the
-authors' PyTorch figures come from results/reference_pytorch.json, which
-holds figures measured elsewhere, and sit in their own labelled column.
+Every number in README's headline train-step table and its reproduction
+and compilation tables, in docs/benchmarks.md's tables and in
+docs/architecture.md's stack tables comes from a file under
+benchmarks/results/ (named beside it); the authors' PyTorch figures come
+from results/reference_pytorch.json, which holds figures measured elsewhere,
+and sit in their own labelled column.
 
-  python benchmarks/report.py           # rewrites the README blocks
-  python benchmarks/report.py --check   # exit 1 if README is out of date
+  python benchmarks/report.py           # rewrites the blocks
+  python benchmarks/report.py --check   # exit 1 if a document is out of date
 
 The blocks lie between `<!-- report:NAME:begin -->` and
 `<!-- report:NAME:end -->` markers; tests/benchmarks_report_test.py checks
@@ -157,9 +160,14 @@ def _gpu_full_precision():
                 f"{unrolled}, 1 for the others)")
 
 
-def train_step_table():
-  """Train step per model: CPU (with FLOP-limit ratio), GPU, targets."""
-  cpu = _load("train_step_cpu.json")
+def train_step_table(cpu_file="train_step_cpu.json"):
+  """Train step per model: CPU (with FLOP-limit ratio), GPU, targets.
+
+  `cpu_file` is the CPU run (README's headline: train_step_cpu.json, the
+  latest; docs/benchmarks.md also shows the earlier one its prose cites),
+  followed by the variants measured in the same run.
+  """
+  cpu = _load(cpu_file)
   gpu_full = _gpu_full_precision()
   gpu = gpu_full is not None
   old_gpu = _load("gpu_h200.json")
@@ -173,7 +181,7 @@ def train_step_table():
   lines = []
   sources = []
   if cpu:
-    sources.append(f"CPU: `train_step_cpu.json` ({_device(cpu)}, load "
+    sources.append(f"CPU: `{cpu_file}` ({_device(cpu)}{_when(cpu)}, load "
                    f"average {cpu['machine']['load_average_1_5_15'][0]:.1f} "
                    f"at start, precision {cpu['precision']})")
   if gpu:
@@ -229,14 +237,16 @@ def train_step_table():
                  "or rns_stack.py, as of that commit):")
     lines.append("")
     lines.append("| model | variant | best step | ratio (best wall) | "
-                 "ratio (median CPU time) |")
-    lines.append("|---|---|---|---|---|")
+                 "ratio (median CPU time) | step / FLOP limit (best wall) |")
+    lines.append("|---|---|---|---|---|---|")
     for r in variants:
       cpu_ratio = (f"{r['cpu_step_over_current']:.2f}"
                    if "cpu_step_over_current" in r else "")
+      limit = f"{r['limit_ratio']:.1f}×" if "limit_ratio" in r else ""
       lines.append(f"| {MODEL_LABELS[_model_key(r)]} | {r['variant']} | "
                    f"{_ms(r['min_step_s'])} | "
-                   f"{r['min_step_over_current']:.2f} | {cpu_ratio} |")
+                   f"{r['min_step_over_current']:.2f} | {cpu_ratio} | "
+                   f"{limit} |")
   return lines
 
 
@@ -648,9 +658,19 @@ def kernel_resources_table():
   return out
 
 
+# The CPU run whose table docs/benchmarks.md's prose cites ("the first
+# table"; the default step against `baseline 7608b8b`, jax 0.10.2).
+EARLIER_CPU_RUN = "train_step_cpu_vs_7608b8b.json"
+
+
+def headline_block():
+  """README's train-step table: the latest CPU run beside the GPU's."""
+  return "\n".join(train_step_table()) + "\n"
+
+
 def benchmarks_block():
   out = []
-  for part in (train_step_table(), cpu_comparison_table(),
+  for part in (train_step_table(EARLIER_CPU_RUN), cpu_comparison_table(),
                dispatch_floor_table(), profile_table(),
                kernel_resources_table(),
                gpu_suite_line(),
@@ -1099,18 +1119,22 @@ def rerun_records_block():
   return "\n".join(lines) + "\n"
 
 
-BLOCKS = {"benchmarks": benchmarks_block, "compile": compile_block,
-          "vrns": vrns_block, "limited_vrns": limited_vrns_block,
+BLOCKS = {"headline": headline_block, "compile": compile_block,
           "reproduce_workers": reproduce_workers_block,
           "concurrent_steps": concurrent_steps_block,
-          "corpus_step": corpus_step_block, "huge_pages": huge_pages_block,
-          "window_vjp": window_vjp_block,
           "rerun_records": rerun_records_block}
+BENCHMARKS = os.path.join(REPO, "docs", "benchmarks.md")
+BENCHMARKS_BLOCKS = {"benchmarks": benchmarks_block, "vrns": vrns_block,
+                     "limited_vrns": limited_vrns_block,
+                     "corpus_step": corpus_step_block,
+                     "huge_pages": huge_pages_block,
+                     "window_vjp": window_vjp_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
                        "rns_vs_ns": rns_vs_ns_block}
 # Every generated document and its blocks.
-DOCUMENTS = {README: BLOCKS, ARCHITECTURE: ARCHITECTURE_BLOCKS}
+DOCUMENTS = {README: BLOCKS, BENCHMARKS: BENCHMARKS_BLOCKS,
+             ARCHITECTURE: ARCHITECTURE_BLOCKS}
 
 
 def render(readme_text, blocks=None):

@@ -71,7 +71,7 @@ INPUT_LOOKUP_MODELS = ('lstm', 'rns', 'vrns')
 #     stored as posterior shares): exact for any finite log-weights, in
 #     float32 too. The default.
 #   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):
-#     1.3x slower per train step on CPU (README, "Later CPU runs"), and in
+#     1.3x slower per train step on CPU (docs/benchmarks.md, "Later CPU runs"), and in
 #     float32 it flushes entries that dominate α when the weights decay fast
 #     (readings off by 0.12 for 3 × log-softmax weights at n = 80; a trained
 #     marked-reversal model on random strings: 0.19; ns_stack docstring).
@@ -175,8 +175,8 @@ def lstm_step_ids(params: Params, carry: Carry, ids_B: jax.Array,
 
   The one-hot product picks row ``ids`` of ``w_ih[:V]``; gathering it
   instead costs B·4H rather than B·V·4H per step (LSTM-256 train step at
-  PTB size, V = 10k, 3.2-5.5x faster on CPU: benchmarks/corpus_step.py, README
-  "Corpus language modelling"). Same values up to the order of the float
+  PTB size, V = 10k, 3.2-5.5x faster on CPU: benchmarks/corpus_step.py,
+  docs/benchmarks.md). Same values up to the order of the float
   additions. Its
   gradient is a scatter-add, whose summation order GPUs do not fix, so the
   one-hot product stays the default (``input_lookup``).

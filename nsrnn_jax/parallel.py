@@ -160,7 +160,7 @@ def use_cpu_devices(num_devices: int) -> None:
 
   XLA:CPU runs one program on one device mostly on one core; the NS-RNN's
   train step with the batch split over two CPU devices (the 'data' axis)
-  ran 1.3-2.1x faster on a 2-core machine (README, benchmarks). 1 leaves
+  ran 1.3-2.1x faster on a 2-core machine (docs/benchmarks.md). 1 leaves
   JAX's default. Like `maybe_initialize_distributed`, it must run before
   anything touches a device. It only changes the CPU backend: on a GPU/TPU
   machine the accelerators stay the devices.

@@ -307,7 +307,7 @@ def _finite_max(x, axis):
 # TABLE_CONTRACTIONS: the table-sized ones (the pop product G·M̃, and in
 # the backward M̃'s cotangent and the W-table product), whose few output
 # rows (R = Q) pad a GEMM kernel's tile. An experiment for GPUs, where an
-# update is a chain of small kernels each with a floor of a few µs (README,
+# update is a chain of small kernels each with a floor of a few µs (docs/benchmarks.md,
 # the H100 profile); read when an update is traced, so set them before
 # tracing (benchmarks/train_step.py --contractions_by_sum). "dot" until
 # "reduce" is measured faster on a GPU (on 2 CPU cores it is slower).

@@ -1,7 +1,7 @@
 """Pallas kernels for the share-table stack's updates (GPU).
 
 An experiment for issue 11's GPU targets. On a GPU the NS-RNN's step is
-bound by the number of small kernels per update (README, the H100 profile:
+bound by the number of small kernels per update (docs/benchmarks.md, the H100 profile:
 ~20 kernels of 2-9 µs each), not by the table's bytes. This module computes
 the whole forward update j of `rns_stack` — the column-sized part
 (`rns_stack._local`: W, α_j, the kernels, M̃, the replace and push rows),

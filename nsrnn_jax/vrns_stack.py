@@ -49,7 +49,7 @@ shares and, per (state, top) and time, the expected top vector E_k summed
 over every row (η_j = α_j ⊗ E_j), whose recurrence uses the share kernels and
 M̃ already formed for α, so the vectors add column-sized work per update
 (≈ the RNS stack's cost; ~100× faster than the tables below at n = 80;
-README, "Benchmarks"). E_k is a share-weighted average of pushed vectors, so
+docs/benchmarks.md). E_k is a share-weighted average of pushed vectors, so
 it stays within the vectors' range in any dtype. The log-space tables below
 are the reference (``log_space=True``; equal values and gradients, tested in
 float64) and the broadcast bottom's path, whose phantom start

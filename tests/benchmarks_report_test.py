@@ -1,4 +1,4 @@
-"""README's benchmark tables equal what benchmarks/report.py generates.
+"""The documents' benchmark tables equal what benchmarks/report.py generates.
 
 The tables must come from the committed JSON under benchmarks/results/, so
 a README edited by hand (or JSON committed without rerunning the report)
@@ -7,6 +7,7 @@ fails here.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,19 +21,29 @@ def report(load_benchmark):
   return load_benchmark("report")
 
 
-def test_readme_tables_are_generated_from_results(report):
-  with open(os.path.join(REPO, "README.md")) as f:
+@pytest.mark.parametrize("document", ["README.md", "docs/benchmarks.md",
+                                      "docs/architecture.md"])
+def test_document_tables_are_generated_from_results(report, document):
+  path = os.path.join(REPO, document)
+  with open(path) as f:
     text = f.read()
-  assert report.render(text) == text, (
-      "README benchmark tables are stale: run python benchmarks/report.py")
-
-
-def test_architecture_tables_are_generated_from_results(report):
-  with open(report.ARCHITECTURE) as f:
-    text = f.read()
-  assert report.render(text, report.ARCHITECTURE_BLOCKS) == text, (
-      "docs/architecture.md benchmark tables are stale: run "
+  assert report.render(text, report.DOCUMENTS[path]) == text, (
+      f"{document}'s benchmark tables are stale: run "
       "python benchmarks/report.py")
+
+
+def test_every_block_lives_in_one_document(report):
+  # A block moved between documents must leave the old one's markers.
+  seen = {}
+  for path, blocks in report.DOCUMENTS.items():
+    with open(path) as f:
+      text = f.read()
+    for name in re.findall(r"<!-- report:(\w+):begin -->", text):
+      assert name in blocks, f"{path} has report:{name} but no renderer"
+      assert name not in seen, f"report:{name} in {seen.get(name)} and {path}"
+      seen[name] = path
+  assert sorted(seen) == sorted(n for b in report.DOCUMENTS.values()
+                                for n in b)
 
 
 def test_render_replaces_only_the_marked_blocks(report):
