@@ -264,7 +264,7 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
   run_records.write_json_atomic(os.path.join(workdir, PROTOCOL_FILE),
                               {"protocol": protocol})
   records_dir = os.path.join(workdir, RECORDS_DIR)
-  hw, code = run_records.hardware(), run_records.code_version()
+  maker = run_records.made_by()
   for i, (k, t, m) in enumerate(plan, start=1):
     run_dir = os.path.join(workdir, t, m, f"run_{k}")
     record_path = os.path.join(records_dir, t, m, f"restart_{k}.json")
@@ -276,7 +276,7 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
         print(f"stopped in {name}; rerun the command to continue", file=out)
         break
       record = run_records.make_record(_spec(t, m, k, rates[k]), run_dir,
-                                     overrides, hw, code)
+                                     overrides, maker)
       record["protocol"] = protocol if not overrides else "custom"
       run_records.write_json_atomic(record_path, record)
   rows = summarize(run_records.load_records(records_dir))

@@ -87,12 +87,11 @@ from typing import (Any, Callable, Iterable, Mapping, Optional, Sequence,
 
 from nsrnn_jax import reproduction_report
 from nsrnn_jax.run_records import BASE_SEED
-from nsrnn_jax.run_records import code_version
 from nsrnn_jax.run_records import DEFAULT_RESULTS
 from nsrnn_jax.run_records import estimate_seconds
-from nsrnn_jax.run_records import hardware
 from nsrnn_jax.run_records import LEARNING_RATES
 from nsrnn_jax.run_records import load_records
+from nsrnn_jax.run_records import made_by
 from nsrnn_jax.run_records import make_record
 from nsrnn_jax.run_records import MODELS
 from nsrnn_jax.run_records import NS_SHAPES
@@ -400,15 +399,14 @@ class Progress:
     print(self.line(running), file=self.out, flush=True)
 
 
-def _record_finished(spec, run_dir, results_dir, overrides, hw,
-                     code) -> bool:
+def _record_finished(spec, run_dir, results_dir, overrides, maker) -> bool:
   results_path = os.path.join(run_dir, "results.json")
   if not os.path.isfile(results_path):
     return False
   if not read_json(results_path).get("finished"):
     return False
   write_json_atomic(os.path.join(results_dir, spec.record_path),
-                    make_record(spec, run_dir, overrides, hw, code))
+                    make_record(spec, run_dir, overrides, maker))
   return True
 
 
@@ -510,7 +508,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
   budget = Budget(budget_minutes)
   progress = Progress(runs, results_dir, run_dir, out, label=label,
                       lanes=workers if mode == "sequential" else 1)
-  hw, code = hardware(), code_version()
+  maker = made_by()
   train_fn = train.train_and_evaluate if train_fn is None else train_fn
 
   def pending():
@@ -532,8 +530,8 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       if budget.expired():
         stopped = True
         break
-      if _record_finished(spec, run_dir(spec), results_dir, overrides, hw,
-                          code):
+      if _record_finished(spec, run_dir(spec), results_dir, overrides,
+                          maker):
         continue  # Finished earlier, record not yet written.
       if trained:
         # Every run compiles its own programs (its train state's static
@@ -551,11 +549,11 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       if not results.get("finished"):
         stopped = True
         break
-      _record_finished(spec, run_dir(spec), results_dir, overrides, hw,
-                       code)
+      _record_finished(spec, run_dir(spec), results_dir, overrides,
+                       maker)
   else:
     stopped = _run_model_axis(pending(), configs, task_dirs, run_dir,
-                              results_dir, overrides, hw, code, budget,
+                              results_dir, overrides, maker, budget,
                               progress)
   left = pending()
   if left and stopped:
@@ -572,7 +570,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
 
 
 def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
-                    overrides, hw, code, budget, progress) -> bool:
+                    overrides, maker, budget, progress) -> bool:
   """Trains each (task, model, m) group's runs at once with grid.run_grid."""
   import jax  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
@@ -601,8 +599,8 @@ def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
     if not summary.get("finished", True):
       return True
     for spec in specs:
-      _record_finished(spec, run_dir(spec), results_dir, overrides, hw,
-                       code)
+      _record_finished(spec, run_dir(spec), results_dir, overrides,
+                       maker)
   return False
 
 

@@ -183,6 +183,13 @@ def code_version(root: Optional[str] = None) -> dict[str, Any]:
   return {"commit": commit, "modified": bool(changes)}
 
 
+def made_by() -> dict[str, Any]:
+  """What a record says made it: {"hardware": `hardware()`, "code":
+  `code_version()`}. Take it once when an invocation starts (see
+  `code_version`) and pass it to `make_record` for every run it finishes."""
+  return {"hardware": hardware(), "code": code_version()}
+
+
 def read_json(path: str):
   """A JSON file's contents."""
   with open(path) as f:
@@ -190,12 +197,10 @@ def read_json(path: str):
 
 
 def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
-                hw: Mapping[str, Any],
-                code: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+                maker: Mapping[str, Any]) -> dict[str, Any]:
   """The committed record of a finished run, from its run directory.
 
-  `hw` (`hardware()`) and `code` (`code_version()`) describe the invocation
-  that finishes the run.
+  `maker` (`made_by()`) describes the invocation that finishes the run.
   """
   from nsrnn_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   results = read_json(os.path.join(run_dir, "results.json"))
@@ -233,8 +238,8 @@ def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
       "last_valid_ce_diff": history[-1]["valid_ce_diff"],
       "test": test,
       "train_time_s": float(sum(h["time"] or 0.0 for h in history)),
-      "hardware": dict(hw),
-      "code": None if code is None else dict(code),
+      "hardware": dict(maker["hardware"]),
+      "code": dict(maker["code"]),
       "finished_on": datetime.date.today().isoformat(),
   }
 
