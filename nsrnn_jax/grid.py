@@ -33,6 +33,8 @@ On a mesh the K axis is sharded over 'model' and each batch over 'data'
 
 CLI:
   python -m nsrnn_jax.grid --config=configs/dyck_ns.py --workdir=runs/grid_dyck_ns
+The rates come from --config.grid_learning_rates (default: the paper's);
+--config.learning_rate, which every member overwrites, is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import copy
 import dataclasses
 import math
 import os
+import sys
 from typing import Any, Optional, Sequence
 
 import jax
@@ -323,9 +326,31 @@ def format_summary(summary: dict) -> str:
 # ---------------------------------------------------------------------------
 
 
+# Fields every member overwrites (`members`): set on the command line they
+# would be ignored, so the CLI refuses them and names what to set instead.
+_GRID_SETS = {"learning_rate": "--config.grid_learning_rates=(0.01,0.005)"}
+
+
+def check_command_line(argv: Sequence[str]) -> None:
+  """Refuses `--config.<field>` overrides that the grid would ignore.
+
+  Raises:
+    ValueError: naming the field and what to set instead.
+  """
+  for arg in argv:
+    field = arg.split("=", 1)[0]
+    if field.startswith("--config."):
+      field = field[len("--config."):]
+      if field in _GRID_SETS:
+        raise ValueError(f"--config.{field}: the grid sets it for every model "
+                         f"(config.grid_learning_rates x restarts); use "
+                         f"{_GRID_SETS[field]}")
+
+
 def main(argv: Sequence[str]) -> None:
   """python -m nsrnn_jax.grid --config=... --workdir=... [--distributed]."""
-  del argv
+  del argv  # absl's leftovers; the overrides are in sys.argv.
+  check_command_line(sys.argv[1:])
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   # Explicit multi-host setups come through NSRNN_* environment variables

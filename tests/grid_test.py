@@ -138,6 +138,21 @@ def test_bad_grid_fields(field, value, message):
     grid.members(c)
 
 
+@pytest.mark.parametrize("argv", [["--config.learning_rate=0.003"],
+                                  ["--workdir=w", "--config.learning_rate",
+                                   "-1"]])
+def test_command_line_refuses_the_learning_rate_the_grid_overwrites(argv):
+  with pytest.raises(ValueError, match="grid_learning_rates"):
+    grid.check_command_line(["--config=configs/quick.py"] + argv)
+
+
+def test_command_line_takes_the_grid_fields():
+  grid.check_command_line(["--config=configs/quick.py",
+                           "--config.grid_learning_rates=(0.003,)",
+                           "--config.learning_rate_grid=(0.003,)",
+                           "--config.num_restarts=2"])
+
+
 def test_stack_batches_pads_each_member_with_a_zero_mask():
   a = np.array([[1, 2, 0]], np.int32)
   b = np.array([[2, 2, 2, 1, 0]], np.int32)
