@@ -189,8 +189,11 @@ class Language(pcfg.SymbolCodec):
       out[i] = self.sample(length, rng)
     return out
 
-  def log_prob(self, symbols: Sequence[int]) -> float:
-    """ln G(w), exact (all derivations); -inf outside the language."""
+  def log_prob(self, symbols: Sequence[int] | str) -> float:
+    """ln G(w), exact (all derivations); -inf outside the language.
+
+    `symbols`: ids, or the text of the string ("([])", see `encode`).
+    """
     return self.compiled.log_prob(self._check(symbols))
 
   def log_prob_batch(self, symbols_BxN) -> np.ndarray:

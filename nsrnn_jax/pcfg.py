@@ -369,21 +369,42 @@ class SymbolCodec:
   alphabet: tuple[str, ...]
   vocab_size: int
 
+  def _multicharacter(self) -> bool:
+    return any(len(a) != 1 for a in self.alphabet)
+
   def encode(self, text: str | Sequence[str]) -> tuple[int, ...]:
-    """Symbol ids of a string of symbols ("([])" or ["(", "[", ...])."""
+    """Symbol ids of a string of symbols.
+
+    `text` is a list of symbols (["(", "[", ...]) or a str: one symbol per
+    character ("([])"), or symbols separated by whitespace ("( [ ] )", the
+    data files' format; always so where a symbol is longer than one
+    character, e.g. "12 7 # 7 12" in `marked_reversal_k200`).
+    """
     index = {a: i for i, a in enumerate(self.alphabet)}
-    tokens = list(text) if isinstance(text, str) else list(text)
+    if isinstance(text, str):
+      split = self._multicharacter() or any(c.isspace() for c in text)
+      tokens = text.split() if split else list(text)
+    else:
+      tokens = list(text)
     unknown = [t for t in tokens if t not in index]
     if unknown:
+      shown = self.alphabet if len(self.alphabet) <= 12 else (
+          f"of {len(self.alphabet)} symbols: {', '.join(self.alphabet[:5])}, "
+          f"..., {', '.join(self.alphabet[-3:])}")
       raise ValueError(f"symbols {unknown!r} are not in the {self.name} "
-                       f"alphabet {self.alphabet}")
+                       f"alphabet {shown}")
     return tuple(index[t] for t in tokens)
 
   def decode(self, symbols: Sequence[int]) -> str:
-    """The symbol strings of the ids, concatenated."""
-    return "".join(self.alphabet[i] for i in self._check(symbols))
+    """The symbols of the ids as text that `encode` reads back: concatenated,
+    or separated by spaces where a symbol is longer than one character."""
+    sep = " " if self._multicharacter() else ""
+    return sep.join(self.alphabet[i] for i in self._check(symbols))
 
   def _check(self, symbols) -> tuple[int, ...]:
+    """Symbol ids validated; a str is text, encoded (`encode`) first."""
+    if isinstance(symbols, str):
+      return self.encode(symbols)
     arr = np.asarray(symbols)
     if arr.ndim != 1:
       raise ValueError(f"expected a 1-D sequence of ids, got shape "

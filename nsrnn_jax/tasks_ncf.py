@@ -253,8 +253,9 @@ class UniformTask(pcfg.SymbolCodec):
     value = self.length_log_prob(length) - self._log_num_strings(n)
     return np.where(ok, value, -np.inf)
 
-  def log_prob(self, symbols: Sequence[int]) -> float:
-    """ln G(w) of one string (-inf outside the language)."""
+  def log_prob(self, symbols: Sequence[int] | str) -> float:
+    """ln G(w) of one string (-inf outside the language); `symbols` are ids
+    or the string's text (see `encode`)."""
     arr = np.asarray(self._check(symbols))
     if arr.size == 0:
       return -math.inf
@@ -408,8 +409,9 @@ class CapacityTask:
     ok &= np.all(arr == arr[:, ::-1], axis=1)
     return np.where(ok, g_len - n * math.log(k), -np.inf)
 
-  def log_prob(self, symbols: Sequence[int]) -> float:
-    """ln G(w) of one string (-inf outside the language)."""
+  def log_prob(self, symbols: Sequence[int] | str) -> float:
+    """ln G(w) of one string (-inf outside the language); `symbols` are ids
+    or the string's text (see `encode`)."""
     arr = np.asarray(self.language._check(symbols))  # pylint: disable=protected-access
     if arr.size == 0:
       return -math.inf

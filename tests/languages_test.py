@@ -212,6 +212,25 @@ def test_alphabets_and_ids():
                              "padded_reversal", "dyck", "hardest_cfl")
 
 
+def test_text_forms_encode_alike_and_log_prob_reads_text():
+  dyck = languages.get("dyck")
+  ids = (0, 1, 2, 3)
+  assert dyck.encode("()[]") == dyck.encode("( ) [ ]") == ids
+  assert dyck.log_prob("()[]") == dyck.log_prob(ids) > -np.inf
+  assert dyck.log_prob("( ] [ )") == -np.inf
+  # Symbols longer than a character: text is whitespace-separated both ways.
+  k = languages.get("marked_reversal_k200")
+  w = k.encode("12 7 # 7 12")
+  assert [k.alphabet[i] for i in w] == ["12", "7", "#", "7", "12"]
+  assert k.decode(w) == "12 7 # 7 12" and k.encode(k.decode(w)) == w
+  assert k.log_prob("12 7 # 7 12") == k.log_prob(w) > -np.inf
+  assert k.log_prob("12 7 # 7 11") == -np.inf
+  with pytest.raises(ValueError) as e:
+    k.encode("12 x")
+  assert "['x']" in str(e.value) and "201 symbols" in str(e.value)
+  assert len(str(e.value)) < 200
+
+
 def test_errors():
   with pytest.raises(ValueError, match="valid tasks are: marked_reversal"):
     languages.get("dyk")
