@@ -39,6 +39,7 @@ from nsrnn_jax import data
 from nsrnn_jax import loop
 from nsrnn_jax import metrics as metrics_lib
 from nsrnn_jax import parallel
+from nsrnn_jax import pcfg
 from nsrnn_jax import train
 
 
@@ -92,6 +93,9 @@ def encode(strings: Sequence[Union[str, Sequence[str]]],
            alphabet: Sequence[str]) -> list[np.ndarray]:
   """Symbol strings / symbol lists -> int32 id arrays.
 
+  A string is text: one symbol per character ("01#10") or symbols separated
+  by whitespace ("0 1 # 1 0"; `pcfg.text_symbols`).
+
   Raises:
     ValueError: an empty string or a symbol outside the alphabet (named).
   """
@@ -101,7 +105,8 @@ def encode(strings: Sequence[Union[str, Sequence[str]]],
     if not isinstance(w, (str, list, tuple, np.ndarray)):
       raise ValueError(f"string {k} is {w!r}; expected a string of symbols "
                        "or a list of symbols")
-    symbols = list(w)
+    symbols = (pcfg.text_symbols(w, alphabet) if isinstance(w, str)
+               else list(w))
     if not symbols:
       raise ValueError(f"string {k} is empty; the model scores strings of "
                        "length >= 1")
@@ -109,7 +114,7 @@ def encode(strings: Sequence[Union[str, Sequence[str]]],
     for s in symbols:
       if not isinstance(s, str) or s not in index:
         raise ValueError(f"unknown symbol {s!r} in string {k}; the alphabet "
-                         f"is {list(alphabet)}")
+                         f"is {pcfg.describe_alphabet(alphabet)}")
       ids.append(index[s])
     out.append(np.asarray(ids, np.int32))
   return out

@@ -142,6 +142,14 @@ def _num_terminals(grammar: Any) -> int:
   return grammar.vocab_size
 
 
+def _text_ids(text: str, alphabet: Sequence[str] | None) -> tuple[int, ...]:
+  """A string's text -> ids (`pcfg.text_symbols`); needs the alphabet."""
+  if alphabet is None:
+    raise ValueError("the string is text: pass alphabet= (e.g. "
+                     "loaded.config.alphabet), or give symbol ids.")
+  return pcfg.encode_symbols(text, alphabet)
+
+
 def _check_string(symbols: Sequence[int], vocab_size: int) -> np.ndarray:
   """Validates a single string of ids; returns an int64 array [N]."""
   symbols_N = np.asarray(symbols)
@@ -874,7 +882,7 @@ def trace(model: Any, params: Any, symbols: Sequence[int]) -> dict[str, Any]:
   return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64)[0], out)
 
 
-def inspect_string(model: Any, params: Any, symbols: Sequence[int],
+def inspect_string(model: Any, params: Any, symbols: Sequence[int] | str,
                    grammar: Any = None,
                    alphabet: Sequence[str] | None = None,
                    eos: bool = False) -> Inspection:
@@ -884,7 +892,8 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
     model: a models.py Linen model (any of the four; the stack views need
       the NS-RNN).
     params: its parameters.
-    symbols: the string (ids).
+    symbols: the string: ids, or its text with `alphabet` given ("01#10" or
+      "0 1 # 1 0", `pcfg.text_symbols`).
     grammar: the task's grammar (`task_grammar`) for the true next-symbol
       distribution; None skips it.
     alphabet: symbol strings for labels.
@@ -900,13 +909,15 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int],
   if vocab < 1:
     raise ValueError("eos=True needs a model with an EOS output (vocabulary "
                      "of at least 2).")
+  if alphabet is not None and len(alphabet) != vocab:
+    raise ValueError(f"alphabet has {len(alphabet)} symbols, the model "
+                     f"{vocab}.")
+  if isinstance(symbols, str):
+    symbols = _text_ids(symbols, alphabet)
   symbols_N = _check_string(symbols, vocab)
   if grammar is not None and _num_terminals(grammar) != vocab:
     raise ValueError(f"grammar has {_num_terminals(grammar)} terminals but the "
                      f"model's vocabulary has {vocab} symbols.")
-  if alphabet is not None and len(alphabet) != vocab:
-    raise ValueError(f"alphabet has {len(alphabet)} symbols, the model "
-                     f"{vocab}.")
   traced = trace(model, params, symbols_N)
   logits_NxV = traced["logits"]
   log_z_N = np.log(np.sum(np.exp(logits_NxV - logits_NxV.max(-1,

@@ -359,6 +359,45 @@ def check_symbols_BxN(symbols_BxN, num_terminals: int) -> np.ndarray:
   return arr.astype(np.int64)
 
 
+def text_symbols(text: str, alphabet: Sequence[str]) -> list[str]:
+  """The symbols of a string written as text, for `alphabet`.
+
+  One symbol per character ("([])"), or symbols separated by whitespace
+  ("( [ ] )", the data files' format): split on whitespace where the text
+  has any, and always where a symbol is longer than one character (e.g.
+  "12 7 # 7 12" in `marked_reversal_k200`). Symbols are not checked here.
+  """
+  multicharacter = any(len(a) != 1 for a in alphabet)
+  if multicharacter or any(c.isspace() for c in text):
+    return text.split()
+  return list(text)
+
+
+def describe_alphabet(alphabet: Sequence[str]) -> str:
+  """The alphabet for an error message, abbreviated past 12 symbols."""
+  if len(alphabet) <= 12:
+    return str(tuple(alphabet))
+  return (f"of {len(alphabet)} symbols: {', '.join(alphabet[:5])}, ..., "
+          f"{', '.join(alphabet[-3:])}")
+
+
+def encode_symbols(text: str | Sequence[str], alphabet: Sequence[str],
+                   where: str = "the alphabet") -> tuple[int, ...]:
+  """Ids of a string given as text (`text_symbols`) or a list of symbols.
+
+  Raises:
+    ValueError: naming the symbols not in `alphabet` (`where` names it).
+  """
+  index = {a: i for i, a in enumerate(alphabet)}
+  tokens = (text_symbols(text, alphabet) if isinstance(text, str)
+            else list(text))
+  unknown = [t for t in tokens if t not in index]
+  if unknown:
+    raise ValueError(f"symbols {unknown!r} are not in {where} "
+                     f"{describe_alphabet(alphabet)}")
+  return tuple(index[t] for t in tokens)
+
+
 class SymbolCodec:
   """Text <-> symbol ids for a task with `name`, `alphabet`, `vocab_size`.
 
@@ -369,36 +408,15 @@ class SymbolCodec:
   alphabet: tuple[str, ...]
   vocab_size: int
 
-  def _multicharacter(self) -> bool:
-    return any(len(a) != 1 for a in self.alphabet)
-
   def encode(self, text: str | Sequence[str]) -> tuple[int, ...]:
-    """Symbol ids of a string of symbols.
-
-    `text` is a list of symbols (["(", "[", ...]) or a str: one symbol per
-    character ("([])"), or symbols separated by whitespace ("( [ ] )", the
-    data files' format; always so where a symbol is longer than one
-    character, e.g. "12 7 # 7 12" in `marked_reversal_k200`).
-    """
-    index = {a: i for i, a in enumerate(self.alphabet)}
-    if isinstance(text, str):
-      split = self._multicharacter() or any(c.isspace() for c in text)
-      tokens = text.split() if split else list(text)
-    else:
-      tokens = list(text)
-    unknown = [t for t in tokens if t not in index]
-    if unknown:
-      shown = self.alphabet if len(self.alphabet) <= 12 else (
-          f"of {len(self.alphabet)} symbols: {', '.join(self.alphabet[:5])}, "
-          f"..., {', '.join(self.alphabet[-3:])}")
-      raise ValueError(f"symbols {unknown!r} are not in the {self.name} "
-                       f"alphabet {shown}")
-    return tuple(index[t] for t in tokens)
+    """Symbol ids of a string: a list of symbols (["(", "[", ...]) or its
+    text ("([])" or "( [ ] )"; see `text_symbols`)."""
+    return encode_symbols(text, self.alphabet, f"the {self.name} alphabet")
 
   def decode(self, symbols: Sequence[int]) -> str:
     """The symbols of the ids as text that `encode` reads back: concatenated,
     or separated by spaces where a symbol is longer than one character."""
-    sep = " " if self._multicharacter() else ""
+    sep = " " if any(len(a) != 1 for a in self.alphabet) else ""
     return sep.join(self.alphabet[i] for i in self._check(symbols))
 
   def _check(self, symbols) -> tuple[int, ...]:

@@ -80,9 +80,10 @@ def test_score_matches_model_log_softmax(loaded):
                       np.float64)[0]
   log_p = logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))
   expected = sum(log_p[t, s] for t, s in enumerate(symbols[0]))
-  got = evaluate.score(loaded, ["01#10", ["0", "1"], list("01#10")])
-  np.testing.assert_allclose(got[[0, 2]], [expected, expected], rtol=1e-5)
-  assert got.shape == (3,)
+  got = evaluate.score(loaded, ["01#10", ["0", "1"], list("01#10"),
+                                "0 1 # 1 0"])
+  np.testing.assert_allclose(got[[0, 2, 3]], [expected] * 3, rtol=1e-5)
+  assert got.shape == (4,)
 
 
 def test_best_params_are_restored(workdir, loaded):
@@ -97,7 +98,7 @@ def test_best_params_are_restored(workdir, loaded):
 
 def test_unknown_symbol_is_a_clear_error(loaded):
   with pytest.raises(ValueError, match=r"unknown symbol 'x' in string 1; "
-                     r"the alphabet is \['0', '1', '#'\]"):
+                     r"the alphabet is \('0', '1', '#'\)"):
     evaluate.score(loaded, ["01#10", "0x"])
   with pytest.raises(ValueError, match="string 0 is empty"):
     evaluate.score(loaded, [""])

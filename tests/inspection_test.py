@@ -401,6 +401,23 @@ def test_inspect_string_on_a_non_context_free_task(ns_model):
   assert insp.true_nll_N.sum() == pytest.approx(3 * np.log(2))
 
 
+def test_a_string_given_as_text_is_inspected_as_its_ids(ns_model):
+  model, params = ns_model
+  lang = languages.get("marked_reversal")
+  by_ids = inspection.inspect_string(model, params, lang.encode("01#10"),
+                                     alphabet=lang.alphabet)
+  for text in ("01#10", "0 1 # 1 0"):
+    by_text = inspection.inspect_string(model, params, text,
+                                        alphabet=lang.alphabet)
+    np.testing.assert_array_equal(by_text.symbols, by_ids.symbols)
+    np.testing.assert_array_equal(by_text.model_probs_NxV,
+                                  by_ids.model_probs_NxV)
+  with pytest.raises(ValueError, match="pass alphabet="):
+    inspection.inspect_string(model, params, "01#10")
+  with pytest.raises(ValueError, match=r"\['x'\] are not in the alphabet"):
+    inspection.inspect_string(model, params, "01#x0", alphabet=lang.alphabet)
+
+
 def test_figures_show_the_inspected_numbers(ns_model):
   model, params = ns_model
   lang = languages.get("marked_reversal")
