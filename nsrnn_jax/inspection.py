@@ -142,8 +142,10 @@ def _num_terminals(grammar: Any) -> int:
   return grammar.vocab_size
 
 
-def _text_ids(text: str, alphabet: Sequence[str] | None) -> tuple[int, ...]:
-  """A string's text -> ids (`pcfg.text_symbols`); needs the alphabet."""
+def _text_ids(text: str | Sequence[str],
+              alphabet: Sequence[str] | None) -> tuple[int, ...]:
+  """A string's text or symbols -> ids (`pcfg.encode_symbols`); needs the
+  alphabet."""
   if alphabet is None:
     raise ValueError("the string is text: pass alphabet= (e.g. "
                      "loaded.config.alphabet), or give symbol ids.")
@@ -892,8 +894,8 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int] | str,
     model: a models.py Linen model (any of the four; the stack views need
       the NS-RNN).
     params: its parameters.
-    symbols: the string: ids, or its text with `alphabet` given ("01#10" or
-      "0 1 # 1 0", `pcfg.text_symbols`).
+    symbols: the string: ids, or with `alphabet` given its text ("01#10" or
+      "0 1 # 1 0", `pcfg.text_symbols`) or a list of its symbols.
     grammar: the task's grammar (`task_grammar`) for the true next-symbol
       distribution; None skips it.
     alphabet: symbol strings for labels.
@@ -912,7 +914,9 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int] | str,
   if alphabet is not None and len(alphabet) != vocab:
     raise ValueError(f"alphabet has {len(alphabet)} symbols, the model "
                      f"{vocab}.")
-  if isinstance(symbols, str):
+  if isinstance(symbols, str) or (
+      isinstance(symbols, (list, tuple)) and symbols
+      and all(isinstance(a, str) for a in symbols)):
     symbols = _text_ids(symbols, alphabet)
   symbols_N = _check_string(symbols, vocab)
   if grammar is not None and _num_terminals(grammar) != vocab:

@@ -406,7 +406,7 @@ def test_a_string_given_as_text_is_inspected_as_its_ids(ns_model):
   lang = languages.get("marked_reversal")
   by_ids = inspection.inspect_string(model, params, lang.encode("01#10"),
                                      alphabet=lang.alphabet)
-  for text in ("01#10", "0 1 # 1 0"):
+  for text in ("01#10", "0 1 # 1 0", ["0", "1", "#", "1", "0"]):
     by_text = inspection.inspect_string(model, params, text,
                                         alphabet=lang.alphabet)
     np.testing.assert_array_equal(by_text.symbols, by_ids.symbols)
