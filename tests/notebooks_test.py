@@ -158,3 +158,26 @@ def test_corpus_model_notebook_scores_the_sentence(tmp_path):
   lines = re.findall(r"^\s*(\S+)  p = ([0-9.]+)$", text, re.M)
   assert [t for t, _ in lines] == ["(", "[", "]", ")", "<eos>"]
   assert all(0 < float(p) <= 1 for _, p in lines)
+
+
+def test_languages_notebook_enumerates_and_samples_dyck():
+  notebook = _run_notebook("languages.ipynb", {
+      "TASK": "dyck", "SHORT_LENGTH": 6, "NUM_SAMPLES": 4000, "SEED": 0})
+  text, images = _outputs(notebook)
+  assert images == 1
+  # Dyck-2 has Catalan(3) * 2^3 = 40 strings of length 6; the authors'
+  # unary-rule removal drops the 2 * Catalan(2) * 2^2 = 16 that are one
+  # top-level group, "(" w ")" or "[" w "]" (reference-behaviour.md §5.2).
+  assert "4096 strings of length 6; 24 have positive probability" in text
+  assert "sum of their probabilities given the length: 1.000000000000" in text
+  tv = float(re.search(r"samples vs exact: ([0-9.]+)", text).group(1))
+  assert tv < 0.06   # 4000 draws over 24 strings: ~0.03 expected
+  # The printed lower bounds are -ln G(w) + ln G(n) + ln N_L, N_L = 21.
+  rows = re.findall(
+      r"n = (\d+):.*\n\s+ln G\(w\) = (-[0-9.]+)\s+ln G\(n\) = (-[0-9.]+)"
+      r"\s+lower bound ([0-9.]+) nats", text)
+  assert len(rows) == 4
+  for n, g_w, g_n, bound in rows:
+    assert 40 <= int(n) <= 80 and int(n) % 2 == 0
+    assert float(bound) == pytest.approx(
+        -float(g_w) + float(g_n) + np.log(21), abs=2e-3)
