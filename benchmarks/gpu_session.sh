@@ -24,7 +24,7 @@
 #              (benchmarks/profile_step.py; device time of the "XLA Ops"
 #              trace line: which kernels of an update dominate)
 #   fewerops   NS train step against its code before the fewer-ops update
-#              (0bd0077; README "Later CPU runs"), and Gref against its
+#              (0bd0077; docs/benchmarks.md "Later CPU runs"), and Gref against its
 #              cumsum form (--gref_cumsum). The device's copy of the
 #              tree has no git history: first, here,
 #                for f in ns_stack rns_stack models; do mkdir -p \

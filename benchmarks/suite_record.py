@@ -1,7 +1,7 @@
 """The test suite's result as a results record, from pytest's JUnit XML.
 
 `benchmarks/gpu_session.sh` runs the suite with `--junitxml` and calls this,
-so the record behind README's "Test suite on a GPU" lines
+so the record behind docs/benchmarks.md's "Test suite on a GPU" lines
 (`results/gpu_suite_<gpu>.json`, rendered by `report.py`) comes back from
 the device machine ready to commit instead of being copied from a log by
 hand. Counts, failed and skipped tests, the device, the packages and the

@@ -80,7 +80,7 @@ config.length_buckets).
 
 Writes benchmarks/results/train_step_<backend>.json (machine, CPU model and
 load average included); `python benchmarks/report.py` turns the committed
-JSON into README's tables. Figures from elsewhere (the authors' PyTorch) are
+JSON into the tables of README and docs/benchmarks.md. Figures from elsewhere (the authors' PyTorch) are
 in results/reference_pytorch.json, never here.
 
   python benchmarks/train_step.py [--models=ns22,ns33,jm,gref,lstm]
