@@ -49,11 +49,11 @@
 #              baseline's loop storing the other set of residuals
 #              (--other_residuals: JM every one, LSTM and Gref only the
 #              matmuls' outputs; models.PRODUCTS_ONLY_LOOPS) and with the
-#              LSTM's gates as two products (--lstm_two_products); README
+#              LSTM's gates as two products (--lstm_two_products); docs/benchmarks.md
 #              "Fewer ops per step"
 #   corpus     corpus train steps at PTB size (benchmarks/corpus_step.py:
 #              LSTM-256, RNS 2-3 and VRNS 1-5-20 with D = 35, one-hot input
-#              and input_lookup; README "Corpus language modelling")
+#              and input_lookup; docs/benchmarks.md "Corpus training at PTB size")
 #   later      the later stacks' newest paths: the unlimited VRNS on the
 #              share sweep against the RNS and NS stacks
 #              (benchmarks/vrns_stack.py --compare, no git revision on the
@@ -145,7 +145,7 @@ for p in "${phases[@]}"; do
       code=$?
       echo "pytest exit code $code (${xdist[*]:-no xdist})" | tee -a "$OUT/tests.log" "$OUT/bench.log"
       tail -n 3 "$OUT/tests.log" >> "$OUT/bench.log"
-      # The record for results/gpu_suite_<gpu>.json (README's suite line);
+      # The record for results/gpu_suite_<gpu>.json (docs/benchmarks.md's suite line);
       # marked interrupted when the limit struck.
       "$PY" benchmarks/suite_record.py "$xml" --out "$OUT/gpu_suite.json" \
         --exit_code "$code" \
