@@ -399,6 +399,53 @@ class Progress:
     print(self.line(running), file=self.out, flush=True)
 
 
+def status(task: Union[str, Sequence[str]], workdir: str, *,
+           models: Sequence[str] = MODELS,
+           learning_rates: Sequence[float] = LEARNING_RATES,
+           stack_sizes: Sequence[int] = STACK_SIZES,
+           restarts: int = NUM_RESTARTS,
+           restart_ids: Optional[Sequence[int]] = None,
+           results_dir: str = DEFAULT_RESULTS, workers: int = 1) -> str:
+  """Where the grid `run_protocol` would run stands, as text; reads only.
+
+  Per (task, model): runs with a record, runs started (epochs in their run
+  directory, no record yet) and runs not started; then the runs started and
+  their epochs, and `Progress`'s line (the time left at `workers` runs at a
+  time, the started runs counted as running). Starts nothing, claims
+  nothing and imports no JAX, so it can run beside the grid it describes.
+  """
+  tasks = parse_tasks(task)
+  several = len(tasks) > 1
+  runs = plan_tasks(tasks, models, learning_rates, stack_sizes, restarts,
+                    restart_ids)
+  task_dirs = ({t: os.path.join(workdir, t) for t in tasks} if several
+               else {tasks[0]: workdir})
+  run_dir = lambda s: os.path.join(task_dirs[s.task], s.run_subdir)
+  label = (lambda s: f"{s.task}/{s.name}") if several else (lambda s: s.name)
+  progress = Progress(runs, results_dir, run_dir, label=label,
+                      lanes=max(int(workers), 1))
+  done = set(progress.done())
+  epochs = {s: epochs_logged(run_dir(s)) for s in runs if s not in done}
+  started = [s for s, e in epochs.items() if e > 0]
+  lines = [f"reproduce {', '.join(tasks)}: {len(runs)} runs, {len(done)} "
+           f"with a record in {results_dir}, {len(started)} started, "
+           f"{len(runs) - len(done) - len(started)} not started",
+           "", "| task | model | runs | records | started | not started |",
+           "|---|---|---|---|---|---|"]
+  for t in tasks:
+    for m in (m for m in MODELS if m in models):
+      mine = [s for s in runs if s.task == t and s.model == m]
+      n_done = sum(s in done for s in mine)
+      n_started = sum(s in started for s in mine)
+      lines.append(f"| {t} | {m} | {len(mine)} | {n_done} | {n_started} | "
+                   f"{len(mine) - n_done - n_started} |")
+  lines.append("")
+  for s in started:
+    lines.append(f"started: {label(s)} (epoch {epochs[s]} logged)")
+  lines.append(progress.line(started))
+  return "\n".join(lines)
+
+
 def _record_finished(spec, run_dir, results_dir, overrides, maker) -> bool:
   results_path = os.path.join(run_dir, "results.json")
   if not os.path.isfile(results_path):
@@ -819,6 +866,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "one model share their compiled steps")
   parser.add_argument("--report", action="store_true",
                       help="regenerate the report from --results and exit")
+  parser.add_argument("--status", action="store_true",
+                      help="print where the grid of --task/--workdir (and "
+                      "the grid flags) stands: records, runs started and "
+                      "their epochs, time left at --workers; runs nothing "
+                      "and can run beside the grid")
   parser.add_argument("--report_path", default=reproduction_report.DEFAULT_REPORT,
                       help="where --report writes the Markdown report")
   parser.add_argument("--selection", default="mean", choices=reproduction_report.SELECTIONS,
@@ -862,6 +914,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       if any(not 0 <= r < args.restarts for r in restart_ids):
         raise ReproduceError(f"--restart_ids must be in [0, "
                              f"{args.restarts}) (got {restart_ids})")
+    if args.status:
+      print(status(tasks, args.workdir, models=models, learning_rates=lrs,
+                   stack_sizes=sizes, restarts=args.restarts,
+                   restart_ids=restart_ids, results_dir=args.results,
+                   workers=args.workers))
+      return 0
     from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
     if args.cpu_cores is not None:
       # Before JAX starts its thread pools, which it sizes by these cores.

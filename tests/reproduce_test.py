@@ -444,6 +444,42 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
                                       + " (3 runs at a time)")
 
 
+def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
+  rec = dict(fake_record("dyck", "ns", 0.005, 0, 0.01, 0.01),
+             epochs=[{"epoch": e, "valid_ce_diff": 0.01, "time": 11.0}
+                     for e in range(1, 6)])
+  results = tmp_path / "results"
+  for r in (5, 6):
+    spec = run_records.RunSpec("dyck", "ns", 0.005, None, r)
+    path = results / spec.record_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(rec, restart=r)))
+  workdir = tmp_path / "work"
+  started = run_records.RunSpec("dyck", "ns", 0.005, None, 1)
+  (workdir / started.run_subdir).mkdir(parents=True)
+  (workdir / started.run_subdir / "metrics.jsonl").write_text(
+      '{"epoch": 1}\n{"epoch": 2}\n')
+  before = sorted(p for p in tmp_path.rglob("*"))
+  args = ["--status", "--task=dyck", f"--workdir={workdir}", "--models=ns",
+          "--learning_rates=0.005", "--restarts=7", f"--results={results}"]
+  assert reproduce.main(args) == 0
+  text = capsys.readouterr().out
+  assert sorted(p for p in tmp_path.rglob("*")) == before  # Reads only.
+  assert text.startswith(f"reproduce dyck: 7 runs, 2 with a record in "
+                         f"{results}, 1 started, 4 not started")
+  assert "| dyck | ns | 7 | 2 | 1 | 4 |" in text
+  assert "started: ns/lr_0.005/restart_1 (epoch 2 logged)" in text
+  # The started run has 3 of its like runs' 5 epochs of 11 s left, the 4
+  # others 55 s each, one after another.
+  assert text.rstrip().endswith(
+      "estimated time left " + reproduce._fmt_duration(33.0 + 4 * 55.0))
+  # A workdir that does not exist yet: every run not started, none created.
+  assert reproduce.main(args[:2] + [f"--workdir={tmp_path / 'new'}"]
+                        + args[3:]) == 0
+  assert "2 with a record" in capsys.readouterr().out
+  assert not (tmp_path / "new").exists()
+
+
 def test_code_version_names_the_checkout_commit_and_its_changes(tmp_path):
   def git(*args):
     return subprocess.run(
