@@ -376,7 +376,9 @@ class Progress:
     return [s for s in self.runs
             if os.path.isfile(os.path.join(self.results_dir, s.record_path))]
 
-  def line(self, running: Sequence[RunSpec]) -> str:
+  def line(self, running: Sequence[RunSpec], what: str = "running") -> str:
+    """One line: runs done, `running` (named, as `what`), pending, time
+    left."""
     done = set(self.done())
     running = list(running)
     pending = [s for s in self.runs if s not in done and s not in running]
@@ -392,7 +394,7 @@ class Progress:
     left = None if free_at is None else max(free_at)
     at_once = f" ({self.lanes} runs at a time)" if self.lanes > 1 else ""
     now = ", ".join(self.label(s) for s in running) or "-"
-    return (f"[{len(done)} done | running {now} | {len(pending)} pending] "
+    return (f"[{len(done)} done | {what} {now} | {len(pending)} pending] "
             f"estimated time left {_fmt_duration(left)}{at_once}")
 
   def show(self, running: Sequence[RunSpec]) -> None:
@@ -442,7 +444,8 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
   lines.append("")
   for s in started:
     lines.append(f"started: {label(s)} (epoch {epochs[s]} logged)")
-  lines.append(progress.line(started))
+  # Started, not necessarily running: this process cannot tell.
+  lines.append(progress.line(started, what="started"))
   return "\n".join(lines)
 
 

@@ -471,8 +471,9 @@ def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
   assert "started: ns/lr_0.005/restart_1 (epoch 2 logged)" in text
   # The started run has 3 of its like runs' 5 epochs of 11 s left, the 4
   # others 55 s each, one after another.
-  assert text.rstrip().endswith(
-      "estimated time left " + reproduce._fmt_duration(33.0 + 4 * 55.0))
+  assert text.rstrip().splitlines()[-1] == (
+      "[2 done | started ns/lr_0.005/restart_1 | 4 pending] estimated time "
+      "left " + reproduce._fmt_duration(33.0 + 4 * 55.0))
   # A workdir that does not exist yet: every run not started, none created.
   assert reproduce.main(args[:2] + [f"--workdir={tmp_path / 'new'}"]
                         + args[3:]) == 0
