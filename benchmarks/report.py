@@ -1048,6 +1048,34 @@ def _paper_mean_at(task, model, epoch):
   return curve["mean"][curve["x"].index(epoch)]
 
 
+def _rerun_means_table(files):
+  """Mean validation CE difference per epoch: the paper's Figure 3 beside
+  each rerun_records file's runs (per learning rate, over its restarts)."""
+  columns, task, model, epochs = [], None, None, 0
+  for name, d in files:
+    task, model = d["task"], d["model"]
+    epochs = max(epochs, d["epochs"])
+    for lr in d["summary"]:
+      curves = [r["rerun_curve"] for r in d["rows"]
+                if f"{r['learning_rate']:g}" == lr]
+      columns.append((f"`{name}` lr {lr} ({len(curves)} runs)",
+                      [sum(c[e] for c in curves) / len(curves)
+                       for e in range(d["epochs"])]))
+  if not columns:
+    return []
+  paper = [_paper_mean_at(task, model, e) for e in range(1, epochs + 1)]
+  cell = lambda x: "" if x is None else f"{x:.3f}"
+  lines = [f"Mean validation CE difference by epoch ({model} on {task}): the "
+           "paper's Figure 3 (its 5 selected runs) beside each file's "
+           "reruns:", "",
+           "| epoch | paper | " + " | ".join(c for c, _ in columns) + " |",
+           "|---" * (len(columns) + 2) + "|"]
+  for e in range(epochs):
+    lines.append(f"| {e + 1} | {cell(paper[e])} | " + " | ".join(
+        cell(v[e] if e < len(v) else None) for _, v in columns) + " |")
+  return lines + [""]
+
+
 def _codes(d):
   """The code that made a rerun_records file's runs, in words."""
   codes = d.get("rerun_code") or []
@@ -1062,11 +1090,12 @@ def rerun_records_block():
   """Committed records rerun under today's code
   (benchmarks/rerun_records.py): when does a run learn its task?"""
   first = lambda x: "–" if x is None else str(x)
-  rows, captions, papers = [], [], {}
+  rows, captions, papers, loaded = [], [], {}, []
   for name in RERUN_RECORDS_FILES:
     d = _load(name)
     if d is None:
       continue
+    loaded.append((name, d))
     e, thr = d["epochs"], d["threshold"]
     for lr, summ in d["summary"].items():
       runs = [r for r in d["rows"] if f"{r['learning_rate']:g}" == lr]
@@ -1116,7 +1145,8 @@ def rerun_records_block():
   lines += [f"The paper's Figure 3 mean (its 5 selected runs) for {model} on "
             f"{task} at epoch {e}: {v:.4f}."
             for (model, task, e), v in sorted(papers.items())]
-  return "\n".join(lines) + "\n"
+  lines += [""] + _rerun_means_table(loaded)
+  return "\n".join(lines).rstrip() + "\n"
 
 
 BLOCKS = {"headline": headline_block, "compile": compile_block,

@@ -77,8 +77,15 @@ def test_readme_block_reads_the_json(load_benchmark, rerun, monkeypatch):
   assert lines[2 + len(files)] == ""
   assert lines[3 + len(files)].startswith(f"`{files[0]}`: ns on "
                                           "marked_reversal, the first 2")
-  assert lines[-1] == ("The paper's Figure 3 mean (its 5 selected runs) for "
-                       "ns on marked_reversal at epoch 2: 0.2500.")
+  paper_line = ("The paper's Figure 3 mean (its 5 selected runs) for ns on "
+                "marked_reversal at epoch 2: 0.2500.")
+  assert paper_line in lines
+  # Then the mean curve per file and rate over its reruns (restarts 0 and
+  # 1: [0.3, 0.01] and [0.3, 0.2]) beside the paper's, epoch by epoch.
+  assert lines[-2:] == ["| 1 | 0.250 | " + " | ".join(["0.300"] * len(files))
+                        + " |",
+                        "| 2 | 0.250 | " + " | ".join(["0.105"] * len(files))
+                        + " |"]
 
 
 def test_init_gradients_compare_relative_to_each_array(rerun):
