@@ -190,8 +190,7 @@ def run_config(task: str, model: str, run_index: int, learning_rate: float,
     config.progress_bar = False
     for field, value in dict(overrides).items():
       if field not in config:
-        raise run_records.ReproduceError(f"--set {field}: unknown config field "
-                                       "(fields: configs/default.py)")
+        raise run_records.unknown_field("--set", field, config.keys())
       config[field] = value
   try:
     train.validate_config(config)

@@ -183,6 +183,22 @@ def code_version(root: Optional[str] = None) -> dict[str, Any]:
   return {"commit": commit, "modified": bool(changes)}
 
 
+def unknown_field(flag: str, field: str, fields) -> ReproduceError:
+  """The one-line error for `--set field=...` naming no config field, with
+  the fields it may have meant: those holding all of its words (e.g.
+  test_strings_per_length for test_per_length), then the closest spellings.
+  """
+  import difflib  # pylint: disable=g-import-not-at-top
+  fields = sorted(fields)
+  words = set(field.split("_"))
+  guesses = [f for f in fields if words <= set(f.split("_"))]
+  guesses += difflib.get_close_matches(field, fields, n=3, cutoff=0.6)
+  guesses = list(dict.fromkeys(guesses))[:3]
+  hint = f"; did you mean {' or '.join(guesses)}?" if guesses else ""
+  return ReproduceError(f"{flag} {field}: unknown config field{hint} "
+                        "(fields: configs/default.py)")
+
+
 def made_by() -> dict[str, Any]:
   """What a record says made it: {"hardware": `hardware()`, "code":
   `code_version()`}. Take it once when an invocation starts (see

@@ -298,7 +298,12 @@ def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
     (["--task=dyck", "--workdir=W", "--learning_rates=0.1,x"],
      "--learning_rates"),
     (["--task=dyck", "--workdir=W", "--set=hidden_sizes=3"],
-     "unknown config field"),
+     "unknown config field; did you mean hidden_size?"),
+    # The field holding all the words first, then close spellings.
+    (["--task=dyck", "--workdir=W", "--set=test_per_length=3"],
+     "did you mean test_strings_per_length or test_min_length or"),
+    (["--task=dyck", "--workdir=W", "--set=zzz=3"],
+     "--set zzz: unknown config field (fields: configs/default.py)"),
     (["--task=dyck", "--workdir=W", "--set=learning_rate=0.1"],
      "set by the protocol"),
     (["--task=dyck", "--workdir=W", "--set=hidden_size=0"],
