@@ -947,7 +947,7 @@ def test_build_from_config_dict_takes_vocab_from_task():
   assert models.build(config).vocab_size == 9
 
 
-def test_vmap_over_model_axis_equals_separate_models():
+def test_vmap_over_model_axis_equals_separate_models(fast_compile_test):
   """Training vmaps a stacked K axis of parameters through the stack DP."""
   model = models.get('ns', _VOCAB, hidden_size=3)
   symbols = jnp.asarray(_SYMBOLS[:, :5])
