@@ -6,14 +6,15 @@ Trains in about a minute on a laptop CPU:
 
 Same protocol as the paper, smaller data: strings of length 9-21 (test
 9-31), 300 training batches of 10, at most 45 epochs with the paper's early
-stopping, 5 length buckets. Measured (jax 0.10.2, 2 quiet CPU cores): about
-40 s in all, roughly half of it start-up and compilation, then ~0.7 s per
-epoch. The validation cross-entropy difference falls from 0.35 to about 0.03
-nats/symbol (default seeds: best 0.0274 at epoch 24, early stop after epoch
-35: 50 lines of output with the 12-length test table); the test difference
-is -0.020 on lengths 9-21 (negative because the per-length bound includes
+stopping, 5 length buckets. Measured (jax 0.10.2, 2 CPU cores, AVX-512): 31 s
+in all, a few of them start-up and compilation, then ~0.5 s per epoch. The
+validation cross-entropy difference falls from 0.35 to about 0.02-0.04
+nats/symbol (default seeds: best 0.0183 at epoch 32, early stop after epoch
+43: 58 lines of output with the 12-length test table); the test difference
+is -0.027 on lengths 9-21 (negative because the per-length bound includes
 ln 12 test lengths while the model learned 7 training lengths) and rises
-steeply beyond 21 (0.62 on average).
+steeply beyond 21 (0.40 on average). Other CPUs or JAX versions round float32
+differently, which can move the later epochs.
 """
 
 from configs import default
