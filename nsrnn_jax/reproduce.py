@@ -401,6 +401,18 @@ class Progress:
     print(self.line(running), file=self.out, flush=True)
 
 
+def _layout(tasks: Sequence[str], workdir: str):
+  """(task -> its workdir, spec -> its run directory, spec -> its label):
+  one task uses `workdir` itself, several `<workdir>/<task>` each, their
+  runs labelled `<task>/<run>`."""
+  several = len(tasks) > 1
+  task_dirs = ({t: os.path.join(workdir, t) for t in tasks} if several
+               else {tasks[0]: workdir})
+  run_dir = lambda s: os.path.join(task_dirs[s.task], s.run_subdir)
+  label = (lambda s: f"{s.task}/{s.name}") if several else (lambda s: s.name)
+  return task_dirs, run_dir, label
+
+
 def status(task: Union[str, Sequence[str]], workdir: str, *,
            models: Sequence[str] = MODELS,
            learning_rates: Sequence[float] = LEARNING_RATES,
@@ -417,13 +429,9 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
   nothing and imports no JAX, so it can run beside the grid it describes.
   """
   tasks = parse_tasks(task)
-  several = len(tasks) > 1
   runs = plan_tasks(tasks, models, learning_rates, stack_sizes, restarts,
                     restart_ids)
-  task_dirs = ({t: os.path.join(workdir, t) for t in tasks} if several
-               else {tasks[0]: workdir})
-  run_dir = lambda s: os.path.join(task_dirs[s.task], s.run_subdir)
-  label = (lambda s: f"{s.task}/{s.name}") if several else (lambda s: s.name)
+  _, run_dir, label = _layout(tasks, workdir)
   progress = Progress(runs, results_dir, run_dir, label=label,
                       lanes=max(int(workers), 1))
   done = set(progress.done())
@@ -531,16 +539,12 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
     raise ReproduceError(f"--workers={workers} needs the sequential "
                          f"execution, not {mode} ({why}); use "
                          "--execution=sequential or --workers=1")
+  task_dirs, run_dir, label = _layout(tasks, workdir)
   if several:
-    task_dirs = {t: os.path.join(workdir, t) for t in tasks}
     check_workdir(workdir, SEVERAL_TASKS, stored_overrides)
-  else:
-    task_dirs = {tasks[0]: workdir}
   for t in tasks:  # Every task's workdir is claimed before any run starts.
     check_workdir(task_dirs[t], t, stored_overrides)
   check_results_dir(results_dir, runs, stored_overrides)
-  label = (lambda s: f"{s.task}/{s.name}") if several else (lambda s: s.name)
-  run_dir = lambda s: os.path.join(task_dirs[s.task], s.run_subdir)
   groups = None
   if workers > 1:
     from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
