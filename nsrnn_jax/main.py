@@ -4,7 +4,7 @@
   python -m nsrnn_jax.main --config=configs/dyck_ns.py --workdir=runs/dyck_ns \
       --config.learning_rate=0.001 --config.data_seed=3
   python -m nsrnn_jax.main --config=configs/dyck_ns.py --workdir=runs/dyck_ns \
-      --cpu_devices=2       # both cores of a 2-core CPU (NS-RNN: ~1.6x)
+      --cpu_devices=2       # both cores of a 2-core CPU (NS-RNN: 1.3-2.1x)
 
 Rerunning the same command on the same workdir resumes from the last
 checkpoint. Compiled steps persist in --compilation_cache (default
