@@ -215,19 +215,10 @@ def _parse_list(value, what) -> list[str]:
   return items
 
 
-def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
-        seed: Optional[int] = None, overrides: Mapping[str, Any] = (),
-        out=None, protocol: str = PROTOCOL) -> list[dict[str, Any]]:
-  """Trains every missing run (run-major: run 0 of every model first).
-
-  `num_runs` per (task, model) defaults to the protocol's (NUM_RUNS,
-  ICLR2022_NUM_RUNS); `seed` (default 0) seeds the iclr2023 rate draws
-  and is refused with iclr2022, whose rates are the grid's. Progress goes
-  to `out` (default: sys.stdout at the time of the call). Returns the
-  summary rows of `summarize` over the workdir's records.
-  """
-  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
-  out = out or sys.stdout
+def _plan(tasks, models, workdir, num_runs, seed, protocol):
+  """(plan [(k, task, model)], learning rate of run k, configs/later.py):
+  the runs `run` trains, run-major, checked against the workdir's
+  protocol."""
   _check_protocol(protocol)
   if protocol == ICLR2022 and seed is not None:
     raise run_records.ReproduceError(
@@ -257,6 +248,75 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
         "--workdir")
   plan = [(k, t, m) for k in range(num_runs) for t in tasks
           for m in models_for(t, models, module, protocol)]
+  return plan, rates, module
+
+
+def _run_dir(workdir, t, m, k):
+  return os.path.join(workdir, t, m, f"run_{k}")
+
+
+def _record_path(workdir, t, m, k):
+  return os.path.join(workdir, RECORDS_DIR, t, m, f"restart_{k}.json")
+
+
+def status(tasks, models, workdir: str, num_runs: Optional[int] = None,
+           seed: Optional[int] = None, protocol: str = PROTOCOL) -> str:
+  """Where `run`'s plan stands, as text; reads only (no JAX, no claim).
+
+  Per (task, model): runs with a record, started (epochs logged, no record
+  yet) and not started; the started runs' epochs; and the time left, run
+  after run, from the records of finished runs like them
+  (`run_records.estimate_seconds`).
+  """
+  plan, rates, _ = _plan(tasks, models, workdir, num_runs, seed, protocol)
+  records = run_records.load_records(os.path.join(workdir, RECORDS_DIR))
+  done = {p for p in plan if os.path.isfile(_record_path(workdir, *p[1:],
+                                                         p[0]))}
+  epochs = {p: reproduce.epochs_logged(_run_dir(workdir, p[1], p[2], p[0]))
+            for p in plan if p not in done}
+  started = [p for p, e in epochs.items() if e > 0]
+  lines = [f"later_protocol ({protocol}): {len(plan)} runs, {len(done)} with "
+           f"a record, {len(started)} started, "
+           f"{len(plan) - len(done) - len(started)} not started", "",
+           "| task | model | runs | records | started | not started |",
+           "|---|---|---|---|---|---|"]
+  pairs = list(dict.fromkeys((t, m) for _, t, m in plan))
+  for t, m in pairs:
+    mine = [p for p in plan if p[1:] == (t, m)]
+    n_done = sum(p in done for p in mine)
+    n_started = sum(p in started for p in mine)
+    lines.append(f"| {t} | {m} | {len(mine)} | {n_done} | {n_started} | "
+                 f"{len(mine) - n_done - n_started} |")
+  lines.append("")
+  left = 0.0
+  for k, t, m in (p for p in plan if p not in done):
+    est = run_records.estimate_seconds(_spec(t, m, k, rates[k]), records,
+                                       epochs[(k, t, m)])
+    left = None if left is None or est is None else left + est
+  for k, t, m in started:
+    lines.append(f"started: {t}/{m}/run_{k} (epoch {epochs[(k, t, m)]} "
+                 "logged)")
+  lines.append("estimated time left, one run after another: " + (
+      "unknown (no finished run like them yet)" if left is None
+      else reproduce.format_duration(left)))
+  return "\n".join(lines)
+
+
+def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
+        seed: Optional[int] = None, overrides: Mapping[str, Any] = (),
+        out=None, protocol: str = PROTOCOL) -> list[dict[str, Any]]:
+  """Trains every missing run (run-major: run 0 of every model first).
+
+  `num_runs` per (task, model) defaults to the protocol's (NUM_RUNS,
+  ICLR2022_NUM_RUNS); `seed` (default 0) seeds the iclr2023 rate draws
+  and is refused with iclr2022, whose rates are the grid's. Progress goes
+  to `out` (default: sys.stdout at the time of the call). Returns the
+  summary rows of `summarize` over the workdir's records.
+  """
+  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
+  out = out or sys.stdout
+  plan, rates, module = _plan(tasks, models, workdir, num_runs, seed,
+                              protocol)
   # Every config is built (and checked) before the first run starts.
   configs = {(k, t, m): run_config(t, m, k, rates[k], overrides, module)
              for k, t, m in plan}
@@ -265,8 +325,8 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
   records_dir = os.path.join(workdir, RECORDS_DIR)
   maker = run_records.made_by()
   for i, (k, t, m) in enumerate(plan, start=1):
-    run_dir = os.path.join(workdir, t, m, f"run_{k}")
-    record_path = os.path.join(records_dir, t, m, f"restart_{k}.json")
+    run_dir = _run_dir(workdir, t, m, k)
+    record_path = _record_path(workdir, t, m, k)
     name = f"{t}/{m}/run_{k} (lr {rates[k]:.6g})"
     if not os.path.isfile(record_path):
       print(f"[{i}/{len(plan)}] {name}", file=out, flush=True)
@@ -541,9 +601,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--report", action="store_true",
                       help="print the summary of the workdir's records and "
                       "exit")
+  parser.add_argument("--status", action="store_true",
+                      help="print where the plan of --task/--models stands "
+                      "(records, runs started and their epochs, time left) "
+                      "and exit; runs nothing, so it can run beside it")
   try:
     args = parser.parse_args(argv)
     records_dir = os.path.join(args.workdir, RECORDS_DIR)
+    if args.status:
+      if not args.task or not args.models:
+        raise run_records.ReproduceError("--status needs --task and --models")
+      print(status(args.task, args.models, args.workdir, args.runs,
+                   args.seed, protocol=args.protocol))
+      return 0
     if args.report:
       records = run_records.load_records(records_dir)
       rows = summarize(records)

@@ -336,7 +336,8 @@ def check_results_dir(results_dir: str, runs: Sequence[RunSpec],
             f"{dict(overrides)}; use another --results directory")
 
 
-def _fmt_duration(seconds: Optional[float]) -> str:
+def format_duration(seconds: Optional[float]) -> str:
+  """"2h05m", "7m" or "unknown" (None or not finite)."""
   if seconds is None or not math.isfinite(seconds):
     return "unknown"
   minutes = int(round(seconds / 60))
@@ -395,7 +396,7 @@ class Progress:
     at_once = f" ({self.lanes} runs at a time)" if self.lanes > 1 else ""
     now = ", ".join(self.label(s) for s in running) or "-"
     return (f"[{len(done)} done | {what} {now} | {len(pending)} pending] "
-            f"estimated time left {_fmt_duration(left)}{at_once}")
+            f"estimated time left {format_duration(left)}{at_once}")
 
   def show(self, running: Sequence[RunSpec]) -> None:
     print(self.line(running), file=self.out, flush=True)

@@ -9,6 +9,7 @@ import pytest
 
 from nsrnn_jax import later_protocol
 from nsrnn_jax import reproduce
+from nsrnn_jax import run_records
 
 TINY = ["--set=num_train_batches=6", "--set=num_valid_batches=2",
         "--set=train_min_length=5", "--set=train_max_length=9",
@@ -296,3 +297,34 @@ def test_capacity_series_and_plot(tmp_path):
   assert later_protocol.plot_capacity(rows[-1:]) is None
   assert later_protocol.save_capacity_plot(rows[-1:], str(tmp_path / "x")) \
       is None
+
+
+def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
+  # Runs 0 and 1 of lstm on marked_copy finished (5 epochs of 11 s after a
+  # compiling first); run 2 has logged 2 epochs; the rest not started.
+  workdir = tmp_path / "later"
+  for k in (0, 1):
+    rec = dict(_record("lstm", k, 0.1, 0.001), format=run_records.RECORD_FORMAT,
+               epochs=[{"epoch": e, "valid_ce_diff": 0.1, "time": t}
+                       for e, t in enumerate([60.0] + [11.0] * 4, start=1)])
+    path = workdir / "records" / "marked_copy" / "lstm" / f"restart_{k}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec))
+  run_2 = workdir / "marked_copy" / "lstm" / "run_2"
+  run_2.mkdir(parents=True)
+  (run_2 / "metrics.jsonl").write_text('{"epoch": 1}\n{"epoch": 2}\n')
+  before = sorted(tmp_path.rglob("*"))
+  assert later_protocol.main(["--status", "--task=marked_copy",
+                              "--models=lstm", f"--workdir={workdir}",
+                              "--runs=4"]) == 0
+  text = capsys.readouterr().out
+  assert sorted(tmp_path.rglob("*")) == before          # Reads only.
+  assert text.startswith("later_protocol (iclr2023): 4 runs, 2 with a "
+                         "record, 1 started, 1 not started")
+  assert "| marked_copy | lstm | 4 | 2 | 1 | 1 |" in text
+  assert "started: marked_copy/lstm/run_2 (epoch 2 logged)" in text
+  # Like runs take 5 x 11 s: run 2 has 3 of 5 epochs left, run 3 all.
+  assert text.rstrip().endswith(
+      "one run after another: " + reproduce.format_duration(33.0 + 55.0))
+  assert later_protocol.main(["--status", "--task=marked_copy",
+                              f"--workdir={workdir}"]) == 2

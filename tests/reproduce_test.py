@@ -433,7 +433,7 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
   dir_of = lambda spec: str(tmp_path / spec.run_subdir)
   progress = reproduce.Progress([probe], str(results), run_dir=dir_of)
   assert progress.line([probe]).endswith(
-      "estimated time left " + reproduce._fmt_duration(77.5 / 5 * 3))
+      "estimated time left " + reproduce.format_duration(77.5 / 5 * 3))
   # With workers, the length of their schedule: each takes the next run when
   # it frees up. The resumed run (46.5 s left) and two fresh ones (77.5 s):
   # one lane runs 46.5 + 77.5, the other 77.5.
@@ -441,11 +441,11 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
   two = reproduce.Progress([probe] + fresh, str(results),
                            run_dir=dir_of, lanes=2)
   assert two.line([probe]).endswith(
-      "estimated time left " + reproduce._fmt_duration(77.5 / 5 * 3 + 77.5)
+      "estimated time left " + reproduce.format_duration(77.5 / 5 * 3 + 77.5)
       + " (2 runs at a time)")
   three = reproduce.Progress([probe] + fresh, str(results),
                              run_dir=dir_of, lanes=3)
-  assert three.line([probe]).endswith(reproduce._fmt_duration(77.5)
+  assert three.line([probe]).endswith(reproduce.format_duration(77.5)
                                       + " (3 runs at a time)")
 
 
@@ -478,7 +478,7 @@ def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
   # others 55 s each, one after another.
   assert text.rstrip().splitlines()[-1] == (
       "[2 done | started ns/lr_0.005/restart_1 | 4 pending] estimated time "
-      "left " + reproduce._fmt_duration(33.0 + 4 * 55.0))
+      "left " + reproduce.format_duration(33.0 + 4 * 55.0))
   # A workdir that does not exist yet: every run not started, none created.
   assert reproduce.main(args[:2] + [f"--workdir={tmp_path / 'new'}"]
                         + args[3:]) == 0
