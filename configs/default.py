@@ -159,6 +159,19 @@ def get_config() -> ml_collections.ConfigDict:
   # Seed of the test set (0 in the paper: identical for every run).
   config.test_seed = 0
 
+  # --- Grid (python -m nsrnn_jax.grid; a single run ignores these) ----------
+  # Restarts per learning rate of learning_rate_grid; restart r adds r to
+  # every seed above.
+  config.num_restarts = 5
+  # Train only these restarts, e.g. (1, 2) to split a grid over machines;
+  # () trains all num_restarts.
+  config.grid_restart_ids = ()
+  # Each restart draws its own training/validation data (the paper's
+  # protocol); False shares restart 0's.
+  config.grid_vary_data_seed = True
+  # Devices on the mesh's model axis (the K models sharded over them).
+  config.grid_model_parallel = 1
+
   # --- Numerics and compilation ---------------------------------------------
   # Parameter / activation dtype: float32 (paper) or float64 (needs x64).
   config.dtype = "float32"

@@ -65,7 +65,7 @@ RESUME_SAFE_FIELDS = frozenset({
     # Grid members' configs carry the grid's fields; growing a grid adds
     # members without changing the existing ones.
     "grid_learning_rates", "learning_rate_grid", "num_restarts",
-    "grid_model_parallel",
+    "grid_model_parallel", "grid_restart_ids",
     # The NS-RNN's two dynamic programs compute the same function (the
     # exact one where the other would flush): a run may switch tables.
     "stack_table",

@@ -33,8 +33,10 @@ On a mesh the K axis is sharded over 'model' and each batch over 'data'
 
 CLI:
   python -m nsrnn_jax.grid --config=configs/dyck_ns.py --workdir=runs/grid_dyck_ns
-The rates come from --config.grid_learning_rates (default: the paper's);
---config.learning_rate, which every member overwrites, is refused.
+The rates come from --config.learning_rate_grid (default: the paper's), the
+restarts from --config.num_restarts and --config.grid_restart_ids (configs/
+default.py); --config.learning_rate, which every member overwrites, is
+refused.
 """
 
 from __future__ import annotations
@@ -89,18 +91,20 @@ def _get(config, name, default):
 
 
 def grid_learning_rates(config) -> tuple[float, ...]:
-  """The learning rates of the grid (`grid_learning_rates` or the paper's)."""
-  lrs = _get(config, "grid_learning_rates",
-             _get(config, "learning_rate_grid", None))
+  """The learning rates of the grid: `learning_rate_grid` (configs/
+  default.py: the paper's), or `grid_learning_rates` where a config sets
+  that (programs that build grid configs, e.g. reproduce's model axis)."""
+  field = ("grid_learning_rates" if "grid_learning_rates" in config
+           else "learning_rate_grid")
+  lrs = _get(config, field, None)
   if lrs is None:
-    raise ValueError("config.grid_learning_rates is missing (e.g. "
+    raise ValueError("config.learning_rate_grid is missing (e.g. "
                      "(0.01, 0.005, 0.001, 0.0005)).")
   lrs = tuple(float(x) for x in lrs)
   if not lrs or any(not (x > 0 and math.isfinite(x)) for x in lrs):
-    raise ValueError(f"config.grid_learning_rates must be positive numbers "
-                     f"(got {lrs}).")
+    raise ValueError(f"config.{field} must be positive numbers (got {lrs}).")
   if len(set(lrs)) != len(lrs):
-    raise ValueError(f"config.grid_learning_rates has duplicates: {lrs}.")
+    raise ValueError(f"config.{field} has duplicates: {lrs}.")
   return lrs
 
 
@@ -112,8 +116,9 @@ def members(config) -> list[Member]:
     raise ValueError(f"config.num_restarts must be a positive integer "
                      f"(got {num_restarts!r}).")
   restart_ids = _get(config, "grid_restart_ids", None)
-  if restart_ids is None:
-    restart_ids = tuple(range(num_restarts))
+  if restart_ids is None or (isinstance(restart_ids, (tuple, list))
+                             and not restart_ids):
+    restart_ids = tuple(range(num_restarts))   # () or unset: every restart
   else:
     ids = tuple(restart_ids) if isinstance(restart_ids, (tuple, list)) else ()
     if (not ids or len(set(ids)) != len(ids) or any(
@@ -328,7 +333,7 @@ def format_summary(summary: dict) -> str:
 
 # Fields every member overwrites (`members`): set on the command line they
 # would be ignored, so the CLI refuses them and names what to set instead.
-_GRID_SETS = {"learning_rate": "--config.grid_learning_rates=(0.01,0.005)"}
+_GRID_SETS = {"learning_rate": "--config.learning_rate_grid=(0.01,0.005)"}
 
 
 def check_command_line(argv: Sequence[str]) -> None:
@@ -343,7 +348,7 @@ def check_command_line(argv: Sequence[str]) -> None:
       field = field[len("--config."):]
       if field in _GRID_SETS:
         raise ValueError(f"--config.{field}: the grid sets it for every model "
-                         f"(config.grid_learning_rates x restarts); use "
+                         f"(config.learning_rate_grid x restarts); use "
                          f"{_GRID_SETS[field]}")
 
 

@@ -125,11 +125,12 @@ def test_members_of_some_restarts_keep_their_seeds():
 @pytest.mark.parametrize("field,value,message", [
     ("grid_restart_ids", (5,), "grid_restart_ids"),
     ("grid_restart_ids", (1, 1), "grid_restart_ids"),
-    ("grid_restart_ids", (), "grid_restart_ids"),
+    ("grid_restart_ids", (-1,), "grid_restart_ids"),
     ("num_restarts", 0, "num_restarts"),
-    ("num_restarts", 2.5, "num_restarts"),
+    ("num_restarts", -1, "num_restarts"),
     ("grid_learning_rates", (0.01, -1.0), "grid_learning_rates"),
     ("grid_learning_rates", (0.01, 0.01), "duplicates"),
+    ("learning_rate_grid", (0.01, -1.0), "learning_rate_grid must be"),
 ])
 def test_bad_grid_fields(field, value, message):
   c = default.get_config()
@@ -142,8 +143,19 @@ def test_bad_grid_fields(field, value, message):
                                   ["--workdir=w", "--config.learning_rate",
                                    "-1"]])
 def test_command_line_refuses_the_learning_rate_the_grid_overwrites(argv):
-  with pytest.raises(ValueError, match="grid_learning_rates"):
+  with pytest.raises(ValueError, match="--config.learning_rate_grid="):
     grid.check_command_line(["--config=configs/quick.py"] + argv)
+
+
+def test_the_default_config_grids_every_restart_of_the_papers_rates():
+  # configs/default.py declares the grid's fields, so the command line can
+  # set them; () restart ids train every restart.
+  c = default.get_config()
+  members = grid.members(c)
+  assert [(m.learning_rate, m.restart) for m in members] == [
+      (lr, r) for lr in (0.01, 0.005, 0.001, 0.0005) for r in range(5)]
+  c.grid_restart_ids, c.num_restarts = (2, 0), 3
+  assert [m.restart for m in grid.members(c)] == [0, 2] * 4
 
 
 def test_command_line_takes_the_grid_fields():

@@ -88,7 +88,15 @@ def _cases(tmp):
        "min_length (50) > max_length (40)"),
       ("grid given the learning rate it overwrites",
        ["-m", "nsrnn_jax.grid", f"--config={QUICK}", f"--workdir={new}",
-        "--config.learning_rate=0.1"], "--config.grid_learning_rates"),
+        "--config.learning_rate=0.1"], "--config.learning_rate_grid"),
+      # The grid's fields parse (configs/default.py declares them): the
+      # command gets as far as its first member's workdir, lr 0.01 restart 2.
+      ("grid with its fields set, into a file",
+       ["-m", "nsrnn_jax.grid", f"--config={QUICK}", f"--workdir={a_file}",
+        "--config.learning_rate_grid=(0.01,)", "--config.num_restarts=3",
+        "--config.grid_restart_ids=(2,)", "--config.grid_vary_data_seed=false",
+        "--config.grid_model_parallel=1"],
+       "a_file/lr_0.01/restart_2' cannot be created"),
       ("evaluate a file", ["-m", "nsrnn_jax.evaluate", f"--workdir={a_file}"],
        "is a file, not a directory"),
       ("evaluate a missing workdir", ["-m", "nsrnn_jax.evaluate",
