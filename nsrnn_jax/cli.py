@@ -25,6 +25,7 @@ import argparse
 import faulthandler
 import os
 import platform
+import re
 import signal
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
@@ -166,6 +167,40 @@ def _config_roots(argv: Sequence[str]) -> list[str]:
           for p in paths]
 
 
+def similar_fields(field: str, fields) -> list[str]:
+  """Up to 3 config fields a misspelt `field` may mean: those holding all
+  of its words (test_strings_per_length for test_per_length), then the
+  closest spellings (difflib)."""
+  import difflib  # pylint: disable=g-import-not-at-top
+  fields = sorted(fields)
+  words = set(field.split("_"))
+  guesses = [f for f in fields if words <= set(f.split("_"))]
+  guesses += difflib.get_close_matches(field, fields, n=3, cutoff=0.6)
+  return list(dict.fromkeys(guesses))[:3]
+
+
+def _config_fields(argv: Sequence[str]) -> Optional[list[str]]:
+  """The top-level fields of the --config file in `argv` (None if it does
+  not load): for naming what a misspelt --config.<field> may mean."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  for i, arg in enumerate(argv):
+    value = (arg.split("=", 1)[1] if arg.startswith("--config=") else
+             argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+    if value is None:
+      continue
+    path, _, config_arg = value.partition(":")
+    try:
+      spec = importlib.util.spec_from_file_location("_nsrnn_config", path)
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      config = (module.get_config(config_arg) if config_arg
+                else module.get_config())
+      return list(config.keys())
+    except Exception:  # pylint: disable=broad-except
+      return None      # ml_collections' own message stands.
+  return None
+
+
 def _innermost(error: BaseException) -> str:
   """The innermost message of an ml_collections error (args nest)."""
   message = error
@@ -182,8 +217,16 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
-    # ml_collections raises these for --config.<name> with an unknown name.
-    fail(f"unknown config field {_innermost(e)} (fields: configs/default.py)")
+    # ml_collections raises these for --config.<name> with an unknown name;
+    # its own guess is one close spelling, so name ours where we can.
+    message = _innermost(e)
+    name = re.match(r"'([^']+)'", message)
+    fields = _config_fields(argv) if name else None
+    if fields is not None:
+      guesses = similar_fields(name.group(1), fields)
+      message = f"'{name.group(1)}'" + (
+          f"; did you mean {' or '.join(guesses)}?" if guesses else "")
+    fail(f"unknown config field {message} (fields: configs/default.py)")
   except (flags.Error, ImportError, OSError, TypeError, ValueError,
           SyntaxError) as e:
     fail(e)

@@ -188,12 +188,8 @@ def unknown_field(flag: str, field: str, fields) -> ReproduceError:
   the fields it may have meant: those holding all of its words (e.g.
   test_strings_per_length for test_per_length), then the closest spellings.
   """
-  import difflib  # pylint: disable=g-import-not-at-top
-  fields = sorted(fields)
-  words = set(field.split("_"))
-  guesses = [f for f in fields if words <= set(f.split("_"))]
-  guesses += difflib.get_close_matches(field, fields, n=3, cutoff=0.6)
-  guesses = list(dict.fromkeys(guesses))[:3]
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  guesses = cli.similar_fields(field, fields)
   hint = f"; did you mean {' or '.join(guesses)}?" if guesses else ""
   return ReproduceError(f"{flag} {field}: unknown config field{hint} "
                         "(fields: configs/default.py)")
