@@ -167,6 +167,16 @@ def _config_roots(argv: Sequence[str]) -> list[str]:
           for p in paths]
 
 
+def _silence_stderr_after(message: str) -> NoReturn:
+  """`fail(message)`, with file descriptor 2 sent to /dev/null once the line
+  is out, so that native code's logging at exit cannot add lines. For the
+  commands' own processes only (`run`), never inside a test process."""
+  print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  sys.exit(2)
+
+
 def similar_fields(field: str, fields) -> list[str]:
   """Up to 3 config fields a misspelt `field` may mean: those holding all
   of its words (test_strings_per_length for test_per_length), then the
@@ -269,8 +279,12 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       if "RESOURCE_EXHAUSTED" not in str(e) or flags.FLAGS.verbosity >= 1:
         raise
       first = str(e).strip().splitlines()[0]
-      fail(f"out of memory ({first}); use a smaller model, batch or string "
-           "length, or a device with more memory")
+      # XLA may log more about the failed allocation while the process
+      # winds down (seen: a buffer check at teardown, 1 run in ~10 under
+      # load): after the one line, the process's stderr goes quiet.
+      _silence_stderr_after(
+          f"out of memory ({first}); use a smaller model, batch or string "
+          "length, or a device with more memory")
     except KeyboardInterrupt:
       if flags.FLAGS.verbosity >= 1:
         raise
