@@ -182,15 +182,23 @@ def test_cli_override_and_one_line_error(tmp_path):
   assert not os.path.exists(tmp_path / "config.json")
 
 
-def test_cli_unknown_field_one_line_error(tmp_path):
+@pytest.mark.parametrize("override,guesses", [
+    ("--config.learning_rat=0.1", "learning_rate or learning_rate_grid"),
+    # The field holding all the misspelt name's words comes first.
+    ("--config.test_per_length=3",
+     "test_strings_per_length or test_min_length or test_max_length"),
+])
+def test_cli_unknown_field_one_line_error(tmp_path, override, guesses):
   proc = subprocess.run(
       [sys.executable, "-m", "nsrnn_jax.main", "--config=configs/quick.py",
-       f"--workdir={tmp_path}", "--config.learning_rat=0.1"],
+       f"--workdir={tmp_path}", override],
       cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1
-  assert lines[0].startswith("error: unknown config field 'learning_rat'")
+  name = override.split("=")[0][len("--config."):]
+  assert lines[0] == (f"error: unknown config field '{name}'; did you mean "
+                      f"{guesses}? (fields: configs/default.py)")
 
 
 def test_no_test_module_changes_jax_flags_at_import():
