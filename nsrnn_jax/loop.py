@@ -629,6 +629,27 @@ def _save(managers, ks, arrays, epochs, rngs, orders) -> None:
          "order": orders[k].tolist(), "epoch": int(epochs[k])})
 
 
+# The share of the kernel's per-process limit on memory mappings
+# (vm.max_map_count) past which a run drops its compiled programs before
+# its test phase.
+MAPPINGS_FRACTION = 0.3
+
+
+def many_memory_mappings(fraction: Optional[float] = None) -> bool:
+  """Whether this process holds more than `fraction` (default
+  MAPPINGS_FRACTION) of the memory mappings Linux allows it; False where
+  /proc does not tell."""
+  fraction = MAPPINGS_FRACTION if fraction is None else fraction
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps") as f:
+      count = sum(1 for _ in f)
+  except (OSError, ValueError):
+    return False
+  return count > fraction * limit
+
+
 def _finish(state, model, runs, mesh, results, writers, main):
   """Best-parameter validation and test of every run; results.json files."""
   config = runs[0].config
@@ -638,6 +659,14 @@ def _finish(state, model, runs, mesh, results, writers, main):
       [r.splits.valid.num_lengths for r in runs], mesh, eos)
   tests = None
   if config.run_test:
+    # The train and validation programs are done with. On the CPU every
+    # compiled program holds memory mappings of its code, and one process
+    # may have 65,530: an NS-RNN at Q = S = 3 on hardest CFL held 54,000
+    # after its 41 training lengths, and its test's 61 more lengths died in
+    # LLVM ("Cannot allocate memory"). Dropping the compiled programs here
+    # frees theirs; the test compiles its own either way.
+    if many_memory_mappings():
+      jax.clear_caches()
     tests = evaluate_split(
         state.best_params, model.apply, [r.splits.test for r in runs], config,
         [test_num_lengths(r.splits.test, config) for r in runs], mesh, eos)

@@ -53,10 +53,12 @@ def test_best_epoch_parameters_are_tested_when_the_last_epoch_is_worse(
 @pytest.mark.parametrize("strategy,compiles", [("per_length", 2),
                                                ("bucket", 1)])
 def test_train_step_compiles_once_per_length_or_bucket(tmp_path, strategy,
-                                                       compiles):
+                                                       compiles, monkeypatch):
   # A model of its own, so that its cache entries are new to this test.
   model = TinyLM(hidden_size=3 if strategy == "bucket" else 5)
-  config = tiny_config(max_epochs=3, compile_strategy=strategy)
+  # No test phase until the end: it drops every compiled program first.
+  config = tiny_config(max_epochs=3, compile_strategy=strategy,
+                       run_test=False)
   splits = tiny_splits(lengths=(5, 7))  # buckets (8, 12): both in 8
   steps = loop.jitted_steps(parallel.make_mesh())
   train_before = steps.train._cache_size()  # pylint: disable=protected-access
@@ -67,11 +69,21 @@ def test_train_step_compiles_once_per_length_or_bucket(tmp_path, strategy,
   assert steps.end_of_epoch._cache_size() - end_before == 1  # pylint: disable=protected-access
   # Resuming compiles nothing new either.
   train.train_and_evaluate(tiny_config(max_epochs=3, stop_after_epochs=1,
-                                       compile_strategy=strategy),
+                                       compile_strategy=strategy,
+                                       run_test=False),
                            str(tmp_path / "b"), splits=splits, model=model)
   train.train_and_evaluate(config, str(tmp_path / "b"), splits=splits,
                            model=model)
   assert steps.train._cache_size() - train_before == compiles  # pylint: disable=protected-access
+  # A process past a share of its memory-mapping limit (on the CPU each
+  # compiled program holds some; Linux allows 65,530) drops its compiled
+  # programs before a run's test phase.
+  config.run_test = True
+  monkeypatch.setattr(loop, "MAPPINGS_FRACTION", 0.0)
+  train.train_and_evaluate(config, str(tmp_path / "c"), splits=splits,
+                           model=model)
+  if loop.many_memory_mappings():    # Linux: /proc tells.
+    assert steps.train._cache_size() == 0  # pylint: disable=protected-access
 
 
 def test_non_finite_loss_in_a_grid_fails_fast_naming_the_run(tmp_path):
