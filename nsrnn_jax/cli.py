@@ -120,8 +120,13 @@ def reexec_with_huge_pages() -> None:
               dict(os.environ, GLIBC_TUNABLES=HUGE_PAGES_TUNABLE))
 
 
-def fail(error) -> NoReturn:
-  """Prints `error` as one line on stderr and exits with status 2."""
+def fail(error, quiet_after: bool = False) -> NoReturn:
+  """Prints `error` as one line on stderr and exits with status 2.
+
+  `quiet_after`: then send file descriptor 2 to /dev/null, so that native
+  code logging while the process winds down cannot add lines (the commands'
+  own processes only, `run`; never inside a test process).
+  """
   text = str(error)
   if "Error whilst parsing config file" in text and "Traceback" in text:
     # ml_collections embeds the traceback of an exception raised by the
@@ -132,7 +137,9 @@ def fail(error) -> NoReturn:
   if "Failed loading config file" in message and "[Errno" in message:
     # ml_collections wraps the OSError of a missing config file in prose.
     message = "cannot load --config: " + message[message.index("[Errno"):]
-  print(f"error: {message}", file=sys.stderr)
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  if quiet_after:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
   sys.exit(2)
 
 
@@ -165,16 +172,6 @@ def _config_roots(argv: Sequence[str]) -> list[str]:
       paths.append(argv[i + 1])
   return [os.path.dirname(os.path.dirname(os.path.abspath(p.split(":")[0])))
           for p in paths]
-
-
-def _silence_stderr_after(message: str) -> NoReturn:
-  """`fail(message)`, with file descriptor 2 sent to /dev/null once the line
-  is out, so that native code's logging at exit cannot add lines. For the
-  commands' own processes only (`run`), never inside a test process."""
-  print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, 2)
-  sys.exit(2)
 
 
 def similar_fields(field: str, fields) -> list[str]:
@@ -282,9 +279,8 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       # XLA may log more about the failed allocation while the process
       # winds down (seen: a buffer check at teardown, 1 run in ~10 under
       # load): after the one line, the process's stderr goes quiet.
-      _silence_stderr_after(
-          f"out of memory ({first}); use a smaller model, batch or string "
-          "length, or a device with more memory")
+      fail(f"out of memory ({first}); use a smaller model, batch or string "
+           "length, or a device with more memory", quiet_after=True)
     except KeyboardInterrupt:
       if flags.FLAGS.verbosity >= 1:
         raise
