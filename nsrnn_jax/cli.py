@@ -163,15 +163,20 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     fail(f"{message} (--help lists the flags)")
 
 
-def _config_roots(argv: Sequence[str]) -> list[str]:
-  paths = []
+def _config_values(argv: Sequence[str]) -> list[str]:
+  """The values of --config (`--config=v` or `--config v`): "path[:arg]"."""
+  values = []
   for i, arg in enumerate(argv):
     if arg.startswith("--config="):
-      paths.append(arg.split("=", 1)[1])
+      values.append(arg.split("=", 1)[1])
     elif arg == "--config" and i + 1 < len(argv):
-      paths.append(argv[i + 1])
-  return [os.path.dirname(os.path.dirname(os.path.abspath(p.split(":")[0])))
-          for p in paths]
+      values.append(argv[i + 1])
+  return values
+
+
+def _config_roots(argv: Sequence[str]) -> list[str]:
+  return [os.path.dirname(os.path.dirname(os.path.abspath(v.split(":")[0])))
+          for v in _config_values(argv)]
 
 
 def similar_fields(field: str, fields) -> list[str]:
@@ -190,11 +195,7 @@ def _config_fields(argv: Sequence[str]) -> Optional[list[str]]:
   """The top-level fields of the --config file in `argv` (None if it does
   not load): for naming what a misspelt --config.<field> may mean."""
   import importlib.util  # pylint: disable=g-import-not-at-top
-  for i, arg in enumerate(argv):
-    value = (arg.split("=", 1)[1] if arg.startswith("--config=") else
-             argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
-    if value is None:
-      continue
+  for value in _config_values(argv)[:1]:
     path, _, config_arg = value.partition(":")
     try:
       spec = importlib.util.spec_from_file_location("_nsrnn_config", path)
