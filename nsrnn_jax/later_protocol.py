@@ -277,25 +277,17 @@ def status(tasks, models, workdir: str, num_runs: Optional[int] = None,
   started = [p for p, e in epochs.items() if e > 0]
   lines = [f"later_protocol ({protocol}): {len(plan)} runs, {len(done)} with "
            f"a record, {len(started)} started, "
-           f"{len(plan) - len(done) - len(started)} not started", "",
-           "| task | model | runs | records | started | not started |",
-           "|---|---|---|---|---|---|"]
-  pairs = list(dict.fromkeys((t, m) for _, t, m in plan))
-  for t, m in pairs:
-    mine = [p for p in plan if p[1:] == (t, m)]
-    n_done = sum(p in done for p in mine)
-    n_started = sum(p in started for p in mine)
-    lines.append(f"| {t} | {m} | {len(mine)} | {n_done} | {n_started} | "
-                 f"{len(mine) - n_done - n_started} |")
-  lines.append("")
+           f"{len(plan) - len(done) - len(started)} not started", ""]
+  lines += reproduce.status_lines(
+      [(t, m, f"{t}/{m}/run_{k}",
+        "record" if (k, t, m) in done else
+        "started" if (k, t, m) in started else "not started",
+        epochs.get((k, t, m), 0)) for k, t, m in plan])
   left = 0.0
   for k, t, m in (p for p in plan if p not in done):
     est = run_records.estimate_seconds(_spec(t, m, k, rates[k]), records,
                                        epochs[(k, t, m)])
     left = None if left is None or est is None else left + est
-  for k, t, m in started:
-    lines.append(f"started: {t}/{m}/run_{k} (epoch {epochs[(k, t, m)]} "
-                 "logged)")
   lines.append("estimated time left, one run after another: " + (
       "unknown (no finished run like them yet)" if left is None
       else reproduce.format_duration(left)))

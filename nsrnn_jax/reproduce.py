@@ -414,6 +414,23 @@ def _layout(tasks: Sequence[str], workdir: str):
   return task_dirs, run_dir, label
 
 
+def status_lines(states: Sequence[tuple[str, str, str, str, int]]
+                 ) -> list[str]:
+  """`--status`'s table and started runs, from each run's (task, model,
+  label, state, epochs logged), state "record", "started" or "not started":
+  a row per (task, model) in the order first given, then a line per started
+  run. Shared by this module's and later_protocol's `status`."""
+  lines = ["| task | model | runs | records | started | not started |",
+           "|---|---|---|---|---|---|"]
+  for t, m in dict.fromkeys((t, m) for t, m, *_ in states):
+    mine = [state for t2, m2, _, state, _ in states if (t2, m2) == (t, m)]
+    lines.append(f"| {t} | {m} | {len(mine)} | {mine.count('record')} | "
+                 f"{mine.count('started')} | {mine.count('not started')} |")
+  return lines + [""] + [f"started: {label} (epoch {e} logged)"
+                         for _, _, label, state, e in states
+                         if state == "started"]
+
+
 def status(task: Union[str, Sequence[str]], workdir: str, *,
            models: Sequence[str] = MODELS,
            learning_rates: Sequence[float] = LEARNING_RATES,
@@ -438,21 +455,15 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
   done = set(progress.done())
   epochs = {s: epochs_logged(run_dir(s)) for s in runs if s not in done}
   started = [s for s, e in epochs.items() if e > 0]
+  states = sorted(  # task by task, models in MODELS' order
+      ((s.task, s.model, label(s),
+        "record" if s in done else "started" if s in started
+        else "not started", epochs.get(s, 0)) for s in runs),
+      key=lambda x: (tasks.index(x[0]), MODELS.index(x[1])))
   lines = [f"reproduce {', '.join(tasks)}: {len(runs)} runs, {len(done)} "
            f"with a record in {results_dir}, {len(started)} started, "
-           f"{len(runs) - len(done) - len(started)} not started",
-           "", "| task | model | runs | records | started | not started |",
-           "|---|---|---|---|---|---|"]
-  for t in tasks:
-    for m in (m for m in MODELS if m in models):
-      mine = [s for s in runs if s.task == t and s.model == m]
-      n_done = sum(s in done for s in mine)
-      n_started = sum(s in started for s in mine)
-      lines.append(f"| {t} | {m} | {len(mine)} | {n_done} | {n_started} | "
-                   f"{len(mine) - n_done - n_started} |")
-  lines.append("")
-  for s in started:
-    lines.append(f"started: {label(s)} (epoch {epochs[s]} logged)")
+           f"{len(runs) - len(done) - len(started)} not started", ""]
+  lines += status_lines(states)
   # Started, not necessarily running: this process cannot tell.
   lines.append(progress.line(started, what="started"))
   return "\n".join(lines)
