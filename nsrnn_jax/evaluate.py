@@ -99,23 +99,15 @@ def encode(strings: Sequence[Union[str, Sequence[str]]],
   Raises:
     ValueError: an empty string or a symbol outside the alphabet (named).
   """
-  index = {s: i for i, s in enumerate(alphabet)}
   out = []
   for k, w in enumerate(strings):
     if not isinstance(w, (str, list, tuple, np.ndarray)):
       raise ValueError(f"string {k} is {w!r}; expected a string of symbols "
                        "or a list of symbols")
-    symbols = (pcfg.text_symbols(w, alphabet) if isinstance(w, str)
-               else list(w))
-    if not symbols:
+    ids = pcfg.encode_symbols(w, alphabet, where=f"the alphabet (string {k})")
+    if not ids:
       raise ValueError(f"string {k} is empty; the model scores strings of "
                        "length >= 1")
-    ids = []
-    for s in symbols:
-      if not isinstance(s, str) or s not in index:
-        raise ValueError(f"unknown symbol {s!r} in string {k}; the alphabet "
-                         f"is {pcfg.describe_alphabet(alphabet)}")
-      ids.append(index[s])
     out.append(np.asarray(ids, np.int32))
   return out
 

@@ -391,7 +391,8 @@ def encode_symbols(text: str | Sequence[str], alphabet: Sequence[str],
   index = {a: i for i, a in enumerate(alphabet)}
   tokens = (text_symbols(text, alphabet) if isinstance(text, str)
             else list(text))
-  unknown = [t for t in tokens if t not in index]
+  # isinstance first: an unhashable item (a nested list) is unknown too.
+  unknown = [t for t in tokens if not isinstance(t, str) or t not in index]
   if unknown:
     raise ValueError(f"symbols {unknown!r} are not in {where} "
                      f"{describe_alphabet(alphabet)}")

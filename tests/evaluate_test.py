@@ -97,9 +97,11 @@ def test_best_params_are_restored(workdir, loaded):
 
 
 def test_unknown_symbol_is_a_clear_error(loaded):
-  with pytest.raises(ValueError, match=r"unknown symbol 'x' in string 1; "
-                     r"the alphabet is \('0', '1', '#'\)"):
+  with pytest.raises(ValueError, match=r"symbols \['x'\] are not in the "
+                     r"alphabet \(string 1\) \('0', '1', '#'\)"):
     evaluate.score(loaded, ["01#10", "0x"])
+  with pytest.raises(ValueError, match=r"symbols \[\['0'\]\] are not in"):
+    evaluate.score(loaded, [["0", ["0"]]])
   with pytest.raises(ValueError, match="string 0 is empty"):
     evaluate.score(loaded, [""])
   for bad in (None, 7):
