@@ -250,14 +250,28 @@ def interrupted(what: str) -> NoReturn:
   sys.exit(INTERRUPTED)
 
 
+def print_stacks_on_sigusr1() -> None:
+  """From now on SIGUSR1 prints every thread's Python stack to stderr and
+  the process goes on (`kill -USR1 PID`: where a command that seems stuck
+  is); without this, SIGUSR1 kills it."""
+  if hasattr(signal, "SIGUSR1"):
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
+def run_argparse_command(main: Callable[[], int]) -> NoReturn:
+  """`sys.exit(main())` for the commands that parse their own flags
+  (reproduce, later_protocol, plots, paper_figures), with SIGUSR1 as in
+  `run`."""
+  print_stacks_on_sigusr1()
+  sys.exit(main())
+
+
 def run(main: Callable[[Sequence[str]], None]) -> None:
   """app.run(main) with the conventions of the module docstring.
 
-  SIGUSR1 prints every thread's Python stack to stderr and lets the
-  command go on (`kill -USR1 PID`: where a command that seems stuck is).
+  SIGUSR1 prints every thread's Python stack (`print_stacks_on_sigusr1`).
   """
-  if hasattr(signal, "SIGUSR1"):
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+  print_stacks_on_sigusr1()
 
   def wrapped(argv):
     if not flags.FLAGS["verbosity"].present:

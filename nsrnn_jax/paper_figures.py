@@ -212,4 +212,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  cli.run_argparse_command(main)

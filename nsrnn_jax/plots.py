@@ -705,4 +705,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  cli.run_argparse_command(main)

@@ -1,5 +1,10 @@
 """Tests of nsrnn_jax.cli's shared command-line settings."""
 
+import os
+import re
+import subprocess
+import sys
+
 import jax
 import pytest
 
@@ -93,3 +98,39 @@ def test_argparse_commands_fail_in_one_line_with_exit_2(main, argv, message,
   err = capsys.readouterr().err
   assert exit_info.value.code == 2 and err.count("\n") == 1
   assert err.startswith("error: ") and message in err
+
+
+def test_sigusr1_prints_the_stacks_and_the_command_goes_on():
+  code = ("import os, signal\n"
+          "from nsrnn_jax import cli\n"
+          "def main():\n"
+          "  os.kill(os.getpid(), signal.SIGUSR1)\n"
+          "  print('went on')\n"
+          "  return 3\n"
+          "cli.run_argparse_command(main)\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 3, proc.stderr[-1000:]
+  assert proc.stdout == "went on\n"
+  assert "(most recent call first)" in proc.stderr
+  assert 'File "<string>", line 4 in main' in proc.stderr
+
+
+def test_every_command_module_installs_the_sigusr1_handler():
+  # `python -m nsrnn_jax.<module>`: each command starts through cli.run
+  # (absl) or cli.run_argparse_command, which install the handler; a
+  # command starting otherwise would die of `kill -USR1` (README).
+  package = os.path.dirname(cli.__file__)
+  commands = []
+  for name in sorted(os.listdir(package)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(package, name)) as f:
+      source = f.read()
+    if 'if __name__ == "__main__":' not in source:
+      continue
+    commands.append(name)
+    block = source.split('if __name__ == "__main__":', 1)[1]
+    assert re.search(r"\bcli\.(run|run_argparse_command)\(_?main\)", block), name
+  assert {"main.py", "reproduce.py", "later_protocol.py", "plots.py",
+          "paper_figures.py"} <= set(commands)

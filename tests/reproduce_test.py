@@ -208,6 +208,11 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path, sig):
       pytest.fail("finished before it could be killed: "
                   + proc.communicate()[1][-500:])
     time.sleep(0.05)
+  if sig == signal.SIGINT:
+    # `kill -USR1`: the threads' stacks on stderr, and the run goes on to
+    # take the Ctrl-C below (without cli's handler SIGUSR1 would kill it:
+    # exit -10, no "interrupted" line).
+    proc.send_signal(signal.SIGUSR1)
   proc.send_signal(sig)
   try:
     _, err = proc.communicate(timeout=120)
@@ -223,6 +228,7 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path, sig):
     # Ctrl-C: one line, no traceback, exit 130 (cli.INTERRUPTED).
     assert proc.returncode == 130, err[-1000:]
     assert "Traceback" not in err
+    assert "(most recent call first)" in err  # SIGUSR1's stacks
     assert err.strip().splitlines()[-1].startswith(
         "interrupted: every run keeps its last checkpoint")
   logged = len(metrics.read_text().splitlines())
