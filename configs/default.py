@@ -20,7 +20,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- Task and model -------------------------------------------------------
   # Formal language: marked_reversal, unmarked_reversal, padded_reversal, dyck
-  # or hardest_cfl (languages.TASKS).
+  # or hardest_cfl (languages.TASKS), a later paper's task (tasks_ncf,
+  # languages.get), or "corpus" (a text corpus: corpus_dir).
   config.task = "marked_reversal"
   # Language model: lstm (no stack), jm (Joulin-Mikolov), gref (Grefenstette),
   # ns (nondeterministic stack RNN), rns (renormalising NS-RNN + variants) or
@@ -54,8 +55,8 @@ def get_config() -> ml_collections.ConfigDict:
   # sigmoid projection (needs jm_num_stacks * m == hidden_size).
   config.jm_push_hidden_state = False
   # Stack variant of model "rns" (the CoNLL 2020 ns model is always
-  # normalised, symbol reading, frozen bottom, unlimited; ns and vrns refuse
-  # a window or truncation, vrns a frozen bottom, rather than ignore them).
+  # normalised, symbol reading, frozen bottom, unlimited: ns refuses a
+  # window or truncation, vrns a frozen bottom, rather than ignore them).
   # rns-vrns-reference.md. Log-softmax the action weights per (q, x) row
   # (NS, NS+S) instead of using them unnormalised (RNS: NS+U, NS+S+U).
   config.stack_normalize = False
@@ -161,7 +162,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- Grid (python -m nsrnn_jax.grid; a single run ignores these) ----------
   # Restarts per learning rate of learning_rate_grid; restart r adds r to
-  # every seed above.
+  # param_seed and shuffle_seed (and data_seed: grid_vary_data_seed).
   config.num_restarts = 5
   # Train only these restarts, e.g. (1, 2) to split a grid over machines;
   # () trains all num_restarts.

@@ -8,7 +8,7 @@ The quick.py protocol (strings of length 9-21, 300 training batches of 10,
 at most 45 epochs, 5 length buckets) with model "rns". Add
 --config.stack_window=8 --config.truncation_length=8 for the memory-limited
 stack with truncated BPTT. Measured on 2 shared CPU cores: see
-docs/architecture.md ("Later stacks").
+docs/architecture.md ("Training check" under the rns_stack section).
 """
 
 from configs import quick

@@ -12,10 +12,12 @@ Scoring API:
   loaded = evaluate.load_model(workdir)          # (model, params, config)
   evaluate.score(loaded, ["0110#0110", list("1#1")])  # ln p_model(w), [B]
 
-Strings are symbol strings (split into characters; every alphabet in this
-package has one-character symbols) or sequences of symbols. The model assigns
-a length-n string the probability that it is the prefix of a string (no EOS),
-so scores of all strings of one length sum to 1.
+Strings are text ("01#10", or symbols separated by whitespace: "0 1 # 1 0",
+always so for alphabets with longer symbols such as `dyck_k40`'s "((";
+`pcfg.text_symbols`) or sequences of symbols. Without config.predict_eos the
+model assigns a length-n string the probability that it is the prefix of a
+string (no EOS), so the scores of all strings of one length sum to 1; with it
+a score includes ln p(EOS | w), and the scores of all strings sum to 1.
 
 A corpus run (task "corpus", corpus_train.py) is re-evaluated on its
 corpus's validation and test streams (perplexity, written to

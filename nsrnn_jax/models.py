@@ -3,8 +3,10 @@
 Every model maps whole strings to next-symbol logits with the time indexing of
 the authors' code (reference-behaviour.md section 0):
 
-  * no BOS and no EOS; ``logits[:, 0]`` comes from ``h_0 = 0`` and therefore
-    equals the output bias; ``logits[:, t]`` predicts ``symbols[:, t]``;
+  * no BOS, and no EOS unless ``config.predict_eos`` (later papers: one
+    more output, EOS = V, predicted from ``h_n``; ``build``);
+    ``logits[:, 0]`` comes from ``h_0 = 0`` and therefore equals the output
+    bias; ``logits[:, t]`` predicts ``symbols[:, t]``;
   * only ``symbols[:, :-1]`` are fed to the controller;
   * ``h_t = LSTM(h_{t-1}, [one_hot(x_t); r_{t-1}])`` and update ``t`` of the
     stack uses actions computed from ``h_t`` (never from ``c_t``);

@@ -61,8 +61,9 @@ log-mass) in a share representation that keeps log α apart and stays exact
 in both regimes (float32 ≤ 2e-6, float64 3e-14; tested). The NS-RNN model
 therefore runs that DP by default (`models.run_ns_stack`,
 config.stack_table = "shares"); this module is its opt-in "scaled" table
-(~1.1-1.2x faster train step on CPU) and the home of the CoNLL 2020
-reference, Viterbi and run replay.
+(once ~1.1x faster per train step on CPU, now ~1.3x slower than the shares
+table, whose update runs in fewer ops: README, "The stack") and the home of
+the CoNLL 2020 reference, Viterbi and run replay.
 
 Table layout (column-major): G_BxYxJxRxIxQxX[b, y, j, r, i, q, x] =
 mantissa of γ_{i,j}[q,x,r,y], with I = J = T+1; column j is the contiguous

@@ -5,8 +5,9 @@ replicated. The train step is per-device code (`jax.shard_map` in
 loop.jitted_steps, `train.train_step(..., data_axis='data')`): each device
 differentiates its rows' share of the global mean loss and the gradients are
 summed with one psum per step (under plain GSPMD the backward scans'
-gradient carries were all-reduced at every time step). Evaluation steps stay
-plain jit over the sharded batch. A second mesh axis, ``'model'``, carries the K
+gradient carries were all-reduced at every time step). Evaluation steps are
+per-device code too (loop.jitted_eval): scoring is per string, so they need
+no collective at all. A second mesh axis, ``'model'``, carries the K
 independently trained models of the loop (stacked parameters, vmapped steps;
 size 1 for a single run).
 
@@ -22,7 +23,7 @@ before touching a device, builds only its rows of each global batch
 
 Typical use::
 
-  parallel.maybe_initialize_distributed(config.distributed)
+  parallel.maybe_initialize_distributed(FLAGS.distributed)  # --distributed
   mesh = parallel.make_mesh()
   rows = parallel.process_slice(global_batch_size, mesh)
   batch = parallel.shard_batch({"symbols": symbols_BxN[rows], ...}, mesh)

@@ -8,7 +8,7 @@ selects (`summarize_cells`), its validation and test cross-entropy
 differences beside the paper's (`PAPER_VALID`, `PAPER_TEST`; the figure
 curves from `paper_figures`), the verdict on each of the paper's claims
 (`CLAIMS`), how much of each grid has run, and what is left.
-`tests/reproduce_test.py` checks that the committed report matches.
+`tests/reproduction_report_test.py` checks that the committed report matches.
 """
 
 from __future__ import annotations

@@ -252,7 +252,8 @@ def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
       "train_time_s": float(sum(h["time"] or 0.0 for h in history)),
       "hardware": dict(maker["hardware"]),
       "code": dict(maker["code"]),
-      "finished_on": datetime.date.today().isoformat(),
+      "finished_on": datetime.datetime.now(
+          datetime.timezone.utc).date().isoformat(),
   }
 
 
