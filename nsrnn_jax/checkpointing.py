@@ -98,6 +98,9 @@ def check_writable(path: str, what: str = "workdir") -> None:
   Nothing is created: an existing directory is probed with a temporary file,
   a missing one must have a writable existing ancestor.
   """
+  if not path:
+    # os.path.abspath("") is the working directory: a run would write there.
+    raise ValueError(f"{what} is an empty path; give a directory")
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"{what} {path!r} is a file, not a directory")
   probe_dir = os.path.abspath(path)
@@ -175,10 +178,18 @@ def check_workdir(workdir: str, config_json: Mapping[str, Any]) -> None:
   Checks that the workdir is (or can be) a writable directory and that a
   stored config.json, if any, does not differ in fields that change the run
   -- unless the stored run never started (`run_started`): then the new
-  config replaces it. Touches nothing.
+  config replaces it. A started run without config.json is refused.
+  Touches nothing.
   """
   check_writable(workdir)
   if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    if run_started(workdir):
+      # Resuming would train on with the checkpoint's state under whatever
+      # config is requested, and record that config as the run's.
+      raise ValueError(
+          f"{workdir!r} holds a started run (checkpoints or metrics.jsonl) "
+          f"but no {CONFIG_FILE}, so the requested config cannot be checked "
+          f"against it: restore {CONFIG_FILE}, or use a new --workdir")
     return
   diffs = config_differences(read_config(workdir), config_json)
   if diffs and run_started(workdir):

@@ -28,7 +28,7 @@ import platform
 import re
 import signal
 import sys
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -238,6 +238,34 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
   except (flags.Error, ImportError, OSError, TypeError, ValueError,
           SyntaxError) as e:
     fail(e)
+
+
+def comma_list(value: str, what: str, cast: Callable[[str], Any] = str
+               ) -> list:
+  """The items of a comma-separated flag value, each `cast`.
+
+  Raises:
+    ValueError (one line, naming the flag `what`): an empty value, an empty
+      item ("a,,b", "a,"), an item `cast` refuses, or an item given twice
+      (after `cast`: "0.01,1e-2" repeats 0.01), which a command would
+      otherwise count twice or run once.
+  """
+  items = [v.strip() for v in value.split(",")]
+  if items == [""]:
+    raise ValueError(f"{what} is empty")
+  if "" in items:
+    raise ValueError(f"{what} has an empty item: {value!r}")
+  out = []
+  for item in items:
+    try:
+      out.append(cast(item))
+    except ValueError:
+      kind = getattr(cast, "__name__", "value")
+      raise ValueError(f"{what}: {item!r} is not a(n) {kind}") from None
+  repeated = [v for i, v in enumerate(out) if v in out[:i]]
+  if repeated:
+    raise ValueError(f"{what} repeats {', '.join(map(str, repeated))}")
+  return out
 
 
 # Exit status of a command stopped by an interrupt (Ctrl-C, SIGINT): 128 + 2.

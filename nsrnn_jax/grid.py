@@ -183,6 +183,9 @@ def run_grid(config: ml_collections.ConfigDict, workdir: str,
     configs_json.append(train.config_to_json(m.config))
     checkpointing.check_workdir(os.path.join(workdir, m.subdir),
                                 configs_json[-1])
+  # The grid's own files (grid_config.json, the summary) go here too; an
+  # empty path (the working directory) passed the members' checks above.
+  checkpointing.check_writable(workdir)
   if splits is None:
     by_seed = {}
     for m in grid_members:

@@ -206,8 +206,10 @@ def _spec(task, model, k, lr):
 
 
 def _parse_list(value, what) -> list[str]:
-  items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(
-      value, str) else list(value)
+  if isinstance(value, str):
+    from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+    return cli.comma_list(value, what)
+  items = list(value)
   if not items:
     raise run_records.ReproduceError(f"{what} is empty")
   if len(set(items)) != len(items):
@@ -268,7 +270,12 @@ def status(tasks, models, workdir: str, num_runs: Optional[int] = None,
   after run, from the records of finished runs like them
   (`run_records.estimate_seconds`).
   """
-  plan, rates, _ = _plan(tasks, models, workdir, num_runs, seed, protocol)
+  plan, rates, module = _plan(tasks, models, workdir, num_runs, seed,
+                              protocol)
+  # The names as `run` checks them (configs/later.py; no JAX): a status of
+  # runs that could never start would only mislead.
+  for t, m in dict.fromkeys((t, m) for _, t, m in plan):
+    _later_config(t, m, module)
   records = run_records.load_records(os.path.join(workdir, RECORDS_DIR))
   done = {p for p in plan if os.path.isfile(_record_path(workdir, *p[1:],
                                                          p[0]))}
@@ -305,8 +312,10 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
   to `out` (default: sys.stdout at the time of the call). Returns the
   summary rows of `summarize` over the workdir's records.
   """
+  from nsrnn_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
   out = out or sys.stdout
+  checkpointing.check_writable(workdir, "--workdir")
   plan, rates, module = _plan(tasks, models, workdir, num_runs, seed,
                               protocol)
   # Every config is built (and checked) before the first run starts.
@@ -599,6 +608,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "and exit; runs nothing, so it can run beside it")
   try:
     args = parser.parse_args(argv)
+    if not args.workdir:
+      raise run_records.ReproduceError("--workdir is an empty path")
     records_dir = os.path.join(args.workdir, RECORDS_DIR)
     if args.status:
       if not args.task or not args.models:
@@ -607,6 +618,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    args.seed, protocol=args.protocol))
       return 0
     if args.report:
+      if not os.path.isdir(args.workdir):
+        raise run_records.ReproduceError(
+            f"--workdir {args.workdir} is not a directory of runs")
       records = run_records.load_records(records_dir)
       rows = summarize(records)
     else:
@@ -617,7 +631,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  reproduce.parse_overrides(args.set),
                  protocol=args.protocol)
       records = run_records.load_records(records_dir)
-  except (run_records.ReproduceError, ValueError) as e:
+  except (ValueError, OSError) as e:  # ReproduceError is a ValueError.
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
   print(render_table(rows))

@@ -83,7 +83,8 @@ class MetricWriter:
     if os.path.exists(path):
       # A line cut by a kill is dropped: its epoch is trained again.
       kept = [r for r in read_jsonl(path, skip_bad_lines=True)
-              if r.get("epoch", 0) <= resume_epoch]
+              if isinstance(r.get("epoch", 0), int)
+              and r.get("epoch", 0) <= resume_epoch]
     with open(path + ".tmp", "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(path + ".tmp", path)
@@ -180,11 +181,17 @@ def read_jsonl(path: str, skip_bad_lines: bool = False) -> list[dict]:
       of a run killed while writing it) with a warning, instead of raising.
 
   Raises:
-    ValueError: a line is not a JSON object, unless `skip_bad_lines`.
+    ValueError: the file is not UTF-8 text, or a line is not a JSON object
+      (unless `skip_bad_lines`).
   """
   records, bad = [], []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
+  with open(path, encoding="utf-8") as f:
+    try:
+      lines = list(f)
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path} is not a JSON-lines log (not UTF-8 "
+                       "text)") from e
+    for number, line in enumerate(lines, 1):
       if not line.strip():
         continue
       try:

@@ -654,10 +654,9 @@ def make_figures(groups: Sequence[RunGroup], out_dir: str,
 # ---------------------------------------------------------------------------
 
 
-def _split(value: str | None) -> list[str] | None:
-  if value is None:
-    return None
-  return [part.strip() for part in value.split(",") if part.strip()]
+def _split(value: str | None, what: str) -> list[str] | None:
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  return None if value is None else cli.comma_list(value, what)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -689,10 +688,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       if paper is None:
         raise ValueError(f"--paper: {paper_figures.DEFAULT_PATH} not found "
                          "(it is part of the repository, not the package)")
-    groups = group_runs(_split(args.workdirs), _split(args.labels),
-                        args.group_by)
-    result = make_figures(groups, args.out, args.title,
-                          tuple(_split(args.formats)), paper)
+    formats = tuple(_split(args.formats, "--formats"))
+    groups = group_runs(_split(args.workdirs, "--workdirs"),
+                        _split(args.labels, "--labels"), args.group_by)
+    result = make_figures(groups, args.out, args.title, formats, paper)
   except (ValueError, OSError) as e:
     parser.exit(2, f"error: {e}\n")
   print(f"{'model':<8} {'runs':>4} {'epochs':>6} {'final valid diff':>22}")

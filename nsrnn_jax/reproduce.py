@@ -120,8 +120,10 @@ def parse_tasks(value: Union[str, Sequence[str]]) -> list[str]:
   """
   if isinstance(value, str):
     value = TASKS if value.strip() == "all" else [
-        t.strip() for t in value.split(",") if t.strip()]
+        t.strip() for t in value.split(",")]
   tasks = list(value)
+  if "" in tasks:
+    raise ReproduceError(f"--task has an empty item: {','.join(tasks)!r}")
   if not tasks:
     raise ReproduceError(f"--task is empty; expected 'all' or some of "
                          f"{', '.join(TASKS)}")
@@ -814,14 +816,8 @@ def continue_command() -> str:
 
 
 def _split_list(value: str, cast, what: str) -> list:
-  items = [v.strip() for v in value.split(",") if v.strip()]
-  if not items:
-    raise ReproduceError(f"--{what} is empty")
-  try:
-    return [cast(v) for v in items]
-  except ValueError as e:
-    raise ReproduceError(f"--{what}: {value!r} is not a list of "
-                         f"{cast.__name__}s") from e
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  return cli.comma_list(value, f"--{what}", cast)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -939,7 +935,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    restart_ids=restart_ids, results_dir=args.results,
                    workers=args.workers))
       return 0
+    from nsrnn_jax import checkpointing  # pylint: disable=g-import-not-at-top
     from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+    # Before any run: a record that cannot be written would be found only
+    # after its run trained.
+    checkpointing.check_writable(args.workdir, "--workdir")
+    checkpointing.check_writable(args.results, "--results")
     if args.cpu_cores is not None:
       # Before JAX starts its thread pools, which it sizes by these cores.
       parallel.pin_to_cores(parallel.parse_cores(args.cpu_cores))
@@ -956,7 +957,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         workers=args.workers, pin_workers=args.pin_workers == "on",
         worker_flags=[f"--cpu_devices={args.cpu_devices}",
                       f"--compilation_cache={args.compilation_cache}"])
-  except ValueError as e:  # ReproduceError and config validation errors.
+  except (ValueError, OSError) as e:
+    # ReproduceError, config validation errors, and files that cannot be
+    # written (e.g. --report_path a directory).
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:

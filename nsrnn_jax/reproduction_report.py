@@ -680,13 +680,17 @@ def write_report(results_dir: str = DEFAULT_RESULTS,
                  selection: str = "mean") -> list[str]:
   """Writes the report and the figures next to it; returns the paths.
 
-  A `results_dir` that is not a directory, or holds no run record, raises
-  ReproduceError before anything is written (a mistyped path must not
+  A `results_dir` that is not a directory, or holds no run record, or a
+  `report_path` that is empty or a directory, raises ReproduceError
+  before anything is written (a mistyped path must not
   replace the report with an empty one and delete its figures).
   """
   if not os.path.isdir(results_dir):
     raise ReproduceError(f"--results: {results_dir} is not a directory of "
                          "run records")
+  if not report_path or os.path.isdir(report_path):
+    raise ReproduceError(f"--report_path {report_path!r} is not a file name "
+                         "(e.g. docs/reproduction.md)")
   records = load_records(results_dir)
   try:
     paper = paper_figures.load(os.path.join(results_dir, PAPER_FIGURES_FILE))

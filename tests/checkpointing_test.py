@@ -341,6 +341,16 @@ def test_check_workdir(tmp_path):
   # write_config keeps the run's own config.
   checkpointing.write_config(str(tmp_path / "run"), dict(config, x=1))
   assert json.loads((tmp_path / "run" / "config.json").read_text()) == config
+  # A started run whose config.json is gone cannot be checked: refused (it
+  # would resume the checkpoint under any config and record that config).
+  os.remove(tmp_path / "run" / "config.json")
+  with pytest.raises(ValueError, match="holds a started run .* but no "
+                     "config.json"):
+    checkpointing.check_workdir(str(tmp_path / "run"), config)
+  # An empty path would be the working directory.
+  for what in ("workdir", "--out"):
+    with pytest.raises(ValueError, match=f"^{what} is an empty path"):
+      checkpointing.check_writable("", what)
 
 
 def test_rng_state_json_round_trip():

@@ -134,3 +134,34 @@ def test_every_command_module_installs_the_sigusr1_handler():
     assert re.search(r"\bcli\.(run|run_argparse_command)\(_?main\)", block), name
   assert {"main.py", "reproduce.py", "later_protocol.py", "plots.py",
           "paper_figures.py"} <= set(commands)
+
+
+def test_comma_list_refuses_empty_bad_and_repeated_items():
+  assert cli.comma_list(" a, b ", "--x") == ["a", "b"]
+  assert cli.comma_list("0.01,0.001", "--lr", float) == [0.01, 0.001]
+  for value, message in [("", "--x is empty"), ("  ", "--x is empty"),
+                         ("a,,b", "--x has an empty item: 'a,,b'"),
+                         ("a,", "--x has an empty item: 'a,'"),
+                         ("a,b,a", "--x repeats a")]:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+      cli.comma_list(value, "--x")
+  with pytest.raises(ValueError, match=r"^--lr repeats 0.01$"):
+    cli.comma_list("0.01,1e-2", "--lr", float)  # equal after the cast
+  with pytest.raises(ValueError, match=r"^--n: 'x' is not a\(n\) int$"):
+    cli.comma_list("1,x", "--n", int)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workdirs=a,", "--out=o"], "--workdirs has an empty item"),
+    (["--workdirs=a", "--out=o", "--formats="], "--formats is empty"),
+    (["--workdirs=a", "--out=o", "--formats=png,png"], "--formats repeats png"),
+])
+def test_plots_lists_are_checked(argv, message, capsys, tmp_path,
+                                 monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit) as exit_info:
+    plots.main(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+  assert not os.listdir(tmp_path)

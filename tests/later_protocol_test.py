@@ -129,7 +129,9 @@ def test_runs_resume_and_keep_their_rates(tmp_path, capsys):
     (["--task=copy", "--models=lstm"], "unknown task 'copy'"),
     (["--task=marked_copy", "--models=lstm", "--runs=0"],
      "--runs must be a positive integer"),
-    (["--task=marked_copy", "--models=lstm,lstm"], "repeats an entry"),
+    (["--task=marked_copy", "--models=lstm,lstm"], "--models repeats lstm"),
+    (["--task=marked_copy", "--models=lstm,,jm-3"],
+     "--models has an empty item"),
     (["--models=lstm"], "--task and --models are required"),
     (["--task=marked_copy", "--models=lstm", "--set=bogus=1"],
      "--set bogus: unknown config field"),
@@ -328,3 +330,29 @@ def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
       "one run after another: " + reproduce.format_duration(33.0 + 55.0))
   assert later_protocol.main(["--status", "--task=marked_copy",
                               f"--workdir={workdir}"]) == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--status", "--task=count3", "--models=lstm"], "unknown task 'count3'"),
+    (["--status", "--task=marked_copy", "--models=jm-0"],
+     "unknown model 'jm-0'"),
+    (["--status", "--task=marked_copy,", "--models=lstm"],
+     "--task has an empty item"),
+    (["--report", "--workdir=NOPE"], "--workdir NOPE is not a directory"),
+    (["--task=marked_copy", "--models=lstm", "--workdir=F/w"],
+     "--workdir 'F/w' cannot be created"),
+    (["--task=marked_copy", "--models=lstm", "--workdir="],
+     "--workdir is an empty path"),
+])
+def test_status_report_and_workdir_refuse_what_a_run_would(
+    tmp_path, capsys, monkeypatch, args, message):
+  # --status checks the names as a run would (a plan that could never
+  # start); --report needs the runs' directory; a run, a writable workdir.
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "F").write_text("a file")
+  if not any(a.startswith("--workdir") for a in args):
+    args = args + ["--workdir=w"]
+  assert later_protocol.main(args) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+  assert sorted(os.listdir(tmp_path)) == ["F"]

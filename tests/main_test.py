@@ -55,6 +55,12 @@ def _cases(tmp):
        "[4, 4], which holds no string of marked_reversal"),
       ("workdir is a file", main + [f"--workdir={a_file}"],
        "is a file, not a directory"),
+      # An empty path is the working directory: the run would write there.
+      ("empty workdir", main + ["--workdir="], "workdir is an empty path"),
+      ("empty grid workdir", ["-m", "nsrnn_jax.grid", f"--config={QUICK}",
+                              "--workdir="], "workdir is an empty path"),
+      ("empty data --out", ["-m", "nsrnn_jax.data", "--task=dyck", "--out="],
+       "--out is an empty path"),
       ("workdir below a file", main + [f"--workdir={a_file}/run"],
        "cannot be created"),
       ("unwritable workdir", main + ["--workdir=/proc/nsrnn_run"],

@@ -99,6 +99,23 @@ def test_writer_resume_drops_a_line_cut_by_a_kill(tmp_path):
       {"epoch": 1, "x": 1.0}, {"epoch": 2, "x": 2.0}, {"epoch": 3, "x": 3.0}]
 
 
+def test_a_log_that_is_not_text_or_has_bad_epochs(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_bytes(b'{"epoch": 1}\n\xff\xfe garbage\n')
+  for skip in (False, True):
+    with pytest.raises(ValueError, match=f"{path} is not a JSON-lines log "
+                       r"\(not UTF-8 text\)"):
+      metrics.read_jsonl(str(path), skip_bad_lines=skip)
+  # An epoch that is no integer is dropped on resume, not compared.
+  path.write_text('{"epoch": 1, "x": 1.0}\n{"epoch": null}\n'
+                  '{"epoch": "2"}\n{"step": 0}\n')
+  with metrics.MetricWriter(str(tmp_path), resume_epoch=1,
+                            tensorboard=False):
+    pass
+  assert metrics.read_jsonl(str(path)) == [{"epoch": 1, "x": 1.0},
+                                           {"step": 0}]
+
+
 def test_last_complete_epoch_is_the_end_of_the_first_gap(tmp_path):
   assert metrics.last_complete_epoch(str(tmp_path / "missing")) == 0
   path = tmp_path / "metrics.jsonl"

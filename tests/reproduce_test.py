@@ -288,7 +288,19 @@ def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
     (["--task=dyck,nope", "--workdir=W"], "unknown task 'nope'"),
     (["--task=dyck,hardest_cfl,dyck", "--workdir=W"],
      "--task names dyck more than once"),
-    (["--task=,", "--workdir=W"], "--task is empty"),
+    (["--task=,", "--workdir=W"], "--task has an empty item"),
+    (["--task=dyck,", "--workdir=W"], "--task has an empty item"),
+    # Empty or repeated items would run once what the plan counts twice.
+    (["--task=dyck", "--workdir=W", "--models=ns,,lstm"],
+     "--models has an empty item: 'ns,,lstm'"),
+    (["--task=dyck", "--workdir=W", "--models=lstm,lstm"],
+     "--models repeats lstm"),
+    (["--task=dyck", "--workdir=W", "--learning_rates=0.01,1e-2"],
+     "--learning_rates repeats 0.01"),
+    (["--task=dyck", "--workdir=W", "--stack_sizes=2,2"],
+     "--stack_sizes repeats 2"),
+    (["--task=dyck", "--workdir=W", "--restart_ids=1,1"],
+     "--restart_ids repeats 1"),
     (["--workdir=W"], "--task is required"),
     (["--task=all", "--workdir=W", "--set=hidden_size=0"],
      "config.hidden_size must be >= 1"),
@@ -335,6 +347,43 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args,
   assert err.count("\n") == 1 and err.startswith("error: ") and message in err
   assert not os.path.exists(tmp_path / "w")
   assert not os.path.exists(tmp_path / "r")
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--results=F", "--results 'F' is a file, not a directory"),
+    ("--results=", "--results is an empty path"),
+    ("--workdir=", "--workdir is required"),
+    ("--workdir=F/w", "--workdir 'F/w' cannot be created"),
+])
+def test_unwritable_results_or_workdir_is_refused_before_any_run(
+    tmp_path, capsys, monkeypatch, flag, message):
+  # A record that cannot be written was found only after its run trained.
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "F").write_text("a file")
+  args = ["--task=marked_reversal", "--models=lstm", "--learning_rates=0.01",
+          "--restarts=1", "--workdir=w", "--results=r"]
+  assert reproduce.main(args + [flag]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+  assert sorted(os.listdir(tmp_path)) == ["F"]
+
+
+@pytest.mark.parametrize("report_path,message", [
+    ("", "--report_path '' is not a file name"),
+    (".", "--report_path '.' is not a file name"),
+    ("F/report.md", "Not a directory"),
+])
+def test_report_path_that_cannot_be_written_is_one_line(
+    tmp_path, capsys, monkeypatch, report_path, message):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "F").write_text("a file")
+  results = os.path.join(REPO, "results")
+  assert reproduce.main(["--report", f"--results={results}",
+                         f"--report_path={report_path}"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+  if report_path in ("", "."):
+    assert sorted(os.listdir(tmp_path)) == ["F"]  # no figures/ either
 
 
 @pytest.mark.parametrize("results,message", [
