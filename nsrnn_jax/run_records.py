@@ -280,10 +280,44 @@ def load_records(results_dir: str, task: Optional[str] = None
           rec = read_json(path)
         except (OSError, json.JSONDecodeError) as e:
           raise ReproduceError(f"unreadable record {path}: {e}") from e
-        if rec.get("format") != RECORD_FORMAT:
-          raise ReproduceError(f"{path} is not a {RECORD_FORMAT} record")
+        check_record(rec, path)
         out.append(rec)
   return out
+
+
+# A record's fields that the reports read, and their JSON types.
+_NUMBER = (int, float)
+_RECORD_FIELDS = {
+    "task": str, "model": str, "setting": str, "restart": int,
+    "learning_rate": _NUMBER, "protocol": str, "epochs": list,
+    "num_epochs": int, "best_epoch": int, "train_time_s": _NUMBER,
+    "best_valid_ce_diff": _NUMBER + (type(None),),
+    "last_valid_ce_diff": _NUMBER + (type(None),),
+}
+
+
+def check_record(rec: Any, path: str) -> None:
+  """Raises ReproduceError (one line naming `path`) unless `rec` is a run
+  record whose fields have their types and whose file is its own:
+  restart_<r>.json for its restart r, under its task's and model's
+  directories (a record copied to another restart's file would count as
+  a run that never trained)."""
+  if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT:
+    raise ReproduceError(f"{path} is not a {RECORD_FORMAT} record")
+  for field, kind in _RECORD_FIELDS.items():
+    value = rec.get(field)
+    if not isinstance(value, kind) or isinstance(value, bool):
+      raise ReproduceError(f"{path}: field {field!r} is {value!r}, not a "
+                           "record's")
+  if not all(isinstance(e, dict) for e in rec["epochs"]):
+    raise ReproduceError(f"{path}: field 'epochs' holds a non-object")
+  parts = os.path.normpath(path).split(os.sep)
+  if (parts[-1] != f"restart_{rec['restart']}.json"
+      or rec["task"] not in parts[:-1] or rec["model"] not in parts[:-1]):
+    raise ReproduceError(
+        f"{path} holds the record of {rec['task']}/{rec['model']}/"
+        f"{rec['setting']} restart {rec['restart']}, which belongs in "
+        f"its own restart_{rec['restart']}.json")
 
 
 def training_seconds(record: Mapping[str, Any]) -> float:

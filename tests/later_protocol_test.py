@@ -308,7 +308,9 @@ def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
   for k in (0, 1):
     rec = dict(_record("lstm", k, 0.1, 0.001), format=run_records.RECORD_FORMAT,
                epochs=[{"epoch": e, "valid_ce_diff": 0.1, "time": t}
-                       for e, t in enumerate([60.0] + [11.0] * 4, start=1)])
+                       for e, t in enumerate([60.0] + [11.0] * 4, start=1)],
+               setting=f"run_{k}", protocol="iclr2023", num_epochs=5,
+               best_epoch=5, last_valid_ce_diff=0.1, train_time_s=104.0)
     path = workdir / "records" / "marked_copy" / "lstm" / f"restart_{k}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rec))

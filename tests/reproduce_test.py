@@ -10,6 +10,7 @@ seeds, selection) is checked on the full-size plan without training.
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -834,3 +835,44 @@ def test_model_axis_gives_the_records_of_sequential_runs(tmp_path):
                                rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(a["test"]["ce_diff"], b["test"]["ce_diff"],
                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("copy_to_restart_9", "holds the record of dyck/ns/lr_0.01 restart 0, "
+     "which belongs in its own restart_0.json"),
+    ("list", "is not a nsrnn_jax.run_record.v1 record"),
+    ("no_protocol", "field 'protocol' is None, not a record's"),
+    ("string_ce_diff", "field 'best_valid_ce_diff' is 'abc', not a record's"),
+    ("bool_restart", "field 'restart' is True, not a record's"),
+])
+def test_a_misplaced_or_malformed_record_is_refused_in_one_line(
+    tmp_path, capsys, change, message):
+  # A committed record, copied and altered: a copy under another restart's
+  # name counted as one more restart (it changed the selected setting).
+  source = os.path.join(REPO, "results", "dyck", "ns", "lr_0.01",
+                        "restart_0.json")
+  with open(source) as f:
+    rec = json.load(f)
+  results = tmp_path / "r"
+  target = results / "dyck" / "ns" / "lr_0.01" / "restart_0.json"
+  target.parent.mkdir(parents=True)
+  target.write_text(json.dumps(rec))
+  if change == "copy_to_restart_9":
+    target = target.with_name("restart_9.json")
+  elif change == "list":
+    rec = [1, 2]
+  elif change == "no_protocol":
+    del rec["protocol"]
+  elif change == "string_ce_diff":
+    rec["best_valid_ce_diff"] = "abc"
+  else:
+    rec["restart"] = True
+  target.write_text(json.dumps(rec))
+  with pytest.raises(run_records.ReproduceError, match=re.escape(message)):
+    run_records.load_records(str(results))
+  for flags in (["--report", f"--report_path={tmp_path / 'rep.md'}"],
+                ["--status", "--task=dyck", "--workdir=W"]):
+    assert reproduce.main(flags + [f"--results={results}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(target) in err
+  assert not (tmp_path / "rep.md").exists()
