@@ -28,6 +28,7 @@ import platform
 import re
 import signal
 import sys
+import tempfile
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from absl import app
@@ -62,7 +63,17 @@ def use_compilation_cache(path: str) -> Optional[str]:
     return env
   if not path:
     return None
-  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+  path = os.path.expanduser(path)
+  try:
+    # JAX would only warn and run without it, every time.
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise ValueError(f"--compilation_cache {path!r} is not a writable "
+                     f"directory ({e.strerror}); give another, or '' for no "
+                     "cache") from None
+  jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs",
                     _CACHE_MIN_COMPILE_SECONDS)
   return path
@@ -215,6 +226,18 @@ def _innermost(error: BaseException) -> str:
   while isinstance(message, BaseException) and message.args:
     message = message.args[0]
   return str(message)
+
+
+def define_config_file(name: str, help_text: str, lock_config: bool):
+  """`config_flags.DEFINE_config_file(name, None, ...)`, whose errors are
+  one line: it reads the command line's --flagfile files when defined
+  (before `run` parses anything), and an unreadable one was a traceback."""
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  try:
+    return config_flags.DEFINE_config_file(name, None, help_text,
+                                           lock_config=lock_config)
+  except flags.Error as e:
+    fail(str(e).removeprefix("ERROR:: "))
 
 
 def parse_flags(argv: Sequence[str]) -> list[str]:

@@ -172,12 +172,10 @@ def main(argv) -> None:
 if __name__ == "__main__":
   import jax  # pylint: disable=g-import-not-at-top
   from absl import flags as _flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
   cli.reexec_with_huge_pages()
-  config_flags.DEFINE_config_file(
-      "config", None, "Corpus configuration (configs/ptb_*.py).",
-      lock_config=True)
+  cli.define_config_file(
+      "config", "Corpus configuration (configs/ptb_*.py).", lock_config=True)
   _flags.DEFINE_string("workdir", None, "Directory of the runs.")
   _flags.DEFINE_integer("runs", NUM_RUNS, "Runs (random draws).")
   _flags.DEFINE_integer("seed", 0, "Seed of the draws.")

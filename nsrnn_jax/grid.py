@@ -371,13 +371,11 @@ def main(argv: Sequence[str]) -> None:
 
 def _define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file("config", None, "Grid config file.",
-                                  lock_config=False)
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  cli.define_config_file("config", "Grid config file.", lock_config=False)
   flags.DEFINE_string("workdir", None, "Grid output directory.")
   flags.DEFINE_bool("distributed", False,
                     "Call jax.distributed.initialize() (multi-host).")
-  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string("compilation_cache", cli.DEFAULT_COMPILATION_CACHE,
                       "Persistent XLA compilation cache directory ('' = "
                       "off).")

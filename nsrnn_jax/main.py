@@ -15,15 +15,13 @@ parses flags (bad input: one line on stderr, exit 2; see cli.py).
 
 import jax
 from absl import flags
-from ml_collections import config_flags
 
 from nsrnn_jax import cli
 from nsrnn_jax import parallel
 from nsrnn_jax import train
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Training configuration file (configs/*.py).",
-    lock_config=True)
+_CONFIG = cli.define_config_file(
+    "config", "Training configuration file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output/resume directory.")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False,

@@ -180,6 +180,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
          f"{', '.join(COMPILE_STRATEGIES)}")
   if strategy == "bucket" and not is_corpus:
     buckets = list(need("length_buckets"))
+    if not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool)
+               for b in buckets):
+      fail("length_buckets", f"must be integer lengths (got {buckets})")
     if not buckets or sorted(set(buckets)) != buckets or buckets[0] < 2:
       fail("length_buckets", f"must be increasing lengths >= 2 (got {buckets})")
     longest = max(config.train_max_length, config.test_max_length)

@@ -35,6 +35,13 @@ def test_compilation_cache_is_set_off_or_left_to_the_environment(
   assert cli.use_compilation_cache(path) == path
   assert jax.config.values["jax_compilation_cache_dir"] == path
   assert jax.config.values["jax_persistent_cache_min_compile_time_secs"] == 1
+  # A directory it cannot write: an error (JAX would warn and run uncached).
+  (tmp_path / "a_file").write_text("")
+  for bad in ("/proc/nsrnn_cc", str(tmp_path / "a_file")):
+    with pytest.raises(ValueError, match=f"^--compilation_cache '{bad}' is "
+                       "not a writable directory"):
+      cli.use_compilation_cache(bad)
+  assert jax.config.values["jax_compilation_cache_dir"] == path
   # A cache named by the environment (e.g. the test session's) wins.
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
   assert cli.use_compilation_cache(str(tmp_path / "other")) == str(
