@@ -11,8 +11,9 @@ size: the three files as token streams with <eos> after each sentence, 8
 contiguous rows, chunks of 20 tokens with the state carried between them,
 SGD with LR ÷ 1.5 after each epoch without improvement and early stopping
 after 2. --config.corpus_dir=DIR takes any directory of train/valid/test.txt
-(or ptb.*.txt); --config.model=lstm or vrns swaps the model. Measured: see
-README ("Corpus language modelling").
+(or ptb.*.txt); --config.model=vrns swaps the model, and
+--config.model=lstm --config.stack_window=0 the LSTM (which has no stack
+window to set). Measured: see README ("Corpus language modelling").
 """
 
 from configs import ptb_lstm

@@ -160,14 +160,21 @@ def config_differences(stored: Mapping[str, Any],
   return out
 
 
-def run_started(workdir: str) -> bool:
-  """Whether `workdir` holds any trained state: a checkpoint (also one moved
-  aside) or a logged metric. A config.json alone (a run that failed before
-  its first epoch, e.g. out of memory) is not."""
+def _holds_checkpoints(workdir: str) -> bool:
+  """Whether `workdir` holds a checkpoint (also one moved aside)."""
   for name in ("checkpoints", UNREADABLE_DIR, AHEAD_DIR):
     path = os.path.join(workdir, name)
     if os.path.isdir(path) and os.listdir(path):
       return True
+  return False
+
+
+def run_started(workdir: str) -> bool:
+  """Whether `workdir` holds any trained state: a checkpoint (also one moved
+  aside) or a logged metric. A config.json alone (a run that failed before
+  its first epoch, e.g. out of memory) is not."""
+  if _holds_checkpoints(workdir):
+    return True
   log = os.path.join(workdir, "metrics.jsonl")
   return os.path.isfile(log) and os.path.getsize(log) > 0
 
@@ -178,18 +185,19 @@ def check_workdir(workdir: str, config_json: Mapping[str, Any]) -> None:
   Checks that the workdir is (or can be) a writable directory and that a
   stored config.json, if any, does not differ in fields that change the run
   -- unless the stored run never started (`run_started`): then the new
-  config replaces it. A started run without config.json is refused.
+  config replaces it. Checkpoints without config.json are refused.
   Touches nothing.
   """
   check_writable(workdir)
   if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
-    if run_started(workdir):
+    if _holds_checkpoints(workdir):
       # Resuming would train on with the checkpoint's state under whatever
-      # config is requested, and record that config as the run's.
+      # config is requested, and record that config as the run's. (A
+      # metrics.jsonl alone resumes nothing: the run starts anew.)
       raise ValueError(
-          f"{workdir!r} holds a started run (checkpoints or metrics.jsonl) "
-          f"but no {CONFIG_FILE}, so the requested config cannot be checked "
-          f"against it: restore {CONFIG_FILE}, or use a new --workdir")
+          f"{workdir!r} holds checkpoints but no {CONFIG_FILE}, so the "
+          "requested config cannot be checked against the run they "
+          f"resume: restore {CONFIG_FILE}, or use a new --workdir")
     return
   diffs = config_differences(read_config(workdir), config_json)
   if diffs and run_started(workdir):

@@ -228,6 +228,22 @@ def _innermost(error: BaseException) -> str:
   return str(message)
 
 
+def refuse_config_overrides(argv: Sequence[str],
+                            reasons: dict[str, str]) -> None:
+  """Refuses `--config.<field>` for the fields a command sets itself.
+
+  `reasons` maps each such field to why and what to set instead; given on
+  the command line it would be silently overwritten.
+
+  Raises:
+    ValueError: "--config.<field>: <reason>" for the first one in `argv`.
+  """
+  for arg in argv:
+    name = arg.split("=", 1)[0]
+    if name.startswith("--config.") and name[len("--config."):] in reasons:
+      raise ValueError(f"{name}: {reasons[name[len('--config.'):]]}")
+
+
 def define_config_file(name: str, help_text: str, lock_config: bool):
   """`config_flags.DEFINE_config_file(name, None, ...)`, whose errors are
   one line: it reads the command line's --flagfile files when defined

@@ -159,10 +159,21 @@ def render(summary: dict) -> str:
   return "\n".join(lines)
 
 
+# Fields `run_config` draws for every run: set on the command line they
+# would be ignored.
+_SEARCH_SETS = {
+    "learning_rate": "the search draws it for every run; use "
+                     "--learning_rate_range=LOW,HIGH",
+    "clip_norm": "the search draws it for every run; use --clip_range=LOW,HIGH",
+}
+
+
 def main(argv) -> None:
   """CLI (module docstring)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  del argv
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  del argv  # absl's leftovers; the overrides are in sys.argv.
+  cli.refuse_config_overrides(sys.argv[1:], _SEARCH_SETS)
   f = flags.FLAGS
   summary = search(f.config, f.workdir, f.runs, f.seed,
                    f.learning_rate_range, f.clip_range)

@@ -336,7 +336,9 @@ def format_summary(summary: dict) -> str:
 
 # Fields every member overwrites (`members`): set on the command line they
 # would be ignored, so the CLI refuses them and names what to set instead.
-_GRID_SETS = {"learning_rate": "--config.learning_rate_grid=(0.01,0.005)"}
+_GRID_SETS = {"learning_rate": "the grid sets it for every model "
+                               "(config.learning_rate_grid x restarts); use "
+                               "--config.learning_rate_grid=(0.01,0.005)"}
 
 
 def check_command_line(argv: Sequence[str]) -> None:
@@ -345,14 +347,8 @@ def check_command_line(argv: Sequence[str]) -> None:
   Raises:
     ValueError: naming the field and what to set instead.
   """
-  for arg in argv:
-    field = arg.split("=", 1)[0]
-    if field.startswith("--config."):
-      field = field[len("--config."):]
-      if field in _GRID_SETS:
-        raise ValueError(f"--config.{field}: the grid sets it for every model "
-                         f"(config.learning_rate_grid x restarts); use "
-                         f"{_GRID_SETS[field]}")
+  from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
+  cli.refuse_config_overrides(argv, _GRID_SETS)
 
 
 def main(argv: Sequence[str]) -> None:

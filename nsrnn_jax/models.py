@@ -1265,7 +1265,7 @@ def check_stack_variant_supported(name: str, stack_window, truncation_length,
   documented meaning for it only. ``prefix`` goes before each field name
   in the message (e.g. 'config.').
   """
-  if name == 'ns' and (stack_window or truncation_length):
+  if name not in ('rns', 'vrns') and (stack_window or truncation_length):
     raise ValueError(
         f'{prefix}stack_window is {stack_window!r} and {prefix}'
         f'truncation_length {truncation_length!r}: model {name!r} has no '

@@ -65,6 +65,12 @@ DTYPES = ("float32", "float64")
 MODELS = ("lstm", "jm", "gref", "ns", "rns", "vrns")
 # config.optimizer: Adam (the formal-language protocol) or plain SGD (PTB).
 OPTIMIZERS = ("adam", "sgd")
+# The corpus fields (configs/default.py, "Corpus language modelling") and
+# their defaults, which every other task keeps.
+CORPUS_FIELD_DEFAULTS = {"corpus_dir": "", "bptt_length": 35,
+                         "eval_batch_size": 0, "init_scale": 0.0}
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Checks a config; raises a one-line ValueError naming the bad field."""
 
@@ -89,6 +95,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
       fail("task", f"is invalid: {' '.join(str(e).split())}; or 'corpus' "
            "with config.corpus_dir")
+  if not is_corpus:
+    # Set for a formal-language run, they would be ignored.
+    for field, default in CORPUS_FIELD_DEFAULTS.items():
+      if field in config and config[field] != default:
+        fail(field, f"is {config[field]!r} but applies to task 'corpus' "
+             f"only (task {task!r}); leave it at {default!r}")
   model = need("model")
   if model not in MODELS:
     fail("model", f"is {model!r}; expected one of {', '.join(MODELS)}")

@@ -341,10 +341,13 @@ def test_check_workdir(tmp_path):
   # write_config keeps the run's own config.
   checkpointing.write_config(str(tmp_path / "run"), dict(config, x=1))
   assert json.loads((tmp_path / "run" / "config.json").read_text()) == config
-  # A started run whose config.json is gone cannot be checked: refused (it
-  # would resume the checkpoint under any config and record that config).
+  # Checkpoints whose config.json is gone cannot be checked: refused (the
+  # run would resume them under any config and record that config); a
+  # metrics.jsonl alone resumes nothing (the run starts anew).
   os.remove(tmp_path / "run" / "config.json")
-  with pytest.raises(ValueError, match="holds a started run .* but no "
+  checkpointing.check_workdir(str(tmp_path / "run"), config)
+  (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
+  with pytest.raises(ValueError, match="holds checkpoints but no "
                      "config.json"):
     checkpointing.check_workdir(str(tmp_path / "run"), config)
   # An empty path would be the working directory.

@@ -263,6 +263,10 @@ def test_bad_stack_variant_is_a_one_line_error(field, value, message):
     ("quick_vrns", {"stack_bottom": "frozen"},
      "config.stack_bottom is 'frozen': model 'vrns' has only"),
     ("quick", {"stack_window": 4}, "model 'ns' has no memory-limited stack"),
+    ("quick", {"model": "lstm", "stack_window": 5},
+     "model 'lstm' has no memory-limited stack"),
+    ("quick", {"model": "jm", "stack_window": 3, "truncation_length": 2},
+     "model 'jm' has no memory-limited stack"),
 ])
 def test_stack_variant_a_model_would_ignore_is_refused(name, changes,
                                                        message):
@@ -572,3 +576,20 @@ def test_ptb_configs_have_the_reference_protocol(name, model, tmp_path):
     assert config.stack_window == 35 and config.truncation_length == 0
   doc = importlib.import_module(f"configs.{name}").__doc__
   assert f"--config=configs/{name}.py" in doc
+
+
+@pytest.mark.parametrize("field,value", [
+    ("init_scale", 0.1), ("init_scale", -1.0), ("eval_batch_size", -5),
+    ("bptt_length", 0), ("corpus_dir", "/nonexistent")])
+def test_corpus_fields_on_a_formal_language_task_are_refused(field, value):
+  # They apply to task "corpus" only: set elsewhere they were ignored.
+  config = _load("quick")
+  train.validate_config(config)
+  config[field] = value
+  with pytest.raises(ValueError, match=re.escape(
+      f"config.{field} is {value!r} but applies to task 'corpus' only "
+      "(task 'marked_reversal'); leave it at ")):
+    train.validate_config(config)
+  assert set(train.CORPUS_FIELD_DEFAULTS) <= set(_load("default").keys())
+  for f, value in train.CORPUS_FIELD_DEFAULTS.items():
+    assert _load("default")[f] == value, f

@@ -41,6 +41,7 @@ def _config(corpus_dir):
   config = quick_corpus.get_config()
   config.corpus_dir = corpus_dir
   config.model = "lstm"
+  config.stack_window = 0  # quick_corpus.py's RNS-RNN has a window
   config.hidden_size = 6
   config.batch_size = 4
   config.bptt_length = 7

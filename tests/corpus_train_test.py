@@ -46,6 +46,7 @@ def _config(directory, **overrides):
   config = quick_corpus.get_config()
   config.corpus_dir = directory
   config.model = "lstm"
+  config.stack_window = 0  # quick_corpus.py's RNS-RNN has a window
   config.hidden_size = 8
   config.batch_size = 4
   config.bptt_length = 7
@@ -222,6 +223,7 @@ def test_two_processes_give_the_one_process_result(corpus_dir, tmp_path):
   args = [sys.executable, "-m", "nsrnn_jax.main",
           f"--config={REPO}/configs/quick_corpus.py",
           f"--config.corpus_dir={corpus_dir}", "--config.model=lstm",
+          "--config.stack_window=0",
           "--config.hidden_size=8", "--config.batch_size=4",
           "--config.bptt_length=7", "--config.max_epochs=2",
           "--config.progress_bar=False"]

@@ -86,6 +86,11 @@ def _cases(tmp):
       ("corpus of an unknown language",
        ["-m", "nsrnn_jax.corpus", "--task=nope", f"--out={new}"],
        "nope"),
+      ("corpus search given the learning rate it draws",
+       ["-m", "nsrnn_jax.corpus_search", f"--config={QUICK}",
+        f"--workdir={new}", "--config.learning_rate=5"],
+       "--config.learning_rate: the search draws it for every run; use "
+       "--learning_rate_range"),
       ("corpus search of a formal-language config",
        ["-m", "nsrnn_jax.corpus_search", f"--config={QUICK}",
         f"--workdir={new}"], "runs task 'corpus' configs"),
