@@ -129,9 +129,12 @@ def read_config(workdir: str) -> dict:
     raise ValueError(f"{workdir!r} is not a training workdir: no {CONFIG_FILE}")
   try:
     with open(path) as f:
-      return json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+      stored = json.load(f)
+  except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f"{path} is unreadable: {e}") from e
+  if not isinstance(stored, dict):
+    raise ValueError(f"{path} is not a config (a JSON object of fields)")
+  return stored
 
 
 def config_differences(stored: Mapping[str, Any],

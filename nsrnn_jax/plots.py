@@ -251,9 +251,17 @@ def validation_curve(workdir: str, key: str = "valid_ce_diff"
   repeated = set()
   for record in read_metrics(workdir):
     if "epoch" in record and record.get(key) is not None:
-      if int(record["epoch"]) in by_epoch:
-        repeated.add(int(record["epoch"]))
-      by_epoch[int(record["epoch"])] = float(record[key])
+      epoch, value = record["epoch"], record[key]
+      # JSON's types as training writes them: a string "nan" or an epoch
+      # 43.7 would be read as numbers and change the curve.
+      if (not isinstance(epoch, int) or isinstance(epoch, bool)
+          or not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise ValueError(f"{workdir!r}: {METRICS_FILE} has a record whose "
+                         f"epoch {epoch!r} or {key} {value!r} is not a "
+                         "number of its kind")
+      if epoch in by_epoch:
+        repeated.add(epoch)
+      by_epoch[epoch] = float(value)
   if repeated:
     warnings.warn(f"{workdir!r}: {METRICS_FILE} repeats epochs "
                   f"{sorted(repeated)}; using the last record of each")
@@ -278,12 +286,19 @@ def read_test_by_length(workdir: str, key: str = "ce_diff"
   path = os.path.join(workdir, TEST_FILE)
   if not os.path.isfile(path):
     raise ValueError(f"{workdir!r} has no {TEST_FILE}.")
-  with open(path) as f:
-    table = json.load(f)
-  if "lengths" not in table or key not in table:
+  try:
+    with open(path) as f:
+      table = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not JSON: {e}") from None
+  if not isinstance(table, dict) or "lengths" not in table or key not in table:
     raise ValueError(f"{path} lacks 'lengths' or {key!r}.")
-  lengths_L = np.asarray(table["lengths"], dtype=np.int64)
-  values_L = np.asarray(table[key], dtype=np.float64)
+  try:
+    lengths_L = np.asarray(table["lengths"], dtype=np.int64)
+    values_L = np.asarray(table[key], dtype=np.float64)
+  except (TypeError, ValueError):
+    raise ValueError(f"{path}: 'lengths' and {key!r} must be lists of "
+                     "numbers") from None
   if lengths_L.shape != values_L.shape or lengths_L.ndim != 1:
     raise ValueError(f"{path}: 'lengths' and {key!r} differ in shape "
                      f"({lengths_L.shape} vs {values_L.shape}).")

@@ -477,3 +477,18 @@ def test_an_interrupt_during_a_save_lets_the_save_finish(tmp_path,
   checkpointing.close(manager)
   step, state, _ = _restore(str(tmp_path))
   assert step == 4 and float(state["params"]["w"][0, 0]) == 4.0
+
+
+def test_read_config_refuses_what_is_not_a_config(tmp_path):
+  path = tmp_path / "config.json"
+  for text, message in [("[1, 2]", "is not a config"),
+                        ("{", "is unreadable"),
+                        (b"\xff\xfe", "is unreadable")]:
+    if isinstance(text, bytes):
+      path.write_bytes(text)
+    else:
+      path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+      checkpointing.read_config(str(tmp_path))
+  path.write_text('{"hidden_size": 20}')
+  assert checkpointing.read_config(str(tmp_path)) == {"hidden_size": 20}

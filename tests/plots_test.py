@@ -203,6 +203,19 @@ def test_bad_input_gives_clear_errors(tmp_path, runs):
   (bad / "metrics.jsonl").write_text("not json\n")
   with pytest.raises(ValueError, match="not valid JSON"):
     plots.read_metrics(str(bad))
+  # Values of the wrong JSON type: not read as numbers (a string "nan", an
+  # epoch 1.5 would change the curve), nor a traceback.
+  for record in ('{"epoch": 1.5, "valid_ce_diff": 0.1}',
+                 '{"epoch": null, "valid_ce_diff": 0.1}',
+                 '{"epoch": 1, "valid_ce_diff": "nan"}',
+                 '{"epoch": 1, "valid_ce_diff": [1]}'):
+    (bad / "metrics.jsonl").write_text(record + "\n")
+    with pytest.raises(ValueError, match="is not a number of its kind"):
+      plots.validation_curve(str(bad))
+  for table in ("5", '{"lengths": [{}], "ce_diff": [1]}', "{"):
+    (bad / "test_by_length.json").write_text(table)
+    with pytest.raises(ValueError, match="test_by_length.json"):
+      plots.read_test_by_length(str(bad))
   with pytest.raises(SystemExit):
     plots.main([f"--workdirs={tmp_path}/nowhere", "--out=x"])
 
