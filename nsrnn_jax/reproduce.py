@@ -893,6 +893,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "best_run: the later papers' (best single run)")
   try:
     args = parser.parse_args(argv)
+    if args.report and (args.status or args.task is not None or args.set):
+      raise ReproduceError("--report reads every record under --results "
+                           "and stands alone (no --status, --task or --set)")
     if args.report:
       for path in reproduction_report.write_report(args.results, args.report_path,
                                args.selection):
@@ -929,6 +932,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       if any(not 0 <= r < args.restarts for r in restart_ids):
         raise ReproduceError(f"--restart_ids must be in [0, "
                              f"{args.restarts}) (got {restart_ids})")
+    if args.workers < 1:
+      raise ReproduceError(f"--workers must be an integer >= 1 (got "
+                           f"{args.workers})")
+    for flag, path in (("--workdir", args.workdir), ("--results", args.results)):
+      if os.path.exists(path) and not os.path.isdir(path):
+        raise ReproduceError(f"{flag} {path!r} is a file, not a directory")
     if args.status:
       print(status(tasks, args.workdir, models=models, learning_rates=lrs,
                    stack_sizes=sizes, restarts=args.restarts,

@@ -302,6 +302,11 @@ def test_two_cpu_devices_train_and_say_so_in_the_record(tmp_path):
      "--stack_sizes repeats 2"),
     (["--task=dyck", "--workdir=W", "--restart_ids=1,1"],
      "--restart_ids repeats 1"),
+    # --status checks what a run would; --report stands alone.
+    (["--task=dyck", "--workdir=W", "--status", "--workers=0"],
+     "--workers must be an integer >= 1"),
+    (["--report", "--status"], "--report reads every record"),
+    (["--report", "--task=dyck"], "--report reads every record"),
     (["--workdir=W"], "--task is required"),
     (["--task=all", "--workdir=W", "--set=hidden_size=0"],
      "config.hidden_size must be >= 1"),
