@@ -18,13 +18,13 @@ Prints a table and saves benchmarks/results/concurrent_steps.json. Other
 jobs on the cores skew it: run it on an otherwise idle machine.
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -90,7 +90,7 @@ def run_mode(model, mode, usable, cores, window, tmp):
   os.replace(go_path + ".tmp", go_path)
   for p in procs:
     if p.wait() != 0:
-      sys.exit(f"error: a {mode} {model} process exited with {p.returncode}")
+      cli.fail(f"a {mode} {model} process exited with {p.returncode}")
   results = []
   for out in outs:
     with open(out) as f:
@@ -103,7 +103,7 @@ def main():
     model, go_path, window, cores, out = sys.argv[2:7]
     child(model, go_path, float(window), cores, out)
     return
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", default="ns22,jm")
   parser.add_argument("--cores", type=int, default=os.cpu_count() or 2)
   parser.add_argument("--window", type=float, default=30.0)
@@ -112,15 +112,15 @@ def main():
                                                     "concurrent_steps.json"))
   args = parser.parse_args()
   if args.cores < 2 or args.window <= 0 or args.rounds < 1:
-    sys.exit("error: --cores must be >= 2, --window > 0, --rounds >= 1")
+    cli.fail("--cores must be >= 2, --window > 0, --rounds >= 1")
   sys.path[:0] = [REPO, HERE]
   import machine  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
   usable = parallel.usable_cores()
   if usable is None:
-    sys.exit("error: this OS cannot pin a process to cores")
+    cli.fail("this OS cannot pin a process to cores")
   if len(usable) < args.cores:
-    sys.exit(f"error: --cores={args.cores} but this process may use "
+    cli.fail(f"--cores={args.cores} but this process may use "
              f"{len(usable)} core(s)")
   info = machine.machine_info()
   rows = []

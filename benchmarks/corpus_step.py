@@ -42,6 +42,7 @@ from configs import ptb_lstm, ptb_rns, ptb_vrns  # pylint: disable=g-import-not-
 from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import limited_vrns  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 CONFIGS = {"lstm": ptb_lstm, "rns": ptb_rns, "vrns": ptb_vrns}
 
@@ -91,7 +92,7 @@ def _step(name, vocab, hidden, lookup, log_space=False, sliced=False):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--models", default="lstm,rns,vrns",
@@ -108,7 +109,7 @@ def main():
   args = build_parser().parse_args()
   unknown = set(args.models.split(",")) - set(CONFIGS)
   if unknown:
-    sys.exit(f"error: unknown --models {sorted(unknown)}; expected a subset "
+    cli.fail(f"unknown --models {sorted(unknown)}; expected a subset "
              f"of {','.join(CONFIGS)}")
   vocab, hidden = (1000, 64) if args.quick else (10000, 256)
   names = ["lstm", "rns"] if args.quick else args.models.split(",")

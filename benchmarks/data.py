@@ -12,7 +12,6 @@ phases within one run.
   python benchmarks/data.py [--tasks=hardest_cfl,dyck] [--scale=1.0]
 """
 
-import argparse
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nsrnn_jax import data  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def run_task(task: str, scale: float) -> dict:
@@ -76,7 +76,7 @@ def run_task(task: str, scale: float) -> dict:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tasks", default=",".join(languages.TASKS))
   parser.add_argument("--scale", type=float, default=1.0,
                       help="fraction of the paper's dataset sizes")

@@ -38,6 +38,7 @@ sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 WORKLOADS = {
     "vrns": "PTB VRNS 1-5-20, D = 35",
@@ -91,7 +92,7 @@ def _run_child(workload, steps, huge):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workloads", default=",".join(WORKLOADS))
   parser.add_argument("--pairs", type=int, default=2)
   parser.add_argument("--steps", type=int, default=8)
@@ -105,7 +106,7 @@ def main():
   names = args.workloads.split(",")
   unknown = set(names) - set(WORKLOADS)
   if unknown:
-    sys.exit(f"error: unknown --workloads {sorted(unknown)}; expected a "
+    cli.fail(f"unknown --workloads {sorted(unknown)}; expected a "
              f"subset of {','.join(WORKLOADS)}")
   rows = []
   for name in names:

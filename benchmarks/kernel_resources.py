@@ -32,7 +32,6 @@ the sizes of a train step's largest time block: a table of length + 1
 time points, all updates in one block.
 """
 
-import argparse
 import contextlib
 import functools
 import importlib.util
@@ -55,6 +54,7 @@ from jax import export
 import machine
 import train_step
 from nsrnn_jax import stack_kernels
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Registers of one NVIDIA multiprocessor (sm_70 .. sm_90).
@@ -196,7 +196,7 @@ def load_kernels_at(ref):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--triton_path", default=None,
                       help="folder holding the triton package (pip --target)")
   parser.add_argument("--qs", default="2,3",

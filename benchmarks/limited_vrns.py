@@ -19,7 +19,6 @@ Prints a table and writes benchmarks/results/limited_vrns.json
 (limited_vrns_quick.json with --quick).
 """
 
-import argparse
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import limited_vrns  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import vrns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 Q, S, M = 2, 3, 3
 
@@ -75,7 +75,7 @@ def _time(fn, args, reps):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--batch", type=int, default=10)
   parser.add_argument("--reps", type=int, default=3)

@@ -24,7 +24,6 @@ Prints a table and writes benchmarks/results/ns_stack.json
 (ns_stack_quick.json with --quick).
 """
 
-import argparse
 import json
 import os
 import resource
@@ -33,6 +32,7 @@ import sys
 import time
 
 import numpy as np
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,7 +186,7 @@ def _spawn(variant, q, s, n, batch, reps):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--child", action="store_true")
   parser.add_argument("--variant", default="custom")

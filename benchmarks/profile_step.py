@@ -35,7 +35,6 @@ overhead; the untraced step time is printed beside it.
 stack's updates as Pallas kernels: stack_kernels).
 """
 
-import argparse
 import collections
 import glob
 import json
@@ -54,6 +53,7 @@ import jax
 import machine
 import train_step
 from nsrnn_jax import rns_stack
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # `%name = shape opcode(...)` of an HLO instruction; shape may be a tuple.
 _INSTRUCTION = re.compile(
@@ -301,7 +301,7 @@ def print_result(r):
 
 def build_parser():
   """The command line's flags (a test checks gpu_session.sh's commands)."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="ns22,ns33",
                       help=f"of {','.join(train_step.SETTINGS)}")
   parser.add_argument("--steps", type=int, default=3)

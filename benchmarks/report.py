@@ -16,13 +16,13 @@ The blocks lie between `<!-- report:NAME:begin -->` and
 that both documents equal what this script generates.
 """
 
-import argparse
 import collections
 import glob
 import json
 import os
 import re
 import sys
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -1181,7 +1181,7 @@ def render(readme_text, blocks=None):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check", action="store_true")
   args = parser.parse_args()
   for path, blocks in DOCUMENTS.items():

@@ -26,7 +26,6 @@ Other jobs on the cores skew it: run it on an otherwise idle machine.
       [--modes=sequential,devices,workers,workers_unpinned]
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -67,13 +67,13 @@ def timed(argv, env):
                         text=True, check=False)
   seconds = time.perf_counter() - start
   if proc.returncode != 0:
-    sys.exit(f"error: {' '.join(argv[2:])} exited with {proc.returncode}: "
+    cli.fail(f"{' '.join(argv[2:])} exited with {proc.returncode}: "
              + (proc.stderr.strip().splitlines() or ["no output"])[-1])
   return seconds
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--task", default="marked_reversal")
   parser.add_argument("--model", default="ns")
   parser.add_argument("--learning_rate", default="0.005")
@@ -90,10 +90,10 @@ def main():
                                                     "reproduce_workers.json"))
   args = parser.parse_args()
   if args.runs < 1 or args.max_epochs < 1 or args.cores < 2:
-    sys.exit("error: --runs and --max_epochs must be >= 1, --cores >= 2")
+    cli.fail("--runs and --max_epochs must be >= 1, --cores >= 2")
   names = [m.strip() for m in args.modes.split(",") if m.strip()]
   if not names or any(m not in MODES for m in names):
-    sys.exit(f"error: --modes must be some of {', '.join(MODES)}")
+    cli.fail(f"--modes must be some of {', '.join(MODES)}")
   modes = [(m, MODES[m](args.cores)) for m in names]
 
   info = machine.machine_info()

@@ -21,7 +21,6 @@ starts at once).
       --learning_rates=0.01,0.005 --restarts=10 --epochs=9 --workers=2
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import run_records  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -141,7 +141,7 @@ def run_under(root, code, *args):
                         cwd=root, env=dict(os.environ, PYTHONPATH=root),
                         capture_output=True, text=True, check=False)
   if proc.returncode != 0:
-    sys.exit(f"error: a run under {root} failed: "
+    cli.fail(f"a run under {root} failed: "
              + (proc.stderr.strip().splitlines() or ["no output"])[-1])
   return proc.stdout
 
@@ -169,7 +169,7 @@ def compare_init_gradients(now, then):
   same = lambda prefix: all(np.array_equal(now[k], then[k]) for k in now
                             if k.startswith(prefix))
   if sorted(now) != sorted(then):
-    sys.exit("error: the two codes' parameter trees differ")
+    cli.fail("the two codes' parameter trees differ")
   return {"params_equal": same("param:"), "batches_equal": same("batch"),
           "loss_max_rel_diff": rel("loss"), "grad_max_rel_diff": rel("grad")}
 
@@ -199,7 +199,7 @@ def against_revision(revision, record, batches, epochs, tmp):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--task", default="marked_reversal")
   parser.add_argument("--model", default="ns")
   parser.add_argument("--learning_rates", default="0.01,0.005")
@@ -238,7 +238,7 @@ def main():
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   if args.restarts < 1 or args.epochs < 1 or args.workers < 1:
-    sys.exit("error: --restarts, --epochs and --workers must be >= 1")
+    cli.fail("--restarts, --epochs and --workers must be >= 1")
   out = args.out or os.path.join(
       RESULTS, f"rerun_records_{args.task}_{args.model}.json")
   info = machine.machine_info()
@@ -257,7 +257,7 @@ def main():
     start = time.perf_counter()
     proc = subprocess.run(argv, cwd=REPO, check=False)
     if proc.returncode != 0:
-      sys.exit(f"error: reproduce exited with {proc.returncode}")
+      cli.fail(f"reproduce exited with {proc.returncode}")
     seconds = time.perf_counter() - start
     reruns = run_records.load_records(results, args.task)
     against = None

@@ -43,7 +43,6 @@ Prints a table and writes benchmarks/results/rns_stack.json
 limited_vs_baseline.json with --windows).
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -64,6 +63,7 @@ import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 B, Q, S, D, H, V, CHUNK = 4, 2, 3, 20, 20, 3, 35
 
@@ -273,7 +273,7 @@ def limited_vs_baseline(args, n=500, repeats=5):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="n in {100, 500} only")
   parser.add_argument("--out", default=None, help="JSON path")

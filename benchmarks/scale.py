@@ -24,7 +24,6 @@ Prints a table and writes benchmarks/results/scale_<backend>.json (with the
 machine / device description).
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -44,6 +43,7 @@ from nsrnn_jax import grid
 from nsrnn_jax import parallel
 from nsrnn_jax import rns_stack
 from nsrnn_jax import train
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH = 10
 DEVICE_BATCH = 8  # Divisible by 1, 2, 4, 8 devices.
@@ -172,7 +172,7 @@ def bench_devices(length, steps, repeats):
 
 def build_parser():
   """The command line's flags (a test checks gpu_session.sh's commands)."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--length", type=int, default=80,
                       help="the longest length (and the devices' length)")
   parser.add_argument("--lengths", default=None,

@@ -12,7 +12,6 @@ failures, the commits that fix them) is left for them to write.
       [--command "python -m pytest ..."] [--environment "..."]
 """
 
-import argparse
 import importlib.metadata
 import json
 import os
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import machine
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin",
             "flax", "optax", "orbax-checkpoint", "ml_collections", "pytest",
@@ -113,7 +113,7 @@ def record(xml_path, root, command, environment, exit_code=None):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("report", help="pytest --junitxml output")
   parser.add_argument("--out", required=True)
   parser.add_argument("--root", default=".",

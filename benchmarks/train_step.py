@@ -88,7 +88,6 @@ in results/reference_pytorch.json, never here.
       [--cpu_devices=2] [--compile_study --study_model=ns22,jm]
 """
 
-import argparse
 import contextlib
 import importlib.util
 import inspect
@@ -120,6 +119,7 @@ from nsrnn_jax import parallel
 from nsrnn_jax import rns_stack
 from nsrnn_jax import stack_kernels
 from nsrnn_jax import train
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH = 10
 # Model settings and the project's targets (issues 4 and 11; targets, not
@@ -638,7 +638,7 @@ def _reexec_with_devices(n):
 
 def build_parser():
   """The command line's flags (a test checks gpu_session.sh's commands)."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models",
                       default="ns22,ns33,ns22_scaled,ns33_scaled,jm,gref,lstm")
   parser.add_argument("--length", type=int, default=80)

@@ -57,6 +57,7 @@ import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import ns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import vrns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _inputs(b, t, q, s, m, seed=0):
@@ -199,7 +200,7 @@ def compare(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--batch", type=int, default=10)
   parser.add_argument("--reps", type=int, default=3)

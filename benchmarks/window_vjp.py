@@ -39,6 +39,7 @@ import corpus_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODES = ("custom", "autodiff")
 
@@ -91,7 +92,7 @@ def _timed(builders, reps):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")

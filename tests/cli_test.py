@@ -172,3 +172,22 @@ def test_plots_lists_are_checked(argv, message, capsys, tmp_path,
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("error: ") and message in err
   assert not os.listdir(tmp_path)
+
+
+def test_benchmark_scripts_fail_in_one_line_with_exit_2():
+  # Their flags through OneLineArgumentParser and their own checks through
+  # fail: no usage block, no exit status 1 (the rule for every command).
+  root = os.path.join(os.path.dirname(cli.__file__), "..", "benchmarks")
+  for name in sorted(os.listdir(root)):
+    if name.endswith(".py"):
+      with open(os.path.join(root, name)) as f:
+        source = f.read()
+      assert "argparse.ArgumentParser(" not in source, name
+      assert not re.search(r"sys\.exit\(f?\"error", source), name
+  for argv, message in [(["--runs=0"], "--runs and --max_epochs must be"),
+                        (["--bogus"], "unrecognized arguments: --bogus")]:
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "reproduce_workers.py"), *argv],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr
