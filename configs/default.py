@@ -39,8 +39,9 @@ def get_config() -> ml_collections.ConfigDict:
   # "scaled" (1.3x slower steps on CPU; float32 can flush when the weights
   # decay fast: models.NS_TABLES).
   config.stack_table = "shares"
-  # NS-RNN: strings the stack runs at once, a divisor of the batch (0 =
-  # automatic: on CPU chunks whose table fits 10 MiB, on accelerators all).
+  # NS-RNN: strings the stack runs at once (0 = automatic: on CPU chunks
+  # whose table fits 10 MiB, on accelerators all; else the largest divisor
+  # of the device's batch not above it).
   config.stack_batch_chunk = 0
   # JM/Gref: stack embedding size m (grid value; the paper does not publish
   # the selected value, 20 is the middle of the grid).

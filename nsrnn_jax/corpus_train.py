@@ -72,6 +72,11 @@ def validate_config(config) -> None:
          "for task 'corpus' (python -m nsrnn_jax.corpus writes a small one)")
   if not os.path.isdir(corpus_dir):
     fail("corpus_dir", f"{corpus_dir!r} is not a directory")
+  for split in corpus_lib.SPLITS:  # Before a run starts, not when it loads.
+    try:
+      corpus_lib.split_path(corpus_dir, split)
+    except ValueError as e:
+      fail("corpus_dir", f"is unusable: {e}")
   model = config.model
   if model not in STREAM_MODELS or (model != "lstm"
                                     and not config.get("stack_window", 0)):

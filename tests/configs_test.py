@@ -559,7 +559,10 @@ def test_later_cli_argument(tmp_path, arg, expected):
                                          ("ptb_vrns", "vrns")])
 def test_ptb_configs_have_the_reference_protocol(name, model, tmp_path):
   config = _load(name)
-  config.corpus_dir = str(tmp_path)  # validate_config wants a directory
+  # validate_config wants a directory with the three split files.
+  for split in ("train", "valid", "test"):
+    (tmp_path / f"{split}.txt").write_text("a b\n")
+  config.corpus_dir = str(tmp_path)
   train.validate_config(config)
   assert (config.task, config.model) == ("corpus", model)
   # rns-vrns-reference.md §4.4.

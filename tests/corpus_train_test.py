@@ -198,12 +198,18 @@ def test_training_learns_and_a_resumed_run_matches(corpus_dir, tmp_path):
     (dict(model="rns", stack_window=3, truncation_length=3),
      "cut by bptt_length"),
     (dict(corpus_dir="/nonexistent/corpus"), "is not a directory"),
+    # A directory without the split files: refused before the run starts.
+    (dict(corpus_dir="EMPTY"), "config.corpus_dir is unusable: corpus "
+     "directory .* has no train file"),
     (dict(bptt_length=0), "bptt_length must be an integer >= 1"),
     (dict(optimizer="rmsprop"), "expected one of adam, sgd"),
     (dict(init_scale=-1.0), "init_scale must be 0"),
 ])
 def test_bad_config_is_a_one_line_error(corpus_dir, tmp_path, overrides,
                                         message):
+  if overrides.get("corpus_dir") == "EMPTY":
+    (tmp_path / "empty").mkdir()
+    overrides = dict(overrides, corpus_dir=str(tmp_path / "empty"))
   with pytest.raises(ValueError, match=message) as e:
     train.train_and_evaluate(_config(corpus_dir, **overrides),
                              str(tmp_path / "run"))
