@@ -530,6 +530,7 @@ def _check_inputs(num_states, num_symbols, log_bottom_vector, b):
   if lv.ndim != 2 or lv.shape[0] != b or lv.shape[1] < 1:
     raise ValueError(f"log_bottom_vector must be [M] or [B={b}, M] with "
                      f"M >= 1, got shape {jnp.shape(log_bottom_vector)}")
+  _check_not_nan_or_inf("log_bottom_vector", log_bottom_vector)
   return lv
 
 
@@ -603,18 +604,23 @@ def _given_actions(params, carry, x_t, reading):
   return carry, x_t, jnp.zeros(x_t[3].shape[:1], x_t[3].dtype)
 
 
+def _check_not_nan_or_inf(name, a):
+  """A concrete array's NaN or +inf (a traced one is not checked)."""
+  if not isinstance(a, jax.core.Tracer):
+    v = np.asarray(a)
+    if np.isnan(v).any() or (v == np.inf).any():
+      raise ValueError(f"{name} contains NaN or +inf log-weights")
+
+
 def _check_actions(push, repl, pop, log_vectors):
-  shapes = [jnp.shape(a) for a in (push, repl, pop, log_vectors)]
-  if len(shapes[0]) != 6:
-    raise ValueError(f"push must be [B, T, Q, S, Q, S], got {shapes[0]}")
-  b, t, q, s = shapes[0][:4]
-  want = [(b, t, q, s, q, s), (b, t, q, s, q, s), (b, t, q, s, q)]
-  for name, got, w in zip(("push", "repl", "pop"), shapes, want):
-    if tuple(got) != w:
-      raise ValueError(f"{name} has shape {tuple(got)}, expected {w}")
-  if len(shapes[3]) != 3 or tuple(shapes[3][:2]) != (b, t) or shapes[3][2] < 1:
+  # The actions as rns_stack checks them: shapes, one float dtype, no NaN
+  # or +inf (the share sweep would turn them into finite, wrong numbers).
+  b, t, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
+  shape = tuple(jnp.shape(log_vectors))
+  if len(shape) != 3 or shape[:2] != (b, t) or shape[2] < 1:
     raise ValueError(f"log_vectors must be [B={b}, T={t}, M>=1], got "
-                     f"{tuple(shapes[3])}")
+                     f"{shape}")
+  _check_not_nan_or_inf("log_vectors", log_vectors)
   return b, t, q, s
 
 

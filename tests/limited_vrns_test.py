@@ -94,7 +94,8 @@ def test_incremental_runs_continue_the_stream(x64):
   # Bad shapes are one-line errors; log v_⊥ may be [M].
   one = limited_vrns.run(*first, acts[4][0], window)
   np.testing.assert_array_equal(one[0], rho1)
-  with pytest.raises(ValueError, match=r"pop has shape \(1, 4, 2, 2, 3\)"):
+  with pytest.raises(ValueError, match=r"pop must be \[B, T, Q, S, Q\] = "
+                     r"\(1, 4, 2, 2, 2\), got \(1, 4, 2, 2, 3\)"):
     limited_vrns.run(*first[:2], np.zeros((1, 4, 2, 2, 3)), first[3],
                      acts[4], window)
   with pytest.raises(ValueError, match="log_bottom_vector has M=3 but"):

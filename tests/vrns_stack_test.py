@@ -1,6 +1,7 @@
 """Tests for nsrnn_jax.vrns_stack against explicit PDA runs (float64)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from nsrnn_jax import limited_vrns
 from nsrnn_jax import vrns_stack
 
 try:  # tests/ as a package (rootdir on sys.path) or as a plain directory.
@@ -341,15 +343,32 @@ def test_gradient_memory_is_quadratic():
 def test_bad_inputs_give_one_line_errors():
   rng = np.random.default_rng(0)
   push, repl, pop, lv, lb = _random_inputs(rng, 1, 3, 2, 2, 2)
+  def poke(a, value):
+    a = np.array(a)
+    a.flat[1] = value
+    return a
+
   for args, match in [
-      ((push, repl[..., :1], pop, lv, lb), "repl has shape"),
+      ((push, repl[..., :1], pop, lv, lb), "repl must have push's shape"),
       ((push, repl, pop, lv[..., :0], lb), "log_vectors must be"),
       ((push[0], repl, pop, lv, lb), "push must be"),
       ((push, repl, pop, lv, np.zeros((3, 2))), "log_bottom_vector must be"),
+      # NaN or +inf: as rns_stack refuses them (the share sweep turned them
+      # into finite, wrong numbers).
+      ((poke(push, np.nan), repl, pop, lv, lb), "push contains NaN or +inf"),
+      ((push, repl, poke(pop, np.inf), lv, lb), "pop contains NaN or +inf"),
+      ((push, repl, pop, poke(lv, np.nan), lb),
+       "log_vectors contains NaN or +inf"),
+      ((push, repl, pop, lv, poke(lb, np.inf)),
+       "log_bottom_vector contains NaN or +inf"),
+      ((push.astype(np.int32), repl.astype(np.int32), pop.astype(np.int32),
+        lv, lb), "actions must be float log-weights"),
   ]:
-    with pytest.raises(ValueError, match=match) as info:
-      vrns_stack.run(*args)
-    assert "\n" not in str(info.value)
+    for run in (vrns_stack.run,
+                lambda *a: limited_vrns.run(*a, window=2)):
+      with pytest.raises(ValueError, match=re.escape(match)) as info:
+        run(*args)
+      assert "\n" not in str(info.value)
 
 
 def test_time_blocks_cover_every_update_once():
