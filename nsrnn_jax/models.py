@@ -1518,6 +1518,14 @@ def sequence_log_prob(logits_BxNxV: jax.Array, symbols_BxN: jax.Array,
       np.shape(symbols_BxN)):
     raise ValueError(f'mask shape {np.shape(mask_BxN)} does not match '
                      f'symbols shape {np.shape(symbols_BxN)}')
+  if np.shape(symbols_BxN)[1]:
+    # Ids outside [0, V) (checked where concrete): take_along_axis would
+    # read -1 as the last symbol, and >= V as NaN.
+    symbols_BxN = _check_symbols(symbols_BxN, np.shape(logits_BxNxV)[2])
+  if mask_BxN is not None and not isinstance(mask_BxN, jax.core.Tracer):
+    mask = np.asarray(mask_BxN)
+    if not np.isin(mask, (0, 1)).all():
+      raise ValueError('mask must hold 0/1 weights (1 = real symbol)')
   log_p_BxNxV = jax.nn.log_softmax(logits_BxNxV, axis=-1)
   log_p_BxN = jnp.take_along_axis(
       log_p_BxNxV, jnp.asarray(symbols_BxN)[..., None], axis=-1)[..., 0]

@@ -921,6 +921,13 @@ def test_bad_symbols_raise():
     model.apply({'params': params}, jnp.asarray([[0.0, 1.0]]))
   with pytest.raises(ValueError, match='does not match'):
     models.sequence_log_prob(jnp.zeros((2, 4, 3)), jnp.zeros((2, 5), int))
+  # Ids outside [0, V): -1 was scored as the last symbol, V as NaN.
+  for bad in (-1, 3):
+    with pytest.raises(ValueError, match=r'symbol ids must lie in \[0, 3\)'):
+      models.sequence_log_prob(jnp.zeros((1, 2, 3)), jnp.asarray([[0, bad]]))
+  with pytest.raises(ValueError, match='mask must hold 0/1 weights'):
+    models.sequence_log_prob(jnp.zeros((1, 2, 3)), jnp.asarray([[0, 1]]),
+                             jnp.asarray([[1.0, -1.0]]))
 
 
 def test_build_reads_flat_config():
