@@ -299,7 +299,18 @@ def write_splits(splits: Splits, out_dir: str) -> None:
   """Writes `meta.json` and `{train,valid,test}.tsv` under `out_dir`.
 
   See the module docstring for the format. Existing files are overwritten.
+
+  Raises:
+    ValueError: a batch holds a symbol id outside the alphabet (before
+      anything is written; a -1 would be written as the last symbol).
   """
+  for name in SPLITS:
+    for index, batch in enumerate(splits.split(name)):
+      ids = np.asarray(batch.symbols)
+      if ids.size and (ids.min() < 0 or ids.max() >= len(splits.alphabet)):
+        raise ValueError(f"{name} batch {index} holds symbol ids outside "
+                         f"[0, {len(splits.alphabet)}): "
+                         f"[{ids.min()}, {ids.max()}]")
   os.makedirs(out_dir, exist_ok=True)
   meta = {
       "format": FORMAT,

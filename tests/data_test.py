@@ -182,3 +182,13 @@ def test_cli_accepts_every_task_languages_accepts(tmp_path):
   assert bad.returncode == 2
   assert bad.stderr.strip().splitlines() == [
       "error: task 'dyck_k1': alphabet size must be >= 2 (got 1)"]
+
+
+def test_write_splits_refuses_ids_outside_the_alphabet(tmp_path):
+  splits = data.make_splits("hardest_cfl", seed=5, **SMALL)
+  for bad in (-1, len(splits.alphabet)):
+    splits.test[0].symbols[0, 0] = bad
+    with pytest.raises(ValueError, match=r"test batch 0 holds symbol ids "
+                       r"outside \[0, "):
+      data.write_splits(splits, str(tmp_path / f"out{bad}"))
+  assert not os.listdir(tmp_path)  # refused before anything is written
