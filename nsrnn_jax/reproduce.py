@@ -146,8 +146,10 @@ def plan_tasks(tasks: Sequence[str], models: Sequence[str],
 
   Restart 0 of every task comes before restart 1 of any, so a budgeted
   invocation of the whole paper covers every cell of every task first;
-  within a restart, the tasks in the given order.
+  within a restart, the tasks in the given order. `tasks` as for
+  `parse_tasks` (a name, "a,b", "all" or a list).
   """
+  tasks = parse_tasks(tasks)
   per_task = [plan(t, models, learning_rates, stack_sizes, restarts,
                    restart_ids) for t in tasks]
   return sorted((s for runs in per_task for s in runs),

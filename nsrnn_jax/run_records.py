@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -107,7 +108,38 @@ def plan(task: str, models: Sequence[str],
   budgeted invocation finishes whole cells of restart 0 before spending
   hours on restart 1 of the NS-RNN. `restart_ids` (each < `restarts`)
   keeps only those restarts (None: all).
+
+  Raises:
+    ReproduceError: an unknown task or model, no model, a learning rate or
+      stack size that is not positive, restarts < 1, a restart id outside
+      [0, restarts) (a plan of nothing would report itself finished).
   """
+  if task not in TASKS:
+    raise ReproduceError(f"unknown task {task!r}; expected one of "
+                         f"{', '.join(TASKS)}")
+  if isinstance(models, str) or not models or any(
+      m not in MODELS for m in models):
+    raise ReproduceError(f"models must be a non-empty list of "
+                         f"{', '.join(MODELS)} (got {models!r})")
+  if isinstance(restarts, bool) or not isinstance(
+      restarts, (int, np.integer)) or restarts < 1:
+    raise ReproduceError(f"restarts must be an integer >= 1 (got "
+                         f"{restarts!r})")
+  if restart_ids is not None and (
+      isinstance(restart_ids, (str, int)) or not restart_ids
+      or any(isinstance(r, bool) or r not in range(restarts)
+             for r in restart_ids)):
+    raise ReproduceError(f"restart_ids must be a non-empty list of integers "
+                         f"in [0, {restarts}) (got {restart_ids!r})")
+  for name, values, ok in (
+      ("learning_rates", learning_rates,
+       lambda v: isinstance(v, (int, float, np.number)) and 0 < v < math.inf),
+      ("stack_sizes", stack_sizes,
+       lambda v: isinstance(v, (int, np.integer)) and v >= 1)):
+    if isinstance(values, (str, int, float)) or not values or not all(
+        ok(v) and not isinstance(v, bool) for v in values):
+      raise ReproduceError(f"{name} must be a non-empty list of positive "
+                           f"numbers (got {values!r})")
   runs = []
   for r in range(restarts):
     if restart_ids is not None and r not in restart_ids:

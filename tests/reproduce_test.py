@@ -881,3 +881,22 @@ def test_a_misplaced_or_malformed_record_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(target) in err
   assert not (tmp_path / "rep.md").exists()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(task="dyk"), "unknown task 'dyk'"),
+    (dict(models=["NS"]), "models must be a non-empty list"),
+    (dict(models="ns"), "models must be a non-empty list"),
+    (dict(restarts=-1), "restarts must be an integer >= 1"),
+    (dict(restart_ids=[7]), "restart_ids must be a non-empty list"),
+    (dict(learning_rates=[float("nan")]), "learning_rates must be"),
+    (dict(learning_rates=[-0.1]), "learning_rates must be"),
+    (dict(stack_sizes=[2.5]), "stack_sizes must be"),
+])
+def test_a_plan_of_bad_arguments_is_refused(kwargs, message):
+  # Not a plan of nothing (which a run reported finished) or of bogus runs.
+  args = dict(task="dyck", models=["ns", "jm"]) | kwargs
+  with pytest.raises(run_records.ReproduceError, match=re.escape(message)):
+    run_records.plan(**args)
+  # A task name given as a string is that task, not its letters.
+  assert {s.task for s in reproduce.plan_tasks("dyck", ["ns"])} == {"dyck"}
