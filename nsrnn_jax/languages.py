@@ -176,14 +176,20 @@ class Language(pcfg.SymbolCodec):
     return self.compiled.valid_lengths(min_length, max_length)
 
   def sample(self, length: int, rng: np.random.Generator) -> tuple[int, ...]:
-    """A string of exactly `length` symbol ids, drawn from G(w)/G(length)."""
+    """A string of exactly `length` symbol ids, drawn from G(w)/G(length).
+
+    `rng`: a numpy Generator or an integer seed (`pcfg.as_generator`)."""
     return self.compiled.sample(length, rng)
 
   def sample_batch(self, length: int, batch_size: int,
                    rng: np.random.Generator) -> np.ndarray:
-    """`batch_size` independent samples of one length as int32 [B, N]."""
-    if batch_size < 0:
-      raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    """`batch_size` independent samples of one length as int32 [B, N].
+
+    `rng`: a numpy Generator or an integer seed (`pcfg.as_generator`).
+    """
+    batch_size = pcfg.check_batch_size(batch_size)
+    length = self.compiled.check_sample_length(length)  # Also for B = 0.
+    rng = pcfg.as_generator(rng)  # One stream for the whole batch.
     out = np.zeros((batch_size, length), dtype=np.int32)
     for i in range(batch_size):
       out[i] = self.sample(length, rng)

@@ -359,6 +359,33 @@ def check_symbols_BxN(symbols_BxN, num_terminals: int) -> np.ndarray:
   return arr.astype(np.int64)
 
 
+def as_generator(rng) -> np.random.Generator:
+  """`rng` itself if a numpy Generator, else a Generator seeded with it.
+
+  A sampler called with a seed (`lang.sample(40, 0)`) draws what
+  `lang.sample(40, np.random.default_rng(0))` draws.
+
+  Raises:
+    TypeError: `rng` is neither a Generator nor an integer seed >= 0.
+  """
+  if isinstance(rng, np.random.Generator):
+    return rng
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool) \
+      and rng >= 0:
+    return np.random.default_rng(int(rng))
+  raise TypeError(f"rng must be a numpy Generator (np.random.default_rng("
+                  f"seed)) or an integer seed >= 0, got {rng!r}")
+
+
+def check_batch_size(batch_size) -> int:
+  """`batch_size` as an int (ValueError unless an integer >= 0)."""
+  if isinstance(batch_size, bool) or not isinstance(
+      batch_size, (int, np.integer)) or batch_size < 0:
+    raise ValueError(f"batch_size must be an integer >= 0, got "
+                     f"{batch_size!r}")
+  return int(batch_size)
+
+
 def text_symbols(text: str, alphabet: Sequence[str]) -> list[str]:
   """The symbols of a string written as text, for `alphabet`.
 
@@ -595,6 +622,14 @@ class CompiledPCFG:
                                  terms.tolist())
     return self._lex_cache[symbol]
 
+  def check_sample_length(self, length) -> int:
+    """`length` as an int (ValueError unless the grammar has strings of
+    that length)."""
+    length = _check_length(length)
+    if self.length_prob(length) <= 0:
+      raise ValueError(f"the grammar generates no string of length {length}")
+    return length
+
   def sample(self, length: int, rng: np.random.Generator) -> tuple[int, ...]:
     """Samples a string of exactly `length` symbols from G(w) / G(length).
 
@@ -603,7 +638,7 @@ class CompiledPCFG:
 
     Args:
       length: the string length; must satisfy T[start, length] > 0.
-      rng: a numpy Generator.
+      rng: a numpy Generator, or an integer seed (`as_generator`).
 
     Returns:
       A tuple of terminal ids.
@@ -611,10 +646,8 @@ class CompiledPCFG:
     Raises:
       ValueError: if no string of that length exists.
     """
-    length = _check_length(length)
-    if self.length_prob(length) <= 0:
-      raise ValueError(f"the grammar generates no string of length {length}")
-    uniforms = rng.random(2 * length).tolist()
+    length = self.check_sample_length(length)
+    uniforms = as_generator(rng).random(2 * length).tolist()
     out, stack, pos = [], [(0, length)], 0
     while stack:
       symbol, span = stack.pop()

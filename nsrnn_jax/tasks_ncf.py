@@ -222,10 +222,10 @@ class UniformTask(pcfg.SymbolCodec):
     One `rng.integers(k, size=(B, n))` draw per batch (none for count_3).
     """
     n = self._content_length_or_raise(length)
-    if batch_size < 0:
-      raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    batch_size = pcfg.check_batch_size(batch_size)
     if self._layout.has_content:
-      u = rng.integers(self.alphabet_size, size=(batch_size, n))
+      u = pcfg.as_generator(rng).integers(self.alphabet_size,
+                                          size=(batch_size, n))
     else:
       u = np.zeros((batch_size, n), dtype=np.int64)
     return self._layout.build(u.astype(np.int32), self.alphabet_size)

@@ -276,3 +276,20 @@ def test_inside_long_strings_match_naive_sum(task, length):
     assert lang.log_prob(bad) == -math.inf
   else:
     assert math.isclose(lang.log_prob(bad), math.log(want), rel_tol=1e-11)
+
+
+@pytest.mark.parametrize("task", ["dyck", "marked_copy"])
+def test_samplers_take_a_seed_and_refuse_what_is_no_rng(task):
+  lang = languages.get(task)
+  n = 6 if task == "dyck" else 5
+  # A seed draws what a Generator of that seed draws (one stream a batch).
+  assert lang.sample(n, 3) == lang.sample(n, np.random.default_rng(3))
+  np.testing.assert_array_equal(lang.sample_batch(n, 4, 7),
+                                lang.sample_batch(n, 4,
+                                                  np.random.default_rng(7)))
+  for rng in (None, -1, 1.5, True, "0"):
+    with pytest.raises(TypeError, match="rng must be a numpy Generator"):
+      lang.sample(n, rng)
+  for size in (2.5, -1, True):
+    with pytest.raises(ValueError, match="batch_size must be an integer"):
+      lang.sample_batch(n, size, 0)
