@@ -114,15 +114,20 @@ def encode(strings: Sequence[Union[str, Sequence[str]]],
   return out
 
 
-def score(workdir_or_loaded: Union[str, Loaded],
+def score(workdir_or_loaded: Union[str, os.PathLike, Loaded],
           strings: Sequence[Union[str, Sequence[str]]]) -> np.ndarray:
   """Natural-log probabilities ln p_model(w) of strings (float64 [len]).
 
   Strings of equal length are scored in one batch. For a config with
   predict_eos the score includes ln p_model(EOS | w) (a complete string).
   """
-  loaded = (load_model(workdir_or_loaded)
-            if isinstance(workdir_or_loaded, str) else workdir_or_loaded)
+  if isinstance(workdir_or_loaded, (str, os.PathLike)):
+    loaded = load_model(os.fspath(workdir_or_loaded))
+  elif isinstance(workdir_or_loaded, Loaded):
+    loaded = workdir_or_loaded
+  else:
+    raise TypeError(f"score takes a workdir path or evaluate.load_model's "
+                    f"result, got {type(workdir_or_loaded).__name__}")
   if isinstance(strings, str):
     raise ValueError("strings must be a list of strings, not one string")
   corpus_run = _is_corpus(loaded.config)

@@ -101,7 +101,8 @@ def true_next_symbol_distribution(grammar: Any,
   Args:
     grammar: the `pcfg.CompiledPCFG` the strings are sampled from, or for
       a non-context-free task its `tasks_ncf.UniformTask` (either from
-      `task_grammar(task)`).
+      `task_grammar(task)`), or the task's name or `languages.get` object
+      (`as_grammar`).
     symbols: the string w_1..w_n (ids); n = len(symbols).
 
   Returns:
@@ -113,6 +114,7 @@ def true_next_symbol_distribution(grammar: Any,
   Raises:
     ValueError: for an empty string or ids outside the vocabulary.
   """
+  grammar = as_grammar(grammar)
   symbols_N = _check_string(symbols, _num_terminals(grammar))
   if not isinstance(grammar, pcfg.CompiledPCFG):
     return grammar.next_symbol_distribution(symbols_N)
@@ -133,6 +135,25 @@ def true_next_symbol_distribution(grammar: Any,
     probs_NxV = weights_NxV / weights_NxV.sum(axis=1, keepdims=True)
   # A prefix without completions has weight 0 for every a: a NaN row.
   return np.where(np.isfinite(top_N1), probs_NxV, np.nan)
+
+
+def as_grammar(grammar: Any) -> Any:
+  """What `true_next_symbol_distribution` reads, from a task name, a
+  `languages.get` task or that already (`task_grammar`'s result).
+
+  Raises:
+    TypeError: anything else.
+  """
+  from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import tasks_ncf  # pylint: disable=g-import-not-at-top
+  if isinstance(grammar, str):
+    return task_grammar(grammar)
+  if isinstance(grammar, languages.Language):
+    return grammar.compiled
+  if isinstance(grammar, (pcfg.CompiledPCFG, tasks_ncf.UniformTask)):
+    return grammar
+  raise TypeError("grammar must be a task name, languages.get(task) or "
+                  f"task_grammar(task), got {type(grammar).__name__}")
 
 
 def _num_terminals(grammar: Any) -> int:
@@ -896,8 +917,9 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int] | str,
     params: its parameters.
     symbols: the string: ids, or with `alphabet` given its text ("01#10" or
       "0 1 # 1 0", `pcfg.text_symbols`) or a list of its symbols.
-    grammar: the task's grammar (`task_grammar`) for the true next-symbol
-      distribution; None skips it.
+    grammar: the task for the true next-symbol distribution: its name,
+      `languages.get(name)` or `task_grammar(name)` (`as_grammar`); None
+      skips it.
     alphabet: symbol strings for labels.
     eos: the model predicts EOS (trained with config.predict_eos): its last
       output id V is EOS, not a symbol of the string. The next-symbol
@@ -919,6 +941,8 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int] | str,
       and all(isinstance(a, str) for a in symbols)):
     symbols = _text_ids(symbols, alphabet)
   symbols_N = _check_string(symbols, vocab)
+  if grammar is not None:
+    grammar = as_grammar(grammar)
   if grammar is not None and _num_terminals(grammar) != vocab:
     raise ValueError(f"grammar has {_num_terminals(grammar)} terminals but the "
                      f"model's vocabulary has {vocab} symbols.")

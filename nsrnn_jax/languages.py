@@ -216,7 +216,6 @@ class Language(pcfg.SymbolCodec):
     return f"Language({self.name!r}, alphabet={self.alphabet})"
 
 
-@functools.lru_cache(maxsize=None)
 def get(name: str, *, preserve_start: bool = False) -> Language:
   """The task called `name` (cached; tables grow lazily).
 
@@ -233,6 +232,15 @@ def get(name: str, *, preserve_start: bool = False) -> Language:
     ValueError: for an unknown name (the message lists the valid tasks) or
       bad task parameters (e.g. an alphabet size < 2).
   """
+  if not isinstance(name, str):  # (before the cache: a list is unhashable)
+    raise TypeError(f"the task name must be a string, got {name!r}")
+  if not isinstance(preserve_start, (bool, np.bool_)):
+    raise TypeError(f"preserve_start must be a bool, got {preserve_start!r}")
+  return _get(name, bool(preserve_start))
+
+
+@functools.lru_cache(maxsize=None)
+def _get(name: str, preserve_start: bool) -> Language:
   if name not in _SPECS:
     later = tasks_ncf.get(name, preserve_start=preserve_start)
     if later is not None:

@@ -333,6 +333,11 @@ def group_runs(patterns: Sequence[str], labels: Sequence[str] | None = None,
   if group_by not in ("pattern", "model"):
     raise ValueError(
         f"group_by must be 'pattern' or 'model', got {group_by!r}.")
+  # One string is one pattern (or label), not a sequence of characters.
+  if isinstance(patterns, str):
+    patterns = [patterns]
+  if isinstance(labels, str):
+    labels = [labels]
   if not patterns:
     raise ValueError("No workdirs given.")
   runs_per_pattern = [find_runs(p) for p in patterns]
@@ -630,6 +635,10 @@ def make_figures(groups: Sequence[RunGroup], out_dir: str,
   """
   if not groups:
     raise ValueError("No run groups to plot.")
+  if not all(isinstance(g, RunGroup) for g in groups):
+    raise TypeError("groups must be RunGroups (group_runs)")
+  if isinstance(formats, str):
+    formats = (formats,)  # "png", not "p", "n", "g"
   labels = [g.label for g in groups]
   if len(set(labels)) != len(labels):
     raise ValueError(f"Group labels must be distinct, got {labels}.")

@@ -157,3 +157,14 @@ def test_cli_missing_workdir_one_line_error(tmp_path):
       text=True, timeout=120)
   assert proc.returncode == 2
   assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_score_takes_a_path_like_workdir_and_refuses_other_things(workdir,
+                                                                   loaded):
+  import pathlib  # pylint: disable=g-import-not-at-top
+  np.testing.assert_array_equal(
+      evaluate.score(pathlib.Path(workdir), ["01#10"]),
+      evaluate.score(loaded, ["01#10"]))
+  for bad in (None, (1, 2)):
+    with pytest.raises(TypeError, match="score takes a workdir path"):
+      evaluate.score(bad, ["01#10"])

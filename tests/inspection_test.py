@@ -847,3 +847,19 @@ def test_inspect_jm_and_gref_string(name, extra):
   for m, p, w in ((lstm, lstm_params, symbols), (model, params, symbols[:1])):
     with pytest.raises(ValueError, match="no JM or Gref stack actions"):
       inspection.plot_superposition_stack(inspection.inspect_string(m, p, w))
+
+
+def test_the_grammar_may_be_given_as_a_name_or_a_task():
+  # as_grammar: a name, languages.get(name) or task_grammar(name) give the
+  # same distribution; anything else is a TypeError.
+  symbols = [0, 1, 2, 1, 0]
+  want = inspection.true_next_symbol_distribution(
+      inspection.task_grammar("marked_reversal"), symbols)
+  for grammar in ("marked_reversal", languages.get("marked_reversal")):
+    np.testing.assert_array_equal(
+        inspection.true_next_symbol_distribution(grammar, symbols), want)
+  copy = inspection.true_next_symbol_distribution("marked_copy", [0, 2, 0])
+  np.testing.assert_array_equal(copy, inspection.true_next_symbol_distribution(
+      languages.get("marked_copy"), [0, 2, 0]))
+  with pytest.raises(TypeError, match="grammar must be a task name"):
+    inspection.true_next_symbol_distribution(None, symbols)

@@ -293,3 +293,11 @@ def test_samplers_take_a_seed_and_refuse_what_is_no_rng(task):
   for size in (2.5, -1, True):
     with pytest.raises(ValueError, match="batch_size must be an integer"):
       lang.sample_batch(n, size, 0)
+
+
+def test_a_task_name_that_is_no_string_is_a_type_error():
+  for bad in (None, 5, ["dyck"]):
+    with pytest.raises(TypeError, match="task name must be a string"):
+      languages.get(bad)
+  with pytest.raises(TypeError, match="preserve_start must be a bool"):
+    languages.get("dyck", preserve_start="no")  # a truthy string

@@ -302,3 +302,16 @@ def test_paper_reference_is_the_papers_curve_of_each_groups_model(
                 "--group_by=model", f"--out={tmp_path / 'fig2'}", "--paper"])
   assert info.value.code == 2
   assert "runs of one task" in capsys.readouterr().err
+
+
+def test_one_string_is_one_pattern_label_and_format(runs, tmp_path):
+  runs_path, _, _, _ = runs
+  pattern = str(runs_path / "grid" / "lstm-*")
+  (group,) = plots.group_runs(pattern, labels="LSTM")
+  assert group.label == "LSTM"
+  assert list(group.workdirs) == list(plots.find_runs(pattern))
+  result = plots.make_figures([group], str(tmp_path / "out"), formats="png")
+  assert sorted(os.path.basename(f) for f in result["files"]) == [
+      "figure3.png", "figure4.png", "series.json"]
+  with pytest.raises(TypeError, match="RunGroups"):
+    plots.make_figures(["x"], str(tmp_path / "out2"))
