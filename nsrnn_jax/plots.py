@@ -293,12 +293,22 @@ def read_test_by_length(workdir: str, key: str = "ce_diff"
     raise ValueError(f"{path} is not JSON: {e}") from None
   if not isinstance(table, dict) or "lengths" not in table or key not in table:
     raise ValueError(f"{path} lacks 'lengths' or {key!r}.")
-  try:
-    lengths_L = np.asarray(table["lengths"], dtype=np.int64)
-    values_L = np.asarray(table[key], dtype=np.float64)
-  except (TypeError, ValueError):
-    raise ValueError(f"{path}: 'lengths' and {key!r} must be lists of "
-                     "numbers") from None
+  lengths, values = table["lengths"], table[key]
+  # JSON's types as evaluation writes them: a length 9.5 or "13", or a
+  # value "nan", would be read as numbers and move the curve.
+  if not (isinstance(lengths, list) and isinstance(values, list)
+          and all(isinstance(n, int) and not isinstance(n, bool)
+                  for n in lengths)
+          and all(v is None or (isinstance(v, (int, float))
+                                and not isinstance(v, bool))
+                  for v in values)):
+    raise ValueError(f"{path}: 'lengths' must be a list of integers and "
+                     f"{key!r} a list of numbers (or null)")
+  if len(set(lengths)) != len(lengths):
+    raise ValueError(f"{path}: 'lengths' repeats a length")
+  lengths_L = np.asarray(lengths, dtype=np.int64)
+  values_L = np.asarray([np.nan if v is None else v for v in values],
+                        dtype=np.float64)
   if lengths_L.shape != values_L.shape or lengths_L.ndim != 1:
     raise ValueError(f"{path}: 'lengths' and {key!r} differ in shape "
                      f"({lengths_L.shape} vs {values_L.shape}).")

@@ -212,7 +212,11 @@ def test_bad_input_gives_clear_errors(tmp_path, runs):
     (bad / "metrics.jsonl").write_text(record + "\n")
     with pytest.raises(ValueError, match="is not a number of its kind"):
       plots.validation_curve(str(bad))
-  for table in ("5", '{"lengths": [{}], "ce_diff": [1]}', "{"):
+  for table in ("5", '{"lengths": [{}], "ce_diff": [1]}', "{",
+                '{"lengths": [9.5, 11], "ce_diff": [0.1, 0.2]}',
+                '{"lengths": [9, "11"], "ce_diff": [0.1, 0.2]}',
+                '{"lengths": [9, 11], "ce_diff": [0.1, "nan"]}',
+                '{"lengths": [9, 9], "ce_diff": [0.1, 0.2]}'):
     (bad / "test_by_length.json").write_text(table)
     with pytest.raises(ValueError, match="test_by_length.json"):
       plots.read_test_by_length(str(bad))
