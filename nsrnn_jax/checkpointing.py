@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from typing import Any, Mapping, Optional
 
 from absl import logging
@@ -354,6 +355,32 @@ class _AbandonedReadFilter(logging_std.Filter):
 
 _ABANDONED_READ_FILTER = _AbandonedReadFilter()
 
+# The Orbax coroutine that reads one array of a checkpoint.
+_ARRAY_READ_COROUTINE = "_read_array_index_and_device_put"
+
+
+def _drop_abandoned_read_reports() -> None:
+  """Drops what Python prints for the array reads a failed restore left
+  un-awaited: "Exception ignored in <coroutine ...>" with the array's whole
+  tensorstore spec (sys.unraisablehook, when the garbage collector or the
+  interpreter's exit reaches them; ~1,200 lines for one restore of a model
+  whose shapes differ) and "coroutine ... was never awaited". Any other
+  unraisable exception still goes to the previous hook. Idempotent."""
+  if getattr(sys.unraisablehook, "_nsrnn_drops_reads", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    code = getattr(unraisable.object, "cr_code", None)
+    if getattr(code, "co_name", None) != _ARRAY_READ_COROUTINE:
+      previous(unraisable)
+
+  hook._nsrnn_drops_reads = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+  warnings.filterwarnings(
+      "ignore", message=f"coroutine '{_ARRAY_READ_COROUTINE}' was never "
+      "awaited", category=RuntimeWarning)
+
 
 class _HeldStderr:
   """What `_without_closed_loop_tracebacks` yields: mark a failed read."""
@@ -544,6 +571,7 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
     except Exception as e:  # pylint: disable=broad-except
       # Idempotent: a logger holds a filter object once.
       logging_std.getLogger("asyncio").addFilter(_ABANDONED_READ_FILTER)
+      _drop_abandoned_read_reports()
       reason = str(e).splitlines()[0][:200] if str(e) else ""
       bad.append(f"{step} ({type(e).__name__}: {reason})")
       continue
@@ -562,6 +590,15 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
         _move_aside(manager, ahead, AHEAD_DIR, "newer than the metrics log")
     return step, state, host
   if steps:
+    mismatch = ("not compatible with the stored shape",
+                "different tree structure", "restored shape")
+    if all(any(m in b for m in mismatch) for b in bad):
+      # Readable, but not this model: the config it was built from differs
+      # from the one that trained (e.g. config.json edited by hand).
+      raise ValueError(
+          f"the checkpoints in {str(manager.directory)!r} hold a model of "
+          f"other shapes than the config describes ({bad[0]}): was "
+          "config.json edited after training? Nothing was changed")
     raise ValueError(
         f"no readable checkpoint in {str(manager.directory)!r} (tried "
         f"{'; '.join(bad)}); nothing was changed: move the directory away to "

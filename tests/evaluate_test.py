@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -168,3 +169,29 @@ def test_score_takes_a_path_like_workdir_and_refuses_other_things(workdir,
   for bad in (None, (1, 2)):
     with pytest.raises(TypeError, match="score takes a workdir path"):
       evaluate.score(bad, ["01#10"])
+
+
+def test_a_config_edited_after_training_is_named_in_one_line(workdir,
+                                                            tmp_path):
+  # The checkpoints are readable but hold other shapes than config.json now
+  # describes: said so (not "no readable checkpoint"), without the ~1,200
+  # lines Orbax's abandoned reads printed at exit, and nothing is moved.
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  path = os.path.join(copy, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["hidden_size"] += 1
+  with open(path, "w") as f:
+    json.dump(config, f)
+  before = sorted(os.listdir(os.path.join(copy, "checkpoints")))
+  proc = subprocess.run(
+      [sys.executable, "-m", "nsrnn_jax.evaluate", f"--workdir={copy}",
+       f"--out={tmp_path / 'table'}"], capture_output=True, text=True,
+      timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr[-3000:]
+  assert "hold a model of other shapes" in lines[0]
+  assert "was config.json edited after training?" in lines[0]
+  assert sorted(os.listdir(os.path.join(copy, "checkpoints"))) == before
