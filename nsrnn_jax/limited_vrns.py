@@ -278,11 +278,7 @@ def _step_log_space(state: VectorWindowState, push_BxQxSxQxS,
 
 def _check_bottom(q, s, log_bottom_vector, b, m):
   """log v_⊥ as [B, M] (from [M] or [B, M]); one-line ValueError."""
-  lv = vrns_stack._check_inputs(q, s, log_bottom_vector, b)  # pylint: disable=protected-access
-  if lv.shape[1] != m:
-    raise ValueError(f"log_bottom_vector has M={lv.shape[1]} but the pushed "
-                     f"vectors have M={m}")
-  return lv
+  return vrns_stack._check_inputs(q, s, log_bottom_vector, b, m)  # pylint: disable=protected-access
 
 
 def reading(rho_BxQxSxM):

@@ -180,6 +180,9 @@ def _check_actions(push, repl, pop):
   if jnp.shape(pop) != (b, t, q, s, q):
     raise ValueError(f"pop must be [B, T, Q, S, Q] = {(b, t, q, s, q)}, got "
                      f"{jnp.shape(pop)}")
+  if min(b, q, s) < 1:
+    raise ValueError(f"push has shape {jnp.shape(push)}: B, Q and S must be "
+                     ">= 1")
   dtypes = {jnp.result_type(a) for a in (push, repl, pop)}
   if len(dtypes) != 1:
     raise ValueError(f"push, repl, pop must share one dtype, got {dtypes}")

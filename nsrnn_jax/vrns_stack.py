@@ -520,7 +520,8 @@ def _coupled_bwd(step_fn, blocks, res, cts):
 _coupled.defvjp(_coupled_fwd, _coupled_bwd)
 
 
-def _check_inputs(num_states, num_symbols, log_bottom_vector, b):
+def _check_inputs(num_states, num_symbols, log_bottom_vector, b, m=None):
+  """log v_⊥ as [B, M] (checked; `m`: the vectors' M where known)."""
   for name, v in (("num_states", num_states), ("num_symbols", num_symbols)):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
       raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -530,6 +531,9 @@ def _check_inputs(num_states, num_symbols, log_bottom_vector, b):
   if lv.ndim != 2 or lv.shape[0] != b or lv.shape[1] < 1:
     raise ValueError(f"log_bottom_vector must be [M] or [B={b}, M] with "
                      f"M >= 1, got shape {jnp.shape(log_bottom_vector)}")
+  if m is not None and lv.shape[1] != m:
+    raise ValueError(f"log_bottom_vector has M = {lv.shape[1]}, the pushed "
+                     f"vectors (log_vectors) M = {m}")
   _check_not_nan_or_inf("log_bottom_vector", log_bottom_vector)
   return lv
 
@@ -645,6 +649,7 @@ def run(push, repl, pop, log_vectors, log_bottom_vector,
     (ρ_0 from the initial stack), log_mass[:, j] = log Σ α_j.
   """
   b, _, q, s = _check_actions(push, repl, pop, log_vectors)
+  _check_inputs(q, s, log_bottom_vector, b, jnp.shape(log_vectors)[2])
   _, rho, log_mass = run_coupled(
       _given_actions, (), (), (push, repl, pop, log_vectors),
       log_bottom_vector, q, s, broadcast_bottom, time_blocks, log_space,
@@ -659,7 +664,7 @@ def run_autodiff(push, repl, pop, log_vectors, log_bottom_vector,
   A reference for tests and benchmarks.
   """
   b, t, q, s = _check_actions(push, repl, pop, log_vectors)
-  lv = _check_inputs(q, s, log_bottom_vector, b)
+  lv = _check_inputs(q, s, log_bottom_vector, b, jnp.shape(log_vectors)[2])
   state = init_state(lv, t, q, s, broadcast_bottom)
 
   def body(st, inp):

@@ -98,7 +98,7 @@ def test_incremental_runs_continue_the_stream(x64):
                      r"\(1, 4, 2, 2, 2\), got \(1, 4, 2, 2, 3\)"):
     limited_vrns.run(*first[:2], np.zeros((1, 4, 2, 2, 3)), first[3],
                      acts[4], window)
-  with pytest.raises(ValueError, match="log_bottom_vector has M=3 but"):
+  with pytest.raises(ValueError, match="log_bottom_vector has M = 3, the pushed"):
     limited_vrns.run(*first, np.zeros((1, 3)), window)
 
 

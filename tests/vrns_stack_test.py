@@ -353,6 +353,8 @@ def test_bad_inputs_give_one_line_errors():
       ((push, repl, pop, lv[..., :0], lb), "log_vectors must be"),
       ((push[0], repl, pop, lv, lb), "push must be"),
       ((push, repl, pop, lv, np.zeros((3, 2))), "log_bottom_vector must be"),
+      ((push, repl, pop, lv, np.zeros(5)), "log_bottom_vector has M = 5"),
+      ((push[:0], repl[:0], pop[:0], lv[:0], lb), "B, Q and S must be >= 1"),
       # NaN or +inf: as rns_stack refuses them (the share sweep turned them
       # into finite, wrong numbers).
       ((poke(push, np.nan), repl, pop, lv, lb), "push contains NaN or +inf"),
