@@ -464,8 +464,10 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
         "record" if s in done else "started" if s in started
         else "not started", epochs.get(s, 0)) for s in runs),
       key=lambda x: (tasks.index(x[0]), MODELS.index(x[1])))
+  where = (results_dir if os.path.isdir(results_dir)
+           else f"{results_dir} (no such directory yet)")
   lines = [f"reproduce {', '.join(tasks)}: {len(runs)} runs, {len(done)} "
-           f"with a record in {results_dir}, {len(started)} started, "
+           f"with a record in {where}, {len(started)} started, "
            f"{len(runs) - len(done) - len(started)} not started", ""]
   lines += status_lines(states)
   # Started, not necessarily running: this process cannot tell.
