@@ -552,6 +552,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
     raise ReproduceError(f"--workers must be an integer >= 1 (got "
                          f"{workers!r})")
   import jax  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import loop  # pylint: disable=g-import-not-at-top
   mode, why = choose_execution(execution, jax.default_backend())
   if workers > 1 and mode != "sequential":
     raise ReproduceError(f"--workers={workers} needs the sequential "
@@ -613,7 +614,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
         # ~2,100 and takes as long with the caches kept as cleared), and a
         # third NS-RNN run in one process hit the kernel's limit (65,530)
         # and died in LLVM ("Cannot allocate memory").
-        jax.clear_caches()
+        loop.drop_compiled_programs()
       trained = True
       progress.show([spec])
       results = train_fn(configs[spec], run_dir(spec),
@@ -644,8 +645,8 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
 def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
                     overrides, maker, budget, progress) -> bool:
   """Trains each (task, model, m) group's runs at once with grid.run_grid."""
-  import jax  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import loop  # pylint: disable=g-import-not-at-top
   groups: dict[tuple[str, str], list[RunSpec]] = {}
   for spec in runs:
     groups.setdefault((spec.task, spec.group), []).append(spec)
@@ -653,7 +654,7 @@ def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
     if budget.expired():
       return True
     if k:
-      jax.clear_caches()  # As between sequential runs (run_protocol).
+      loop.drop_compiled_programs()  # As between sequential runs.
     lrs = sorted({s.learning_rate for s in specs}, reverse=True)
     restart_ids = sorted({s.restart for s in specs})
     # The grid's members are every (lr, restart in restart_ids); their seeds
