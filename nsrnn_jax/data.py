@@ -360,8 +360,17 @@ def read_splits(out_dir: str) -> Splits:
   meta_path = os.path.join(out_dir, "meta.json")
   if not os.path.exists(meta_path):
     raise ValueError(f"{out_dir!r} has no meta.json (not a dataset directory)")
-  with open(meta_path, encoding="utf-8") as f:
-    meta = json.load(f)
+  try:
+    with open(meta_path, encoding="utf-8") as f:
+      meta = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{meta_path} is not JSON: {e}") from None
+  if not isinstance(meta, dict):
+    raise ValueError(f"{meta_path} is not a JSON object")
+  missing = [k for k in ("format", "task", "alphabet", "seed", "test_seed",
+                         "preserve_start", *SPLITS) if k not in meta]
+  if missing:
+    raise ValueError(f"{meta_path} lacks {', '.join(missing)}")
   if meta.get("format") != FORMAT:
     raise ValueError(f"{meta_path}: unknown format {meta.get('format')!r}, "
                      f"expected {FORMAT!r}")
@@ -388,11 +397,21 @@ def read_splits(out_dir: str) -> Splits:
         except KeyError as e:
           raise ValueError(f"{path}:{line_no}: symbol {e.args[0]!r} not in "
                            f"alphabet {alphabet}") from None
-        if len(symbols) != int(fields[1]):
+        try:
+          batch, length = int(fields[0]), int(fields[1])
+          log_prob, length_log_prob = float(fields[3]), float(fields[4])
+        except ValueError:
+          raise ValueError(f"{path}:{line_no}: the batch and length fields "
+                           "must be integers, the log-probabilities "
+                           "numbers") from None
+        if len(symbols) != length:
           raise ValueError(f"{path}:{line_no}: length field {fields[1]} does "
                            f"not match the string ({len(symbols)} symbols)")
-        rows.setdefault(int(fields[0]), []).append(
-            (symbols, float(fields[3]), float(fields[4])))
+        if rows.get(batch) and len(rows[batch][0][0]) != length:
+          raise ValueError(f"{path}:{line_no}: batch {batch} mixes lengths "
+                           f"{len(rows[batch][0][0])} and {length}")
+        rows.setdefault(batch, []).append(
+            (symbols, log_prob, length_log_prob))
     batches = []
     for b in sorted(rows):
       symbols = np.array([r[0] for r in rows[b]], dtype=np.int32)

@@ -3,6 +3,7 @@
 import filecmp
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -141,6 +142,40 @@ def test_read_rejects_bad_directory(tmp_path):
     f.writelines(lines)
   with pytest.raises(ValueError, match="not in alphabet"):
     data.read_splits(out)
+
+
+def test_read_names_the_file_and_line_of_a_corrupt_field(tmp_path):
+  out = str(tmp_path / "d")
+  data.write_splits(data.make_splits("dyck", seed=1, **SMALL), out)
+  path = os.path.join(out, "valid.tsv")
+  with open(path) as f:
+    good = f.readlines()
+
+  def corrupt(line):
+    with open(path, "w") as f:
+      f.writelines(good[:2] + [line] + good[3:])
+
+  fields = good[2].split("\t")
+  corrupt("\t".join(["x"] + fields[1:]))
+  with pytest.raises(ValueError, match=f"{re.escape(path)}:3: the batch and "
+                     "length fields must be integers"):
+    data.read_splits(out)
+  # A string of another length in the batch of line 2 (same batch id).
+  other = good[-1].split("\t")
+  corrupt("\t".join(fields[:1] + other[1:]))
+  assert other[1] != fields[1]
+  with pytest.raises(ValueError, match=f"{re.escape(path)}:3: batch "
+                     f"{fields[0]} mixes lengths"):
+    data.read_splits(out)
+  with open(path, "w") as f:
+    f.writelines(good)
+  meta = os.path.join(out, "meta.json")
+  for text, message in [("[1]", "is not a JSON object"), ("{", "is not JSON"),
+                        ('{"format": 1}', "lacks task, alphabet")]:
+    with open(meta, "w") as f:
+      f.write(text)
+    with pytest.raises(ValueError, match=message):
+      data.read_splits(out)
 
 
 def test_cli(tmp_path):
