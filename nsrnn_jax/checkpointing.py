@@ -210,7 +210,39 @@ def check_workdir(workdir: str, config_json: Mapping[str, Any]) -> None:
         " Use a new --workdir, or the stored values to resume")
 
 
-def _process_alive(pid: int) -> bool:
+def _process_start(pid: int) -> Optional[str]:
+  """When process `pid` started (clock ticks since boot, /proc/<pid>/stat),
+  or None where /proc does not tell (no such process, not Linux)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      stat = f.read()
+  except OSError:
+    return None
+  # Fields after the command name (which may hold spaces) in parentheses;
+  # the start time is field 22, the 20th after it.
+  fields = stat[stat.rindex(")") + 2:].split()
+  return fields[19] if len(fields) > 19 else None
+
+
+def _process_alive(pid: int, start: Optional[str] = None) -> bool:
+  """Whether the process that wrote a lock is still running.
+
+  `start`: its start time as the lock recorded it (`_process_start`); the
+  pid is then that process only if it started then. Without it (a lock
+  written before the field), the pid must be a process, not a thread of
+  another: thread ids share the pid space, and a killed run's stale lock
+  was once taken for live because its pid had become a thread of the next
+  run's worker.
+  """
+  if start is not None and os.path.isdir("/proc/self"):
+    return _process_start(pid) == start
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        if line.startswith("Tgid:"):
+          return int(line.split()[1]) == pid
+  except OSError:
+    pass
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -226,12 +258,14 @@ def workdir_lock(workdir: str):
 
   Raises:
     ValueError (one line) if another live process holds it. A lock whose
-    process is gone (same host, pid not running: a crash or kill -9) is
-    taken over; a lock from another host cannot be checked and is refused.
+    process is gone (same host, no process of that pid and start time: a
+    crash or kill -9, also when the pid was reused since) is taken over; a
+    lock from another host cannot be checked and is refused.
   """
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, LOCK_FILE)
-  me = {"pid": os.getpid(), "host": socket.gethostname()}
+  me = {"pid": os.getpid(), "host": socket.gethostname(),
+        "start": _process_start(os.getpid())}
   while True:
     try:
       fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -240,9 +274,11 @@ def workdir_lock(workdir: str):
         with open(path) as f:
           holder = json.load(f)
         pid, host = int(holder["pid"]), str(holder["host"])
-      except (OSError, ValueError, KeyError, TypeError):
+        start = holder.get("start")
+      except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pid, host = None, None  # Unreadable (half-written): treat as stale.
-      if pid is not None and (host != me["host"] or _process_alive(pid)):
+      if pid is not None and (host != me["host"]
+                              or _process_alive(pid, start)):
         raise ValueError(
             f"{workdir!r} is in use by process {pid} on {host} (a second "
             "run would overwrite its checkpoints): wait for it to finish, or "

@@ -789,6 +789,10 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
           stopped = True
         elif code != 0:
           failed.append((spec, code, path))
+          # Said now: the error itself waits for the running workers.
+          print(f"failed {label(spec)} (exit code {code}): "
+                f"{_last_line(path) or 'no output'}; no new run starts, "
+                f"{len(running)} still running", file=out, flush=True)
         else:
           print(f"finished {label(spec)}", file=out, flush=True)
   except BaseException:

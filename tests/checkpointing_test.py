@@ -436,6 +436,28 @@ def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
   with checkpointing.workdir_lock(workdir):
     with open(lock) as f:
       assert json.load(f)["pid"] == os.getpid()
+  # A stale lock whose pid is now a thread of a live process (thread ids
+  # share the pid space; seen after a session's runs were killed), or a
+  # process that started later (the pid reused), is taken over too.
+  if os.path.isdir("/proc/self/task"):
+    import threading  # pylint: disable=g-import-not-at-top
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+      tid = thread.native_id
+      assert tid != os.getpid()
+      for holder in ({"pid": tid, "host": socket.gethostname()},
+                     {"pid": os.getpid(), "host": socket.gethostname(),
+                      "start": "0"}):
+        with open(lock, "w") as f:
+          json.dump(holder, f)
+        with checkpointing.workdir_lock(workdir):
+          with open(lock) as f:
+            assert json.load(f)["pid"] == os.getpid()
+    finally:
+      stop.set()
+      thread.join()
   # Another host's lock cannot be checked: refused.
   with open(lock, "w") as f:
     json.dump({"pid": 1, "host": "elsewhere"}, f)
