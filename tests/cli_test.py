@@ -119,8 +119,8 @@ def test_sigusr1_prints_the_stacks_and_the_command_goes_on():
                         text=True, timeout=120)
   assert proc.returncode == 3, proc.stderr[-1000:]
   assert proc.stdout == "went on\n"
-  assert "(most recent call first)" in proc.stderr
-  assert 'File "<string>", line 4 in main' in proc.stderr
+  assert "Thread MainThread (most recent call last):" in proc.stderr
+  assert 'File "<string>", line 4, in main' in proc.stderr
 
 
 def test_every_command_module_installs_the_sigusr1_handler():

@@ -219,7 +219,8 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path, sig):
     _, err = proc.communicate(timeout=120)
   except subprocess.TimeoutExpired:
     # Seen once in a full-suite run (SIGINT, the process did not exit):
-    # fail with its threads' stacks (cli.run: SIGUSR1 prints them).
+    # fail with its threads' stacks (SIGUSR1 prints them, when the main
+    # thread runs Python).
     proc.send_signal(signal.SIGUSR1)
     time.sleep(3)
     proc.kill()
@@ -229,7 +230,7 @@ def test_kill_9_loses_at_most_one_epoch(tmp_path, sig):
     # Ctrl-C: one line, no traceback, exit 130 (cli.INTERRUPTED).
     assert proc.returncode == 130, err[-1000:]
     assert "Traceback" not in err
-    assert "(most recent call first)" in err  # SIGUSR1's stacks
+    assert "Thread MainThread (most recent call last):" in err  # SIGUSR1
     assert err.strip().splitlines()[-1].startswith(
         "interrupted: every run keeps its last checkpoint")
   logged = len(metrics.read_text().splitlines())
@@ -601,20 +602,32 @@ def test_runs_in_one_process_do_not_pile_up_compiled_programs(tmp_path):
   # clearing between runs it grows by ~2,200 per tiny run; with it, it
   # moves by a few hundred either way (the allocator's; measured: counts
   # of 2,770-3,256 after each of 7 runs; without it, 2,797 -> 5,286 here).
-  from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
-  counts = []
-
-  def train_and_count(*args, **kwargs):
-    result = train.train_and_evaluate(*args, **kwargs)
-    with open("/proc/self/maps") as f:
-      counts.append(sum(1 for _ in f))
-    return result
-
-  overrides = {**TINY, "max_epochs": 1, "compile_strategy": "per_length",
-               "train_max_length": 21, "test_max_length": 25}
-  result = _tiny_run(tmp_path, "w", restarts=2, overrides=overrides,
-                     train_fn=train_and_count)
-  assert result["finished"] and len(counts) == 2
+  # In a process of its own, as a reproduce command or worker runs: a test
+  # worker's earlier tests leave their own state behind (twice in a full
+  # suite the count rose by ~2,080 there, never in a fresh process).
+  code = f"""
+import json, sys
+sys.path[:0] = [{REPO!r}, {os.path.join(REPO, "tests")!r}]
+from nsrnn_jax import train
+from tests import reproduce_test as t
+import pathlib
+counts = []
+def train_and_count(*args, **kwargs):
+  result = train.train_and_evaluate(*args, **kwargs)
+  with open("/proc/self/maps") as f:
+    counts.append(sum(1 for _ in f))
+  return result
+overrides = {{**t.TINY, "max_epochs": 1, "compile_strategy": "per_length",
+              "train_max_length": 21, "test_max_length": 25}}
+result = t._tiny_run(pathlib.Path({str(tmp_path)!r}), "w", restarts=2,
+                     overrides=overrides, train_fn=train_and_count)
+print(json.dumps([bool(result["finished"]), counts]))
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, timeout=600, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  finished, counts = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert finished and len(counts) == 2
   assert counts[1] - counts[0] < 1200, counts
 
 
