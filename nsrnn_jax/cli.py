@@ -340,7 +340,7 @@ def print_stacks_on_sigusr1() -> None:
   code prints when it returns: `py-spy dump --pid PID` sees it there).
   faulthandler's dump, which does not wait, read the other threads' frames
   while Orbax's checkpoint threads came and went and crashed the process
-  (SIGSEGV) in 2 of ~3 full test-suite runs.
+  (SIGSEGV; seen in a full test-suite run).
   """
   if (hasattr(signal, "SIGUSR1")
       and threading.current_thread() is threading.main_thread()):
