@@ -363,8 +363,9 @@ def test_bad_inputs_give_one_line_errors():
        "log_vectors contains NaN or +inf"),
       ((push, repl, pop, lv, poke(lb, np.inf)),
        "log_bottom_vector contains NaN or +inf"),
-      ((push.astype(np.int32), repl.astype(np.int32), pop.astype(np.int32),
-        lv, lb), "actions must be float log-weights"),
+      ((np.zeros(push.shape, np.int32), np.zeros(repl.shape, np.int32),
+        np.zeros(pop.shape, np.int32), lv, lb),
+       "actions must be float log-weights"),
   ]:
     for run in (vrns_stack.run,
                 lambda *a: limited_vrns.run(*a, window=2)):
