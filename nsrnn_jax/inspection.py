@@ -511,6 +511,16 @@ def _check_vector_inputs(log_push, log_repl, log_pop, push_vectors,
   return log_push, log_repl, log_pop, vectors, bottom
 
 
+def _optional_window(window):
+  """None (unlimited) or the window D as limited_stack checks it: 0, 2.7
+  or True are refused, not run as unlimited or as 2."""
+  if window is None:
+    return None
+  from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top
+  limited_stack._check_window(window)  # pylint: disable=protected-access
+  return int(window)
+
+
 def vector_stack_view(log_push, log_repl, log_pop, push_vectors,
                       bottom_vector, broadcast_bottom: bool = False,
                       window: int | None = None) -> dict[str, np.ndarray]:
@@ -555,8 +565,9 @@ def vector_stack_view(log_push, log_repl, log_pop, push_vectors,
   with np.errstate(divide="ignore"):
     log_v, log_b = np.log(vectors), np.log(bottom)
   acts = (log_push[None], log_repl[None], log_pop[None])
+  window = _optional_window(window)
   with jax.enable_x64(True):
-    if window:
+    if window is not None:
       from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top
       from nsrnn_jax import limited_vrns  # pylint: disable=g-import-not-at-top
       rho, log_mass, _ = limited_vrns.run(
@@ -630,8 +641,9 @@ def run_action_shares(log_push, log_repl, log_pop, bottom: str = "fixed",
   with np.errstate(invalid="ignore"):
     rows = np.where(np.isfinite(total), np.exp(per_op - total), 0.0)
   marginal = np.zeros((3, num_t))
+  window = _optional_window(window)
   with jax.enable_x64(True):
-    if window:
+    if window is not None:
       def log_mass(push, repl, pop):  # log Σα_j, j = 1..T: [B, T]
         return np.asarray(limited_stack.run(push, repl, pop, int(window),
                                             bottom)[1])

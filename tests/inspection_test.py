@@ -863,3 +863,16 @@ def test_the_grammar_may_be_given_as_a_name_or_a_task():
       languages.get("marked_copy"), [0, 2, 0]))
   with pytest.raises(TypeError, match="grammar must be a task name"):
     inspection.true_next_symbol_distribution(None, symbols)
+
+
+def test_a_window_that_is_no_positive_integer_is_refused():
+  # 0 ran the unlimited stack, 2.7 a window of 2.
+  rng = np.random.default_rng(3)
+  acts = [rng.normal(size=(3, 2, 2, 2, 2)), rng.normal(size=(3, 2, 2, 2, 2)),
+          rng.normal(size=(3, 2, 2, 2))]
+  vectors, bottom = rng.uniform(size=(3, 2)), rng.uniform(size=2)
+  for window in (0, 2.7, True, "2"):
+    with pytest.raises(ValueError, match="window must be an integer D >= 1"):
+      inspection.run_action_shares(*acts, "fixed", window)
+    with pytest.raises(ValueError, match="window must be an integer D >= 1"):
+      inspection.vector_stack_view(*acts, vectors, bottom, window=window)
