@@ -190,11 +190,17 @@ def _check_actions(push, repl, pop):
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"actions must be float log-weights, got {dtype}")
   for name, a in (("push", push), ("repl", repl), ("pop", pop)):
-    if not isinstance(a, jax.core.Tracer):
-      v = np.asarray(a)
-      if np.isnan(v).any() or (v == np.inf).any():
-        raise ValueError(f"{name} contains NaN or +inf log-weights")
+    check_no_nan_or_inf(name, a)
   return b, t, q, s
+
+
+def check_no_nan_or_inf(name: str, log_weights) -> None:
+  """ValueError if concrete `log_weights` hold NaN or +inf (−inf, a zero
+  weight, is allowed; a traced array is not checked)."""
+  if not isinstance(log_weights, jax.core.Tracer):
+    v = np.asarray(log_weights)
+    if np.isnan(v).any() or (v == np.inf).any():
+      raise ValueError(f"{name} contains NaN or +inf log-weights")
 
 
 # ---------------------------------------------------------------------------

@@ -534,7 +534,7 @@ def _check_inputs(num_states, num_symbols, log_bottom_vector, b, m=None):
   if m is not None and lv.shape[1] != m:
     raise ValueError(f"log_bottom_vector has M = {lv.shape[1]}, the pushed "
                      f"vectors (log_vectors) M = {m}")
-  _check_not_nan_or_inf("log_bottom_vector", log_bottom_vector)
+  rns_stack.check_no_nan_or_inf("log_bottom_vector", log_bottom_vector)
   return lv
 
 
@@ -608,14 +608,6 @@ def _given_actions(params, carry, x_t, reading):
   return carry, x_t, jnp.zeros(x_t[3].shape[:1], x_t[3].dtype)
 
 
-def _check_not_nan_or_inf(name, a):
-  """A concrete array's NaN or +inf (a traced one is not checked)."""
-  if not isinstance(a, jax.core.Tracer):
-    v = np.asarray(a)
-    if np.isnan(v).any() or (v == np.inf).any():
-      raise ValueError(f"{name} contains NaN or +inf log-weights")
-
-
 def _check_actions(push, repl, pop, log_vectors):
   # The actions as rns_stack checks them: shapes, one float dtype, no NaN
   # or +inf (the share sweep would turn them into finite, wrong numbers).
@@ -624,7 +616,7 @@ def _check_actions(push, repl, pop, log_vectors):
   if len(shape) != 3 or shape[:2] != (b, t) or shape[2] < 1:
     raise ValueError(f"log_vectors must be [B={b}, T={t}, M>=1], got "
                      f"{shape}")
-  _check_not_nan_or_inf("log_vectors", log_vectors)
+  rns_stack.check_no_nan_or_inf("log_vectors", log_vectors)
   return b, t, q, s
 
 
