@@ -396,12 +396,16 @@ _ARRAY_READ_COROUTINE = "_read_array_index_and_device_put"
 
 
 def _drop_abandoned_read_reports() -> None:
-  """Drops what Python prints for the array reads a failed restore left
-  un-awaited: "Exception ignored in <coroutine ...>" with the array's whole
-  tensorstore spec (sys.unraisablehook, when the garbage collector or the
-  interpreter's exit reaches them; ~1,200 lines for one restore of a model
-  whose shapes differ) and "coroutine ... was never awaited". Any other
-  unraisable exception still goes to the previous hook. Idempotent."""
+  """Drops what Python reports later about the array reads a failed
+  restore left behind: asyncio's "exception was never retrieved"
+  (`_ABANDONED_READ_FILTER`), "Exception ignored in <coroutine ...>" with
+  the array's whole tensorstore spec (sys.unraisablehook, when the garbage
+  collector or the interpreter's exit reaches them; ~1,200 lines for one
+  restore of a model whose shapes differ) and "coroutine ... was never
+  awaited". Any other unraisable exception still goes to the previous
+  hook. Idempotent."""
+  # Idempotent: a logger holds a filter object once.
+  logging_std.getLogger("asyncio").addFilter(_ABANDONED_READ_FILTER)
   if getattr(sys.unraisablehook, "_nsrnn_drops_reads", False):
     return
   previous = sys.unraisablehook
@@ -605,8 +609,6 @@ def restore_latest(manager: ocp.CheckpointManager, target: PyTree,
         raise ValueError("the state does not match the checksum it was "
                          "saved with (damaged data)")
     except Exception as e:  # pylint: disable=broad-except
-      # Idempotent: a logger holds a filter object once.
-      logging_std.getLogger("asyncio").addFilter(_ABANDONED_READ_FILTER)
       _drop_abandoned_read_reports()
       reason = str(e).splitlines()[0][:200] if str(e) else ""
       bad.append(f"{step} ({type(e).__name__}: {reason})")

@@ -642,9 +642,10 @@ def drop_compiled_programs() -> None:
   `jax.clear_caches` drops JAX's references; a finished run's jitted
   functions can still be held by reference cycles (its model, train state
   and closures) until the garbage collector runs, and so can their
-  executables and memory mappings: collected first, what was freed does
-  not depend on when the collector last ran (a test saw the second run's
-  mappings kept, ~2,100, once in a full-suite worker).
+  executables: collected first, what is freed does not wait for the
+  collector. (A full-suite test worker once kept ~2,100 mappings across
+  runs with and without the collection; the test now runs in a fresh
+  process, where the count drops either way.)
   """
   gc.collect()
   jax.clear_caches()
