@@ -386,7 +386,8 @@ class _AbandonedReadFilter(logging_std.Filter):
     message = record.getMessage()
     return not ("exception was never retrieved" in message
                 and ("tensorstore" in message
-                     or "async_deserialize" in message))
+                     or "async_deserialize" in message
+                     or "_read_array_index_and_device_put" in message))
 
 
 _ABANDONED_READ_FILTER = _AbandonedReadFilter()
