@@ -169,13 +169,16 @@ def lower_bound(batch: Batch, num_lengths: int) -> np.ndarray:
   """-ln p_sample(w) = -ln G(w) + ln G(N) + ln N_L per string, float64 [B].
 
   Raises:
-    ValueError: if the batch has no log-probabilities or N_L < 1.
+    ValueError: if the batch has no log-probabilities or N_L is not an
+      integer >= 1.
   """
   if batch.log_prob is None or batch.length_log_prob is None:
     raise ValueError("batch has no log_prob/length_log_prob; build it with "
                      "scoring enabled")
-  if num_lengths < 1:
-    raise ValueError(f"num_lengths must be >= 1, got {num_lengths}")
+  if (isinstance(num_lengths, bool)
+      or not isinstance(num_lengths, (int, np.integer)) or num_lengths < 1):
+    raise ValueError(f"num_lengths must be an integer >= 1, got "
+                     f"{num_lengths!r}")
   return -batch.log_prob + batch.length_log_prob + math.log(num_lengths)
 
 
@@ -275,20 +278,33 @@ def from_config(config, need_test: bool = True) -> Splits:
     config: task, seeds, batch counts and sizes, length intervals.
     need_test: sample (and score) the test split; when False it is empty.
   """
+  def count(field):
+    return _whole_number(f"config.{field}", getattr(config, field))
+
   splits = make_splits(
-      config.task, seed=int(config.data_seed), test_seed=int(config.test_seed),
-      train_batches=int(config.num_train_batches),
-      valid_batches=int(config.num_valid_batches),
-      batch_size=int(config.batch_size),
-      train_min_length=int(config.train_min_length),
-      train_max_length=int(config.train_max_length),
-      test_per_length=int(config.test_strings_per_length) if need_test else 0,
-      test_min_length=int(config.test_min_length),
-      test_max_length=int(config.test_max_length))
+      config.task, seed=count("data_seed"), test_seed=count("test_seed"),
+      train_batches=count("num_train_batches"),
+      valid_batches=count("num_valid_batches"),
+      batch_size=count("batch_size"),
+      train_min_length=count("train_min_length"),
+      train_max_length=count("train_max_length"),
+      test_per_length=count("test_strings_per_length") if need_test else 0,
+      test_min_length=count("test_min_length"),
+      test_max_length=count("test_max_length"))
   if need_test:
     return splits
   return dataclasses.replace(splits, test=Split(
-      [], 0, int(config.test_min_length), int(config.test_max_length)))
+      [], 0, count("test_min_length"), count("test_max_length")))
+
+
+def _whole_number(name: str, value) -> int:
+  """An int, or a float with no fractional part (a JSON 2.0) as an int;
+  ValueError for 2.7, a bool, a string (truncating would change the data)."""
+  if isinstance(value, (float, np.floating)) and float(value).is_integer():
+    return int(value)
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name} must be an integer, got {value!r}")
+  return int(value)
 
 
 def _format_float(x) -> str:

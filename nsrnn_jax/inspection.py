@@ -659,7 +659,8 @@ def run_action_shares(log_push, log_repl, log_pop, bottom: str = "fixed",
                                rns_stack.run(log_push[None], log_repl[None],
                                              log_pop[None], bottom))
   for t in range(1, num_t + 1):
-    shift = log_mass[t - 1] - log_mass[t]
+    with np.errstate(invalid="ignore"):  # −inf − (−inf) once every run died
+      shift = log_mass[t - 1] - log_mass[t]
     if not np.isfinite(shift):
       continue  # every run died: no share
     w = np.exp(log_alpha_hat[t - 1])

@@ -74,6 +74,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nsrnn_jax import limited_stack
+from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
 from nsrnn_jax import vrns_stack
 from nsrnn_jax.ns_stack import check_precision
@@ -144,10 +145,14 @@ def initial_state(log_bottom_vector_BxM, window, num_states, num_symbols,
     `VectorWindowState`.
   """
   _check_window(window)
+  log_bottom_vector_BxM = vrns_stack.check_log_bottom_vector(
+      log_bottom_vector_BxM)
+  num_states, num_symbols = ns_stack.check_sizes(
+      num_states=num_states, num_symbols=num_symbols)
   if broadcast_bottom or log_space:
     return _initial_log_space(log_bottom_vector_BxM, window, num_states,
                               num_symbols, broadcast_bottom)
-  log_v = jnp.asarray(log_bottom_vector_BxM)
+  log_v = log_bottom_vector_BxM
   b, m = log_v.shape
   d, dt = window, log_v.dtype
   g = rns_stack.initial_table(b, d, num_states, num_symbols, rns_stack.FIXED,

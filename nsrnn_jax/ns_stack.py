@@ -133,6 +133,7 @@ Array = jax.Array
 __all__ = [
     "MATMUL_PRECISIONS",
     "check_precision",
+    "check_sizes",
     "check_unroll",
     "lax_precision",
     "init_state",
@@ -295,14 +296,24 @@ class StackState(NamedTuple):
   log_alpha: Array
 
 
+def check_sizes(minimum: int = 1, **sizes) -> tuple[int, ...]:
+  """The named table sizes as ints, in order; one-line ValueError unless each
+  is an integer >= `minimum` (bools and floats such as 2.0 refused: a shape
+  from them would fail deep inside JAX)."""
+  for name, value in sizes.items():
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        or value < minimum):
+      raise ValueError(f"{name} must be an integer >= {minimum}, got "
+                       f"{value!r}")
+  return tuple(int(v) for v in sizes.values())
+
+
 def init_state(batch_size, num_steps, num_states, num_symbols,
                dtype=jnp.float32):
   """Empty tables for `num_steps` updates: α_0 = one-hot(state 0, ⊥)."""
-  if min(batch_size, num_states, num_symbols) < 1 or num_steps < 0:
-    raise ValueError(
-        "init_state needs batch_size, num_states, num_symbols >= 1 and "
-        f"num_steps >= 0; got {batch_size}, {num_states}, {num_symbols}, "
-        f"{num_steps}")
+  batch_size, num_states, num_symbols = check_sizes(
+      batch_size=batch_size, num_states=num_states, num_symbols=num_symbols)
+  (num_steps,) = check_sizes(0, num_steps=num_steps)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype must be a float type, got {dtype}")
   n = num_steps + 1

@@ -70,6 +70,7 @@ constant `c = G(n)**(-1/n)`, so that chart entries stay near 1 and
 from __future__ import annotations
 
 import bisect
+import collections.abc
 import concurrent.futures
 import dataclasses
 import itertools
@@ -152,16 +153,36 @@ class PCFG:
       ValueError: on a malformed rule, a terminal id outside the alphabet, a
         nonterminal without rules, or a start symbol without rules.
     """
-    if num_terminals < 1:
-      raise ValueError(f"num_terminals must be >= 1, got {num_terminals}")
+    if (isinstance(num_terminals, bool)
+        or not isinstance(num_terminals, (int, np.integer))
+        or num_terminals < 1):
+      raise ValueError(f"num_terminals must be an integer >= 1, got "
+                       f"{num_terminals!r}")
+    if not isinstance(start, str):
+      raise ValueError(f"the start symbol must be a str, got {start!r}")
+    if isinstance(rules, (str, bytes)) or not isinstance(
+        rules, collections.abc.Iterable):
+      raise ValueError("rules must be a sequence of Rules or (lhs, rhs, "
+                       f"weight) triples, got {rules!r}")
     parsed = []
     for rule in rules:
       if isinstance(rule, Rule):
         lhs, rhs, weight = rule.lhs, rule.rhs, rule.prob
-      else:
+      elif isinstance(rule, (tuple, list)) and len(rule) == 3:
         lhs, rhs, weight = rule
+      else:
+        raise ValueError(f"rule {rule!r} is not a Rule or an (lhs, rhs, "
+                         "weight) triple")
       if not isinstance(lhs, str):
         raise ValueError(f"rule left-hand side must be a str, got {lhs!r}")
+      if isinstance(rhs, (str, bytes)) or not isinstance(
+          rhs, collections.abc.Sequence):
+        # A str would be read as one nonterminal per character.
+        raise ValueError(f"the right-hand side of a rule for {lhs!r} must be "
+                         f"a sequence of symbols, got {rhs!r}")
+      for s in rhs:
+        if isinstance(s, bool):
+          raise ValueError(f"bad symbol {s!r} in rule {lhs} -> {rhs}")
       rhs = tuple(int(s) if is_terminal(s) else s for s in rhs)
       for s in rhs:
         if is_terminal(s):
@@ -170,6 +191,10 @@ class PCFG:
                              f"outside the alphabet [0, {num_terminals})")
         elif not isinstance(s, str):
           raise ValueError(f"bad symbol {s!r} in rule {lhs} -> {rhs}")
+      if isinstance(weight, bool) or not isinstance(
+          weight, (int, float, np.integer, np.floating)):
+        raise ValueError(f"rule {lhs} -> {rhs} has a weight that is not a "
+                         f"number: {weight!r}")
       weight = float(weight)
       if not (weight >= 0 and math.isfinite(weight)):
         raise ValueError(f"rule {lhs} -> {rhs} has invalid weight {weight}")

@@ -293,6 +293,9 @@ def initial_table(batch_size, num_points, num_states, num_symbols, bottom,
     G[b, y, k, t, i, q, x] = H_{i,k}[q,x,t,y].
   """
   _check_bottom(bottom)
+  batch_size, num_points, num_states, num_symbols = ns_stack.check_sizes(
+      batch_size=batch_size, num_points=num_points, num_states=num_states,
+      num_symbols=num_symbols)
   g = jnp.zeros((batch_size, num_symbols, num_points, num_states, num_points,
                  num_states, num_symbols), dtype)
   if bottom == FIXED and corner >= 1:

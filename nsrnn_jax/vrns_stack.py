@@ -106,6 +106,7 @@ Array = jax.Array
 __all__ = [
     "VectorStackState",
     "bottom_element",
+    "check_log_bottom_vector",
     "init_state",
     "step",
     "readings",
@@ -178,6 +179,17 @@ class VectorStackState(NamedTuple):
     return self.log_forward[..., 1:]
 
 
+def check_log_bottom_vector(log_bottom_vector_BxM) -> Array:
+  """log v_⊥ as a float array [B, M], B, M >= 1; one-line ValueError
+  otherwise (a shape that would fail deep inside JAX)."""
+  log_v = jnp.asarray(log_bottom_vector_BxM)
+  if (log_v.ndim != 2 or min(log_v.shape) < 1
+      or not jnp.issubdtype(log_v.dtype, jnp.floating)):
+    raise ValueError("the log bottom vector must be a float array [B, M] "
+                     f"with B, M >= 1, got {log_v.dtype}{list(log_v.shape)}")
+  return log_v
+
+
 def bottom_element(log_bottom_vector_BxM, num_states, num_symbols,
                    broadcast_bottom=False):
   """α_0 | c_0 [B, Q, S, 1+M]: the start (0, ⊥) with the bottom's vector.
@@ -186,9 +198,10 @@ def bottom_element(log_bottom_vector_BxM, num_states, num_symbols,
   or at every (state, symbol) with `broadcast_bottom` (the authors' code,
   rns-vrns-reference.md §3.3).
   """
-  log_v = jnp.asarray(log_bottom_vector_BxM)
+  log_v = check_log_bottom_vector(log_bottom_vector_BxM)
   b, m = log_v.shape
-  q, s, dt = num_states, num_symbols, log_v.dtype
+  q, s = ns_stack.check_sizes(num_states=num_states, num_symbols=num_symbols)
+  dt = log_v.dtype
   one_hot_QxS = jnp.full((q, s), -jnp.inf, dt).at[0, 0].set(0.0)
   a0 = jnp.broadcast_to(one_hot_QxS[None, :, :, None], (b, q, s, 1))
   if broadcast_bottom:
@@ -214,8 +227,11 @@ def init_state(log_bottom_vector_BxM, num_steps, num_states, num_symbols,
   log_v = jnp.asarray(log_bottom_vector_BxM)
   if log_v.ndim == 1:
     log_v = log_v[None]
+  log_v = check_log_bottom_vector(log_v)
   b, m = log_v.shape
-  t1, q, s = num_steps + 1, num_states, num_symbols
+  q, s = ns_stack.check_sizes(num_states=num_states, num_symbols=num_symbols)
+  (num_steps,) = ns_stack.check_sizes(0, num_steps=num_steps)
+  t1 = num_steps + 1
   dt = log_v.dtype
   ninf = -jnp.inf
   first = bottom_element(log_v, q, s, broadcast_bottom)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -125,6 +126,27 @@ def test_bad_arguments():
   # No validation batches: no bound to report, and no division by zero.
   assert data.make_splits("dyck", seed=0, **dict(
       SMALL, valid_batches=0)).valid.num_strings == 0
+
+
+def test_counts_must_be_whole_numbers():
+  """A count of 2.7 is refused, not truncated to 2; N_L = 2.5 gave a
+  lower bound off by ln(2.5/2) silently."""
+  batch = data.Batch(np.zeros((1, 2), np.int32), np.zeros(1), 0.0)
+  assert data.lower_bound(batch, 2)[0] == pytest.approx(math.log(2))
+  for bad in (2.5, True, "2"):
+    with pytest.raises(ValueError, match="num_lengths must be an integer"):
+      data.lower_bound(batch, bad)
+  config = ml_collections.ConfigDict(dict(
+      task="dyck", data_seed=1, test_seed=0, num_train_batches=2.7,
+      num_valid_batches=1, batch_size=2, train_min_length=40,
+      train_max_length=80, test_strings_per_length=0, test_min_length=40,
+      test_max_length=100))
+  with pytest.raises(ValueError, match=r"config.num_train_batches must be an "
+                     r"integer, got 2.7"):
+    data.from_config(config, need_test=False)
+  # A whole float (a config read back from JSON) is that count.
+  config.num_train_batches = 2.0
+  assert len(data.from_config(config, need_test=False).train.batches) == 2
 
 
 def test_read_rejects_bad_directory(tmp_path):

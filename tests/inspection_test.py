@@ -12,6 +12,7 @@ Oracles (none of them shares code with the module under test):
 
 import itertools
 import math
+import warnings
 
 import jax
 import numpy as np
@@ -550,6 +551,19 @@ def test_run_action_shares_match_explicit_runs(bottom, window):
                              np.array(w) / sum(w), rtol=1e-12)
   with pytest.raises(ValueError, match="do not agree"):
     inspection.run_action_shares(acts[0], acts[1], acts[2][..., :1])
+
+
+def test_run_action_shares_after_every_run_died_are_zero_without_warning():
+  """Pops alone at update 1 leave no run once the only ⊥ is popped (the
+  fixed bottom's): updates 2.. have no share, and no NaN warning."""
+  num_t, q, s = 3, 2, 2
+  push = np.full((num_t, q, s, q, s), -np.inf)
+  pop = np.zeros((num_t, q, s, q))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    out = inspection.run_action_shares(push, push.copy(), pop, "frozen")
+  np.testing.assert_array_equal(out["marginal_3xT"], np.zeros((3, num_t)))
+  np.testing.assert_array_equal(out["rows_TxQxSx3"][..., 2], 1.0)
 
 
 # ---------------------------------------------------------------------------

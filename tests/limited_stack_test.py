@@ -248,6 +248,19 @@ def test_viterbi_with_window_is_best_windowed_run(x64):
     assert math.isclose(replayed, best, abs_tol=1e-9)
 
 
+@pytest.mark.parametrize("sizes, match", [
+    ((0, 3, 2, 2), "batch_size must be an integer >= 1, got 0"),
+    ((2.5, 3, 2, 2), "batch_size must be an integer >= 1, got 2.5"),
+    ((1, 3, 0, 2), "num_states must be an integer >= 1, got 0"),
+    ((1, 3, 2.0, 2), "num_states must be an integer >= 1, got 2.0"),
+    ((1, 3, 2, 0), "num_symbols must be an integer >= 1, got 0"),
+])
+def test_bad_initial_state_sizes_are_one_line_errors(sizes, match):
+  """They failed inside JAX (a broadcast shape, an index out of bounds)."""
+  with pytest.raises(ValueError, match=match):
+    limited_stack.initial_state(*sizes)
+
+
 def test_bad_window_raises_value_error():
   push = np.zeros((1, 3, 2, 2, 2, 2), np.float32)
   pop = np.zeros((1, 3, 2, 2, 2), np.float32)

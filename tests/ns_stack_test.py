@@ -557,6 +557,12 @@ def test_bad_input_raises_value_error():
     ns_stack.run(push, push.astype(np.float16), pop)
   with pytest.raises(ValueError, match="num_states"):
     ns_stack.run_coupled(lambda *a: a, {}, (), np.zeros((1, 3)), 0, 2)
+  # 2.0 states used to fail inside JAX, building a shape from a float.
+  with pytest.raises(ValueError, match="num_states must be an integer >= 1, "
+                     "got 2.0"):
+    ns_stack.init_state(1, 3, 2.0, 2)
+  with pytest.raises(ValueError, match="num_steps must be an integer >= 0"):
+    ns_stack.init_state(1, -1, 2, 2)
   bad_step = lambda p, h, x, rd: (h, (push[:, 0], push[:, 0], pop[:, 0]), h)
   with pytest.raises(ValueError, match="push must have shape"):
     ns_stack.run_coupled(bad_step, {}, jnp.zeros((1, 1)),

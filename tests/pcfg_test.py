@@ -101,6 +101,27 @@ def test_bad_grammars_raise():
     pcfg.remove_epsilon_and_unary_rules(loop)
 
 
+@pytest.mark.parametrize("start, rules, num_terminals, match", [
+    # A float or str alphabet size: 2.5 built a grammar of 2 terminals.
+    ("S", [("S", (0,), 1.0)], 2.5, "num_terminals must be an integer"),
+    ("S", [("S", (0,), 1.0)], "2", "num_terminals must be an integer"),
+    (0, [("S", (0,), 1.0)], 2, "start symbol must be a str"),
+    ("S", None, 2, "rules must be a sequence"),
+    ("S", [("S", (0,))], 2, r"is not a Rule or an \(lhs, rhs, weight\)"),
+    # A str right-hand side was read as one nonterminal per character.
+    ("S", [("S", "ab", 1.0)], 2, "must be a sequence of symbols"),
+    ("S", [("S", 0, 1.0)], 2, "must be a sequence of symbols"),
+    # True was terminal 1.
+    ("S", [("S", (True,), 1.0)], 2, "bad symbol True"),
+    ("S", [("S", (0,), "x")], 2, "weight that is not a number"),
+    ("S", [("S", (0,), True)], 2, "weight that is not a number"),
+])
+def test_malformed_definitions_raise_at_construction(start, rules,
+                                                     num_terminals, match):
+  with pytest.raises(ValueError, match=match):
+    pcfg.PCFG(start, rules, num_terminals)
+
+
 def test_bad_inputs_raise():
   compiled = pcfg.CompiledPCFG(TOY_SS)
   with pytest.raises(ValueError, match="outside the alphabet"):

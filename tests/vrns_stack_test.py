@@ -431,6 +431,35 @@ def test_no_updates_reads_the_bottom_vector(log_space, broadcast):
                              rtol=1e-6)
 
 
+def test_bad_initial_state_inputs_give_one_line_errors():
+  """`init_state` and the window's `initial_state` check what they build
+  shapes from (they failed inside JAX, or unpacked a [B, M, 1] vector)."""
+  lb = np.zeros((1, 2))
+  for call, match in [
+      (lambda: vrns_stack.init_state(lb, 3, 0, 2),
+       "num_states must be an integer >= 1, got 0"),
+      (lambda: vrns_stack.init_state(lb, 3, 2, 2.0),
+       "num_symbols must be an integer >= 1, got 2.0"),
+      (lambda: vrns_stack.init_state(lb, -1, 2, 2),
+       "num_steps must be an integer >= 0, got -1"),
+      (lambda: vrns_stack.init_state(np.zeros((1, 2, 1)), 3, 2, 2),
+       r"log bottom vector must be a float array \[B, M\]"),
+      (lambda: vrns_stack.init_state(np.zeros((1, 0)), 3, 2, 2),
+       r"log bottom vector must be a float array \[B, M\]"),
+      (lambda: limited_vrns.initial_state(np.zeros(2), 3, 2, 2),
+       r"log bottom vector must be a float array \[B, M\]"),
+      (lambda: limited_vrns.initial_state(lb, 3, 0, 2),
+       "num_states must be an integer >= 1, got 0"),
+      (lambda: limited_vrns.initial_state(lb, 3, 2, 2, log_space=True),
+       None),
+  ]:
+    if match is None:
+      call()  # valid: builds
+      continue
+    with pytest.raises(ValueError, match=match):
+      call()
+
+
 def test_share_sweep_bad_inputs_give_one_line_errors():
   step = vrns_stack._given_actions  # pylint: disable=protected-access
   xs = tuple(jnp.zeros((1, 2) + sh) for sh in ((2, 2, 2, 2), (2, 2, 2, 2),
