@@ -377,9 +377,13 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       # Out of device/host memory (e.g. a huge hidden_size or length):
       # a one-line error saying so; any other runtime error is a bug and
       # keeps its traceback.
-      if "RESOURCE_EXHAUSTED" not in str(e) or flags.FLAGS.verbosity >= 1:
+      # A host array too large to allocate (e.g. a huge batch_size when the
+      # data are sampled) is NumPy's MemoryError: the same one line.
+      out_of_memory = (isinstance(e, MemoryError)
+                       or "RESOURCE_EXHAUSTED" in str(e))
+      if not out_of_memory or flags.FLAGS.verbosity >= 1:
         raise
-      first = str(e).strip().splitlines()[0]
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0]
       # XLA may log more about the failed allocation while the process
       # winds down (seen: a buffer check at teardown, 1 run in ~10 under
       # load): after the one line, the process's stderr goes quiet.

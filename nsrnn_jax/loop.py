@@ -422,6 +422,7 @@ def run_models(runs: Sequence[Run], model, mesh=None,
                      f"{sorted(num_steps)}")
   (num_steps,) = num_steps
   main = parallel.is_main_process()
+  train.check_state_fits_memory(config, model, num_models, mesh)
 
   state = _initial_state(runs, model)
   template = jax.tree.map(lambda x: np.asarray(x[0]), state.arrays())

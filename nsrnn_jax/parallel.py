@@ -411,6 +411,24 @@ def put_model_batch(batch_K: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
                      model_axis=True)
 
 
+def device_memory_bytes(device=None) -> Optional[int]:
+  """Memory one device can hold, in bytes: an accelerator's allocator limit,
+  or for a CPU device the host's physical memory (which all CPU devices
+  share); None where the runtime does not say."""
+  device = jax.local_devices()[0] if device is None else device
+  if device.platform != "cpu":
+    try:
+      stats = device.memory_stats() or {}
+    except Exception:  # pylint: disable=broad-except
+      return None  # a backend without memory statistics
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
 def _local_data_axis_positions(mesh: jax.sharding.Mesh) -> set:
   """Indices along 'data' at which this process owns at least one device."""
   ids = np.vectorize(lambda d: d.process_index)(mesh.devices)

@@ -422,6 +422,48 @@ def create_train_state(config, rng: jax.Array, model=None) -> TrainState:
       schedule=schedule_from_config(config))
 
 
+def check_state_fits_memory(config, model, num_models: int = 1,
+                            mesh=None) -> None:
+  """Refuses a run whose training state alone outgrows a device's memory.
+
+  Counts, without allocating (`jax.eval_shape`), what each model keeps
+  across steps (parameters, best parameters, Adam's two moments) plus one
+  gradient, for the models one device holds (`num_models` over the mesh's
+  model axis; on CPU all local devices share the host's memory). Activations
+  (the stack's table) come on top, so passing is no promise; failing is
+  certain. Without this a huge `hidden_size` on CPU ran until the operating
+  system killed the process (or another one), with no message.
+
+  Raises:
+    ValueError: one line with the bytes needed and the bytes the device has.
+  """
+  mesh = parallel.make_mesh() if mesh is None else mesh
+  abstract = jax.eval_shape(
+      lambda key: create_train_state(config, key, model), jax.random.key(0))
+  def nbytes(tree):
+    return sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize
+               for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+  num_params = sum(int(np.prod(x.shape, dtype=np.int64))
+                   for x in jax.tree.leaves(abstract.params))
+  per_model = nbytes(abstract.arrays()) + nbytes(abstract.params)
+  local = [d for d in mesh.devices.flat
+           if d.process_index == jax.process_index()] or jax.local_devices()
+  model_axis = int(mesh.shape[parallel.MODEL_AXIS])
+  need = per_model * -(-int(num_models) // model_axis)
+  where = f"one {local[0].platform.upper()} device"
+  if local[0].platform == "cpu":
+    need *= len(local)
+    where = "this host"
+  have = parallel.device_memory_bytes(local[0])
+  if have and need > have:
+    models = "" if num_models == 1 else f" for {num_models} models"
+    raise ValueError(
+        f"the model has {num_params:,} parameters: its training state (with "
+        f"Adam's moments and a gradient){models} needs {need / 2**30:,.1f} "
+        f"GiB, more than the {have / 2**30:,.1f} GiB of {where}; use a "
+        "smaller hidden_size or stack size")
+
+
 def _where_tree(pred, on_true, on_false):
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 

@@ -123,6 +123,31 @@ def test_sigusr1_prints_the_stacks_and_the_command_goes_on():
   assert 'File "<string>", line 4, in main' in proc.stderr
 
 
+@pytest.mark.parametrize("raise_it,first", [
+    # XLA's allocation failure, and NumPy's (a huge batch sampled on the
+    # host): one line each; any other runtime error keeps its traceback.
+    ("raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating "
+     "16 TB\\nmore')", "error: out of memory (RESOURCE_EXHAUSTED: Out of "
+     "memory allocating 16 TB); use a smaller model"),
+    ("import numpy as np; np.zeros((10**13, 10**3))",
+     "error: out of memory (Unable to allocate"),
+    ("raise RuntimeError('a bug')", "Traceback"),
+])
+def test_out_of_memory_is_one_line_with_exit_2(raise_it, first):
+  code = ("from nsrnn_jax import cli\n"
+          "def main(argv):\n"
+          f"  {raise_it}\n"
+          "cli.run(main)\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, timeout=120)
+  lines = proc.stderr.strip().splitlines()
+  if first == "Traceback":
+    assert proc.returncode == 1 and lines[0].startswith(first), proc.stderr
+    return
+  assert proc.returncode == 2 and lines == [lines[0]], proc.stderr[-1000:]
+  assert lines[0].startswith(first), lines[0]
+
+
 def test_every_command_module_installs_the_sigusr1_handler():
   # `python -m nsrnn_jax.<module>`: each command starts through cli.run
   # (absl) or cli.run_argparse_command, which install the handler; a

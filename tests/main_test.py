@@ -7,6 +7,7 @@ config file loads from any working directory.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,9 +175,11 @@ def test_help_exits_0_with_usage():
 
 
 def test_out_of_memory_is_one_line_and_the_fixed_config_runs(tmp_path):
-  # A hidden size whose LSTM weights need 16 TB: XLA's RESOURCE_EXHAUSTED
-  # becomes one line (exit 2); the workdir it leaves (config.json only, no
-  # epoch run) takes the corrected config instead of refusing it.
+  # A hidden size whose LSTM weights need 16 TB: refused before anything is
+  # allocated (train.check_state_fits_memory; XLA's RESOURCE_EXHAUSTED and
+  # the operating system's OOM killer came later, cli_test covers the
+  # former), one line and exit 2; the workdir it leaves (config.json only,
+  # no epoch run) takes the corrected config instead of refusing it.
   workdir = str(tmp_path / "run")
   base = [sys.executable, "-m", "nsrnn_jax.main",
           f"--config={REPO}/configs/quick.py", f"--workdir={workdir}",
@@ -189,8 +192,13 @@ def test_out_of_memory_is_one_line_and_the_fixed_config_runs(tmp_path):
                         capture_output=True, text=True, timeout=300)
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 2, proc.stderr[-2000:]
-  assert lines[-1].startswith("error: out of memory (RESOURCE_EXHAUSTED")
-  assert not any("Traceback" in l for l in lines)
+  # 4H(H + V + 1) + ... parameters of 4 bytes, five copies (parameters,
+  # best parameters, Adam's two moments, a gradient): ~74,500 GiB.
+  assert re.fullmatch(r"error: the model has 4,0\d\d,\d{3},\d{3},\d{3} "
+                      r"parameters: .* needs 74,5\d\d\.\d GiB, more than "
+                      r"the [\d,.]+ GiB of this host; use a smaller "
+                      r"hidden_size or stack size", lines[-1]), lines[-1]
+  assert len(lines) == 2 and lines[0].startswith("runtime: "), lines
   fixed = subprocess.run(base, cwd=REPO, capture_output=True, text=True,
                          timeout=300)
   assert fixed.returncode == 0, fixed.stderr[-2000:]

@@ -229,6 +229,36 @@ def test_stack_batch_chunk_must_be_a_non_negative_int():
     assert "\n" not in str(e.value)
 
 
+def test_state_too_large_for_memory_is_refused_before_allocating(
+    monkeypatch):
+  """The training state is five copies of the parameters (parameters, best
+  parameters, Adam's two moments, a gradient) of 4 bytes, plus a few
+  scalars: refused one byte below 20 bytes per parameter, accepted with
+  room for the scalars; per CPU device, and per model of a vmapped grid."""
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+  config = tiny_config()
+  model = models.build(config)
+  num_params = sum(x.size for x in jax.tree.leaves(
+      models.init_params(model, jax.random.key(0))))
+  mesh = parallel.make_mesh()
+  devices = len(jax.local_devices())
+  for num_models in (1, 3):
+    need = 20 * num_params * num_models * devices
+    monkeypatch.setattr(parallel, "device_memory_bytes",
+                        lambda device=None, m=need: m - 1)
+    with pytest.raises(ValueError, match=f"the model has {num_params:,} "
+                       "parameters") as e:
+      train.check_state_fits_memory(config, model, num_models, mesh)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(parallel, "device_memory_bytes",
+                        lambda device=None, m=need: m + 4096 * num_models)
+    train.check_state_fits_memory(config, model, num_models, mesh)
+  # A runtime that does not say how much memory it has: no check.
+  monkeypatch.setattr(parallel, "device_memory_bytes", lambda device=None: None)
+  train.check_state_fits_memory(config, model, 1, mesh)
+
+
 def test_padded_length_buckets():
   config = tiny_config(compile_strategy="bucket")
   assert [train.padded_length(n, config) for n in (2, 8, 9, 12)] == [
