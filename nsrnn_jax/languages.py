@@ -32,7 +32,6 @@ Usage:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -209,8 +208,7 @@ class Language(pcfg.SymbolCodec):
   def length_log_prob(self, length: int) -> float:
     """ln G(length) = ln T[S, length] (-inf if no string has that length)."""
     length = pcfg._check_length(length)  # pylint: disable=protected-access
-    g = self.compiled.length_prob(length)
-    return math.log(g) if g > 0 else -math.inf
+    return self.compiled.length_log_prob(length)
 
   def __repr__(self) -> str:
     return f"Language({self.name!r}, alphabet={self.alphabet})"

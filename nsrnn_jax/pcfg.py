@@ -60,8 +60,8 @@ side, and the dotted items below it on the right spine) are evaluated only on
 the span that ends at the end of the string. Chunks of strings run on up to
 two threads (NumPy releases the GIL).
 
-Numerics: the length table is in float64 linear space (its entries are
-probabilities of lengths, never tiny for the lengths used here). The inside
+Numerics: the length table is in float64 log space (ln T[X, l]; T leaves
+float64's range for long strings, e.g. Dyck's beyond l ≈ 3,400). The inside
 chart is float64 linear space with every terminal scaled by a per-length
 constant `c = G(n)**(-1/n)`, so that chart entries stay near 1 and
 `ln G(w) = ln chart - n ln c` is exact even when G(w) is ~1e-80 or smaller.
@@ -565,7 +565,9 @@ class CompiledPCFG:
     # lexical emission matrix [M, V] (probability of X -> t).
     self._emit_MxV = np.zeros((self.num_nonterminals, self.num_terminals))
     np.add.at(self._emit_MxV, (self.lex_lhs, self.lex_term), self.lex_prob)
-    self._table = np.zeros((self.num_nonterminals, 1))
+    # ln T[X, l], l = 0..(computed so far); −inf where X derives no string
+    # of length l (column 0: no epsilon rules).
+    self._log_table = np.full((self.num_nonterminals, 1), -np.inf)
     self._sample_cache: dict[tuple[int, int], tuple] = {}
     self._lex_cache: dict[int, tuple] = {}
     self._compute_span_bounds()
@@ -574,46 +576,67 @@ class CompiledPCFG:
   # Length table (Algorithm 1)
   # ---------------------------------------------------------------------------
 
-  def length_table(self, max_length: int) -> np.ndarray:
-    """T[X, l] for all internal nonterminals X and l = 0..max_length.
+  def log_length_table(self, max_length: int) -> np.ndarray:
+    """ln T[X, l] for all internal nonterminals X and l = 0..max_length.
+
+    Computed in log space (a max-shifted sum over split points per rule),
+    so it is exact to float64 rounding at any length: T itself leaves
+    float64's range (e.g. Dyck's T[S, l] < 1e-308 beyond l ≈ 3,400, where a
+    linear-space table said no string of that length existed).
 
     Args:
       max_length: largest length needed (>= 0).
 
     Returns:
-      float64 array [M, max_length + 1]; column 0 is zero (no epsilon rules);
-      rows `0 .. len(grammar.nonterminals)-1` are the grammar's nonterminals.
+      float64 array [M, max_length + 1], −inf where X derives no string of
+      length l; column 0 is −inf (no epsilon rules); rows
+      `0 .. len(grammar.nonterminals)-1` are the grammar's nonterminals.
     """
     if max_length < 0:
       raise ValueError(f"max_length must be >= 0, got {max_length}")
-    have = self._table.shape[1] - 1
+    have = self._log_table.shape[1] - 1
     if max_length > have:
       new = max(max_length, 2 * have)
-      table = np.zeros((self.num_nonterminals, new + 1))
-      table[:, :have + 1] = self._table
-      if have < 1:
-        table[:, 1] = self._emit_MxV.sum(axis=1)
+      table = np.full((self.num_nonterminals, new + 1), -np.inf)
+      table[:, :have + 1] = self._log_table
+      with np.errstate(divide="ignore"):
+        log_bin_prob = np.log(self.bin_prob)
+        if have < 1:
+          table[:, 1] = np.log(self._emit_MxV.sum(axis=1))
       for length in range(max(2, have + 1), new + 1):
-        # Sum over split points k = 1..l-1 of T[left, k] * T[right, l-k].
-        left = table[self.bin_left, 1:length]
-        right = table[self.bin_right, length - 1:0:-1]
-        per_rule = self.bin_prob * np.einsum("rk,rk->r", left, right)
-        table[:, length] = np.bincount(self.bin_lhs, per_rule,
-                                       minlength=self.num_nonterminals)
-      self._table = table
-    return self._table[:, :max_length + 1]
+        # ln Σ_k T[left, k] T[right, l−k] over split points k = 1..l−1,
+        # per rule, shifted by the rule's largest term.
+        terms = (table[self.bin_left, 1:length]
+                 + table[self.bin_right, length - 1:0:-1])
+        per_rule = _logsumexp_rows(terms) + log_bin_prob
+        table[:, length] = _logsumexp_groups(per_rule, self.bin_lhs,
+                                             self.num_nonterminals)
+      self._log_table = table
+    return self._log_table[:, :max_length + 1]
 
-  def length_prob(self, length: int, symbol: int = 0) -> float:
-    """T[X, length]: probability that X (default: start) derives that length."""
+  def length_table(self, max_length: int) -> np.ndarray:
+    """T[X, l] = exp(`log_length_table`): linear probabilities, which
+    underflow to 0 for long enough lengths (use the log table there)."""
+    return np.exp(self.log_length_table(max_length))
+
+  def length_log_prob(self, length: int, symbol: int = 0) -> float:
+    """ln T[X, length] (default X: start); −inf if it derives no string of
+    that length. Exact at any length (`log_length_table`)."""
     if length < 0:
       raise ValueError(f"length must be >= 0, got {length}")
-    return float(self.length_table(length)[symbol, length])
+    return float(self.log_length_table(length)[symbol, length])
+
+  def length_prob(self, length: int, symbol: int = 0) -> float:
+    """T[X, length]: probability that X (default: start) derives that length
+    (0.0 below float64's range: `length_log_prob` is exact there)."""
+    return math.exp(self.length_log_prob(length, symbol))
 
   def valid_lengths(self, min_length: int, max_length: int) -> list[int]:
     """Sorted lengths l in [min_length, max_length] with T[start, l] > 0."""
     _check_interval(min_length, max_length)
-    table = self.length_table(max_length)
-    return [l for l in range(min_length, max_length + 1) if table[0, l] > 0]
+    table = self.log_length_table(max_length)
+    return [l for l in range(min_length, max_length + 1)
+            if table[0, l] > -np.inf]
 
   # ---------------------------------------------------------------------------
   # Sampling (Algorithm 2)
@@ -623,12 +646,18 @@ class CompiledPCFG:
     """Cumulative weights and (left, right, k) targets for (X, l), cached."""
     key = (symbol, length)
     if key not in self._sample_cache:
-      table = self.length_table(length)
+      table = self.log_length_table(length)
       rules = np.flatnonzero(self.bin_lhs == symbol)
       ks = np.arange(1, length)
-      weights = (self.bin_prob[rules, None]
-                 * table[self.bin_left[rules]][:, ks]
-                 * table[self.bin_right[rules]][:, length - ks])
+      with np.errstate(divide="ignore"):
+        log_weights = (np.log(self.bin_prob[rules, None])
+                       + table[self.bin_left[rules]][:, ks]
+                       + table[self.bin_right[rules]][:, length - ks])
+      # Relative weights (the cumulative sum is searched with a scaled
+      # uniform), shifted by the largest: no underflow at any length.
+      top = np.max(log_weights) if log_weights.size else -np.inf
+      weights = (np.exp(log_weights - top) if top > -np.inf
+                 else np.zeros_like(log_weights))
       flat = weights.reshape(-1)
       keep = np.flatnonzero(flat > 0)
       cum = np.cumsum(flat[keep]).tolist()
@@ -651,7 +680,7 @@ class CompiledPCFG:
     """`length` as an int (ValueError unless the grammar has strings of
     that length)."""
     length = _check_length(length)
-    if self.length_prob(length) <= 0:
+    if self.length_log_prob(length) == -np.inf:
       raise ValueError(f"the grammar generates no string of length {length}")
     return length
 
@@ -860,11 +889,11 @@ class CompiledPCFG:
     b, n, _ = weights_BxNxV.shape
     if b == 0:
       return np.zeros(0)
-    g_len = self.length_prob(n)
-    if g_len <= 0:
+    log_g_len = self.length_log_prob(n)
+    if log_g_len == -np.inf:
       return np.full(b, -np.inf)
     # Per-symbol scale keeps typical chart entries O(1) (see module docstring).
-    log_c = -math.log(g_len) / n
+    log_c = -log_g_len / n
     # Chunks of strings keep the two charts (n^2 * chunk * M floats) small.
     chunk = max(1, _CHART_FLOATS // (n * n * self.num_nonterminals))
     pieces = [weights_BxNxV[i:i + chunk] for i in range(0, b, chunk)]
@@ -891,6 +920,28 @@ class CompiledPCFG:
 
   def _check_symbols(self, symbols_BxN) -> np.ndarray:
     return check_symbols_BxN(symbols_BxN, self.num_terminals)
+
+
+def _logsumexp_rows(x_RxK: np.ndarray) -> np.ndarray:
+  """ln Σ_k exp(x[r, k]) per row, −inf for a row of −inf (or no columns)."""
+  if x_RxK.shape[1] == 0:
+    return np.full(x_RxK.shape[0], -np.inf)
+  top = np.max(x_RxK, axis=1)
+  shift = np.where(top > -np.inf, top, 0.0)
+  with np.errstate(divide="ignore"):
+    return np.log(np.exp(x_RxK - shift[:, None]).sum(axis=1)) + shift
+
+
+def _logsumexp_groups(x_R: np.ndarray, group_R: np.ndarray,
+                      num_groups: int) -> np.ndarray:
+  """ln Σ_{r in group g} exp(x[r]) for g = 0..num_groups−1 (−inf if none)."""
+  top = np.full(num_groups, -np.inf)
+  np.maximum.at(top, group_R, x_R)
+  shift = np.where(top > -np.inf, top, 0.0)
+  total = np.bincount(group_R, np.exp(x_R - shift[group_R]),
+                      minlength=num_groups)
+  with np.errstate(divide="ignore"):
+    return np.log(total) + shift
 
 
 def _check_length(length) -> int:
