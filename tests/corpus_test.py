@@ -109,6 +109,14 @@ def test_synthetic_corpus_holds_strings_of_the_language(tmp_path):
     symbols = [ids[w] for w in line.split()]
     assert 4 <= len(symbols) <= 10
     assert np.isfinite(lang.log_prob(symbols))
+    # Independently of the grammar: the brackets are balanced and nested.
+    stack = []
+    for w in line.split():
+      if w in "([":
+        stack.append(w)
+      else:
+        assert stack and stack.pop() + w in ("()", "[]"), line
+    assert not stack, line
   c = corpus.load(str(tmp_path))
   assert set(c.vocab.tokens) == set(lang.alphabet) | {corpus.EOS}
 

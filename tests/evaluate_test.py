@@ -85,6 +85,13 @@ def test_score_matches_model_log_softmax(loaded):
                                 "0 1 # 1 0"])
   np.testing.assert_allclose(got[[0, 2, 3]], [expected] * 3, rtol=1e-5)
   assert got.shape == (4,)
+  # ["0", "1"] is the string 01: its log-probability from the model's
+  # logits on that string alone.
+  logits01 = np.asarray(loaded.model.apply({"params": loaded.params},
+                                           symbols[:, :2]), np.float64)[0]
+  log_p01 = logits01 - np.log(np.sum(np.exp(logits01), -1, keepdims=True))
+  np.testing.assert_allclose(got[1], log_p01[0, 0] + log_p01[1, 1],
+                             rtol=1e-5)
 
 
 def test_best_params_are_restored(workdir, loaded):

@@ -159,10 +159,15 @@ def test_the_default_config_grids_every_restart_of_the_papers_rates():
 
 
 def test_command_line_takes_the_grid_fields():
-  grid.check_command_line(["--config=configs/quick.py",
-                           "--config.grid_learning_rates=(0.003,)",
-                           "--config.learning_rate_grid=(0.003,)",
-                           "--config.num_restarts=2"])
+  argv = ["--config=configs/quick.py",
+          "--config.grid_learning_rates=(0.003,)",
+          "--config.learning_rate_grid=(0.003,)",
+          "--config.num_restarts=2"]
+  assert grid.check_command_line(argv) is None
+  # The same check refuses the same command line once it also sets the
+  # field the grid overwrites (after the grid's fields, which it passed).
+  with pytest.raises(ValueError, match=r"^--config\.learning_rate: the grid"):
+    grid.check_command_line(argv + ["--config.learning_rate=0.003"])
 
 
 def test_stack_batches_pads_each_member_with_a_zero_mask():

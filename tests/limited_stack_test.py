@@ -115,6 +115,16 @@ def test_long_string_float32_is_finite():
   rho, _ = rns_stack.readout(hat)
   assert np.all(np.isfinite(mass)) and float(mass[0, -1]) > 1e5
   np.testing.assert_allclose(np.sum(rho, -1), 1.0, atol=1e-5)
+  # Values: the first 6 updates against explicit windowed PDA runs (α_j
+  # depends on updates 1..j only).
+  want_rho, want_log_alpha = pda_oracle.state_readings(
+      *(np.asarray(a[0, :6], np.float64) for a in (push, repl, pop)),
+      bottom="fixed", window=5)
+  want_mass = np.logaddexp.reduce(want_log_alpha.reshape(7, -1), axis=1)
+  np.testing.assert_allclose(rho[0, :6], want_rho[1:], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(mass[0, :6], want_mass[1:], rtol=1e-6)
+  # log α_j up to ~380 here: float32 keeps it to ~380·2^-23 ≈ 5e-5.
+  _assert_log_close(_log_alpha(hat, mass)[0, :6], want_log_alpha[1:], 1e-4)
 
 
 _H, _V = 4, 3

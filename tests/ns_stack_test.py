@@ -158,9 +158,16 @@ def test_deterministic_pda_gives_one_hot_readings():
   want = np.eye(4)[tops]
   np.testing.assert_allclose(readings[0], want, atol=1e-6)
   np.testing.assert_allclose(log_mass[0], 0.0, atol=1e-6)
-  grads = jax.grad(lambda a: jnp.sum(ns_stack.run(a, *acts[1:])[0] ** 2))(
-      acts[0])
-  assert np.all(np.isfinite(grads))
+  grads = jax.grad(lambda *a: jnp.sum(ns_stack.run(*a)[0] ** 2),
+                   argnums=(0, 1, 2))(*acts)
+  # Exactly one run has nonzero weight at every time, and τ_t is its top
+  # whatever that weight is: τ does not depend on any log-weight, so every
+  # gradient is exactly zero (an entry at −inf: d e^w / dw = 0; a finite
+  # entry off the run: no run uses it; one on the run scales numerator and
+  # Σα alike).
+  for g in grads:
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, 0.0, rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -467,6 +474,29 @@ def test_run_coupled_integer_inputs_float32():
   for g in jax.tree_util.tree_leaves(grads):
     assert g.dtype == jnp.float32 and np.all(np.isfinite(g))
   assert float(np.abs(grads["wa"]).max()) > 0
+  # The values: central finite differences (float64) of the straightforward
+  # coupled scan on one-hot float inputs, from the same float32 parameters,
+  # along random directions.
+  leaves = [np.asarray(g, np.float64)
+            for g in jax.tree_util.tree_leaves(grads)]
+  eps = 1e-6
+  with jax.enable_x64(True):
+    p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64),
+                                 params)
+    onehot = jax.nn.one_hot(xs, _V, dtype=jnp.float64)
+    plain = jax.jit(lambda p: jnp.sum(_plain_coupled(
+        base, p, jnp.zeros((b, _H), jnp.float64), onehot, q, s)[1][:, :, 1]))
+    for _ in range(3):
+      d = [rng.normal(size=g.shape) for g in leaves]
+      ends = [plain(jax.tree_util.tree_unflatten(
+          jax.tree_util.tree_structure(p64),
+          [a + sign * eps * v
+           for a, v in zip(jax.tree_util.tree_leaves(p64), d)]))
+              for sign in (1, -1)]
+      fd = float(ends[0] - ends[1]) / (2 * eps)
+      got = sum(float(np.sum(g * v)) for g, v in zip(leaves, d))
+      size = sum(float(np.sum(np.abs(g * v))) for g, v in zip(leaves, d))
+      assert abs(got - fd) < 1e-5 * size, (got, fd, size)
 
 
 # ---------------------------------------------------------------------------
@@ -487,6 +517,20 @@ def test_length_500_float32_is_finite_and_normalised():
   assert np.all(np.diff(np.asarray(log_mass[0])) <= 1e-5)
   for g in grads:
     assert np.all(np.isfinite(g))
+  # Values: τ_t depends on updates 1..t only, so the first readings are
+  # those of explicit PDA runs over the first 6 updates.
+  want_r, want_lm = pda_oracle.readings_and_log_mass(
+      *(np.asarray(a[0, :6], np.float64) for a in (push, repl, pop)))
+  np.testing.assert_allclose(readings[0, :7], want_r, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(log_mass[0, :7], want_lm, rtol=0, atol=1e-5)
+  # Gradients at all 500 updates: adding c to every log-weight of update j
+  # multiplies every run's weight by e^c from then on, so τ (and the loss)
+  # do not change: the gradient entries of each update sum to 0.
+  per_update = [np.asarray(g, np.float64).reshape(500, -1) for g in grads]
+  total = sum(g.sum(1) for g in per_update)
+  size = sum(np.abs(g).sum(1) for g in per_update)
+  assert np.all(size > 0)
+  np.testing.assert_array_less(np.abs(total), 1e-4 * size + 1e-7)
 
 
 # ---------------------------------------------------------------------------

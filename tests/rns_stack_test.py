@@ -231,6 +231,15 @@ def _check_nasty(steps, q, s):
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*acts)
         for g in grads:
           assert np.all(np.isfinite(g))
+        # Adding c to every log-weight of update j multiplies every run's
+        # weight by e^c from then on and leaves ρ (and the loss) unchanged:
+        # each update's gradient entries sum to 0.
+        per_update = [np.asarray(g, np.float64).reshape(3, steps, -1)
+                      for g in grads]
+        total = sum(g.sum(-1) for g in per_update)
+        size = sum(np.abs(g).sum(-1) for g in per_update)
+        assert np.all(size[:, :steps // 2] > 0)
+        np.testing.assert_array_less(np.abs(total), 1e-4 * size + 1e-7)
 
 
 def test_nasty_inputs_are_exact_float32_and_float64():

@@ -192,6 +192,16 @@ def test_large_alphabets():
   batch = lang.sample_batch(40, 3, rng)
   logp = lang.log_prob_batch(batch)
   assert np.all(np.isfinite(logp))
+  # Independently of the grammar: id 2k opens bracket type k, 2k + 1 closes
+  # it, and every sampled string is balanced and properly nested.
+  for row in batch:
+    stack = []
+    for w in row:
+      if w % 2 == 0:
+        stack.append(w)
+      else:
+        assert stack and stack.pop() == w - 1, row
+    assert not stack, row
   bad = batch.copy()
   bad[:, -1] = (bad[:, -1] + 2) % 400  # closes with another type
   assert np.all(lang.log_prob_batch(bad) == -np.inf)

@@ -382,6 +382,15 @@ def test_stopped_state_train_step_is_a_no_op():
   batch = train.make_batch(tiny_splits().train[0].symbols)
   new_state, m = jax.jit(train.train_step)(state, batch)
   assert np.isfinite(float(m["loss"]))
+  # The loss reported is still the batch's at the (unchanged) parameters:
+  # NumPy log-softmax of the model's logits, summed over positions, mean
+  # over the strings.
+  logits = np.asarray(TINY.apply({"params": state.params}, batch["symbols"]),
+                      np.float64)
+  log_z = np.log(np.sum(np.exp(logits), -1))
+  picked = np.take_along_axis(logits, batch["symbols"][..., None], -1)[..., 0]
+  want = np.sum((log_z - picked) * batch["mask"]) / len(logits)
+  np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(state.arrays()),
                   jax.tree.leaves(new_state.arrays())):
     np.testing.assert_array_equal(a, b)

@@ -150,9 +150,24 @@ def test_large_unnormalised_weights_float32_match_float64():
   assert mass64[0, -1] > 1500  # far beyond float32's exp range
   np.testing.assert_allclose(rho32, rho64, atol=2e-4)
   np.testing.assert_allclose(mass32, mass64, rtol=1e-5)
-  grads = jax.jit(jax.grad(lambda *a: jnp.sum(vrns_stack.run(*a)[0] ** 2),
-                           argnums=(0, 1, 2, 3, 4)))(*args)
+  loss32, grads = jax.jit(jax.value_and_grad(
+      lambda *a: jnp.sum(vrns_stack.run(*a)[0] ** 2),
+      argnums=(0, 1, 2, 3, 4)))(*args)
   assert all(np.all(np.isfinite(g)) for g in grads)
+  g64 = [np.asarray(g, np.float64) for g in grads]
+  # Adding c to every action log-weight of update j scales every run's
+  # weight by e^c from then on: ρ does not change, so each update's action
+  # gradients sum to 0.
+  total = sum(g.reshape(t, -1).sum(1) for g in g64[:3])
+  size = sum(np.abs(g).reshape(t, -1).sum(1) for g in g64[:3])
+  assert np.all(size > 0)
+  np.testing.assert_array_less(np.abs(total), 1e-4 * size + 1e-7)
+  # ρ is linear in the vectors: adding c to every log v_j and to log v_⊥
+  # scales ρ by e^c and the loss Σρ² by e^{2c}, so the vector gradients sum
+  # to 2·loss (Euler's identity), and the loss is Σ ρ64².
+  np.testing.assert_allclose(float(loss32), np.sum(rho64 ** 2), rtol=1e-4)
+  np.testing.assert_allclose(g64[3].sum() + g64[4].sum(), 2 * float(loss32),
+                             rtol=1e-4)
 
 
 @pytest.mark.usefixtures("fast_compile_test")
