@@ -451,6 +451,10 @@ def _main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
   checkpointing.check_writable(f.out, what="--out")
+  for flag in ("train_max_length", "test_max_length"):
+    too_long = languages.length_out_of_reach(f.task, f[flag].value)
+    if too_long:
+      raise ValueError(f"--{flag} is {f[flag].value:,}: {too_long}")
   total = f.train_batches + f.valid_batches + len(
       languages.get(f.task).valid_lengths(f.test_min_length,
                                           f.test_max_length))

@@ -32,6 +32,7 @@ Usage:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -212,6 +213,36 @@ class Language(pcfg.SymbolCodec):
 
   def __repr__(self) -> str:
     return f"Language({self.name!r}, alphabet={self.alphabet})"
+
+
+# The most terms of an exact length table a command may ask for
+# (`pcfg.CompiledPCFG.length_table_work`; ~30 minutes on one core): string
+# lengths up to ~68,000 for the hardest CFL, ~180,000 for Dyck.
+MAX_LENGTH_TABLE_WORK = 2 * 10 ** 11
+
+
+def length_out_of_reach(task: str, max_length: int) -> str | None:
+  """Why lengths up to `max_length` of `task` are out of reach, or None.
+
+  A PCFG task's exact length table is O(n²) (`length_table_work`): past
+  `MAX_LENGTH_TABLE_WORK` terms the commands refuse (with this reason)
+  instead of computing, silently, for hours or years. The other tasks
+  count their strings in closed form: never out of reach.
+  """
+  compiled = getattr(get(task), "compiled", None)
+  if compiled is None:
+    return None
+  work = compiled.length_table_work(int(max_length))
+  if work <= MAX_LENGTH_TABLE_WORK:
+    return None
+  # The longest n with R·n(n−1)/2 <= the limit (from an empty table).
+  pairs = 2 * MAX_LENGTH_TABLE_WORK // len(compiled.bin_prob)
+  longest = math.isqrt(pairs) + 1
+  while longest * (longest - 1) > pairs:
+    longest -= 1
+  return (f"the exact length table of {task} up to it sums ~{work:.1e} "
+          "terms (O(n²); ~10^8 a second on one core); lengths up to "
+          f"{longest:,} are supported")
 
 
 def get(name: str, *, preserve_start: bool = False) -> Language:

@@ -182,6 +182,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if lo > hi:
       fail(f"{prefix}_min_length", f"({lo}) is greater than "
            f"config.{prefix}_max_length ({hi})")
+    too_long = languages.length_out_of_reach(task, hi)
+    if too_long:
+      # The exact length table is O(n²): refused here rather than a
+      # silent wait of hours (or years) before the first output line.
+      fail(f"{prefix}_max_length", f"is {hi:,}: {too_long}")
     if (prefix == "train" or need("run_test")) and not languages.get(
         task).valid_lengths(lo, hi):
       fail(f"{prefix}_min_length", f"and config.{prefix}_max_length give "

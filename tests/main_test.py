@@ -107,6 +107,16 @@ def _cases(tmp):
        ["-m", "nsrnn_jax.data", "--task=dyck", f"--out={new}",
         "--train_min_length=50", "--train_max_length=40"],
        "min_length (50) > max_length (40)"),
+      # O(n²) exact length tables: refused, not hours of silence.
+      ("data with a length whose table takes years",
+       ["-m", "nsrnn_jax.data", "--task=dyck", f"--out={new}",
+        "--train_max_length=100000000"],
+       "--train_max_length is 100,000,000: the exact length table of dyck "
+       "up to it sums ~6.0e+16 terms"),
+      ("main with a length whose table takes hours",
+       main + [f"--workdir={new}", "--config.test_max_length=400000"],
+       "config.test_max_length is 400,000: the exact length table of "
+       "marked_reversal"),
       ("grid given the learning rate it overwrites",
        ["-m", "nsrnn_jax.grid", f"--config={QUICK}", f"--workdir={new}",
         "--config.learning_rate=0.1"], "--config.learning_rate_grid"),

@@ -216,6 +216,31 @@ def test_predict_eos_must_be_a_bool():
   assert "\n" not in str(e.value)
 
 
+def test_lengths_whose_exact_length_table_takes_hours_are_refused():
+  """The length table sums one term per (binary rule, length, split point):
+  R·n(n−1)/2 from scratch; marked reversal has R = 4 binary rules."""
+  from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import pcfg  # pylint: disable=g-import-not-at-top
+  fresh = pcfg.CompiledPCFG(languages.get("marked_reversal").compiled.grammar)
+  assert len(fresh.bin_prob) == 4
+  limit = languages.MAX_LENGTH_TABLE_WORK
+  # 316,228 · 316,227 = 99,999,831,756 <= 2·limit/4 = 10^11 < 316,229 ·
+  # 316,228 = 100,000,464,212.
+  assert fresh.length_table_work(316_228) == 2 * 99_999_831_756 <= limit
+  assert fresh.length_table_work(316_229) == 2 * 100_000_464_212 > limit
+  fresh.log_length_table(50)  # computed lengths cost nothing again
+  assert fresh.length_table_work(50) == 0
+  assert fresh.length_table_work(60) == 4 * (60 * 59 - 50 * 49) // 2
+  config = tiny_config()
+  config.task, config.test_max_length = "marked_reversal", 400_000
+  with pytest.raises(ValueError, match=r"config.test_max_length is 400,000: "
+                     r"the exact length table of marked_reversal up to it "
+                     r"sums ~3.2e\+11 terms .* lengths up to 316,228 are "
+                     r"supported") as e:
+    train.validate_config(config)
+  assert "\n" not in str(e.value)
+
+
 def test_stack_batch_chunk_must_be_a_non_negative_int():
   for bad in (-1, 2.5, True):
     config = tiny_config()
