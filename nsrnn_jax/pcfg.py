@@ -62,9 +62,10 @@ two threads (NumPy releases the GIL).
 
 Numerics: the length table is in float64 log space (ln T[X, l]; T leaves
 float64's range for long strings, e.g. Dyck's beyond l ≈ 3,400). The inside
-chart is float64 linear space with every terminal scaled by a per-length
-constant `c = G(n)**(-1/n)`, so that chart entries stay near 1 and
-`ln G(w) = ln chart - n ln c` is exact even when G(w) is ~1e-80 or smaller.
+chart is float64 linear space with a log-scale per span (each span's entries
+divided by their largest), so `ln G(w)` is exact however small G(w) is (a
+single scale per length underflowed once ln G(w) - ln G(n) < -744, e.g. for
+the hardest CFL's strings of ~520 symbols).
 """
 
 from __future__ import annotations
@@ -820,26 +821,51 @@ class CompiledPCFG:
           self._groups.append((cls, anchored, rules, to_lhs))
     return self._groups
 
-  def _scaled_inside(self, weights_BxNxV: np.ndarray, log_c: float
-                     ) -> np.ndarray:
-    """Chart entry of the start symbol on the whole string, scaled by c**n.
+  def _scaled_inside(self, weights_BxNxV: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Inside weight of the start symbol on the whole string, as
+    (mantissa [B], log-scale [B]): ln = ln mantissa + log-scale.
 
     Position i emits terminal a with weight weights[b, i, a] (one-hot rows:
-    the string itself; all-ones rows: any symbol).
+    the string itself; all-ones rows: any symbol). Every span keeps its own
+    log-scale (its entries divided by their largest), so no entry leaves
+    float64's range however improbable the string (a single scale per
+    length underflowed once −ln p(w | n) passed ~744: the hardest CFL's
+    strings from ~520 symbols on).
     """
     b, n, _ = weights_BxNxV.shape
     m = self.num_nonterminals
-    # chart_by_start[l, b, X, i]: scaled inside of span (i, i+l);
-    # chart_by_end[l, b, X, j]: the same span indexed by its end j = i+l, so
-    # that the right children of all split points are one slice.
+    # chart_by_start[l, b, X, i]: inside of span (i, i+l) over its scale
+    # scale_by_start[l, b, i]; chart_by_end[l, b, X, j] / scale_by_end[l, b,
+    # j]: the same span indexed by its end j = i+l, so that the right
+    # children of all split points are one slice.
     chart_by_start = np.zeros((n + 1, b, m, n))
     chart_by_end = np.zeros((n + 1, b, m, n + 1))
-    emit_BxMxN = np.exp(log_c) * np.einsum("mv,bnv->bmn", self._emit_MxV,
-                                           weights_BxNxV)
-    chart_by_start[1] = emit_BxMxN
-    chart_by_end[1, :, :, 1:] = emit_BxMxN
+    scale_by_start = np.full((n + 1, b, n), -np.inf)
+    scale_by_end = np.full((n + 1, b, n + 1), -np.inf)
+
+    def normalised(out_BxMxS, base_BxS):
+      # A span no nonterminal derives gets scale −inf: a finite one would
+      # be arbitrary and could outweigh the real splits of a longer span.
+      top_BxS = out_BxMxS.max(axis=1)
+      nonzero = top_BxS > 0
+      out_BxMxS /= np.where(nonzero, top_BxS, 1.0)[:, None, :]
+      return np.where(nonzero, base_BxS + np.log(np.where(nonzero, top_BxS,
+                                                           1.0)), -np.inf)
+
+    emit_BxMxN = np.einsum("mv,bnv->bmn", self._emit_MxV, weights_BxNxV)
+    scale_BxN = normalised(emit_BxMxN, np.zeros((b, n)))
+    chart_by_start[1], scale_by_start[1] = emit_BxMxN, scale_BxN
+    chart_by_end[1, :, :, 1:], scale_by_end[1, :, 1:] = emit_BxMxN, scale_BxN
     for length in range(2, n + 1):
       starts = n - length + 1
+      # Split point k = 1..l−1 joins span (i, i+k) and (i+k, i+l): their
+      # scales' sum relative to the largest over k, per (string, start).
+      pair_KxBxS = (scale_by_start[1:length, :, :starts]
+                    + scale_by_end[length - 1:0:-1, :, length:])
+      base_BxS = pair_KxBxS.max(axis=0)
+      base_BxS = np.where(base_BxS > -np.inf, base_BxS, 0.0)
+      factor_KxBxS = np.exp(pair_KxBxS - base_BxS)
       out_BxMxS = np.zeros((b, m, starts))
       for cls, anchored, rules, to_lhs_MxR in self._rule_groups():
         if cls == 0:    # left child short: splits k = 1..min(bound, l-1)
@@ -858,10 +884,14 @@ class CompiledPCFG:
         right_KxBxRxS = chart_by_end[length - k_lo:length - k_hi - 1:-1, :,
                                      self.bin_right[rules], length + s_lo:]
         left_KxBxRxS *= right_KxBxRxS
+        left_KxBxRxS *= factor_KxBxS[k_lo - 1:k_hi, :, None, s_lo:]
         out_BxMxS[:, :, s_lo:] += to_lhs_MxR @ left_KxBxRxS.sum(axis=0)
+      scale_BxS = normalised(out_BxMxS, base_BxS)
       chart_by_start[length, :, :, :starts] = out_BxMxS
       chart_by_end[length, :, :, length:] = out_BxMxS
-    return chart_by_start[n, :, 0, 0]
+      scale_by_start[length, :, :starts] = scale_BxS
+      scale_by_end[length, :, length:] = scale_BxS
+    return chart_by_start[n, :, 0, 0], scale_by_start[n, :, 0]
 
   def log_prob_batch(self, symbols_BxN) -> np.ndarray:
     """ln G(w) for a batch of strings of one length, summing all derivations.
@@ -900,24 +930,21 @@ class CompiledPCFG:
     b, n, _ = weights_BxNxV.shape
     if b == 0:
       return np.zeros(0)
-    log_g_len = self.length_log_prob(n)
-    if log_g_len == -np.inf:
+    if self.length_log_prob(n) == -np.inf:
       return np.full(b, -np.inf)
-    # Per-symbol scale keeps typical chart entries O(1) (see module docstring).
-    log_c = -log_g_len / n
     # Chunks of strings keep the two charts (n^2 * chunk * M floats) small.
     chunk = max(1, _CHART_FLOATS // (n * n * self.num_nonterminals))
     pieces = [weights_BxNxV[i:i + chunk] for i in range(0, b, chunk)]
     if len(pieces) > 1 and _NUM_THREADS > 1:
       # NumPy releases the GIL in its kernels, so chunks run in parallel.
       with concurrent.futures.ThreadPoolExecutor(_NUM_THREADS) as pool:
-        parts = list(pool.map(lambda x: self._scaled_inside(x, log_c),
-                              pieces))
+        parts = list(pool.map(self._scaled_inside, pieces))
     else:
-      parts = [self._scaled_inside(x, log_c) for x in pieces]
-    inside = np.concatenate(parts)
+      parts = [self._scaled_inside(x) for x in pieces]
+    mantissa = np.concatenate([p[0] for p in parts])
+    log_scale = np.concatenate([p[1] for p in parts])
     with np.errstate(divide="ignore"):
-      return np.log(inside) - n * log_c
+      return np.log(mantissa) + log_scale
 
   def log_prob(self, symbols: Sequence[int]) -> float:
     """ln G(w) of one string (-inf outside the language; 0-length: -inf)."""

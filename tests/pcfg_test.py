@@ -102,6 +102,26 @@ def test_bad_grammars_raise():
     pcfg.remove_epsilon_and_unary_rules(loop)
 
 
+def test_improbable_long_strings_score_exactly():
+  """S -> a S | a over 8 terminals, every rule 1/16: G(w) = 16^-n for each
+  of the 8^n strings of length n. At n = 380, G(w)/G(n) = 8^-380 = e^-790
+  is below float64's range: one chart scale per length gave -inf (so did
+  the hardest CFL's strings from ~520 symbols); a scale per span is exact."""
+  g = pcfg.CompiledPCFG(pcfg.PCFG(
+      "S", [("S", (a, "S"), 1.0) for a in range(8)]
+      + [("S", (a,), 1.0) for a in range(8)], 8))
+  w = np.random.default_rng(0).integers(0, 8, (2, 380))
+  np.testing.assert_allclose(g.log_prob_batch(w), 380 * math.log(1 / 16),
+                             rtol=1e-13)
+  # A string outside the language still scores -inf (here: a terminal id
+  # the rules cannot end with, from a grammar whose last symbol must be 0).
+  ends_in_0 = pcfg.CompiledPCFG(pcfg.PCFG(
+      "S", [("S", (a, "S"), 1.0) for a in range(8)] + [("S", (0,), 1.0)], 8))
+  assert ends_in_0.log_prob(np.full(380, 1)) == -math.inf
+  assert math.isclose(ends_in_0.log_prob(np.r_[np.full(379, 1), 0]),
+                      380 * math.log(1 / 9), rel_tol=1e-13)
+
+
 @pytest.mark.parametrize("start, rules, num_terminals, match", [
     # A float or str alphabet size: 2.5 built a grammar of 2 terminals.
     ("S", [("S", (0,), 1.0)], 2.5, "num_terminals must be an integer"),
