@@ -8,8 +8,8 @@ the unlimited stack. Cost per update is O(B·D²·Q³·S²), independent of the
 position in the stream, and the state is O(B·D²·Q²·S²): long strings are
 processed incrementally in linear time.
 
-The update is `rns_stack.update` (posterior shares, exact for any finite
-log-weights, either bottom) applied to a D × D window of the share table on
+The update is `rns_stack.update` (posterior shares, exact up to its flush
+limit, either bottom) applied to a D × D window of the share table on
 the times j−D..j−1. The window is a ring: time τ lives at slot
 (τ + D − 1) mod D on both time axes (column and row), so update j writes
 column j into the slot of the oldest time j−D and clears that slot's row

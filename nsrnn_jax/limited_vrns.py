@@ -31,7 +31,7 @@ Two representations, the same function (tested against each other, the
 unlimited `vrns_stack` and brute-force PDA enumeration):
 * Shares (`VectorShareState`; the run-consistent bottom, the default):
   `limited_stack`'s ring of posterior shares H_{i,k} = α_i γ[i→k] / α_k
-  (`rns_stack`: exact for any finite log-weights) plus vector shares
+  (`rns_stack`: exact up to its flush limit) plus vector shares
   Z_{i,k}[q,x,t,y,:] = α_i[q,x] ζ[i→k][q,x,t,y,:] / α_k[t,y] / e^σ, the
   shares times the expected vector of the top element. Z follows H's
   recurrence row by row with H's kernels (its push row is H's times

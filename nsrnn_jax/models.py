@@ -70,8 +70,8 @@ INPUT_LOOKUP_MODELS = ('lstm', 'rns', 'vrns')
 # How the NS-RNN computes its stack (``config.stack_table``). Both compute the
 # same function (tested to 1e-12 in float64):
 #   'shares': ``rns_stack`` with the frozen bottom and the symbol reading (γ
-#     stored as posterior shares): exact for any finite log-weights, in
-#     float32 too. The default.
+#     stored as posterior shares): exact for finite log-weights up to its
+#     flush limit (rns_stack docstring), in float32 too. The default.
 #   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):
 #     1.3x slower per train step on CPU (docs/benchmarks.md, "Later CPU runs"), and in
 #     float32 it flushes entries that dominate α when the weights decay fast
@@ -971,7 +971,7 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
     num_states, num_symbols: Q, S.
     table: one of ``NS_TABLES``: 'shares' runs ``rns_stack.run_coupled``
       with the frozen bottom and the top-symbol reading (the CoNLL 2020
-      semantics, exact for any finite log-weights); 'scaled' runs
+      semantics, exact up to its flush limit); 'scaled' runs
       ``ns_stack.run_coupled``.
     precision: matmul precision of the stack's contractions.
     unroll: the stack's `lax.scan` unroll factor (same values; for

@@ -1,4 +1,4 @@
-"""The generalised nondeterministic stack: exact for any finite log-weights.
+"""The generalised nondeterministic stack: posterior shares, exact up to a flush.
 
 A pure-array dynamic program (no Flax) for the stacks of the authors' later
 models (rns-vrns-reference.md): the renormalising NS-RNN (RNS-RNN, ICLR 2022)
@@ -33,9 +33,16 @@ zero. Here each γ entry is stored relative to the α's at both of its ends:
 the share of α_j[r,y] whose top element was pushed on (q, x) at time i (a
 "backpointer" distribution: Σ_{i,q,x} H_{i,j}[q,x,r,y] = 1). log α_j is
 kept in log space (column-sized). Every stored number and every kernel of
-the recurrence is a share in [0, 1], so nothing overflows, the only flush is
-of shares below ~1e3 × the smallest normal float (≈1e-35 in float32), and
-no share is ever amplified afterwards. All table-sized work is matmuls of
+the recurrence is a share in [0, 1], so nothing overflows, and the only
+flush is of shares below ~1e3 × the smallest normal float (≈1e-35, i.e. ~80
+nats, in float32; ~700 nats in float64). The limit (found by an audit,
+strict xfail tests in rns_stack_test): a flushed share is lost for good, so
+a run that falls that far below the best run to the same (state, top) and
+is later brought back by a larger weight (e.g. a replace of weight e^100
+beside a push of weight 1, then a push of weight e^200 from the pushed
+run's configuration) is missing from the result: readings off by up to 1
+and log Σα off by the amount it came back by. Normalised actions and the
+weight spreads of trained models stay far inside the limit. All table-sized work is matmuls of
 linear shares; only column-sized arrays are exponentiated.
 
 Recurrence for update j (log-weights pu, re, po of update j; times i, k run
@@ -1244,8 +1251,10 @@ _tables.defvjp(_tables_fwd, _tables_bwd)
 def run(push, repl, pop, bottom=FIXED, precision="highest", unroll=1):
   """Normalised log α and log Σα for j = 0..T from action log-weights.
 
-  Exact for any finite log-weights (unnormalised, large, −inf), in float32
-  and float64; differentiable in O(T²) memory.
+  Exact for finite log-weights (unnormalised, large, −inf), in float32 and
+  float64, unless a run falls more than ~80 nats (float32; ~700 in float64)
+  below the best run to the same configuration and a later weight brings
+  it back (module docstring); differentiable in O(T²) memory.
 
   Args:
     push, repl: [B, T, Q, S, Q, S] log-weights indexed (q, x, r, y).
@@ -1593,7 +1602,7 @@ def run_coupled_vectors(step_fn: Callable[..., Any], params, init_carry, xs,
 
   The run-consistent vector stack of `vrns_stack` (its module docstring:
   semantics and readings) computed on this module's share sweep: exact
-  for any finite log-weights, O(T²) gradient memory, and the vectors cost
+  up to the share table's flush limit, O(T²) gradient memory, and the vectors cost
   column-sized work per update (module comment above `_initial_vectors`).
   `vrns_stack.run_coupled` calls it for the run-consistent bottom.
 
