@@ -239,7 +239,12 @@ def _check_nasty(steps, q, s):
         total = sum(g.sum(-1) for g in per_update)
         size = sum(np.abs(g).sum(-1) for g in per_update)
         assert np.all(size[:, :steps // 2] > 0)
-        np.testing.assert_array_less(np.abs(total), 1e-4 * size + 1e-7)
+        # float32 rounding of a sum is relative to the largest gradients,
+        # not to one update's (at T = 500 an update of size 4e-5 sums to
+        # 1.5e-7 in float32, 4e-17 in float64).
+        np.testing.assert_array_less(
+            np.abs(total), 1e-4 * size + 1e-6 * size.max(axis=1,
+                                                          keepdims=True))
 
 
 def test_nasty_inputs_are_exact_float32_and_float64():
@@ -247,10 +252,6 @@ def test_nasty_inputs_are_exact_float32_and_float64():
   _check_nasty(80, 1, 2)
 
 
-@pytest.mark.benchmark
-@pytest.mark.skipif(not os.environ.get("NSRNN_LONG_TESTS"),
-                    reason="T = 500 log-space reference: 30 s to minutes; "
-                    "set NSRNN_LONG_TESTS=1")
 def _flushed_run_comes_back(big, dtype):
   """Q = 1, S = 3, fixed bottom: update 2 reaches (0, 2) by a push of
   weight 1 from the run with 1 on top and by a replace of weight e^big;
@@ -301,6 +302,10 @@ def test_a_run_beyond_the_flush_that_comes_back_is_lost(big, dtype, x64):
   assert mass == pytest.approx(want_mass, rel=1e-6)
 
 
+@pytest.mark.benchmark
+@pytest.mark.skipif(not os.environ.get("NSRNN_LONG_TESTS"),
+                    reason="T = 500 log-space reference: 30 s to minutes; "
+                    "set NSRNN_LONG_TESTS=1")
 def test_nasty_inputs_at_500():
   _check_nasty(500, 1, 2)
 
