@@ -373,6 +373,10 @@ def _without_read_only_notice():
 _CLOSED_LOOP_ERROR = "RuntimeError: Event loop is closed"
 
 
+# The Orbax coroutine that reads one array of a checkpoint.
+_ARRAY_READ_COROUTINE = "_read_array_index_and_device_put"
+
+
 class _AbandonedReadFilter(logging_std.Filter):
   """Drops asyncio's "exception was never retrieved" for abandoned reads.
 
@@ -387,13 +391,10 @@ class _AbandonedReadFilter(logging_std.Filter):
     return not ("exception was never retrieved" in message
                 and ("tensorstore" in message
                      or "async_deserialize" in message
-                     or "_read_array_index_and_device_put" in message))
+                     or _ARRAY_READ_COROUTINE in message))
 
 
 _ABANDONED_READ_FILTER = _AbandonedReadFilter()
-
-# The Orbax coroutine that reads one array of a checkpoint.
-_ARRAY_READ_COROUTINE = "_read_array_index_and_device_put"
 
 
 def _drop_abandoned_read_reports() -> None:

@@ -222,13 +222,7 @@ def _check_actions(push, repl, pop):
             np.log(pop_TxQxSxQ))
 
 
-def _logsumexp(x, axis):
-  """log sum exp over `axis` (int or tuple) with all -inf giving -inf."""
-  peak = np.max(x, axis=axis, keepdims=True)
-  peak = np.where(np.isfinite(peak), peak, 0.0)
-  with np.errstate(divide="ignore"):
-    out = np.log(np.sum(np.exp(x - peak), axis=axis, keepdims=True)) + peak
-  return np.squeeze(out, axis=axis)
+_logsumexp = pcfg.logsumexp  # −inf-safe, NumPy
 
 
 def _forward_log_alpha(push, repl, pop) -> np.ndarray:

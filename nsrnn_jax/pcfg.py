@@ -609,7 +609,7 @@ class CompiledPCFG:
         # per rule, shifted by the rule's largest term.
         terms = (table[self.bin_left, 1:length]
                  + table[self.bin_right, length - 1:0:-1])
-        per_rule = _logsumexp_rows(terms) + log_bin_prob
+        per_rule = logsumexp(terms, axis=1) + log_bin_prob
         table[:, length] = _logsumexp_groups(per_rule, self.bin_lhs,
                                              self.num_nonterminals)
       self._log_table = table
@@ -960,14 +960,14 @@ class CompiledPCFG:
     return check_symbols_BxN(symbols_BxN, self.num_terminals)
 
 
-def _logsumexp_rows(x_RxK: np.ndarray) -> np.ndarray:
-  """ln Σ_k exp(x[r, k]) per row, −inf for a row of −inf (or no columns)."""
-  if x_RxK.shape[1] == 0:
-    return np.full(x_RxK.shape[0], -np.inf)
-  top = np.max(x_RxK, axis=1)
-  shift = np.where(top > -np.inf, top, 0.0)
+def logsumexp(x: np.ndarray, axis) -> np.ndarray:
+  """ln Σ exp(x) over `axis` (int or tuple) in NumPy, −inf where every term
+  is −inf (no NaN from −inf − (−inf))."""
+  peak = np.max(x, axis=axis, keepdims=True)
+  peak = np.where(np.isfinite(peak), peak, 0.0)
   with np.errstate(divide="ignore"):
-    return np.log(np.exp(x_RxK - shift[:, None]).sum(axis=1)) + shift
+    out = np.log(np.sum(np.exp(x - peak), axis=axis, keepdims=True)) + peak
+  return np.squeeze(out, axis=axis)
 
 
 def _logsumexp_groups(x_R: np.ndarray, group_R: np.ndarray,

@@ -227,17 +227,14 @@ def init_state(log_bottom_vector_BxM, num_steps, num_states, num_symbols,
   log_v = jnp.asarray(log_bottom_vector_BxM)
   if log_v.ndim == 1:
     log_v = log_v[None]
-  log_v = check_log_bottom_vector(log_v)
-  b, m = log_v.shape
-  q, s = ns_stack.check_sizes(num_states=num_states, num_symbols=num_symbols)
   (num_steps,) = ns_stack.check_sizes(0, num_steps=num_steps)
-  t1 = num_steps + 1
-  dt = log_v.dtype
-  ninf = -jnp.inf
-  first = bottom_element(log_v, q, s, broadcast_bottom)
-  forward = jnp.full((b, t1, q, s, 1 + m), ninf, dt).at[:, 0].set(first)
+  # bottom_element checks the vector and Q, S.
+  first = bottom_element(log_v, num_states, num_symbols, broadcast_bottom)
+  b, q, s, m1 = first.shape  # m1 = 1 + M
+  t1, dt, ninf = num_steps + 1, first.dtype, -jnp.inf
+  forward = jnp.full((b, t1, q, s, m1), ninf, dt).at[:, 0].set(first)
   return VectorStackState(
-      log_table=jnp.full((b, t1, t1, q, s, q, s, 1 + m), ninf, dt),
+      log_table=jnp.full((b, t1, t1, q, s, q, s, m1), ninf, dt),
       log_forward=forward, log_bottom=forward)
 
 
@@ -538,9 +535,7 @@ _coupled.defvjp(_coupled_fwd, _coupled_bwd)
 
 def _check_inputs(num_states, num_symbols, log_bottom_vector, b, m=None):
   """log v_⊥ as [B, M] (checked; `m`: the vectors' M where known)."""
-  for name, v in (("num_states", num_states), ("num_symbols", num_symbols)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-      raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+  ns_stack.check_sizes(num_states=num_states, num_symbols=num_symbols)
   lv = jnp.asarray(log_bottom_vector)
   if lv.ndim == 1:
     lv = jnp.broadcast_to(lv[None], (b, lv.shape[0]))
