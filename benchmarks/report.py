@@ -1033,6 +1033,28 @@ def window_vjp_block():
   return "\n".join(lines) + f"\n\n{notes}.\n"
 
 
+def log_stack_block():
+  """The exact log-space table against the share table (log_stack.json)."""
+  d = _load("log_stack.json")
+  if d is None:
+    return "No `log_stack.json` yet.\n"
+  lines = ["`benchmarks/log_stack.py` (`config.stack_table = \"log\"` against "
+           "\"shares\"; B = 10, n = 80, float32, unnormalised N(0, 3²) "
+           "log-weights; one run):", "",
+           "| Q=S | table | fwd | fwd+bwd | gradient temporaries | log / "
+           "shares (fwd, fwd+bwd) | largest reading difference |",
+           "|---|---|---|---|---|---|---|"]
+  for r in d["rows"]:
+    for name in ("shares", "log"):
+      ratio = (f"{r['slowdown_fwd']:.0f}×, {r['slowdown_fwd_bwd']:.0f}×"
+               if name == "log" else "")
+      diff = f"{r['max_reading_difference']:.1e}" if name == "log" else ""
+      lines.append(f"| {r['Q']} | {name} | {_ms(r[name + '_fwd_s'])} | "
+                   f"{_ms(r[name + '_fwd_bwd_s'])} | "
+                   f"{r[name + '_grad_temp_mib']:.1f} MiB | {ratio} | {diff} |")
+  return "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"
+
+
 RERUN_RECORDS_FILES = ("rerun_records_marked_reversal_ns.json",
                        "rerun_records_marked_reversal_ns_float64.json",
                        "rerun_records_marked_reversal_ns_xavier.json")
@@ -1158,7 +1180,8 @@ BENCHMARKS_BLOCKS = {"benchmarks": benchmarks_block, "vrns": vrns_block,
                      "limited_vrns": limited_vrns_block,
                      "corpus_step": corpus_step_block,
                      "huge_pages": huge_pages_block,
-                     "window_vjp": window_vjp_block}
+                     "window_vjp": window_vjp_block,
+                     "log_stack": log_stack_block}
 ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
 ARCHITECTURE_BLOCKS = {"limited_stack": limited_stack_block,
                        "rns_vs_ns": rns_vs_ns_block}

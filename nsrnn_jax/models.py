@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsrnn_jax import limited_stack
+from nsrnn_jax import log_stack
 from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
 
@@ -67,17 +68,24 @@ MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
 # Models whose controller can read its input by row lookup (input_lookup).
 INPUT_LOOKUP_MODELS = ('lstm', 'rns', 'vrns')
 
-# How the NS-RNN computes its stack (``config.stack_table``). Both compute the
+# How the NS-RNN computes its stack (``config.stack_table``). All compute the
 # same function (tested to 1e-12 in float64):
 #   'shares': ``rns_stack`` with the frozen bottom and the symbol reading (γ
 #     stored as posterior shares): exact for finite log-weights up to its
 #     flush limit (rns_stack docstring), in float32 too. The default.
+#   'log': ``log_stack`` (the same shares as logarithms): exact for any
+#     finite log-weights, no flush; ~100x slower per train step on CPU
+#     (benchmarks/log_stack.py). For checking and evaluating; also the RNS-RNN's
+#     opt-in table.
 #   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):
 #     1.3x slower per train step on CPU (docs/benchmarks.md, "Later CPU runs"), and in
 #     float32 it flushes entries that dominate α when the weights decay fast
 #     (readings off by 0.12 for 3 × log-softmax weights at n = 80; a trained
 #     marked-reversal model on random strings: 0.19; ns_stack docstring).
-NS_TABLES = ('shares', 'scaled')
+NS_TABLES = ('shares', 'scaled', 'log')
+# The tables the RNS-RNN can run (without a window): ``rns_stack`` or
+# ``log_stack`` with its bottom and reading.
+RNS_TABLES = ('shares', 'log')
 # Also the table of a config stored before ``stack_table`` existed (same
 # function as the 'scaled' table those runs used).
 DEFAULT_NS_TABLE = 'shares'
@@ -971,8 +979,9 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
     num_states, num_symbols: Q, S.
     table: one of ``NS_TABLES``: 'shares' runs ``rns_stack.run_coupled``
       with the frozen bottom and the top-symbol reading (the CoNLL 2020
-      semantics, exact up to its flush limit); 'scaled' runs
-      ``ns_stack.run_coupled``.
+      semantics, exact up to its flush limit); 'log' runs
+      ``log_stack.run_coupled`` with the same semantics (exact, slower);
+      'scaled' runs ``ns_stack.run_coupled``.
     precision: matmul precision of the stack's contractions.
     unroll: the stack's `lax.scan` unroll factor (same values; for
       launch-bound accelerators).
@@ -996,10 +1005,15 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
                                   num_states=num_states,
                                   num_symbols=num_symbols,
                                   precision=precision, unroll=unroll)
-    outs, la, log_mass = rns_stack.run_coupled(
-        step_fn, params, carry, x, num_states, num_symbols,
-        rns_stack.FROZEN, rns_stack.SYMBOL, precision=precision,
-        unroll=unroll)
+    if table == 'log':
+      outs, la, log_mass = log_stack.run_coupled(
+          step_fn, params, carry, x, num_states, num_symbols,
+          rns_stack.FROZEN, rns_stack.SYMBOL)
+    else:
+      outs, la, log_mass = rns_stack.run_coupled(
+          step_fn, params, carry, x, num_states, num_symbols,
+          rns_stack.FROZEN, rns_stack.SYMBOL, precision=precision,
+          unroll=unroll)
     return outs, rns_stack.readout(la, rns_stack.SYMBOL)[0], log_mass
 
   if chunk == batch:
@@ -1063,8 +1077,10 @@ class NSLM(PDAStackLM):
 
   ``table`` picks the dynamic program (``NS_TABLES``): 'shares'
   (``rns_stack`` with the CoNLL 2020 semantics: frozen bottom, top-symbol
-  reading; exact) or 'scaled' (``ns_stack``; slower on CPU since the
-  shares update runs in fewer ops, and can flush in float32).
+  reading; exact up to its flush limit), 'log' (``log_stack``, the same
+  semantics with no flush; slower) or 'scaled' (``ns_stack``; slower on
+  CPU since the shares update runs in fewer ops, and can flush in
+  float32).
 
   ``trace`` adds ``actions``: a dict of probabilities ``push`` and
   ``repl`` [B, T, Q, S, Q, S] and ``pop`` [B, T, Q, S, Q]; ``readings``
@@ -1120,8 +1136,11 @@ class RNSLM(PDAStackLM):
   ``window`` D >= 1 selects the memory-limited stack, trained with
   truncated BPTT in chunks of ``truncation_length`` steps (0 = whole
   string; the chunk boundary's gradient follows the bottom's tag, see
-  ``limited_stack``). Same time indexing as :class:`NSLM`; EOS, when the
-  config predicts it, is one more symbol (``from_config``).
+  ``limited_stack``). ``table`` (``RNS_TABLES``, no window only) runs the
+  unlimited stack on ``rns_stack`` ('shares') or ``log_stack`` ('log':
+  exact for any finite log-weights, slower). Same time indexing as
+  :class:`NSLM`; EOS, when the config predicts it, is one more symbol
+  (``from_config``).
 
   ``trace`` adds ``action_log_weights`` (dict ``push``, ``repl`` [B, T, Q, S,
   Q, S], ``pop`` [B, T, Q, S, Q]), ``readings`` [B, N, R] (what the
@@ -1135,6 +1154,7 @@ class RNSLM(PDAStackLM):
   bottom: str = rns_stack.FIXED
   window: int = 0
   truncation_length: int = 0
+  table: str = DEFAULT_NS_TABLE
 
   def _reading_size(self) -> int:
     q, s = self.num_states, self.num_stack_symbols
@@ -1191,6 +1211,10 @@ class RNSLM(PDAStackLM):
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
           self.window, self.bottom, self.reading, self.truncation_length,
           precision=self.matmul_precision, actions_fn=actions_fn)
+    elif self.table == 'log':
+      h_BxTxH, la, log_mass = log_stack.run_coupled(
+          step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
+          self.bottom, self.reading)
     else:
       h_BxTxH, la, log_mass = rns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
@@ -1309,8 +1333,10 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     stack_bottom_vector: VRNS bottom vector: 'learned', 'one' or 'zero'.
     broadcast_bottom_vector: VRNS: the authors' broadcast bottom vector
       (``vrns_stack`` docstring) instead of the run-consistent one.
-    stack_table: the NS-RNN's dynamic program, one of ``NS_TABLES`` (ns
-      only): 'shares' (exact) or 'scaled' (can flush in float32).
+    stack_table: the stack's dynamic program: for ns one of ``NS_TABLES``
+      ('shares': exact up to its flush limit; 'log': exact, slower;
+      'scaled': can flush in float32), for rns without a window one of
+      ``RNS_TABLES``; other models take only the default.
     stack_batch_chunk: strings per run of the NS-RNN's stack, 0 = automatic
       (``stack_batch_chunk``; ns only).
     scan_unroll: ``lax.scan`` unroll factor of the time loop (same values;
@@ -1384,6 +1410,9 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
                 input_lookup=bool(input_lookup))
   if name != 'vrns':
     common['scan_unroll'] = scan_unroll
+  if name not in ('ns', 'rns') and stack_table != DEFAULT_NS_TABLE:
+    raise ValueError(f'stack_table {stack_table!r} applies to models ns and '
+                     f'rns only (model {name!r})')
   if name == 'lstm':
     return LSTMLM(**common)
   if name == 'jm':
@@ -1407,10 +1436,18 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_normalize=stack_normalize, stack_reading=stack_reading,
         stack_bottom=stack_bottom, stack_window=stack_window,
         truncation_length=truncation_length))
+    if stack_table not in RNS_TABLES or (stack_window
+                                         and stack_table != DEFAULT_NS_TABLE):
+      raise ValueError(
+          f'stack_table {stack_table!r} does not apply to model rns'
+          + (' with a window' if stack_window else '') + '; use '
+          + (repr(DEFAULT_NS_TABLE) if stack_window
+             else ' or '.join(map(repr, RNS_TABLES))))
     return RNSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
                  normalize=bool(stack_normalize), reading=stack_reading,
                  bottom=stack_bottom, window=int(stack_window),
-                 truncation_length=int(truncation_length), **common)
+                 truncation_length=int(truncation_length),
+                 table=stack_table, **common)
   if name == 'vrns':
     from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
     rns_stack.validate_stack_config(dict(

@@ -42,7 +42,9 @@ is later brought back by a larger weight (e.g. a replace of weight e^100
 beside a push of weight 1, then a push of weight e^200 from the pushed
 run's configuration) is missing from the result: readings off by up to 1
 and log Σα off by the amount it came back by. Normalised actions and the
-weight spreads of trained models stay far inside the limit. All table-sized work is matmuls of
+weight spreads of trained models stay far inside the limit; `log_stack`
+computes the same function with the shares as logarithms, exact for any
+finite log-weights and ~100x slower (config.stack_table = "log"). All table-sized work is matmuls of
 linear shares; only column-sized arrays are exponentiated.
 
 Recurrence for update j (log-weights pu, re, po of update j; times i, k run
@@ -1254,7 +1256,8 @@ def run(push, repl, pop, bottom=FIXED, precision="highest", unroll=1):
   Exact for finite log-weights (unnormalised, large, −inf), in float32 and
   float64, unless a run falls more than ~80 nats (float32; ~700 in float64)
   below the best run to the same configuration and a later weight brings
-  it back (module docstring); differentiable in O(T²) memory.
+  it back (module docstring; `log_stack.run` has no such limit);
+  differentiable in O(T²) memory.
 
   Args:
     push, repl: [B, T, Q, S, Q, S] log-weights indexed (q, x, r, y).

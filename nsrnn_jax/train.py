@@ -113,6 +113,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if table not in models.NS_TABLES:
     fail("stack_table", f"is {table!r}; expected one of "
          f"{', '.join(models.NS_TABLES)}")
+  if table != models.DEFAULT_NS_TABLE and (
+      model not in ("ns", "rns")
+      or model == "rns" and (table not in models.RNS_TABLES
+                             or config.get("stack_window", 0))):
+    fail("stack_table", f"is {table!r}, which model {model!r}"
+         + (" with a window" if model == "rns" and config.get("stack_window", 0)
+            else "") + " cannot run; leave it at "
+         f"{models.DEFAULT_NS_TABLE!r}"
+         + (" or use 'log'" if model == "rns"
+            and not config.get("stack_window", 0) else ""))
   action_init = config.get("ns_action_init", "uniform")
   if action_init not in models.NS_ACTION_INITS:
     fail("ns_action_init", f"is {action_init!r}; expected one of "
@@ -712,9 +722,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if parallel.is_main_process():
     # The first line of a run (after the checks, so errors stay one line).
     runtime = parallel.describe_runtime(config.matmul_precision)
-    if config.model == "ns":
+    if config.model in ("ns", "rns") and not config.get("stack_window", 0):
       from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
-      runtime += ("; NS stack table "
+      runtime += (f"; {config.model.upper()} stack table "
                   f"{config.get('stack_table', models.DEFAULT_NS_TABLE)}")
     print(runtime, file=sys.stderr, flush=True)
     checkpointing.write_config(workdir, config_json)

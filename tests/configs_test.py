@@ -152,6 +152,29 @@ def test_xavier_action_init_is_the_ns_rnn_s_only():
     train.validate_config(config)
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (dict(model="lstm", stack_table="log"),
+     "config.stack_table is 'log', which model 'lstm' cannot run; leave it "
+     "at 'shares'"),
+    (dict(model="rns", stack_table="scaled"),
+     "config.stack_table is 'scaled', which model 'rns' cannot run; leave "
+     "it at 'shares' or use 'log'"),
+    (dict(model="rns", stack_table="log", stack_window=4),
+     "config.stack_table is 'log', which model 'rns' with a window cannot "
+     "run"),
+])
+def test_a_stack_table_the_model_cannot_run_is_refused(overrides, message):
+  config = default.get_config()
+  config.update(overrides)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    train.validate_config(config)
+  config.stack_table = "shares"
+  train.validate_config(config)
+  if config.model == "rns" and not config.stack_window:
+    config.stack_table = "log"
+    train.validate_config(config)
+
+
 def test_buckets_must_cover_the_longest_string():
   config = default.get_config()
   config.compile_strategy = "bucket"

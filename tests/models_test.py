@@ -663,20 +663,49 @@ def test_ns_tables_agree_in_value_and_gradient_float64():
     get = lambda table: models.get('ns', _VOCAB, hidden_size=5, num_states=3,
                                    num_stack_symbols=2, dtype=jnp.float64,
                                    stack_table=table)
-    shares, scaled = get('shares'), get('scaled')
+    shares = get('shares')
     params = _randomize(_init(shares), seed=11, scale=1.0)
     value_and_grad = lambda m: jax.jit(jax.value_and_grad(_loss(m, symbols)))(
         params)
-    (v1, g1), (v2, g2) = value_and_grad(shares), value_and_grad(scaled)
+    v1, g1 = value_and_grad(shares)
+    for other in ('scaled', 'log'):
+      v2, g2 = value_and_grad(get(other))
+      np.testing.assert_allclose(v1, v2, rtol=1e-12)
+      for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    assert max(np.abs(np.asarray(g)).max() for g in jax.tree.leaves(g1)) > 0
+
+
+def test_rns_log_table_agrees_in_value_and_gradient_float64():
+  # The RNS-RNN (unnormalised actions, state reading, fixed bottom) on
+  # log_stack against rns_stack: the same function inside the flush limit.
+  symbols = jnp.asarray(_SYMBOLS[:, :8])
+  with jax.enable_x64(True):
+    get = lambda table: models.get('rns', _VOCAB, hidden_size=5,
+                                   num_states=2, num_stack_symbols=3,
+                                   dtype=jnp.float64, stack_table=table)
+    params = _randomize(_init(get('shares')), seed=12, scale=1.0)
+    (v1, g1), (v2, g2) = (jax.jit(jax.value_and_grad(_loss(get(t), symbols)))(
+        params) for t in models.RNS_TABLES)
     np.testing.assert_allclose(v1, v2, rtol=1e-12)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
       np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
-    assert max(np.abs(np.asarray(g)).max() for g in jax.tree.leaves(g1)) > 0
+
+
+@pytest.mark.parametrize('name,kwargs,match', [
+    ('lstm', dict(stack_table='log'), 'applies to models ns and rns only'),
+    ('gref', dict(stack_table='scaled'), 'applies to models ns and rns'),
+    ('rns', dict(stack_table='scaled'), "use 'shares' or 'log'"),
+    ('rns', dict(stack_table='log', stack_window=4), 'with a window'),
+])
+def test_a_table_the_model_cannot_run_is_a_clear_error(name, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    models.get(name, _VOCAB, **kwargs)
 
 
 def test_ns_unknown_stack_table_is_a_clear_error():
   with pytest.raises(ValueError, match='stack_table must be one of shares, '
-                     'scaled'):
+                     'scaled, log'):
     models.get('ns', _VOCAB, stack_table='fast')
 
 

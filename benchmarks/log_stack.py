@@ -1,0 +1,107 @@
+"""Benchmark: the exact log-space stack (log_stack) against the share table.
+
+What the exactness of ``config.stack_table = "log"`` costs. For B = 10,
+n = 80, float32, Q = S = 2 and Q = S = 3 it times in one process, on the same
+inputs (unnormalised N(0, 3²) log-weights), interleaved calls:
+
+* `fwd`: `rns_stack.run` / `log_stack.run` (jitted, readings and log Σα);
+* `fwd+bwd`: the gradient of Σ readings[..., 1] (each table's custom VJP);
+
+the median of 3 calls after a warm-up, XLA's temporary buffers of the
+gradient, and the largest reading difference between the two tables (they
+compute the same function; log_stack has no flush).
+
+Other work shares the CPU cores: compare the ratios of one run. Usage:
+
+  python benchmarks/log_stack.py [--note "how the machine was loaded"]
+
+Prints a table and writes benchmarks/results/log_stack.json.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import log_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+B, N = 10, 80
+SIZES = (2, 3)
+TABLES = {"shares": rns_stack, "log": log_stack}
+
+
+def _functions(module):
+  fwd = jax.jit(lambda *a: module.run(*a))
+  grad = jax.jit(jax.grad(
+      lambda *a: jnp.sum(rns_stack.readout(module.run(*a)[0])[0][..., 1]),
+      argnums=(0, 1, 2)))
+  return fwd, grad
+
+
+def _row(q, rng):
+  shapes = [(B, N, q, q, q, q)] * 2 + [(B, N, q, q, q)]
+  acts = [jnp.asarray(3 * rng.normal(size=sh), jnp.float32) for sh in shapes]
+  fns = {name: _functions(mod) for name, mod in TABLES.items()}
+  row = {"Q": q, "S": q, "B": B, "n": N}
+  times = {name: {"fwd": [], "fwd_bwd": []} for name in TABLES}
+  for name, (fwd, grad) in fns.items():          # warm-up (compilation)
+    jax.block_until_ready(fwd(*acts))
+    jax.block_until_ready(grad(*acts))
+  for _ in range(3):
+    for name, (fwd, grad) in fns.items():
+      times[name]["fwd"].append(machine.median_seconds(fwd, *acts, repeats=1,
+                                                       warmup=False))
+      times[name]["fwd_bwd"].append(machine.median_seconds(
+          grad, *acts, repeats=1, warmup=False))
+  for name, (fwd, grad) in fns.items():
+    row[f"{name}_fwd_s"] = float(np.median(times[name]["fwd"]))
+    row[f"{name}_fwd_bwd_s"] = float(np.median(times[name]["fwd_bwd"]))
+    row[f"{name}_grad_temp_mib"] = grad.lower(*acts).compile(
+    ).memory_analysis().temp_size_in_bytes / 2**20
+  read = {name: np.asarray(rns_stack.readout(fns[name][0](*acts)[0])[0])
+          for name in TABLES}
+  row["max_reading_difference"] = float(np.abs(read["log"]
+                                               - read["shares"]).max())
+  row["slowdown_fwd"] = row["log_fwd_s"] / row["shares_fwd_s"]
+  row["slowdown_fwd_bwd"] = row["log_fwd_bwd_s"] / row["shares_fwd_bwd_s"]
+  return row
+
+
+def main():
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--note", default="")
+  args = parser.parse_args()
+  rng = np.random.default_rng(0)
+  rows = [_row(q, rng) for q in SIZES]
+  print("| Q=S | table | fwd | fwd+bwd | gradient temp | log / shares "
+        "(fwd, fwd+bwd) |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    for name in TABLES:
+      ratio = (f"{r['slowdown_fwd']:.0f}x, {r['slowdown_fwd_bwd']:.0f}x"
+               if name == "log" else "")
+      print(f"| {r['Q']} | {name} | {1e3 * r[name + '_fwd_s']:.1f} ms | "
+            f"{1e3 * r[name + '_fwd_bwd_s']:.1f} ms | "
+            f"{r[name + '_grad_temp_mib']:.1f} MiB | {ratio} |")
+  info = machine.machine_info()
+  out = {**info, "device": machine.device_label(info), "dtype": "float32",
+         "note": args.note, "rows": rows}
+  path = os.path.join(_ROOT, "benchmarks", "results", "log_stack.json")
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+  print(f"wrote {os.path.relpath(path, _ROOT)}")
+
+
+if __name__ == "__main__":
+  main()

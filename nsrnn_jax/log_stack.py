@@ -1,0 +1,361 @@
+"""The generalised nondeterministic stack in log space: exact, no flush.
+
+The same function as `rns_stack.run` / `rns_stack.run_coupled` (the
+unlimited stack, fixed or frozen bottom, state or symbol reading), computed
+with every table entry in log space. `rns_stack` stores posterior shares as
+linear numbers, so a share that falls below ~1e-35 (float32; ~1e-300 in
+float64) is flushed to zero and lost for good: a run more than ~80 nats
+behind the best run to the same (state, top) that a later weight brings back
+is missing from its result (rns_stack's docstring; strict xfail tests). Here
+each entry keeps its own exponent, so the result is exact for any finite
+log-weights, at a constant factor in time (logsumexp contractions instead of
+matmuls). Opt in with ``config.stack_table = "log"`` (NS-RNN and RNS-RNN).
+
+Representation: log posterior shares
+------------------------------------
+As in `rns_stack`, each γ entry is stored relative to the α's at both of
+its ends, but as a logarithm:
+
+  L_{i,j}[q,x,r,y] = log α_i[q,x] + log γ_{i,j}[q,x,r,y] − log α_j[r,y]  ≤ 0,
+
+and α_j as its normalised logarithm â_j (logsumexp 0) plus the increment
+δ_j = log Σα_j − log Σα_{j−1}. Storing the raw log γ instead would also be
+exact in range, but in float32 its entries reach the size of log Σα (1e6 for
+unnormalised weights), where their rounding (~0.06) would swamp the readings;
+shares of the runs that matter are near 0, where float32 is finest.
+
+Recurrence for update j (rns_stack's, in the log semiring; ⊕ = logsumexp,
+a = â_{j−1}; c_k[t,y] = ⊕_{i,q,x} L_{i,k}[q,x,t,y], the log share of α_k
+still usable; times i, k index rows −1..T, the bottom row first):
+
+  W[y,s,z]   = ⊕_{0≤k≤j−2, t} c_k[t,y] + L_{k,j−1}[t,y,s,z]
+  e[r,y]     = ⊕( ⊕_{q,x} a[q,x] + pu[q,x,r,y],                     push
+                  ⊕_{s,z} a[s,z] + c_{j−1}[s,z] + re[s,z,r,y],       replace
+                  ⊕_{s,z} a[s,z] + W[y,s,z] + po[s,z,r] )            pop
+  δ_j        = ⊕_{r,y} e[r,y];   â_j = e − δ_j
+  L_{j−1,j}  = a[q,x] + pu[q,x,r,y] − e[r,y]
+  L_{i,j}    = ⊕( ⊕_{s,z} L_{i,j−1}[q,x,s,z] + a[s,z] + re[s,z,r,y] − e[r,y],
+                  ⊕_{k,t} L_{i,k}[q,x,t,y] + M_k[t,y,r] ),    i ≤ j−2
+  M_k[t,y,r] = ⊕_{s,z} L_{k,j−1}[t,y,s,z] + a[s,z] + po[s,z,r] − e[r,y]
+
+(e = log α_j − log Σα_{j−1}). The bottom is row −1: L_{−1,0} = 0 at
+(q0,⊥)→(q0,⊥) for the fixed bottom and −inf for the frozen one, â_0 =
+one-hot(q0, ⊥); as in `rns_stack` the same code then gives both semantics.
+
+Gradient: O(T²) memory. The forward keeps only its final table and the
+â's; the backward is one reverse sweep that re-differentiates update j
+(jax.vjp of the update above) on the final table — update j reads only
+columns < j, which never change after they are written — and accumulates
+the table's cotangent, so no per-update copy of the table is kept.
+
+Cost: per update, the pop contraction materialises B·(T+2)·(T+1)·Q³·S²
+terms (the replace one B·(T+2)·Q³·S³), so time is O(B·T³·Q³·S²) like
+rns_stack but with exp/log per term instead of a matmul, and the per-update
+working memory is Q times the table's. Measured: benchmarks/log_stack.py.
+"""
+
+import functools
+from typing import Any, Callable
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from nsrnn_jax import ns_stack
+from nsrnn_jax import rns_stack
+from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
+
+FIXED, FROZEN = rns_stack.FIXED, rns_stack.FROZEN
+STATE, SYMBOL = rns_stack.STATE, rns_stack.SYMBOL
+
+
+def _minus(x, e):
+  """x − e, −inf where e is −inf (a dead configuration), zero gradient there."""
+  ok = jnp.isfinite(e)
+  return jnp.where(ok, x - jnp.where(ok, e, 0), -jnp.inf)
+
+
+def _initial(b, t, q, s, bottom, dtype):
+  """(L [B, T+2, T+1, Q, S, Q, S] (rows −1..T, columns 0..T), log c
+  [B, T+1, Q, S], â [B, T+1, Q, S]): the state before update 1."""
+  table = jnp.full((b, t + 2, t + 1, q, s, q, s), -jnp.inf, dtype)
+  log_c = jnp.full((b, t + 1, q, s), -jnp.inf, dtype)
+  if bottom == FIXED:
+    table = table.at[:, 0, 0, 0, 0, 0, 0].set(0)
+    log_c = log_c.at[:, 0, 0, 0].set(0)
+  a_hat = jnp.full((b, t + 1, q, s), -jnp.inf, dtype).at[:, 0, 0, 0].set(0)
+  return table, log_c, a_hat
+
+
+def update(table, log_c, a_hat, j, push_BxQxSxQxS, repl_BxQxSxQxS,
+           pop_BxQxSxQ):
+  """Update j (1 ≤ j ≤ T) of the log-share recurrence (module docstring).
+
+  Reads columns < j of `table` and `log_c` and â_{j−1} only, so it gives
+  the same result on the final tables as on those of its time (the
+  backward relies on this).
+
+  Args:
+    table: L [B, T+2, T+1, Q, S, Q, S], rows = times −1..T, columns 0..T.
+    log_c: log c_k [B, T+1, Q, S] (column k's log share still usable,
+      ⊕ of the column over rows and (q, x); carried, not recomputed).
+    a_hat: â [B, T+1, Q, S].
+    j: the update (traced int).
+    push, repl [B, Q, S, Q, S] and pop [B, Q, S, Q]: update j's log-weights.
+
+  Returns:
+    (column j [B, T+2, Q, S, Q, S], log c_j [B, Q, S], â_j [B, Q, S],
+    δ_j [B]).
+  """
+  b, rows, cols, q, s = table.shape[:5]
+  row_time = jnp.arange(rows) - 1
+  col_time = jnp.arange(cols)
+  a = lax.dynamic_index_in_dim(a_hat, j - 1, axis=1, keepdims=False)
+  prev = lax.dynamic_index_in_dim(table, j - 1, axis=2, keepdims=False)
+  c_prev = lax.dynamic_index_in_dim(log_c, j - 1, axis=1, keepdims=False)
+  below = (col_time <= j - 2)[None, :, None, None]
+  log_c = jnp.where(below, log_c, -jnp.inf)
+  prev_k = prev[:, 1:]                  # rows of times 0..T: b k t y s z
+  w = _lse(log_c[..., None, None] + prev_k, axis=(1, 2))       # b y s z
+  e_push = _lse(a[..., None, None] + push_BxQxSxQxS, axis=(1, 2))
+  e_repl = _lse((a + c_prev)[..., None, None] + repl_BxQxSxQxS, axis=(1, 2))
+  e_pop = _lse((a[:, None] + w)[..., None] + pop_BxQxSxQ[:, None],
+               axis=(2, 3))                                    # b y r
+  e = _lse(jnp.stack([e_push, e_repl, jnp.swapaxes(e_pop, 1, 2)]), axis=0)
+  delta = _lse(e.reshape(b, -1), axis=1)
+  a_new = _minus(e, delta[:, None, None])
+  e_bryx = e[:, None, None]                                    # b . . r y
+  push_row = _minus(a[..., None, None] + push_BxQxSxQxS, e_bryx)
+  k_repl = _minus(a[..., None, None] + repl_BxQxSxQxS, e_bryx)  # b s z r y
+  repl_rows = _lse(prev[..., None, None] + k_repl[:, None, None, None],
+                   axis=(4, 5))                                # b i q x r y
+  # M_k[t,y,r] for the rows of times k = 0..T of column j−1, k ≤ j−2.
+  k_pop = (a[..., None] + pop_BxQxSxQ)[:, None, None, None]    # b . . . s z r
+  m = _lse(prev_k[..., None] + k_pop, axis=(4, 5))             # b k t y r
+  m = _minus(m, jnp.swapaxes(e, 1, 2)[:, None, None])
+  m = jnp.where(below[..., None], m, -jnp.inf)
+  terms = table[..., None] + m[:, None, :, None, None]         # b i k q x t y r
+  pop_rows = jnp.swapaxes(_lse(terms, axis=(2, 5)), -1, -2)    # b i q x r y
+  col = _lse(jnp.stack([repl_rows, pop_rows]), axis=0)
+  at = lambda cond: cond[None, :, None, None, None, None]
+  col = jnp.where(at(row_time <= j - 2), col, -jnp.inf)
+  col = jnp.where(at(row_time == j - 1), push_row[:, None], col)
+  return col, _lse(col, axis=(1, 2, 3)), a_new, delta
+
+
+def _write(tables, j, col, c_col, a_new):
+  """Writes update j's column, log c_j and â_j into (table, log_c, â)."""
+  return tuple(lax.dynamic_update_index_in_dim(x, new, j, axis=axis)
+               for x, new, axis in zip(tables, (col, c_col, a_new),
+                                       (2, 1, 1)))
+
+
+def _log_mass(delta_BxT):
+  """log Σα_j for j = 0..T from the increments (log Σα_0 = 0)."""
+  zero = jnp.zeros_like(delta_BxT[:, :1])
+  return jnp.concatenate([zero, jnp.cumsum(delta_BxT, axis=1)], axis=1)
+
+
+# ---------------------------------------------------------------------------
+# Given actions.
+# ---------------------------------------------------------------------------
+
+
+def _sweep(push, repl, pop, bottom):
+  """Forward sweep: (final table, â [B, T+1, Q, S], δ [B, T])."""
+  b, t, q, s = push.shape[:4]
+  init = _initial(b, t, q, s, bottom, push.dtype)
+
+  def body(tables, inp):
+    j, pu, re, po = inp
+    col, c_col, a_new, delta = update(*tables, j, pu, re, po)
+    return _write(tables, j, col, c_col, a_new), delta
+
+  xs = (jnp.arange(1, t + 1),) + tuple(jnp.swapaxes(x, 0, 1)
+                                      for x in (push, repl, pop))
+  tables, delta_TxB = lax.scan(body, init, xs)
+  return tables, delta_TxB.T
+
+
+def _column_cotangents(tables_ct, j):
+  """The cotangents of update j's outputs (column, log c_j, â_j), complete
+  once the reverse sweep has passed every later update."""
+  return tuple(lax.dynamic_index_in_dim(x, j, axis=axis, keepdims=False)
+               for x, axis in zip(tables_ct, (2, 1, 1)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tables(push, repl, pop, bottom):
+  tables, delta = _sweep(push, repl, pop, bottom)
+  return tables[2], delta
+
+
+def _tables_fwd(push, repl, pop, bottom):
+  tables, delta = _sweep(push, repl, pop, bottom)
+  return (tables[2], delta), (tables, push, repl, pop)
+
+
+def _tables_bwd(bottom, res, cts):
+  del bottom
+  tables, push, repl, pop = res
+  a_ct, delta_ct = cts
+  t = push.shape[1]
+
+  def body(tables_ct, inp):
+    j, pu, re, po, d_ct = inp
+    _, vjp = jax.vjp(lambda tb, pu, re, po: update(*tb, j, pu, re, po),
+                     tables, pu, re, po)
+    d_tables, d_pu, d_re, d_po = vjp(
+        _column_cotangents(tables_ct, j) + (d_ct,))
+    return jax.tree_util.tree_map(jnp.add, tables_ct, d_tables), (
+        d_pu, d_re, d_po)
+
+  xs = (jnp.arange(1, t + 1),) + tuple(jnp.swapaxes(x, 0, 1)
+                                      for x in (push, repl, pop, delta_ct))
+  init = (jnp.zeros_like(tables[0]), jnp.zeros_like(tables[1]), a_ct)
+  _, acts_ct = lax.scan(body, init, xs, reverse=True)
+  return tuple(jnp.swapaxes(x, 0, 1) for x in acts_ct)
+
+
+_tables.defvjp(_tables_fwd, _tables_bwd)
+
+
+def run(push, repl, pop, bottom=FIXED):
+  """Normalised log α and log Σα for j = 0..T, exact for finite log-weights.
+
+  The contract of `rns_stack.run` (same arguments but no matmul precision:
+  nothing here is a matmul), without its flush limit; differentiable in
+  O(T²) memory.
+
+  Args:
+    push, repl: [B, T, Q, S, Q, S] log-weights indexed (q, x, r, y).
+    pop: [B, T, Q, S, Q] log-weights indexed (q, x, r).
+    bottom: "fixed" (default) or "frozen".
+
+  Returns:
+    (log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]) as `rns_stack.run`.
+  """
+  rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
+  push, repl, pop = (jnp.asarray(x) for x in (push, repl, pop))
+  rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
+  return _run_jit(push, repl, pop, bottom)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _run_jit(push, repl, pop, bottom):
+  a_hat, delta = _tables(push, repl, pop, bottom)
+  return a_hat, _log_mass(delta)
+
+
+# ---------------------------------------------------------------------------
+# Coupled controller + stack.
+# ---------------------------------------------------------------------------
+
+
+def _coupled_step(step_fn, reading, params, x, tables, ctrl, j):
+  """Controller step j (reads ρ_{j−1}) then update j: (column, log c_j,
+  â_j, δ_j, new carry, output)."""
+  rho, _ = rns_stack.readout(
+      lax.dynamic_index_in_dim(tables[2], j - 1, axis=1, keepdims=False),
+      reading)
+  new_ctrl, (pu, re, po), out = step_fn(params, ctrl, x, rho)
+  return update(*tables, j, pu, re, po) + (new_ctrl, out)
+
+
+def _coupled_sweep(step_fn, q, s, bottom, reading, params, init_carry, xs):
+  b, t = jax.tree_util.tree_leaves(xs)[0].shape[:2]
+  init = _initial(b, t, q, s, bottom, rns_stack._float_dtype(params))  # pylint: disable=protected-access
+  xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
+
+  def body(carry, inp):
+    tables, ctrl = carry
+    j, x = inp
+    col, c_col, a_new, delta, new_ctrl, out = _coupled_step(
+        step_fn, reading, params, x, tables, ctrl, j)
+    return (_write(tables, j, col, c_col, a_new), new_ctrl), (
+        delta, out, ctrl)
+
+  (tables, _), (delta_TxB, outs_T, ctrls) = lax.scan(
+      body, (init, init_carry), (jnp.arange(1, t + 1), xs_T))
+  return outs_T, tables[2], delta_TxB.T, tables, ctrls
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _coupled(step_fn, q, s, bottom, reading, params, init_carry, xs):
+  return _coupled_sweep(step_fn, q, s, bottom, reading, params, init_carry,
+                        xs)[:3]
+
+
+def _coupled_fwd(step_fn, q, s, bottom, reading, params, init_carry, xs):
+  outs_T, a_hat, delta, tables, ctrls = _coupled_sweep(
+      step_fn, q, s, bottom, reading, params, init_carry, xs)
+  return (outs_T, a_hat, delta), (params, xs, tables, ctrls)
+
+
+def _coupled_bwd(step_fn, q, s, bottom, reading, res, cts):
+  """Reverse sweep: vjp of (controller step j + update j) on final tables."""
+  del q, s, bottom
+  params, xs, tables, ctrls = res
+  outs_ct, a_ct, delta_ct = cts
+  t = a_ct.shape[1] - 1
+  xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
+  zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
+
+  def body(carry, inp):
+    tables_ct, p_bar, c_bar = carry
+    j, x, ctrl_prev, out_ct, d_ct = inp
+    f = lambda p, tb, c: _coupled_step(step_fn, reading, p, x, tb, c, j)
+    _, vjp = jax.vjp(f, params, tables, ctrl_prev)
+    dp, d_tables, dc = vjp(_column_cotangents(tables_ct, j)
+                           + (d_ct, c_bar, out_ct))
+    p_bar = jax.tree_util.tree_map(jnp.add, p_bar, dp)
+    return (jax.tree_util.tree_map(jnp.add, tables_ct, d_tables), p_bar,
+            dc), None
+
+  ctrl_last = jax.tree_util.tree_map(lambda c: c[-1], ctrls)
+  init = ((jnp.zeros_like(tables[0]), jnp.zeros_like(tables[1]), a_ct),
+          zeros(params), zeros(ctrl_last))
+  (_, p_bar, c_bar), _ = lax.scan(
+      body, init, (jnp.arange(1, t + 1), xs_T, ctrls, outs_ct, delta_ct.T),
+      reverse=True)
+  return p_bar, c_bar, jax.tree_util.tree_map(rns_stack._zero_cotangent, xs)  # pylint: disable=protected-access
+
+
+_coupled.defvjp(_coupled_fwd, _coupled_bwd)
+
+
+def run_coupled(step_fn: Callable[..., Any], params: Any, init_carry: Any,
+                xs: Any, num_states: int, num_symbols: int,
+                bottom: str = FIXED, reading: str = STATE):
+  """Runs a controller and the stack together, t = 1..T, exactly.
+
+  The contract of `rns_stack.run_coupled` (no matmul precision or unroll:
+  the stack has no matmuls), without its flush limit; O(T²) gradient
+  memory. Controller step t sees ρ_{t−1} (ρ_0 one-hot at index 0), then
+  update t uses the log-weights it returned.
+
+  Args:
+    step_fn: (params, carry, x_t, reading_prev) -> (carry_t, (push_t,
+      repl_t, pop_t), out_t); actions [B,Q,S,Q,S], [B,Q,S,Q,S], [B,Q,S,Q].
+    params: differentiable pytree.
+    init_carry: the controller's initial carry (differentiable).
+    xs: pytree of batch-major inputs, leaves [B, T, ...]; they receive a
+      zero cotangent (the models feed integer ids).
+    num_states, num_symbols: Q, S.
+    bottom: "fixed" or "frozen".
+    reading: "state" (Q·S) or "symbol" (S).
+
+  Returns:
+    (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]).
+  """
+  rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
+  rns_stack._check_reading(reading)  # pylint: disable=protected-access
+  q, s = ns_stack.check_sizes(num_states=num_states,
+                               num_symbols=num_symbols)
+  leaves = jax.tree_util.tree_leaves(xs)
+  if not leaves or any(jnp.ndim(l) < 2 for l in leaves):
+    raise ValueError("xs must be a pytree of arrays [B, T, ...]")
+  outs_T, a_hat, delta = _coupled(step_fn, q, s, bottom, reading, params,
+                                  init_carry, xs)
+  outs = jax.tree_util.tree_map(lambda o: jnp.swapaxes(o, 0, 1), outs_T)
+  return outs, a_hat, _log_mass(delta)

@@ -1,0 +1,227 @@
+"""Tests for nsrnn_jax.log_stack (the stack in log space: exact, no flush).
+
+Oracles: `pda_oracle` (explicit stacks, any finite log-weights),
+`log_space_reference` (float64 NumPy transcription, independent code),
+plain autodiff of `rns_stack.run_log_space` (O(T³) memory, same function),
+and `rns_stack.run_coupled` for the coupled controller. float64 only inside
+tests that enable it (`x64` fixture).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import log_space_reference
+import pda_oracle
+from nsrnn_jax import log_stack
+from nsrnn_jax import rns_stack
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _actions(rng, steps, q, s):
+  """Three batch elements: unnormalised N(0, 3²), huge (N(0,10²) + 50) and
+  unnormalised with −inf entries."""
+  shapes = [(steps, q, s, q, s)] * 2 + [(steps, q, s, q)]
+  unnorm = [3 * rng.normal(size=sh) for sh in shapes]
+  huge = [10 * rng.normal(size=sh) + 50 for sh in shapes]
+  holes = [np.where(rng.random(sh) < p, -np.inf, 3 * rng.normal(size=sh))
+           for sh, p in zip(shapes, (0.15, 0.3, 0.3))]
+  return tuple(np.stack(a) for a in zip(unnorm, huge, holes))
+
+
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+@pytest.mark.parametrize("q,s,steps", [(1, 2, 6), (2, 2, 5), (2, 3, 4)])
+def test_matches_explicit_stack_enumeration(x64, bottom, q, s, steps):
+  del x64
+  rng = np.random.default_rng(100 * q + 10 * s + steps)
+  push, repl, pop = _actions(rng, steps, q, s)
+  hat, mass = log_stack.run(push, repl, pop, bottom)
+  got = np.asarray(hat) + np.asarray(mass)[..., None, None]
+  for b in range(3):
+    want = pda_oracle.alpha(push[b], repl[b], pop[b], bottom=bottom)
+    np.testing.assert_array_equal(np.isfinite(got[b]), np.isfinite(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[b][fin], want[fin], rtol=0, atol=1e-9)
+
+
+def _flushed_run_comes_back(big, dtype):
+  """rns_stack_test's case: update 2 reaches (0, 2) by a push of weight 1
+  and by a replace of weight e^big; update 3 pops; update 4 pushes with
+  weight e^(2 big) from (0, 1), which only the push run left under its top.
+  Returns (symbol reading, log Σα) at update 4, ours and the oracle's."""
+  ninf = -np.inf
+  push = np.full((1, 4, 1, 3, 1, 3), ninf)
+  repl, pop = np.full_like(push, ninf), np.full((1, 4, 1, 3, 1), ninf)
+  push[0, 0, 0, 0, 0, 1] = 0.0
+  push[0, 1, 0, 1, 0, 2], repl[0, 1, 0, 1, 0, 2] = 0.0, big
+  pop[0, 2, 0, 2, 0] = 0.0
+  push[0, 3, 0, 1, 0, 1], push[0, 3, 0, 0, 0, 2] = 2 * big, 0.0
+  acts = tuple(a.astype(dtype) for a in (push, repl, pop))
+  hat, mass = log_stack.run(*acts)
+  reading = rns_stack.readout(hat, reading="symbol")[0][0, 4]
+  want_reading, want_mass = pda_oracle.readings_and_log_mass(
+      push[0], repl[0], pop[0], bottom="fixed")
+  shares = rns_stack.readout(rns_stack.run(*acts)[0], reading="symbol")[0]
+  return (np.asarray(reading), float(mass[0, 4]), want_reading[4],
+          want_mass[4], np.asarray(shares[0, 4]))
+
+
+@pytest.mark.parametrize("big,dtype", [(100.0, np.float32),
+                                       (5000.0, np.float32),
+                                       (800.0, np.float64),
+                                       (1e5, np.float64)])
+def test_a_run_far_beyond_the_share_flush_that_comes_back_is_exact(
+    big, dtype, x64):
+  """Where rns_stack loses the run (its strict xfail test), this is exact."""
+  del x64
+  reading, mass, want_reading, want_mass, shares = _flushed_run_comes_back(
+      big, dtype)
+  np.testing.assert_allclose(want_reading, [0, 1, 0], atol=1e-9)
+  np.testing.assert_allclose(reading, want_reading, atol=1e-6)
+  assert mass == pytest.approx(want_mass, rel=1e-6)
+  # The same input on the share table: the run is gone (the reading says 2).
+  assert abs(shares[1] - 1) > 0.5
+
+
+@pytest.mark.parametrize("dtype,atol", [("float32", 2e-5), ("float64", 1e-9)])
+def test_large_weights_keep_float32_readings(dtype, atol):
+  """Unnormalised weights whose log Σα reaches ~1e5: the readings keep
+  their digits (log shares near 0), and log Σα is the running sum."""
+  steps, q, s = 40, 1, 2
+  rng = np.random.default_rng(3)
+  push, repl, pop = _actions(rng, steps, q, s)
+  push, repl, pop = (a * 20 + 1e3 for a in (push, repl, pop))
+  want = [log_space_reference.log_alpha(push[b], repl[b], pop[b])
+          for b in range(3)]
+  want_mass = np.stack([np.logaddexp.reduce(w.reshape(len(w), -1), 1)
+                        for w in want])
+  want_rho = np.stack([np.exp(w.reshape(len(w), -1) - m[:, None])
+                       for w, m in zip(want, want_mass)])
+  assert want_mass.max() > 3e4
+  with jax.enable_x64(dtype == "float64"):
+    acts = [jnp.asarray(a, jnp.dtype(dtype)) for a in (push, repl, pop)]
+    hat, mass = log_stack.run(*acts)
+    rho, _ = rns_stack.readout(hat)
+  np.testing.assert_allclose(rho, want_rho, rtol=0, atol=atol)
+  np.testing.assert_allclose(mass, want_mass,
+                             rtol=steps * float(jnp.finfo(dtype).eps))
+
+
+def _loss(fn, c, e, bottom):
+  def loss(push, repl, pop):
+    hat, log_mass = fn(push, repl, pop, bottom)
+    rho, _ = rns_stack.readout(hat)
+    safe = jnp.where(jnp.isfinite(log_mass), log_mass, 0)
+    return (jnp.sum(c * rho) + 0.3 * jnp.sum(rho ** 2)
+            + 0.1 * jnp.sum(e * safe))
+  return loss
+
+
+@pytest.mark.parametrize("bottom,q,s,steps", [("fixed", 2, 2, 7),
+                                              ("frozen", 1, 3, 7)])
+def test_gradient_equals_autodiff_of_the_plain_transcription(x64, bottom, q,
+                                                             s, steps):
+  """The final-table reverse sweep against plain autodiff through the
+  scan of `rns_stack.run_log_space` (raw log γ, O(T³) memory)."""
+  del x64
+  rng = np.random.default_rng(q + 3 * s + steps)
+  push, repl, pop = _actions(rng, steps, q, s)
+  c = rng.normal(size=(3, steps + 1, q * s))
+  e = rng.normal(size=(3, steps + 1))
+  got = jax.jit(jax.grad(_loss(log_stack.run, c, e, bottom),
+                         argnums=(0, 1, 2)))(push, repl, pop)
+  want = jax.jit(jax.grad(_loss(rns_stack.run_log_space, c, e, bottom),
+                          argnums=(0, 1, 2)))(push, repl, pop)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
+  # −inf weights (zero weight) get a zero gradient, not NaN.
+  assert np.all(np.asarray(got[0])[~np.isfinite(push)] == 0)
+
+
+_H, _V = 5, 3
+
+
+def _controller(q, s, reading):
+  size = q * s if reading == "state" else s
+
+  def step_fn(p, h, x, rho):
+    h = jnp.tanh(jax.nn.one_hot(x, _V, dtype=rho.dtype) @ p["wx"]
+                 + rho @ p["wr"] + h @ p["wh"] + p["b"])
+    acts = rns_stack.split_action_logits(h @ p["wa"] * 4.0, q, s, False)
+    return h, acts, h @ p["wo"]
+
+  return step_fn, size
+
+
+@pytest.mark.parametrize("bottom,reading", [("fixed", "state"),
+                                            ("frozen", "symbol")])
+def test_run_coupled_equals_the_share_table(x64, bottom, reading):
+  """Inside the share table's flush limit both compute the same function:
+  outputs, readings, log Σα and every gradient agree in float64."""
+  del x64
+  q, s, b, t = 2, 2, 2, 6
+  rng = np.random.default_rng(7)
+  step_fn, size = _controller(q, s, reading)
+  params = {"wx": rng.normal(size=(_V, _H)),
+            "wr": rng.normal(size=(size, _H)),
+            "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
+            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
+            "wo": rng.normal(size=(_H, _V))}
+  h0 = 0.1 * rng.normal(size=(b, _H))
+  xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
+  c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, size))
+
+  def run(module):
+    def f(p, h):
+      return module.run_coupled(step_fn, p, h, xs, q, s, bottom, reading)
+    return f
+
+  def loss(fn):
+    def f(p, h):
+      outs, hat, lm = fn(p, h)
+      return (jnp.sum(c1 * outs) + jnp.sum(c2 * rns_stack.readout(
+          hat, reading)[0]) + 0.01 * jnp.sum(lm))
+    return f
+
+  got, want = jax.jit(run(log_stack))(params, h0), jax.jit(run(rns_stack))(
+      params, h0)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-10)
+  got = jax.jit(jax.grad(loss(run(log_stack)), argnums=(0, 1)))(params, h0)
+  want = jax.jit(jax.grad(loss(run(rns_stack)), argnums=(0, 1)))(params, h0)
+  for g, w in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-8)
+
+
+def test_gradient_memory_is_quadratic_in_length():
+  """The reverse sweep keeps no per-update table: the compiled gradient's
+  temporaries grow ~4x from T = 24 to 48 (O(T²)); autodiff through a scan
+  that carries the table would grow ~8x (O(T³))."""
+  def temp_bytes(steps):
+    shapes = [(2, steps, 1, 2, 1, 2)] * 2 + [(2, steps, 1, 2, 1)]
+    acts = [jnp.zeros(sh) for sh in shapes]
+    loss = lambda *a: jnp.sum(log_stack.run(*a)[0][..., 0, 1])
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        *acts).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  ratio = temp_bytes(48) / temp_bytes(24)
+  assert 2.5 < ratio < 5.5, ratio
+
+
+def test_bad_input_is_a_clear_error():
+  push = np.zeros((1, 3, 1, 2, 1, 2), np.float32)
+  pop = np.zeros((1, 3, 1, 2, 1), np.float32)
+  with pytest.raises(ValueError, match="bottom"):
+    log_stack.run(push, push, pop, bottom="floating")
+  with pytest.raises(ValueError, match="NaN"):
+    log_stack.run(np.full_like(push, np.nan), push, pop)
+  with pytest.raises(ValueError, match="pop"):
+    log_stack.run(push, push, pop[..., 0])
+  with pytest.raises(ValueError, match="reading"):
+    log_stack.run_coupled(lambda *a: a, {}, None, np.zeros((1, 3), int),
+                          1, 2, reading="top")
