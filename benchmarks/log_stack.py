@@ -11,11 +11,19 @@ the median of 3 calls after a warm-up, XLA's temporary buffers of the
 gradient, and the largest reading difference between the two tables (they
 compute the same function; log_stack has no flush).
 
+With --workdir RUN it instead checks a trained NS / RNS run: its best
+parameters on both tables, float32, on strings of its task sampled at
+lengths 20, 40, 80 and 120 (`--strings` per length) and on uniformly random
+strings of the same lengths (off the language, where the weights are least
+tame): the largest difference in ln p(w) and in the stack readings.
+
 Other work shares the CPU cores: compare the ratios of one run. Usage:
 
   python benchmarks/log_stack.py [--note "how the machine was loaded"]
+  python benchmarks/log_stack.py --workdir /path/to/run [--out NAME.json]
 
-Prints a table and writes benchmarks/results/log_stack.json.
+Prints a table and writes benchmarks/results/log_stack.json
+(log_stack_trained.json, or --out, with --workdir).
 """
 
 import json
@@ -78,10 +86,70 @@ def _row(q, rng):
   return row
 
 
+TRAINED_LENGTHS = (20, 40, 80, 120)
+
+
+def _trained(workdir, per_length, note, out_name):
+  """Both tables on a trained run's best parameters (float32)."""
+  from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  shares = evaluate.load_model(workdir)
+  config = shares.config
+  if config.model not in ("ns", "rns") or config.get("stack_window", 0):
+    raise SystemExit(f"error: {workdir} is a {config.model!r} run; "
+                     "--workdir takes an NS or RNS run without a window")
+  exact = dict(config.to_dict(), stack_table="log")
+  log_model = models.build(exact, vocab_size=config.get("vocab_size"))
+  language = languages.get(config.task)
+  rng = np.random.default_rng(0)
+  trace = {name: jax.jit(lambda p, x, m=m: m.apply({"params": p}, x,
+                                                   method="trace"))
+           for name, m in (("shares", shares.model), ("log", log_model))}
+  rows = []
+  for n in TRAINED_LENGTHS:
+    for kind in ("language", "random"):
+      if kind == "language":
+        x = np.stack([language.sample(n, rng) for _ in range(per_length)])
+      else:
+        x = rng.integers(0, language.vocab_size, size=(per_length, n))
+      x = jnp.asarray(x, jnp.int32)
+      out = {k: f(shares.params, x) for k, f in trace.items()}
+      lp = {k: np.asarray(models.sequence_log_prob(o["logits"], x),
+                          np.float64) for k, o in out.items()}
+      rows.append({"n": n, "strings": kind, "count": per_length,
+                   "max_log_prob_difference": float(
+                       np.abs(lp["log"] - lp["shares"]).max()),
+                   "mean_log_prob": float(lp["log"].mean()),
+                   "max_reading_difference": float(np.abs(
+                       np.asarray(out["log"]["readings"])
+                       - np.asarray(out["shares"]["readings"])).max())})
+      r = rows[-1]
+      print(f"| {n} | {kind} | {r['max_log_prob_difference']:.1e} | "
+            f"{r['max_reading_difference']:.1e} |", flush=True)
+  info = machine.machine_info()
+  result = {**info, "device": machine.device_label(info), "dtype": "float32",
+            "note": note, "workdir": os.path.abspath(workdir),
+            "task": config.task, "model": config.model, "rows": rows}
+  path = os.path.join(_ROOT, "benchmarks", "results", out_name)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {os.path.relpath(path, _ROOT)}")
+
+
 def main():
   parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--note", default="")
+  parser.add_argument("--workdir", default=None)
+  parser.add_argument("--strings", type=int, default=20)
+  parser.add_argument("--out", default="log_stack_trained.json")
   args = parser.parse_args()
+  if args.workdir:
+    print("| n | strings | largest ln p difference | largest reading "
+          "difference |")
+    print("|---|---|---|---|")
+    _trained(args.workdir, args.strings, args.note, args.out)
+    return
   rng = np.random.default_rng(0)
   rows = [_row(q, rng) for q in SIZES]
   print("| Q=S | table | fwd | fwd+bwd | gradient temp | log / shares "

@@ -1052,7 +1052,20 @@ def log_stack_block():
       lines.append(f"| {r['Q']} | {name} | {_ms(r[name + '_fwd_s'])} | "
                    f"{_ms(r[name + '_fwd_bwd_s'])} | "
                    f"{r[name + '_grad_temp_mib']:.1f} MiB | {ratio} | {diff} |")
-  return "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"
+  text = "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"
+  for path in sorted(glob.glob(os.path.join(RESULTS,
+                                            "log_stack_trained*.json"))):
+    name = os.path.basename(path)
+    t = _load(name)
+    text += (f"\nA trained {t['model'].upper()}-RNN on both tables (`{name}`, "
+             f"`log_stack.py --workdir`; {t['task']}, {t['note']}; float32, "
+             f"{_device(t)}): largest differences per batch of strings.\n\n"
+             "| n | strings | ln p(w) | readings |\n|---|---|---|---|\n")
+    text += "".join(f"| {r['n']} | {r['strings']} ({r['count']}) | "
+                    f"{r['max_log_prob_difference']:.1e} | "
+                    f"{r['max_reading_difference']:.1e} |\n"
+                    for r in t["rows"])
+  return text
 
 
 RERUN_RECORDS_FILES = ("rerun_records_marked_reversal_ns.json",
