@@ -334,19 +334,12 @@ def run_coupled(step_fn: Callable[..., Any], params: Any, init_carry: Any,
   memory. Controller step t sees ρ_{t−1} (ρ_0 one-hot at index 0), then
   update t uses the log-weights it returned.
 
-  Args:
-    step_fn: (params, carry, x_t, reading_prev) -> (carry_t, (push_t,
-      repl_t, pop_t), out_t); actions [B,Q,S,Q,S], [B,Q,S,Q,S], [B,Q,S,Q].
-    params: differentiable pytree.
-    init_carry: the controller's initial carry (differentiable).
-    xs: pytree of batch-major inputs, leaves [B, T, ...]; they receive a
-      zero cotangent (the models feed integer ids).
-    num_states, num_symbols: Q, S.
-    bottom: "fixed" or "frozen".
-    reading: "state" (Q·S) or "symbol" (S).
-
-  Returns:
-    (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]).
+  Args and returns: those of `rns_stack.run_coupled` without `precision`
+  and `unroll`: step_fn(params, carry, x_t, reading_prev) -> (carry_t,
+  (push_t, repl_t, pop_t), out_t); xs batch-major [B, T, ...] (zero
+  cotangent); bottom "fixed" or "frozen"; reading "state" or "symbol";
+  returns (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass
+  [B, T+1]).
   """
   rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
   rns_stack._check_reading(reading)  # pylint: disable=protected-access

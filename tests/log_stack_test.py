@@ -14,6 +14,7 @@ import pytest
 
 import log_space_reference
 import pda_oracle
+import stack_helpers
 from nsrnn_jax import log_stack
 from nsrnn_jax import rns_stack
 
@@ -47,25 +48,16 @@ def test_matches_explicit_stack_enumeration(x64, bottom, q, s, steps):
 
 
 def _flushed_run_comes_back(big, dtype):
-  """rns_stack_test's case: update 2 reaches (0, 2) by a push of weight 1
-  and by a replace of weight e^big; update 3 pops; update 4 pushes with
-  weight e^(2 big) from (0, 1), which only the push run left under its top.
-  Returns (symbol reading, log Σα) at update 4, ours and the oracle's."""
-  ninf = -np.inf
-  push = np.full((1, 4, 1, 3, 1, 3), ninf)
-  repl, pop = np.full_like(push, ninf), np.full((1, 4, 1, 3, 1), ninf)
-  push[0, 0, 0, 0, 0, 1] = 0.0
-  push[0, 1, 0, 1, 0, 2], repl[0, 1, 0, 1, 0, 2] = 0.0, big
-  pop[0, 2, 0, 2, 0] = 0.0
-  push[0, 3, 0, 1, 0, 1], push[0, 3, 0, 0, 0, 2] = 2 * big, 0.0
-  acts = tuple(a.astype(dtype) for a in (push, repl, pop))
+  """`stack_helpers.run_that_comes_back` (rns_stack_test's flush case):
+  (our symbol reading, log Σα at update 4, the oracle's, the share
+  table's reading)."""
+  acts, want_reading, want_mass = stack_helpers.run_that_comes_back(big,
+                                                                    dtype)
   hat, mass = log_stack.run(*acts)
   reading = rns_stack.readout(hat, reading="symbol")[0][0, 4]
-  want_reading, want_mass = pda_oracle.readings_and_log_mass(
-      push[0], repl[0], pop[0], bottom="fixed")
   shares = rns_stack.readout(rns_stack.run(*acts)[0], reading="symbol")[0]
-  return (np.asarray(reading), float(mass[0, 4]), want_reading[4],
-          want_mass[4], np.asarray(shares[0, 4]))
+  return (np.asarray(reading), float(mass[0, 4]), want_reading, want_mass,
+          np.asarray(shares[0, 4]))
 
 
 @pytest.mark.parametrize("big,dtype", [(100.0, np.float32),
@@ -109,16 +101,6 @@ def test_large_weights_keep_float32_readings(dtype, atol):
                              rtol=steps * float(jnp.finfo(dtype).eps))
 
 
-def _loss(fn, c, e, bottom):
-  def loss(push, repl, pop):
-    hat, log_mass = fn(push, repl, pop, bottom)
-    rho, _ = rns_stack.readout(hat)
-    safe = jnp.where(jnp.isfinite(log_mass), log_mass, 0)
-    return (jnp.sum(c * rho) + 0.3 * jnp.sum(rho ** 2)
-            + 0.1 * jnp.sum(e * safe))
-  return loss
-
-
 @pytest.mark.parametrize("bottom,q,s,steps", [("fixed", 2, 2, 7),
                                               ("frozen", 1, 3, 7)])
 def test_gradient_equals_autodiff_of_the_plain_transcription(x64, bottom, q,
@@ -130,30 +112,15 @@ def test_gradient_equals_autodiff_of_the_plain_transcription(x64, bottom, q,
   push, repl, pop = _actions(rng, steps, q, s)
   c = rng.normal(size=(3, steps + 1, q * s))
   e = rng.normal(size=(3, steps + 1))
-  got = jax.jit(jax.grad(_loss(log_stack.run, c, e, bottom),
+  got = jax.jit(jax.grad(stack_helpers.readings_loss(log_stack.run, c, e, bottom),
                          argnums=(0, 1, 2)))(push, repl, pop)
-  want = jax.jit(jax.grad(_loss(rns_stack.run_log_space, c, e, bottom),
+  want = jax.jit(jax.grad(stack_helpers.readings_loss(rns_stack.run_log_space, c, e, bottom),
                           argnums=(0, 1, 2)))(push, repl, pop)
   for g, w in zip(got, want):
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
   # −inf weights (zero weight) get a zero gradient, not NaN.
   assert np.all(np.asarray(got[0])[~np.isfinite(push)] == 0)
-
-
-_H, _V = 5, 3
-
-
-def _controller(q, s, reading):
-  size = q * s if reading == "state" else s
-
-  def step_fn(p, h, x, rho):
-    h = jnp.tanh(jax.nn.one_hot(x, _V, dtype=rho.dtype) @ p["wx"]
-                 + rho @ p["wr"] + h @ p["wh"] + p["b"])
-    acts = rns_stack.split_action_logits(h @ p["wa"] * 4.0, q, s, False)
-    return h, acts, h @ p["wo"]
-
-  return step_fn, size
 
 
 @pytest.mark.parametrize("bottom,reading", [("fixed", "state"),
@@ -164,15 +131,12 @@ def test_run_coupled_equals_the_share_table(x64, bottom, reading):
   del x64
   q, s, b, t = 2, 2, 2, 6
   rng = np.random.default_rng(7)
-  step_fn, size = _controller(q, s, reading)
-  params = {"wx": rng.normal(size=(_V, _H)),
-            "wr": rng.normal(size=(size, _H)),
-            "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
-            "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
-            "wo": rng.normal(size=(_H, _V))}
-  h0 = 0.1 * rng.normal(size=(b, _H))
-  xs = jnp.asarray(rng.integers(0, _V, size=(b, t)))
-  c1, c2 = rng.normal(size=(b, t, _V)), rng.normal(size=(b, t + 1, size))
+  step_fn, size = stack_helpers.tanh_controller(q, s, reading)
+  params = stack_helpers.tanh_params(rng, q, s, size)
+  h0 = 0.1 * rng.normal(size=(b, stack_helpers.H))
+  xs = jnp.asarray(rng.integers(0, stack_helpers.V, size=(b, t)))
+  c1 = rng.normal(size=(b, t, stack_helpers.V))
+  c2 = rng.normal(size=(b, t + 1, size))
 
   def run(module):
     def f(p, h):

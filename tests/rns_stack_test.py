@@ -20,6 +20,7 @@ from jax import test_util as jtu
 
 import log_space_reference
 import pda_oracle
+import stack_helpers
 from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
 
@@ -253,25 +254,14 @@ def test_nasty_inputs_are_exact_float32_and_float64():
 
 
 def _flushed_run_comes_back(big, dtype):
-  """Q = 1, S = 3, fixed bottom: update 2 reaches (0, 2) by a push of
-  weight 1 from the run with 1 on top and by a replace of weight e^big;
-  update 3 pops; update 4 pushes with weight e^(2 big) from (0, 1), which
-  only the push run of update 2 left under its top. Returns (ours, the
-  brute-force oracle's) symbol reading and log Σα at update 4."""
-  ninf = -np.inf
-  push = np.full((1, 4, 1, 3, 1, 3), ninf)
-  repl, pop = np.full_like(push, ninf), np.full((1, 4, 1, 3, 1), ninf)
-  push[0, 0, 0, 0, 0, 1] = 0.0
-  push[0, 1, 0, 1, 0, 2], repl[0, 1, 0, 1, 0, 2] = 0.0, big
-  pop[0, 2, 0, 2, 0] = 0.0
-  push[0, 3, 0, 1, 0, 1], push[0, 3, 0, 0, 0, 2] = 2 * big, 0.0
-  log_alpha, log_mass = rns_stack.run(*(a.astype(dtype)
-                                        for a in (push, repl, pop)))
+  """`stack_helpers.run_that_comes_back` on the share table: (our symbol
+  reading, log Σα at update 4, the oracle's)."""
+  acts, want_reading, want_mass = stack_helpers.run_that_comes_back(big,
+                                                                    dtype)
+  log_alpha, log_mass = rns_stack.run(*acts)
   reading = rns_stack.readout(log_alpha, reading="symbol")[0][0, 4]
-  want_reading, want_mass = pda_oracle.readings_and_log_mass(
-      push[0], repl[0], pop[0], bottom="fixed")
-  return (np.asarray(reading), float(log_mass[0, 4]), want_reading[4],
-          want_mass[4])
+  return (np.asarray(reading), float(log_mass[0, 4]), want_reading,
+          want_mass)
 
 
 @pytest.mark.parametrize("big,dtype", [(50.0, np.float32),
@@ -313,16 +303,6 @@ def test_nasty_inputs_at_500():
 # ---------------------------------------------------------------------------
 # Gradients.
 # ---------------------------------------------------------------------------
-
-
-def _loss(fn, c, e, bottom):
-  def loss(push, repl, pop):
-    hat, log_mass = fn(push, repl, pop, bottom)
-    rho, _ = rns_stack.readout(hat)
-    safe = jnp.where(jnp.isfinite(log_mass), log_mass, 0)
-    return (jnp.sum(c * rho) + 0.3 * jnp.sum(rho ** 2)
-            + 0.1 * jnp.sum(e * safe))
-  return loss
 
 
 def _plain(push, repl, pop, bottom):
@@ -487,27 +467,10 @@ def test_finite_differences(x64):
                   order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
-_H, _V = 5, 3
-
-
-def _tanh_controller(q, s, reading):
-  size = q * s if reading == "state" else s
-
-  def step_fn(p, h, x, rho):
-    assert rho.shape[-1] == size
-    h = jnp.tanh(jax.nn.one_hot(x, _V, dtype=rho.dtype) @ p["wx"]
-                 + rho @ p["wr"] + h @ p["wh"] + p["b"])
-    acts = rns_stack.split_action_logits(h @ p["wa"] * 4.0, q, s, False)
-    return h, acts, h @ p["wo"]
-
-  return step_fn, size
-
-
-def _tanh_params(rng, q, s, size):
-  return {"wx": rng.normal(size=(_V, _H)), "wr": rng.normal(size=(size, _H)),
-          "wh": 0.5 * rng.normal(size=(_H, _H)), "b": rng.normal(size=_H),
-          "wa": rng.normal(size=(_H, q * s * (2 * q * s + q))),
-          "wo": rng.normal(size=(_H, _V))}
+_H, _V = stack_helpers.H, stack_helpers.V
+_loss = stack_helpers.readings_loss
+_tanh_controller = stack_helpers.tanh_controller
+_tanh_params = stack_helpers.tanh_params
 
 
 @pytest.mark.parametrize("contractions", ["dot", "reduce", "reduce_all"],
