@@ -236,11 +236,10 @@ def length_out_of_reach(task: str, max_length: int) -> str | None:
   work = compiled.length_table_work(int(max_length))
   if work <= MAX_LENGTH_TABLE_WORK:
     return None
-  # The longest n with R·n(n−1)/2 <= the limit (from an empty table).
+  # The longest n with n(n−1) <= pairs = 2·limit / R (from an empty
+  # table), i.e. (2n−1)² <= 4·pairs + 1.
   pairs = 2 * MAX_LENGTH_TABLE_WORK // len(compiled.bin_prob)
-  longest = math.isqrt(pairs) + 1
-  while longest * (longest - 1) > pairs:
-    longest -= 1
+  longest = (math.isqrt(4 * pairs + 1) + 1) // 2
   return (f"the exact length table of {task} up to it sums ~{work:.1e} "
           "terms (O(n²); ~10^8 a second on one core); lengths up to "
           f"{longest:,} are supported")

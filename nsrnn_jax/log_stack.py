@@ -66,7 +66,7 @@ from nsrnn_jax import rns_stack
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
 
 FIXED, FROZEN = rns_stack.FIXED, rns_stack.FROZEN
-STATE, SYMBOL = rns_stack.STATE, rns_stack.SYMBOL
+STATE = rns_stack.STATE
 
 
 def _minus(x, e):
@@ -318,7 +318,7 @@ def _coupled_bwd(step_fn, q, s, bottom, reading, res, cts):
   (_, p_bar, c_bar), _ = lax.scan(
       body, init, (jnp.arange(1, t + 1), xs_T, ctrls, outs_ct, delta_ct.T),
       reverse=True)
-  return p_bar, c_bar, jax.tree_util.tree_map(rns_stack._zero_cotangent, xs)  # pylint: disable=protected-access
+  return p_bar, c_bar, rns_stack.inputs_cotangent(xs, None)
 
 
 _coupled.defvjp(_coupled_fwd, _coupled_bwd)

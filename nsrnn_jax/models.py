@@ -95,6 +95,17 @@ DEFAULT_NS_TABLE = 'shares'
 NS_ACTION_INITS = ('uniform', 'xavier')
 
 
+def can_run_table(model: str, table: str, window: int = 0) -> bool:
+  """Whether `model` (with a stack window `window`) runs on `table`:
+  every model takes the default; ns any of ``NS_TABLES``; rns without a
+  window any of ``RNS_TABLES``."""
+  if table == DEFAULT_NS_TABLE:
+    return True
+  if model == 'ns':
+    return table in NS_TABLES
+  return model == 'rns' and not window and table in RNS_TABLES
+
+
 def check_stack_table(table: str) -> str:
   """Validates an NS-RNN table name (``NS_TABLES``); returns it."""
   if table not in NS_TABLES:
@@ -1410,7 +1421,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
                 input_lookup=bool(input_lookup))
   if name != 'vrns':
     common['scan_unroll'] = scan_unroll
-  if name not in ('ns', 'rns') and stack_table != DEFAULT_NS_TABLE:
+  if name not in ('ns', 'rns') and not can_run_table(name, stack_table):
     raise ValueError(f'stack_table {stack_table!r} applies to models ns and '
                      f'rns only (model {name!r})')
   if name == 'lstm':
@@ -1436,8 +1447,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_normalize=stack_normalize, stack_reading=stack_reading,
         stack_bottom=stack_bottom, stack_window=stack_window,
         truncation_length=truncation_length))
-    if stack_table not in RNS_TABLES or (stack_window
-                                         and stack_table != DEFAULT_NS_TABLE):
+    if not can_run_table(name, stack_table, stack_window):
       raise ValueError(
           f'stack_table {stack_table!r} does not apply to model rns'
           + (' with a window' if stack_window else '') + '; use '

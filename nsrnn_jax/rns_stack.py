@@ -44,8 +44,9 @@ run's configuration) is missing from the result: readings off by up to 1
 and log Σα off by the amount it came back by. Normalised actions and the
 weight spreads of trained models stay far inside the limit; `log_stack`
 computes the same function with the shares as logarithms, exact for any
-finite log-weights and ~100x slower (config.stack_table = "log"). All table-sized work is matmuls of
-linear shares; only column-sized arrays are exponentiated.
+finite log-weights and ~100x slower (config.stack_table = "log"). All
+table-sized work is matmuls of linear shares; only column-sized arrays are
+exponentiated.
 
 Recurrence for update j (log-weights pu, re, po of update j; times i, k run
 over the rows the stack keeps: all of them, or j−D..j−2 for a window D):

@@ -113,16 +113,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if table not in models.NS_TABLES:
     fail("stack_table", f"is {table!r}; expected one of "
          f"{', '.join(models.NS_TABLES)}")
-  if table != models.DEFAULT_NS_TABLE and (
-      model not in ("ns", "rns")
-      or model == "rns" and (table not in models.RNS_TABLES
-                             or config.get("stack_window", 0))):
+  window = config.get("stack_window", 0)
+  if not models.can_run_table(model, table, window):
+    rns_unlimited = model == "rns" and not window
     fail("stack_table", f"is {table!r}, which model {model!r}"
-         + (" with a window" if model == "rns" and config.get("stack_window", 0)
-            else "") + " cannot run; leave it at "
-         f"{models.DEFAULT_NS_TABLE!r}"
-         + (" or use 'log'" if model == "rns"
-            and not config.get("stack_window", 0) else ""))
+         + (" with a window" if model == "rns" and window else "")
+         + f" cannot run; leave it at {models.DEFAULT_NS_TABLE!r}"
+         + (" or use 'log'" if rns_unlimited else ""))
   action_init = config.get("ns_action_init", "uniform")
   if action_init not in models.NS_ACTION_INITS:
     fail("ns_action_init", f"is {action_init!r}; expected one of "
