@@ -208,12 +208,8 @@ def _nasty(rng, steps, q, s):
 def _check_nasty(steps, q, s):
   rng = np.random.default_rng(steps)
   push, repl, pop = _nasty(rng, steps, q, s)
-  want = [log_space_reference.log_alpha(push[b], repl[b], pop[b])
-          for b in range(3)]
-  want_mass = np.stack([np.logaddexp.reduce(w.reshape(len(w), -1), 1)
-                        for w in want])
-  want_rho = np.stack([np.exp(w.reshape(len(w), -1) - m[:, None])
-                       for w, m in zip(want, want_mass)])
+  want_mass, want_rho = stack_helpers.reference_mass_and_readings(
+      push, repl, pop)
   assert np.all(np.isfinite(want_mass))
   for dtype, atol in (("float32", 2e-5), ("float64", 1e-9)):
     with jax.enable_x64(dtype == "float64"):

@@ -2,6 +2,8 @@
 
 * `readings_loss`: a scalar of a table's readings and log Σα whose gradient
   reaches every action (a weighted sum, a square, the log-mass).
+* `reference_mass_and_readings`: log Σα and state readings of a batch from
+  the float64 NumPy reference (`log_space_reference`, fixed bottom).
 * `run_that_comes_back`: actions where a run falls e^-big behind and then
   overtakes (the share table's flush limit), with the oracle's answer.
 * `tanh_controller` / `tanh_params`: a small tanh controller for the coupled
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import log_space_reference
 import pda_oracle
 from nsrnn_jax import rns_stack
 
@@ -74,3 +77,15 @@ def run_that_comes_back(big, dtype):
       push[0], repl[0], pop[0], bottom="fixed")
   return (tuple(a.astype(dtype) for a in (push, repl, pop)),
           want_reading[4], want_mass[4])
+
+
+def reference_mass_and_readings(push, repl, pop):
+  """(log Σα [B, T+1], state readings [B, T+1, Q·S]) of [B, T, ...]
+  actions by `log_space_reference` (float64, fixed bottom)."""
+  want = [log_space_reference.log_alpha(push[b], repl[b], pop[b])
+          for b in range(len(push))]
+  mass = np.stack([np.logaddexp.reduce(w.reshape(len(w), -1), 1)
+                   for w in want])
+  rho = np.stack([np.exp(w.reshape(len(w), -1) - m[:, None])
+                  for w, m in zip(want, mass)])
+  return mass, rho
