@@ -11,6 +11,7 @@ import platform
 import re
 import subprocess
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,18 @@ def source_revision():
   except (OSError, subprocess.CalledProcessError):
     return None
   return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def module_at_revision(revision, name):
+  """nsrnn_jax/<name>.py as of git `revision`, as a fresh module (a
+  before/after of a change timed in one process)."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  source = subprocess.check_output(
+      ["git", "-C", repo, "show", f"{revision}:nsrnn_jax/{name}.py"])
+  module = types.ModuleType(f"{name}_at_{revision}")
+  module.__file__ = f"{revision}:nsrnn_jax/{name}.py"
+  exec(compile(source, module.__file__, "exec"), module.__dict__)  # pylint: disable=exec-used
+  return module
 
 
 def machine_info():

@@ -45,10 +45,8 @@ limited_vs_baseline.json with --windows).
 
 import json
 import os
-import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 
@@ -130,16 +128,6 @@ def _measure(n, rng):
 VS_B = 10
 
 
-def _load_revision(rev, name="rns_stack"):
-  """nsrnn_jax/<name>.py as of git revision `rev`, as a fresh module."""
-  src = subprocess.check_output(
-      ["git", "-C", _ROOT, "show", f"{rev}:nsrnn_jax/{name}.py"])
-  mod = types.ModuleType(f"{name}_at_{rev}")
-  mod.__file__ = f"{rev}:nsrnn_jax/{name}.py"
-  exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # pylint: disable=exec-used
-  return mod
-
-
 def _versus_fns(n, q, s, baseline):
   """name -> (forward fn, forward+backward fn) on the same normalised inputs.
 
@@ -173,7 +161,8 @@ def _versus_fns(n, q, s, baseline):
 
 def versus_ns(args):
   """Interleaved timings (one process, same inputs); writes JSON."""
-  baseline = _load_revision(args.baseline) if args.baseline else None
+  baseline = (machine.module_at_revision(args.baseline, "rns_stack")
+              if args.baseline else None)
   pairs = [tuple(int(v) for v in p.split("x")) for p in args.sizes.split(",")]
   sizes = [(n, q, s) for q, s in pairs for n in args.lengths]
   out = args.out or os.path.join(_ROOT, "benchmarks", "results",
@@ -222,7 +211,7 @@ def versus_ns(args):
 
 def limited_vs_baseline(args, n=500, repeats=5):
   """limited_stack now vs at --baseline, per window D; writes JSON."""
-  baseline = _load_revision(args.baseline, "limited_stack")
+  baseline = machine.module_at_revision(args.baseline, "limited_stack")
   windows = [int(w) for w in args.windows.split(",")]
   out = args.out or os.path.join(_ROOT, "benchmarks", "results",
                                  "limited_vs_baseline.json")

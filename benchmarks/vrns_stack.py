@@ -119,32 +119,14 @@ def _rns_fns(b, t, q, s):
           (push, repl, pop))
 
 
-def _module_at(revision):
-  """nsrnn_jax/vrns_stack.py as of a git revision, imported as a module."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  source = subprocess.run(
-      ["git", "show", f"{revision}:nsrnn_jax/vrns_stack.py"], cwd=_ROOT,
-      check=True, capture_output=True, text=True).stdout
-  path = os.path.join(tempfile.mkdtemp(), f"vrns_stack_{revision}.py")
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(source)
-  spec = importlib.util.spec_from_file_location(f"vrns_before_{revision}",
-                                                path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def compare(args):
   """Interleaved before/after timings of the VRNS DP plus RNS and NS."""
   b, n, (q, s, m) = args.batch, args.length, (2, 3, 3)
   t = n - 1
   variants = {"vrns": _vrns_fns(b, t, q, s, m)}
   if args.before:
-    variants["vrns_before"] = _vrns_fns(b, t, q, s, m,
-                                        _module_at(args.before))
+    before = machine.module_at_revision(args.before, "vrns_stack")
+    variants["vrns_before"] = _vrns_fns(b, t, q, s, m, before)
   variants["rns"] = _rns_fns(b, t, q, s)
   variants["ns"] = _ns_fns(b, t, q, s)
   calls = [(name, kind, fn, fargs) for name, (fwd, grad, fargs)
