@@ -9,7 +9,9 @@ inputs (unnormalised N(0, 3²) log-weights), interleaved calls:
 
 the median of 3 calls after a warm-up, XLA's temporary buffers of the
 gradient, and the largest reading difference between the two tables (they
-compute the same function; log_stack has no flush).
+compute the same function; log_stack has no flush). --baseline REV also
+times log_stack.py as of that revision ("log_before": a before/after in
+one run).
 
 With --workdir RUN it instead checks a trained NS / RNS run: its best
 parameters on both tables, float32, on strings of its task sampled at
@@ -57,12 +59,12 @@ def _functions(module):
   return fwd, grad
 
 
-def _row(q, rng):
+def _row(q, rng, tables):
   shapes = [(B, N, q, q, q, q)] * 2 + [(B, N, q, q, q)]
   acts = [jnp.asarray(3 * rng.normal(size=sh), jnp.float32) for sh in shapes]
-  fns = {name: _functions(mod) for name, mod in TABLES.items()}
+  fns = {name: _functions(mod) for name, mod in tables.items()}
   row = {"Q": q, "S": q, "B": B, "n": N}
-  times = {name: {"fwd": [], "fwd_bwd": []} for name in TABLES}
+  times = {name: {"fwd": [], "fwd_bwd": []} for name in tables}
   for name, (fwd, grad) in fns.items():          # warm-up (compilation)
     jax.block_until_ready(fwd(*acts))
     jax.block_until_ready(grad(*acts))
@@ -78,11 +80,14 @@ def _row(q, rng):
     row[f"{name}_grad_temp_mib"] = grad.lower(*acts).compile(
     ).memory_analysis().temp_size_in_bytes / 2**20
   read = {name: np.asarray(rns_stack.readout(fns[name][0](*acts)[0])[0])
-          for name in TABLES}
+          for name in tables}
   row["max_reading_difference"] = float(np.abs(read["log"]
                                                - read["shares"]).max())
   row["slowdown_fwd"] = row["log_fwd_s"] / row["shares_fwd_s"]
   row["slowdown_fwd_bwd"] = row["log_fwd_bwd_s"] / row["shares_fwd_bwd_s"]
+  if "log_before" in tables:
+    row["speedup_fwd"] = row["log_before_fwd_s"] / row["log_fwd_s"]
+    row["speedup_fwd_bwd"] = row["log_before_fwd_bwd_s"] / row["log_fwd_bwd_s"]
   return row
 
 
@@ -143,6 +148,9 @@ def main():
   parser.add_argument("--workdir", default=None)
   parser.add_argument("--strings", type=int, default=20)
   parser.add_argument("--out", default="log_stack_trained.json")
+  parser.add_argument("--baseline", default=None,
+                      help="also time nsrnn_jax/log_stack.py as of this git "
+                      "revision ('log_before'; a before/after in one run)")
   args = parser.parse_args()
   if args.workdir:
     print("| n | strings | largest ln p difference | largest reading "
@@ -151,12 +159,16 @@ def main():
     _trained(args.workdir, args.strings, args.note, args.out)
     return
   rng = np.random.default_rng(0)
-  rows = [_row(q, rng) for q in SIZES]
+  tables = dict(TABLES)
+  if args.baseline:
+    tables["log_before"] = machine.module_at_revision(args.baseline,
+                                                      "log_stack")
+  rows = [_row(q, rng, tables) for q in SIZES]
   print("| Q=S | table | fwd | fwd+bwd | gradient temp | log / shares "
         "(fwd, fwd+bwd) |")
   print("|---|---|---|---|---|---|")
   for r in rows:
-    for name in TABLES:
+    for name in tables:
       ratio = (f"{r['slowdown_fwd']:.0f}x, {r['slowdown_fwd_bwd']:.0f}x"
                if name == "log" else "")
       print(f"| {r['Q']} | {name} | {1e3 * r[name + '_fwd_s']:.1f} ms | "
@@ -164,7 +176,7 @@ def main():
             f"{r[name + '_grad_temp_mib']:.1f} MiB | {ratio} |")
   info = machine.machine_info()
   out = {**info, "device": machine.device_label(info), "dtype": "float32",
-         "note": args.note, "rows": rows}
+         "note": args.note, "baseline": args.baseline, "rows": rows}
   path = os.path.join(_ROOT, "benchmarks", "results", "log_stack.json")
   with open(path, "w") as f:
     json.dump(out, f, indent=1)

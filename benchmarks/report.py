@@ -1044,12 +1044,17 @@ def log_stack_block():
            "| Q=S | table | fwd | fwd+bwd | gradient temporaries | log / "
            "shares (fwd, fwd+bwd) | largest reading difference |",
            "|---|---|---|---|---|---|---|"]
+  names = {"shares": "shares", "log": "log",
+           "log_before": f"log at `{d.get('baseline')}`"}
   for r in d["rows"]:
-    for name in ("shares", "log"):
+    for name in [n for n in names if f"{n}_fwd_s" in r]:
       ratio = (f"{r['slowdown_fwd']:.0f}×, {r['slowdown_fwd_bwd']:.0f}×"
                if name == "log" else "")
+      if name == "log_before":
+        ratio = (f"(log is {r['speedup_fwd']:.1f}×, "
+                 f"{r['speedup_fwd_bwd']:.1f}× faster)")
       diff = f"{r['max_reading_difference']:.1e}" if name == "log" else ""
-      lines.append(f"| {r['Q']} | {name} | {_ms(r[name + '_fwd_s'])} | "
+      lines.append(f"| {r['Q']} | {names[name]} | {_ms(r[name + '_fwd_s'])} | "
                    f"{_ms(r[name + '_fwd_bwd_s'])} | "
                    f"{r[name + '_grad_temp_mib']:.1f} MiB | {ratio} | {diff} |")
   text = "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"

@@ -184,3 +184,37 @@ def test_bad_input_is_a_clear_error():
   with pytest.raises(ValueError, match="reading"):
     log_stack.run_coupled(lambda *a: a, {}, None, np.zeros((1, 3), int),
                           1, 2, reading="top")
+
+
+def test_time_blocks_change_nothing(x64, monkeypatch):
+  """Values and gradients, plain and coupled, on 2 uneven time blocks
+  (T = 9: updates 1-4, 5-9) against one block."""
+  del x64
+  q, s, b, t = 2, 2, 2, 9
+  rng = np.random.default_rng(9)
+  push, repl, pop = _actions(rng, t, q, s)
+  step_fn, size = stack_helpers.tanh_controller(q, s, "state")
+  params = stack_helpers.tanh_params(rng, q, s, size)
+  h0 = 0.1 * rng.normal(size=(b, stack_helpers.H))
+  xs = jnp.asarray(rng.integers(0, stack_helpers.V, size=(b, t)))
+  c = rng.normal(size=(3, t + 1, q * s))
+
+  def plain(pu, re, po):
+    hat, delta = log_stack._tables(pu, re, po, "fixed")  # pylint: disable=protected-access
+    return jnp.sum(c * rns_stack.readout(hat)[0]) + 0.1 * jnp.sum(delta)
+
+  def coupled(p, h):
+    outs, hat, lm = log_stack.run_coupled(step_fn, p, h, xs, q, s)
+    return (jnp.sum(outs ** 2) + jnp.sum(c[:b] * rns_stack.readout(hat)[0])
+            + 0.01 * jnp.sum(lm))
+
+  results = []
+  for min_block, blocks in ((100, [(1, 10)]), (4, [(1, 5), (5, 10)])):
+    monkeypatch.setattr(log_stack, "MIN_TIME_BLOCK", min_block)
+    assert log_stack._time_blocks(t) == blocks  # pylint: disable=protected-access
+    results.append([
+        jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(push, repl,
+                                                              pop),
+        jax.jit(jax.value_and_grad(coupled, argnums=(0, 1)))(params, h0)])
+  for got, want in zip(*(jax.tree_util.tree_leaves(r) for r in results)):
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
