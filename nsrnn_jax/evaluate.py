@@ -7,6 +7,10 @@ checkpoints; an unwritable --out is an error before any work):
 
   python -m nsrnn_jax.evaluate --workdir=/tmp/nsrnn [--out=/tmp/table]
 
+`--stack_table=log` re-evaluates an NS or RNS run on the exact log-space
+stack (`log_stack`; same parameters, no flush limit) instead of the table
+it was trained on.
+
 Scoring API:
 
   loaded = evaluate.load_model(workdir)          # (model, params, config)
@@ -52,13 +56,16 @@ class Loaded(NamedTuple):
   config: ml_collections.ConfigDict
 
 
-def load_model(workdir: str, model: Any = None) -> Loaded:
+def load_model(workdir: str, model: Any = None,
+               stack_table: Optional[str] = None) -> Loaded:
   """Restores the best-validation parameters of a workdir (read-only).
 
   Args:
     workdir: a run directory written by train.train_and_evaluate or a grid
       member's lr_<lr>/restart_<r>.
     model: the Flax model to use instead of models.build(config).
+    stack_table: run the stack on this table (``config.stack_table``, e.g.
+      'log': exact) instead of the run's own; the parameters are the same.
 
   Returns:
     Loaded(model, params, config).
@@ -68,6 +75,8 @@ def load_model(workdir: str, model: Any = None) -> Loaded:
   """
   # JSON turns tuples into lists; ConfigDict accepts either.
   config = ml_collections.ConfigDict(checkpointing.read_config(workdir))
+  if stack_table is not None:
+    config.stack_table = stack_table
   if model is None:
     from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
     model = models.build(config, vocab_size=config.get("vocab_size"))
@@ -219,7 +228,8 @@ def _reevaluate_corpus(loaded: Loaded, out: str,
 
 def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
                model: Any = None, out: Optional[str] = None,
-               corpus_dir: Optional[str] = None) -> dict:
+               corpus_dir: Optional[str] = None,
+               stack_table: Optional[str] = None) -> dict:
   """Recomputes the per-length test table of a workdir with its best params.
 
   Args:
@@ -230,6 +240,7 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
       checked for writability before any work.
     corpus_dir: a corpus run's corpus where it lies now (default: where it
       was trained; the files must be the same, by SHA-256).
+    stack_table: as for `load_model` (e.g. 'log': the exact stack).
 
   Returns:
     {"table": per-length table, "summary": overall test metrics, "text"}.
@@ -237,7 +248,7 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
   out = workdir if out is None else out
   checkpointing.read_config(workdir)  # A clear error before anything else.
   checkpointing.check_writable(out, what="output directory")
-  loaded = load_model(workdir, model=model)
+  loaded = load_model(workdir, model=model, stack_table=stack_table)
   if _is_corpus(loaded.config):
     return _reevaluate_corpus(loaded, out, corpus_dir)
   if corpus_dir:
@@ -264,7 +275,8 @@ def main(argv):
   if not workdir:
     raise ValueError("--workdir is required")
   result = reevaluate(workdir, out=flags.FLAGS.out,
-                      corpus_dir=flags.FLAGS.corpus_dir)
+                      corpus_dir=flags.FLAGS.corpus_dir,
+                      stack_table=flags.FLAGS.stack_table)
   print(result["text"])
   for key, value in sorted(result["summary"].items()):
     print(f"{key}: {value:.6f}")
@@ -278,4 +290,6 @@ if __name__ == "__main__":
                       "(default: the workdir).")
   flags.DEFINE_string("corpus_dir", None, "A corpus run's corpus where it "
                       "lies now (default: where it was trained).")
+  flags.DEFINE_string("stack_table", None, "Run an NS / RNS stack on this "
+                      "table instead of the run's own (e.g. 'log': exact).")
   cli.run(main)

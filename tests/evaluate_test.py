@@ -202,3 +202,25 @@ def test_a_config_edited_after_training_is_named_in_one_line(workdir,
   assert "hold a model of other shapes" in lines[0]
   assert "was config.json edited after training?" in lines[0]
   assert sorted(os.listdir(os.path.join(copy, "checkpoints"))) == before
+
+
+def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
+  # A tiny NS run re-evaluated on log_stack: the same test table (the
+  # tables compute the same function), written where --out says.
+  path = str(tmp_path / "ns")
+  config = _config()
+  config.model, config.max_epochs = "ns", 1
+  train.train_and_evaluate(config, path, splits=_splits(),
+                           model=models.build(config, vocab_size=3))
+  saved = json.load(open(os.path.join(path, "test_by_length.json")))
+  result = evaluate.reevaluate(path, splits=_splits(),
+                               out=str(tmp_path / "out"), stack_table="log")
+  assert evaluate.load_model(path, stack_table="log").model.table == "log"
+  np.testing.assert_allclose(result["table"]["ce_diff"], saved["ce_diff"],
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_a_table_the_run_cannot_use_is_a_clear_error(workdir):
+  with pytest.raises(ValueError, match="stack_table 'log' applies to models "
+                     "ns and rns only"):
+    evaluate.load_model(workdir, stack_table="log")
