@@ -99,22 +99,24 @@ def update(table, log_c, a_hat, j, push_BxQxSxQxS, repl_BxQxSxQxS,
 
   Reads columns < j of `table` and `log_c` and â_{j−1} only, so it gives
   the same result on the final tables as on those of its time (the
-  backward relies on this).
+  backward relies on this), and on the tables cut to a time block that
+  holds column j (`_cut`: N = the block's end j1; N = T+1 uncut).
 
   Args:
-    table: L [B, Y, I, Q, X, K, T] (`table[b, y, i+1, q, x, k, t] =
-      L_{i,k}[q,x,t,y]`), rows I = times −1..T, columns K = times 0..T.
-    log_c: log c_k [B, T+1, Q, S] (column k's log share still usable,
+    table: L [B, Y, N+1, Q, X, N, T] (`table[b, y, i+1, q, x, k, t] =
+      L_{i,k}[q,x,t,y]`; rows: times −1..N−1, columns: times 0..N−1; the
+      last axis is the state t of the top, not time).
+    log_c: log c_k [B, N, Q, S] (column k's log share still usable,
       ⊕ of the column over rows and (q, x); carried, not recomputed).
-    a_hat: â [B, T+1, Q, S].
+    a_hat: â [B, N, Q, S].
     j: the update (traced int).
     push, repl [B, Q, S, Q, S] and pop [B, Q, S, Q]: update j's log-weights.
 
   Returns:
-    (column j [B, T+2, Q, S, Q, S], log c_j [B, Q, S], â_j [B, Q, S],
-    δ_j [B]).
+    (column j [B, N+1, Q, S, Q, S] indexed (i+1, q, x, r, y), log c_j
+    [B, Q, S], â_j [B, Q, S], δ_j [B]).
   """
-  b, _, rows, q, s, cols = table.shape[:6]
+  b, _, rows, q, s, cols = table.shape[:6]         # rows = N+1, cols = N
   row_time = jnp.arange(rows) - 1
   col_time = jnp.arange(cols)
   a = lax.dynamic_index_in_dim(a_hat, j - 1, axis=1, keepdims=False)
