@@ -225,7 +225,7 @@ def _blocked_scan(make_body, tables, carry, xs_T, t, reverse=False):
 
 def _log_mass(delta_BxT):
   """log Σα_j for j = 0..T from the increments (log Σα_0 = 0)."""
-  zero = jnp.zeros_like(delta_BxT[:, :1])
+  zero = jnp.zeros((delta_BxT.shape[0], 1), delta_BxT.dtype)  # T may be 0
   return jnp.concatenate([zero, jnp.cumsum(delta_BxT, axis=1)], axis=1)
 
 
@@ -397,10 +397,10 @@ def _coupled_bwd(step_fn, q, s, bottom, reading, res, cts):
               (p_bar, dc)), None
     return body
 
-  ctrl_last = jax.tree_util.tree_map(lambda c: c[-1], ctrls)
   init = (jnp.zeros_like(tables[0]), jnp.zeros_like(tables[1]), a_ct)
+  bars = (zeros(params), rns_stack.zero_carry_cotangent(ctrls))
   (_, (p_bar, c_bar)), _ = _blocked_scan(
-      make_body, init, (zeros(params), zeros(ctrl_last)),
+      make_body, init, bars,
       (jnp.arange(1, t + 1), xs_T, ctrls, outs_ct, delta_ct.T), t,
       reverse=True)
   return p_bar, c_bar, rns_stack.inputs_cotangent(xs, None)

@@ -1373,6 +1373,14 @@ def inputs_cotangent(xs, float_cts):
       else _zero_cotangent(l) for l in leaves])
 
 
+def zero_carry_cotangent(ctrls_T):
+  """Zeros shaped like one controller carry of the stacked carries
+  `ctrls_T` (leading axis T, which may be 0): the cotangent of the carry
+  after the last step, which feeds nothing."""
+  return jax.tree_util.tree_map(
+      lambda c: jnp.zeros(jnp.shape(c)[1:], jnp.result_type(c)), ctrls_T)
+
+
 def _coupled_bwd(step_fn, q, s, bottom, reading, precision, unroll, res,
                  cts):
   """Reverse sweep: vjp of (controller step j + update j's local part)."""
@@ -1404,11 +1412,10 @@ def _coupled_bwd(step_fn, q, s, bottom, reading, precision, unroll, res,
     return (p_bar, dc), d_prev, d_cs, d_a + d_a_ctrl, None
 
   # The carry after the last step feeds nothing: its cotangent is zero.
-  ctrl_last = jax.tree_util.tree_map(lambda c: c[-1], ctrls)
   (p_bar, c_bar), _ = _backward_blocks(
       g, cs, la, mt, lres, (xs_T, ctrls, outs_ct), la_ct,
       _increment_cotangents(lm_ct), local_vjp,
-      (zeros(params), zeros(ctrl_last)), prec, unroll)
+      (zeros(params), zero_carry_cotangent(ctrls)), prec, unroll)
   return p_bar, c_bar, jax.tree_util.tree_map(_zero_cotangent, xs)
 
 
@@ -1586,11 +1593,11 @@ def _coupled_vectors_bwd(step_fn, q, s, precision, unroll, res, cts):
     p_bar = jax.tree_util.tree_map(jnp.add, p_bar, dp)
     return (p_bar, dc, gv_bar), d_prev, d_cs, d_a + d_a_ctrl, dxf
 
-  ctrl_last = jax.tree_util.tree_map(lambda c: c[-1], ctrls)
   (p_bar, c_bar, gv_bar), dxf_T = _backward_blocks(
       g, cs, la, mt, lres, (xs_T, ctrls, outs_ct, mt), la_ct,
       _increment_cotangents(lm_ct), local_vjp,
-      (zeros(params), zeros(ctrl_last), gv_bar), prec, unroll)
+      (zeros(params), zero_carry_cotangent(ctrls), gv_bar), prec,
+      unroll)
   xs_ct = inputs_cotangent(xs, None if dxf_T is None else [
       jnp.swapaxes(d, 0, 1) for d in dxf_T])
   return p_bar, c_bar, gv_bar[:, 0, 1, 0, 0], xs_ct

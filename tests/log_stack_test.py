@@ -172,6 +172,29 @@ def test_gradient_memory_is_quadratic_in_length():
   assert 2.5 < ratio < 5.5, ratio
 
 
+def test_no_updates():
+  # T = 0: α_0 only (log Σα_0 = 0), as rns_stack; the gradient has the
+  # (empty) shapes of the actions.
+  acts = [jnp.zeros((2, 0, 2, 3, 2, 3)), jnp.zeros((2, 0, 2, 3, 2, 3)),
+          jnp.zeros((2, 0, 2, 3, 2))]
+  for got, want in zip(log_stack.run(*acts), rns_stack.run(*acts)):
+    np.testing.assert_array_equal(got, want)
+  grads = jax.grad(lambda *a: log_stack.run(*a)[1].sum(),
+                   argnums=(0, 1, 2))(*acts)
+  assert [g.shape for g in grads] == [a.shape for a in acts]
+  # Coupled, both tables: the gradient (zero) once failed on the carry
+  # after the last step, which T = 0 does not have.
+  step_fn, size = stack_helpers.tanh_controller(2, 2, "state")
+  params = stack_helpers.tanh_params(np.random.default_rng(0), 2, 2, size)
+  h0 = jnp.ones((2, stack_helpers.H))
+  for module in (log_stack, rns_stack):
+    loss = lambda p, h, m=module: m.run_coupled(
+        step_fn, p, h, jnp.zeros((2, 0), jnp.int32), 2, 2)[2].sum()
+    grads = jax.grad(loss, argnums=(0, 1))(params, h0)
+    assert all(not np.any(g) for g in jax.tree_util.tree_leaves(grads))
+    assert grads[1].shape == h0.shape
+
+
 def test_bad_input_is_a_clear_error():
   push = np.zeros((1, 3, 1, 2, 1, 2), np.float32)
   pop = np.zeros((1, 3, 1, 2, 1), np.float32)
