@@ -11,7 +11,9 @@ the median of 3 calls after a warm-up, XLA's temporary buffers of the
 gradient, and the largest reading difference between the two tables (they
 compute the same function; log_stack has no flush). --baseline REV also
 times log_stack.py as of that revision ("log_before": a before/after in
-one run).
+one run). --window D times the memory-limited stacks instead
+(`limited_stack.run` / `limited_log_stack.run` with window D; writes
+log_stack_window.json).
 
 With --workdir RUN it instead checks a trained NS / RNS run: its best
 parameters on both tables, float32, on strings of its task sampled at
@@ -22,12 +24,14 @@ tame): the largest difference in ln p(w) and in the stack readings.
 Other work shares the CPU cores: compare the ratios of one run. Usage:
 
   python benchmarks/log_stack.py [--note "how the machine was loaded"]
+  python benchmarks/log_stack.py --window 35
   python benchmarks/log_stack.py --workdir /path/to/run [--out NAME.json]
 
 Prints a table and writes benchmarks/results/log_stack.json
 (log_stack_trained.json, or --out, with --workdir).
 """
 
+import functools
 import json
 import os
 import sys
@@ -43,18 +47,27 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import limited_log_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import log_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 B, N = 10, 80
 SIZES = (2, 3)
-TABLES = {"shares": rns_stack, "log": log_stack}
+# name -> run(push, repl, pop) -> (log α̂, log Σα, ...).
+TABLES = {"shares": rns_stack.run, "log": log_stack.run}
 
 
-def _functions(module):
-  fwd = jax.jit(lambda *a: module.run(*a))
+def window_tables(window):
+  """The memory-limited stacks' runs with window D."""
+  return {"shares": functools.partial(limited_stack.run, window=window),
+          "log": functools.partial(limited_log_stack.run, window=window)}
+
+
+def _functions(run):
+  fwd = jax.jit(lambda *a: run(*a)[:2])
   grad = jax.jit(jax.grad(
-      lambda *a: jnp.sum(rns_stack.readout(module.run(*a)[0])[0][..., 1]),
+      lambda *a: jnp.sum(rns_stack.readout(run(*a)[0])[0][..., 1]),
       argnums=(0, 1, 2)))
   return fwd, grad
 
@@ -62,7 +75,7 @@ def _functions(module):
 def _row(q, rng, tables):
   shapes = [(B, N, q, q, q, q)] * 2 + [(B, N, q, q, q)]
   acts = [jnp.asarray(3 * rng.normal(size=sh), jnp.float32) for sh in shapes]
-  fns = {name: _functions(mod) for name, mod in tables.items()}
+  fns = {name: _functions(run) for name, run in tables.items()}
   row = {"Q": q, "S": q, "B": B, "n": N}
   times = {name: {"fwd": [], "fwd_bwd": []} for name in tables}
   for name, (fwd, grad) in fns.items():          # warm-up (compilation)
@@ -151,6 +164,9 @@ def main():
   parser.add_argument("--baseline", default=None,
                       help="also time nsrnn_jax/log_stack.py as of this git "
                       "revision ('log_before'; a before/after in one run)")
+  parser.add_argument("--window", type=int, default=0,
+                      help="time the memory-limited stacks with this window "
+                      "D instead (writes log_stack_window.json)")
   args = parser.parse_args()
   if args.workdir:
     print("| n | strings | largest ln p difference | largest reading "
@@ -159,10 +175,13 @@ def main():
     _trained(args.workdir, args.strings, args.note, args.out)
     return
   rng = np.random.default_rng(0)
-  tables = dict(TABLES)
+  tables = window_tables(args.window) if args.window else dict(TABLES)
   if args.baseline:
+    if args.window:
+      raise SystemExit("error: --baseline times the unlimited log_stack; "
+                       "leave out --window")
     tables["log_before"] = machine.module_at_revision(args.baseline,
-                                                      "log_stack")
+                                                      "log_stack").run
   rows = [_row(q, rng, tables) for q in SIZES]
   print("| Q=S | table | fwd | fwd+bwd | gradient temp | log / shares "
         "(fwd, fwd+bwd) |")
@@ -176,8 +195,10 @@ def main():
             f"{r[name + '_grad_temp_mib']:.1f} MiB | {ratio} |")
   info = machine.machine_info()
   out = {**info, "device": machine.device_label(info), "dtype": "float32",
-         "note": args.note, "baseline": args.baseline, "rows": rows}
-  path = os.path.join(_ROOT, "benchmarks", "results", "log_stack.json")
+         "note": args.note, "baseline": args.baseline,
+         "window": args.window, "rows": rows}
+  name = "log_stack_window.json" if args.window else "log_stack.json"
+  path = os.path.join(_ROOT, "benchmarks", "results", name)
   with open(path, "w") as f:
     json.dump(out, f, indent=1)
   print(f"wrote {os.path.relpath(path, _ROOT)}")

@@ -1033,14 +1033,10 @@ def window_vjp_block():
   return "\n".join(lines) + f"\n\n{notes}.\n"
 
 
-def log_stack_block():
-  """The exact log-space table against the share table (log_stack.json)."""
-  d = _load("log_stack.json")
-  if d is None:
-    return "No `log_stack.json` yet.\n"
-  lines = ["`benchmarks/log_stack.py` (`config.stack_table = \"log\"` against "
-           "\"shares\"; B = 10, n = 80, float32, unnormalised N(0, 3²) "
-           "log-weights; one run):", "",
+def _log_table_lines(d, title):
+  """One log-vs-shares timing table (log_stack.py's JSON) as Markdown."""
+  lines = [f"{title}; B = {d['rows'][0]['B']}, n = {d['rows'][0]['n']}, "
+           "float32, unnormalised N(0, 3²) log-weights; one run):", "",
            "| Q=S | table | fwd | fwd+bwd | gradient temporaries | log / "
            "shares (fwd, fwd+bwd) | largest reading difference |",
            "|---|---|---|---|---|---|---|"]
@@ -1057,7 +1053,23 @@ def log_stack_block():
       lines.append(f"| {r['Q']} | {names[name]} | {_ms(r[name + '_fwd_s'])} | "
                    f"{_ms(r[name + '_fwd_bwd_s'])} | "
                    f"{r[name + '_grad_temp_mib']:.1f} MiB | {ratio} | {diff} |")
-  text = "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"
+  return "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"
+
+
+def log_stack_block():
+  """The exact log-space table against the share table (log_stack.json),
+  unlimited and with a window (log_stack_window.json)."""
+  d = _load("log_stack.json")
+  if d is None:
+    return "No `log_stack.json` yet.\n"
+  text = _log_table_lines(d, "`benchmarks/log_stack.py` (`config.stack_table"
+                          " = \"log\"` against \"shares\"")
+  w = _load("log_stack_window.json")
+  if w is not None:
+    text += "\n" + _log_table_lines(
+        w, f"The memory-limited stacks, `benchmarks/log_stack.py --window "
+        f"{w['window']}` (`limited_log_stack` against `limited_stack`, "
+        f"window D = {w['window']}")
   for path in sorted(glob.glob(os.path.join(RESULTS,
                                             "log_stack_trained*.json"))):
     name = os.path.basename(path)

@@ -511,7 +511,7 @@ def _optional_window(window):
   if window is None:
     return None
   from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top
-  limited_stack._check_window(window)  # pylint: disable=protected-access
+  limited_stack.check_window(window)
   return int(window)
 
 

@@ -53,7 +53,8 @@ from nsrnn_jax.ns_stack import check_precision
 Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
-           "run_chunks", "stream_chunk", "chunk_start", "coupled_parts"]
+           "run_parts", "run_chunks", "stream_chunk", "chunk_start",
+           "coupled_parts"]
 
 
 class WindowState(NamedTuple):
@@ -73,7 +74,8 @@ class WindowState(NamedTuple):
   head: Array
 
 
-def _check_window(window):
+def check_window(window):
+  """Raises a one-line ValueError unless `window` is an integer D ≥ 1."""
   if (isinstance(window, bool) or not isinstance(window, int)
       or window < 1):
     raise ValueError(f"window must be an integer D >= 1, got {window!r}")
@@ -83,7 +85,7 @@ def initial_state(batch_size, window, num_states, num_symbols,
                   bottom=rns_stack.FIXED, dtype=jnp.float32) -> WindowState:
   """The state before update 1: α_0 = e_{q0,⊥} and, with the fixed bottom,
   the bottom share H_{−1,0} (time 0 at window index D−1)."""
-  _check_window(window)
+  check_window(window)
   g = rns_stack.initial_table(batch_size, window, num_states, num_symbols,
                               bottom, corner=window - 1, dtype=dtype)
   a_hat = jnp.full((batch_size, num_states, num_symbols), -jnp.inf,
@@ -324,7 +326,7 @@ def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
     (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state) for times
     1..T after `state`; log α_j = log_alpha_hat_j + log_mass_j.
   """
-  _check_window(window)
+  check_window(window)
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
   b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
   if state is None:
@@ -375,14 +377,30 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
     (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]);
     forward values do not depend on `truncation_length` or `actions_fn`.
   """
-  _check_window(window)
+  check_window(window)
   check_precision(precision)
   rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
   rns_stack._check_reading(reading)  # pylint: disable=protected-access
   b = jax.tree_util.tree_leaves(xs)[0].shape[0]
   dtype = rns_stack._float_dtype(params)  # pylint: disable=protected-access
-  update, read, state0 = coupled_parts(b, num_states, num_symbols, window,
-                                       bottom, reading, dtype, precision)
+  return run_parts(step_fn, coupled_parts(b, num_states, num_symbols,
+                                          window, bottom, reading, dtype,
+                                          precision),
+                   params, init_carry, xs, truncation_length, actions_fn)
+
+
+def run_parts(step_fn: Callable[..., Any], parts, params, init_carry, xs,
+              truncation_length: int = 0,
+              actions_fn: Optional[Callable[..., Any]] = None):
+  """`run_chunks` on a window stack's ``parts`` (update, read, state0)
+  whose updates output (log α̂_j, log Σα_j) and whose state0 has fields
+  ``a_hat`` and ``log_mass`` (this module's and `limited_log_stack`'s).
+
+  Returns:
+    (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]),
+    time 0 included.
+  """
+  update, read, state0 = parts
   outs, (a_hat, lm) = run_chunks(step_fn, update, read, params, init_carry,
                                  state0, xs, truncation_length, actions_fn)
   a_hat = jnp.concatenate([state0.a_hat[:, None], a_hat], axis=1)

@@ -86,7 +86,7 @@ __all__ = ["VectorShareState", "VectorWindowState", "initial_state", "step",
            "reading", "run", "run_coupled", "coupled_parts"]
 
 _lse = vrns_stack._lse  # pylint: disable=protected-access
-_check_window = limited_stack._check_window  # pylint: disable=protected-access
+_check_window = limited_stack.check_window
 
 
 class VectorShareState(NamedTuple):

@@ -116,16 +116,48 @@ def update(table, log_c, a_hat, j, push_BxQxSxQxS, repl_BxQxSxQxS,
     (column j [B, N+1, Q, S, Q, S] indexed (i+1, q, x, r, y), log c_j
     [B, Q, S], â_j [B, Q, S], δ_j [B]).
   """
-  b, _, rows, q, s, cols = table.shape[:6]         # rows = N+1, cols = N
+  rows, cols = table.shape[2], table.shape[5]     # rows = N+1, cols = N
   row_time = jnp.arange(rows) - 1
   col_time = jnp.arange(cols)
-  a = lax.dynamic_index_in_dim(a_hat, j - 1, axis=1, keepdims=False)
   prev = column(table, j - 1)                                  # b i q x s z
-  c_prev = lax.dynamic_index_in_dim(log_c, j - 1, axis=1, keepdims=False)
-  below = (col_time <= j - 2)[None, :, None, None]
+  col, a_new, delta = new_column(
+      table, log_c, prev, prev[:, 1:],  # rows of times 0..N−1 (as columns)
+      lax.dynamic_index_in_dim(log_c, j - 1, axis=1, keepdims=False),
+      lax.dynamic_index_in_dim(a_hat, j - 1, axis=1, keepdims=False),
+      push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
+      cols_before=col_time <= j - 2, rows_before=row_time <= j - 2,
+      push_at=row_time == j - 1)
+  return col, _lse(col, axis=(1, 2, 3)), a_new, delta
+
+
+def new_column(table, log_c, prev, prev_rows, c_prev, a, push_BxQxSxQxS,
+               repl_BxQxSxQxS, pop_BxQxSxQ, cols_before, rows_before,
+               push_at):
+  """The recurrence of update j (module docstring) on any time axes.
+
+  Shared by `update` (time-ordered axes) and `limited_log_stack` (a ring
+  window of time slots); the caller says which slots are which times.
+
+  Args:
+    table: L [B, Y, I, Q, X, K, T] (rows I, columns K).
+    log_c: log c_k [B, K, Q, S] (entries outside `cols_before` ignored).
+    prev: column j−1 [B, I, Q, X, S, Z] (L_{i,j−1}[q,x,s,z]).
+    prev_rows: column j−1's rows of the times of the columns K, [B, K, T,
+      Y, S, Z] (L_{k,j−1}[t,y,s,z]).
+    c_prev: log c_{j−1} [B, Q, S].
+    a: â_{j−1} [B, Q, S].
+    push, repl [B, Q, S, Q, S] and pop [B, Q, S, Q]: update j's log-weights.
+    cols_before: bool [K], the columns of times k ≤ j−2.
+    rows_before: bool [I], the rows of times i ≤ j−2.
+    push_at: bool [I], the row of time j−1.
+
+  Returns:
+    (column j [B, I, Q, X, R, Y], â_j [B, Q, S], δ_j [B]).
+  """
+  b = table.shape[0]
+  below = cols_before[None, :, None, None]
   log_c = jnp.where(below, log_c, -jnp.inf)
-  prev_k = prev[:, 1:]                  # rows of times 0..T: b k t y s z
-  w = _lse(log_c[..., None, None] + prev_k, axis=(1, 2))       # b y s z
+  w = _lse(log_c[..., None, None] + prev_rows, axis=(1, 2))   # b y s z
   e_push = _lse(a[..., None, None] + push_BxQxSxQxS, axis=(1, 2))
   e_repl = _lse((a + c_prev)[..., None, None] + repl_BxQxSxQxS, axis=(1, 2))
   e_pop = _lse((a[:, None] + w)[..., None] + pop_BxQxSxQ[:, None],
@@ -138,9 +170,9 @@ def update(table, log_c, a_hat, j, push_BxQxSxQxS, repl_BxQxSxQxS,
   k_repl = _minus(a[..., None, None] + repl_BxQxSxQxS, e_bryx)  # b s z r y
   repl_rows = _lse(prev[..., None, None] + k_repl[:, None, None, None],
                    axis=(4, 5))                                # b i q x r y
-  # M_k[t,y,r] for the rows of times k = 0..T of column j−1, k ≤ j−2.
+  # M_k[t,y,r] for the rows of the columns' times, k ≤ j−2.
   k_pop = (a[..., None] + pop_BxQxSxQ)[:, None, None, None]    # b . . . s z r
-  m = _lse(prev_k[..., None] + k_pop, axis=(4, 5))             # b k t y r
+  m = _lse(prev_rows[..., None] + k_pop, axis=(4, 5))          # b k t y r
   m = _minus(m, jnp.swapaxes(e, 1, 2)[:, None, None])
   m = jnp.where(below[..., None], m, -jnp.inf)
   # The one table-sized term: (k, t) are the table's last axes, so the
@@ -151,9 +183,9 @@ def update(table, log_c, a_hat, j, push_BxQxSxQxS, repl_BxQxSxQxS,
   pop_rows = jnp.moveaxis(_lse(terms, axis=(-2, -1)), 1, -1)   # b i q x r y
   col = _lse(jnp.stack([repl_rows, pop_rows]), axis=0)
   at = lambda cond: cond[None, :, None, None, None, None]
-  col = jnp.where(at(row_time <= j - 2), col, -jnp.inf)
-  col = jnp.where(at(row_time == j - 1), push_row[:, None], col)
-  return col, _lse(col, axis=(1, 2, 3)), a_new, delta
+  col = jnp.where(at(rows_before), col, -jnp.inf)
+  col = jnp.where(at(push_at), push_row[:, None], col)
+  return col, a_new, delta
 
 
 def column(table, k):

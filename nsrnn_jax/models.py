@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsrnn_jax import limited_log_stack
 from nsrnn_jax import limited_stack
 from nsrnn_jax import log_stack
 from nsrnn_jax import ns_stack
@@ -76,15 +77,15 @@ INPUT_LOOKUP_MODELS = ('lstm', 'rns', 'vrns')
 #   'log': ``log_stack`` (the same shares as logarithms): exact for any
 #     finite log-weights, no flush; ~25-35x slower stack DP on CPU
 #     (benchmarks/log_stack.py). For checking and evaluating; also the RNS-RNN's
-#     opt-in table.
+#     opt-in table (with a window: ``limited_log_stack``).
 #   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):
 #     1.3x slower per train step on CPU (docs/benchmarks.md, "Later CPU runs"), and in
 #     float32 it flushes entries that dominate α when the weights decay fast
 #     (readings off by 0.12 for 3 × log-softmax weights at n = 80; a trained
 #     marked-reversal model on random strings: 0.19; ns_stack docstring).
 NS_TABLES = ('shares', 'scaled', 'log')
-# The tables the RNS-RNN can run (without a window): ``rns_stack`` or
-# ``log_stack`` with its bottom and reading.
+# The tables the RNS-RNN can run: ``rns_stack`` or ``log_stack`` with its
+# bottom and reading; with a window ``limited_stack`` or ``limited_log_stack``.
 RNS_TABLES = ('shares', 'log')
 # Also the table of a config stored before ``stack_table`` existed (same
 # function as the 'scaled' table those runs used).
@@ -97,13 +98,14 @@ NS_ACTION_INITS = ('uniform', 'xavier')
 
 def can_run_table(model: str, table: str, window: int = 0) -> bool:
   """Whether `model` (with a stack window `window`) runs on `table`:
-  every model takes the default; ns any of ``NS_TABLES``; rns without a
-  window any of ``RNS_TABLES``."""
+  every model takes the default; ns any of ``NS_TABLES``; rns, with or
+  without a window, any of ``RNS_TABLES``."""
+  del window  # Every table the RNS-RNN runs has a windowed form.
   if table == DEFAULT_NS_TABLE:
     return True
   if model == 'ns':
     return table in NS_TABLES
-  return model == 'rns' and not window and table in RNS_TABLES
+  return model == 'rns' and table in RNS_TABLES
 
 
 def check_stack_table(table: str) -> str:
@@ -1147,9 +1149,10 @@ class RNSLM(PDAStackLM):
   ``window`` D >= 1 selects the memory-limited stack, trained with
   truncated BPTT in chunks of ``truncation_length`` steps (0 = whole
   string; the chunk boundary's gradient follows the bottom's tag, see
-  ``limited_stack``). ``table`` (``RNS_TABLES``, no window only) runs the
-  unlimited stack on ``rns_stack`` ('shares') or ``log_stack`` ('log':
-  exact for any finite log-weights, slower). Same time indexing as
+  ``limited_stack``). ``table`` (``RNS_TABLES``) runs the stack on shares
+  (``rns_stack``; with a window ``limited_stack``) or in log space ('log':
+  ``log_stack``, ``limited_log_stack``; exact for any finite log-weights,
+  slower). Same time indexing as
   :class:`NSLM`; EOS, when the config predicts it, is one more symbol
   (``from_config``).
 
@@ -1208,6 +1211,10 @@ class RNSLM(PDAStackLM):
 
   def _window_parts(self, params, batch):
     del params
+    if self.table == 'log':
+      return limited_log_stack.coupled_parts(
+          batch, self.num_states, self.num_stack_symbols, self.window,
+          self.bottom, self.reading, self.dtype)
     return limited_stack.coupled_parts(
         batch, self.num_states, self.num_stack_symbols, self.window,
         self.bottom, self.reading, self.dtype, self.matmul_precision)
@@ -1218,10 +1225,10 @@ class RNSLM(PDAStackLM):
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
     step_fn, step_params, actions_fn = self._controller(params)
     if self.window:
-      h_BxTxH, la, log_mass = limited_stack.run_coupled(
-          step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
-          self.window, self.bottom, self.reading, self.truncation_length,
-          precision=self.matmul_precision, actions_fn=actions_fn)
+      h_BxTxH, la, log_mass = limited_stack.run_parts(
+          step_fn, self._window_parts(params, batch), step_params,
+          (zeros_BxH, zeros_BxH), inputs_BxT, self.truncation_length,
+          actions_fn)
     elif self.table == 'log':
       h_BxTxH, la, log_mass = log_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
@@ -1449,10 +1456,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         truncation_length=truncation_length))
     if not can_run_table(name, stack_table, stack_window):
       raise ValueError(
-          f'stack_table {stack_table!r} does not apply to model rns'
-          + (' with a window' if stack_window else '') + '; use '
-          + (repr(DEFAULT_NS_TABLE) if stack_window
-             else ' or '.join(map(repr, RNS_TABLES))))
+          f'stack_table {stack_table!r} does not apply to model rns; use '
+          + ' or '.join(map(repr, RNS_TABLES)))
     return RNSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
                  normalize=bool(stack_normalize), reading=stack_reading,
                  bottom=stack_bottom, window=int(stack_window),

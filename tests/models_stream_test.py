@@ -28,6 +28,8 @@ STREAMING = {
     "rns_frozen_symbol": dict(name="rns", stack_window=2,
                               stack_bottom="frozen", stack_reading="symbol"),
     "vrns": dict(name="vrns", stack_window=3, num_stack_symbols=2),
+    # The exact (log-space) window of limited_log_stack.
+    "rns_log": dict(name="rns", stack_window=3, stack_table="log"),
 }
 
 

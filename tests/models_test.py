@@ -676,14 +676,22 @@ def test_ns_tables_agree_in_value_and_gradient_float64():
     assert max(np.abs(np.asarray(g)).max() for g in jax.tree.leaves(g1)) > 0
 
 
-def test_rns_log_table_agrees_in_value_and_gradient_float64():
+@pytest.mark.parametrize('variant', [
+    {},
+    # The memory-limited stack (limited_log_stack against limited_stack)
+    # with truncated BPTT in 2 chunks, both chunk boundaries' gradients.
+    dict(stack_window=3, truncation_length=4),
+    dict(stack_window=3, truncation_length=4, stack_bottom='frozen'),
+])
+def test_rns_log_table_agrees_in_value_and_gradient_float64(variant):
   # The RNS-RNN (unnormalised actions, state reading, fixed bottom) on
   # log_stack against rns_stack: the same function inside the flush limit.
   symbols = jnp.asarray(_SYMBOLS[:, :8])
   with jax.enable_x64(True):
     get = lambda table: models.get('rns', _VOCAB, hidden_size=5,
                                    num_states=2, num_stack_symbols=3,
-                                   dtype=jnp.float64, stack_table=table)
+                                   dtype=jnp.float64, stack_table=table,
+                                   **variant)
     params = _randomize(_init(get('shares')), seed=12, scale=1.0)
     (v1, g1), (v2, g2) = (jax.jit(jax.value_and_grad(_loss(get(t), symbols)))(
         params) for t in models.RNS_TABLES)
@@ -696,7 +704,8 @@ def test_rns_log_table_agrees_in_value_and_gradient_float64():
     ('lstm', dict(stack_table='log'), 'applies to models ns and rns only'),
     ('gref', dict(stack_table='scaled'), 'applies to models ns and rns'),
     ('rns', dict(stack_table='scaled'), "use 'shares' or 'log'"),
-    ('rns', dict(stack_table='log', stack_window=4), 'with a window'),
+    ('rns', dict(stack_table='scaled', stack_window=4), "use 'shares' or "
+     "'log'"),
 ])
 def test_a_table_the_model_cannot_run_is_a_clear_error(name, kwargs, match):
   with pytest.raises(ValueError, match=match):

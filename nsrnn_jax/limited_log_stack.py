@@ -1,0 +1,203 @@
+"""The memory-limited stack (window D) in log space: exact, no flush.
+
+The same function as `limited_stack` (the RNS-RNN's memory-limited stack,
+rns-vrns-reference.md §2: γ[i→j] kept for j−D ≤ i ≤ j−1, fixed or frozen
+bottom, state or symbol reading, run incrementally and trained with
+truncated BPTT), with the table of `log_stack`: log posterior shares,
+so a run far behind the best one (more than ~80 nats in float32) that a
+later weight brings back is kept, where `limited_stack`'s linear shares
+flush it to zero for good. Opt in with ``config.stack_table = "log"`` on
+an RNS-RNN with ``stack_window`` D ≥ 1.
+
+The window is `limited_stack`'s ring of D time slots (time τ at slot
+(τ + D − 1) mod D on both time axes) in `log_stack`'s layout: update j
+computes column j with `log_stack.new_column` from the window as it
+stands (every slot but that of time j−1 holds an earlier time), writes it
+into the slot of the oldest time j−D and sets that slot's row (now time
+j) to −inf in every column, exactly as `limited_stack` writes and clears
+its share ring. The column sums log c_k are recomputed from the window at
+each update (the row cleared at update j changes every column's sum).
+
+Gradient: autodiff of the scan with each update rematerialised
+(`jax.checkpoint`): a chunk of L updates keeps its L windows, O(L·D²)
+memory, the same as `limited_stack`'s "autodiff" window VJP (its default
+keeps O(L·D) by rebuilding the windows in reverse).
+
+Cost per update: the pop term materialises B·D²·Q³·S² terms (logsumexp
+instead of `limited_stack`'s matmul), independent of the position in the
+stream, so long streams still run in linear time.
+
+Shape legend: B batch, T updates, D window, Q states, S stack symbols,
+Y/X symbols in roles, L chunk length.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nsrnn_jax import limited_stack
+from nsrnn_jax import log_stack
+from nsrnn_jax import ns_stack
+from nsrnn_jax import rns_stack
+from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
+
+Array = jax.Array
+
+__all__ = ["LogWindowState", "initial_state", "step", "run", "run_coupled",
+           "coupled_parts"]
+
+
+class LogWindowState(NamedTuple):
+  """The carried stack state before update j (a pytree).
+
+  Attributes:
+    table: log shares on times j−D..j−1, [B, Y, D (row i), Q, X, D
+      (column k), T] (`log_stack`'s layout: table[b, y, i, q, x, k, t] =
+      L_{i,k}[q,x,t,y]), time τ at slot (τ + D − 1) mod D of both time
+      axes (a ring); −inf where no run is kept.
+    a_hat: normalised log α_{j−1}, [B, Q, S].
+    log_mass: log Σα_{j−1}, [B].
+    head: the slot of time j−1, int32 [] (D − 1 before update 1).
+  """
+  table: Array
+  a_hat: Array
+  log_mass: Array
+  head: Array
+
+
+def initial_state(batch_size, window, num_states, num_symbols,
+                  bottom=rns_stack.FIXED, dtype=jnp.float32
+                  ) -> LogWindowState:
+  """The state before update 1: α_0 = e_{q0,⊥} and, with the fixed bottom,
+  the bottom share L_{−1,0} = 0 (time 0 at slot D−1, time −1 at D−2; a
+  window of D = 1 has no room for it, as in `limited_stack`)."""
+  limited_stack.check_window(window)
+  rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
+  b, d, q, s = ns_stack.check_sizes(batch_size=batch_size, num_points=window,
+                                    num_states=num_states,
+                                    num_symbols=num_symbols)
+  table = jnp.full((b, s, d, q, s, d, q), -jnp.inf, dtype)
+  if bottom == rns_stack.FIXED and d >= 2:
+    table = table.at[:, 0, d - 2, 0, 0, d - 1, 0].set(0)
+  a_hat = jnp.full((b, q, s), -jnp.inf, dtype).at[:, 0, 0].set(0)
+  return LogWindowState(table, a_hat, jnp.zeros((b,), dtype),
+                        jnp.asarray(d - 1, jnp.int32))
+
+
+def _update(state: LogWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
+            pop_BxQxSxQ):
+  table, a_prev, log_mass, p = state
+  d = table.shape[2]
+  log_c = jnp.transpose(_lse(table, axis=(2, 3, 4)), (0, 2, 3, 1))  # b k t y
+  prev = log_stack.column(table, p)                            # b i q x s z
+  slots = jnp.arange(d)
+  earlier = slots != p       # in a ring every other slot is an earlier time
+  col, a_hat, delta = log_stack.new_column(
+      table, log_c, prev, prev,  # rows and columns share the slots
+      lax.dynamic_index_in_dim(log_c, p, axis=1, keepdims=False), a_prev,
+      push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, cols_before=earlier,
+      rows_before=earlier, push_at=slots == p)
+  nxt = (p + 1) % d
+  table = lax.dynamic_update_index_in_dim(table, jnp.moveaxis(col, -1, 1),
+                                          nxt, axis=5)
+  table = lax.dynamic_update_index_in_dim(
+      table, jnp.full(table.shape[:2] + table.shape[3:], -jnp.inf,
+                      table.dtype), nxt, axis=2)
+  log_mass = log_mass + delta
+  return LogWindowState(table, a_hat, log_mass, nxt), a_hat, log_mass
+
+
+# Each update is recomputed in the backward pass: a scan then keeps only
+# its carried windows, not the Q-times-larger pop terms of every update.
+_remat_update = jax.checkpoint(_update)
+
+
+def step(state: LogWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
+         pop_BxQxSxQ):
+  """One update; returns (next state, log α̂_j [B,Q,S], log Σα_j [B])."""
+  return _remat_update(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ)
+
+
+def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None):
+  """Runs T updates from `state` (default: the initial state), exactly.
+
+  The contract of `limited_stack.run` (no matmul precision: nothing here is
+  a matmul), without its flush limit.
+
+  Args:
+    push, repl, pop: log-weights [B,T,Q,S,Q,S], [B,T,Q,S,Q,S], [B,T,Q,S,Q].
+    window: D ≥ 1.
+    bottom: "fixed" or "frozen" (used only for the initial state).
+    state: a LogWindowState to continue from (incremental evaluation).
+
+  Returns:
+    (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state) for times
+    1..T after `state`; log α_j = log_alpha_hat_j + log_mass_j.
+  """
+  limited_stack.check_window(window)
+  push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
+  b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
+  if state is None:
+    state = initial_state(b, window, q, s, bottom, push.dtype)
+  elif not isinstance(state, LogWindowState):
+    raise ValueError("state must be a limited_log_stack.LogWindowState, got "
+                     f"{type(state).__name__}")
+  elif state.table.shape[2] != window:
+    raise ValueError(f"state has window {state.table.shape[2]}, not "
+                     f"{window}")
+  return _run_jit(push, repl, pop, state)
+
+
+@jax.jit
+def _run_jit(push, repl, pop, state):
+  def body(st, acts):
+    st, a_hat, lm = step(st, *acts)
+    return st, (a_hat, lm)
+
+  xs = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
+  state, (a_hat, lm) = lax.scan(body, state, xs)
+  return jnp.swapaxes(a_hat, 0, 1), jnp.swapaxes(lm, 0, 1), state
+
+
+def coupled_parts(batch: int, num_states: int, num_symbols: int,
+                  window: int, bottom: str = rns_stack.FIXED,
+                  reading: str = rns_stack.STATE, dtype=jnp.float32):
+  """The stack's side of `limited_stack.run_chunks` / `stream_chunk`:
+  (update, read, state0) for B strings, as `limited_stack.coupled_parts`
+  (``update`` returns (state, (α̂_j, log Σα_j)))."""
+  state0 = initial_state(batch, window, num_states, num_symbols, bottom,
+                         dtype)
+
+  def update(st, acts):
+    st, a_hat, lm = step(st, *acts)
+    return st, (a_hat, lm)
+
+  read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
+  return update, read, state0
+
+
+def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
+                num_states: int, num_symbols: int, window: int,
+                bottom: str = rns_stack.FIXED,
+                reading: str = rns_stack.STATE,
+                truncation_length: int = 0,
+                actions_fn: Optional[Callable[..., Any]] = None):
+  """Controller + the exact limited stack, chunked for truncated BPTT.
+
+  The contract of `limited_stack.run_coupled` without `precision`: the same
+  chunks, boundary gradients (`actions_fn`: ICLR 2023 if given, ICLR 2022
+  if None) and outputs (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S],
+  log_mass [B, T+1]).
+  """
+  limited_stack.check_window(window)
+  rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
+  rns_stack._check_reading(reading)  # pylint: disable=protected-access
+  b = jax.tree_util.tree_leaves(xs)[0].shape[0]
+  dtype = rns_stack._float_dtype(params)  # pylint: disable=protected-access
+  return limited_stack.run_parts(
+      step_fn, coupled_parts(b, num_states, num_symbols, window, bottom,
+                             reading, dtype),
+      params, init_carry, xs, truncation_length, actions_fn)
+

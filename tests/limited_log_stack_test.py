@@ -1,0 +1,215 @@
+"""Tests for nsrnn_jax.limited_log_stack (window D in log space: exact).
+
+Oracles: `pda_oracle` with a window (explicit stacks whose elements carry
+their push time), the unlimited `log_stack.run` (D ≥ T + 1), plain autodiff
+of `rns_stack.run_log_space` with a window (raw log γ, independent code),
+and `limited_stack` (the share window) inside its flush limit. The models'
+log window (value, gradient, truncated BPTT, streams) is tested in
+models_test and models_stream_test.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pda_oracle
+import stack_helpers
+from nsrnn_jax import limited_log_stack
+from nsrnn_jax import limited_stack
+from nsrnn_jax import log_stack
+from nsrnn_jax import rns_stack
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _actions(rng, steps, q, s):
+  """Three batch elements: unnormalised N(0, 3²), huge (N(0,10²) + 50) and
+  unnormalised with −inf entries."""
+  shapes = [(steps, q, s, q, s)] * 2 + [(steps, q, s, q)]
+  unnorm = [3 * rng.normal(size=sh) for sh in shapes]
+  huge = [10 * rng.normal(size=sh) + 50 for sh in shapes]
+  holes = [np.where(rng.random(sh) < p, -np.inf, 3 * rng.normal(size=sh))
+           for sh, p in zip(shapes, (0.15, 0.3, 0.3))]
+  return tuple(np.stack(a) for a in zip(unnorm, huge, holes))
+
+
+def _log_alpha(hat, mass):
+  return np.asarray(hat) + np.asarray(mass)[..., None, None]
+
+
+def _assert_log_close(got, want, atol):
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+  fin = np.isfinite(want)
+  np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("bottom,q,s,steps", [("fixed", 2, 2, 6),
+                                              ("frozen", 1, 3, 6)])
+def test_matches_windowed_enumeration(x64, bottom, q, s, steps):
+  del x64
+  rng = np.random.default_rng(10 * q + s)
+  push, repl, pop = _actions(rng, steps, q, s)
+  for window in (1, 2, 3):
+    hat, mass, _ = limited_log_stack.run(push, repl, pop, window, bottom)
+    got = _log_alpha(hat, mass)
+    for b in range(3):
+      want = pda_oracle.alpha(push[b], repl[b], pop[b], bottom=bottom,
+                              window=window)[1:]
+      _assert_log_close(got[b], want, 1e-9)
+
+
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+def test_window_at_least_n_equals_the_unlimited_log_stack(x64, bottom):
+  del x64
+  push, repl, pop = _actions(np.random.default_rng(1), 7, 2, 2)
+  hat_u, mass_u = log_stack.run(push, repl, pop, bottom)
+  for window in (8, 10):
+    hat, mass, _ = limited_log_stack.run(push, repl, pop, window, bottom)
+    _assert_log_close(np.asarray(hat), np.asarray(hat_u[:, 1:]), 1e-12)
+    np.testing.assert_allclose(mass, mass_u[:, 1:], rtol=1e-13)
+  # A smaller window really does drop runs.
+  hat, _, _ = limited_log_stack.run(push, repl, pop, 3, bottom)
+  assert np.abs(np.nan_to_num(np.asarray(hat - hat_u[:, 1:]))).max() > 1e-3
+
+
+@pytest.mark.parametrize("big,dtype", [(100.0, np.float32),
+                                       (800.0, np.float64)])
+@pytest.mark.parametrize("window", [3, 5])
+def test_a_run_beyond_the_share_flush_that_comes_back_is_exact(
+    x64, big, dtype, window):
+  """`stack_helpers.run_that_comes_back`: a run e^-big behind comes back at
+  update 4. The share window flushes it (its reading says symbol 2); here
+  the reading and log Σα are the windowed oracle's (symbol 1)."""
+  del x64
+  acts, _, _ = stack_helpers.run_that_comes_back(big, dtype)
+  want_reading, want_mass = pda_oracle.readings_and_log_mass(
+      *(np.asarray(a[0], np.float64) for a in acts), bottom="fixed",
+      window=window)
+  np.testing.assert_allclose(want_reading[4], [0, 1, 0], atol=1e-9)
+  hat, mass, _ = limited_log_stack.run(*acts, window)
+  reading = rns_stack.readout(hat, reading="symbol")[0][0, 3]
+  np.testing.assert_allclose(reading, want_reading[4], atol=1e-6)
+  assert float(mass[0, 3]) == pytest.approx(want_mass[4], rel=1e-6)
+  shares = rns_stack.readout(limited_stack.run(*acts, window)[0],
+                             reading="symbol")[0][0, 3]
+  assert abs(shares[1] - 1) > 0.5
+
+
+@pytest.mark.parametrize("dtype,atol", [("float64", 1e-12),
+                                        ("float32", 3e-6)])
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+def test_worked_example_whole_and_in_pieces(dtype, atol, bottom):
+  # rns-vrns-reference.md §6: D = 3, U = 6, sin(row·C + col + j) logits;
+  # a stream fed in pieces (the state carried) gives the whole run.
+  with jax.enable_x64(dtype == "float64"):
+    q = s = 2
+    c = 2 * q * s + q
+    row, col = np.meshgrid(np.arange(q * s), np.arange(c), indexing="ij")
+    logits = np.stack([np.sin(row * c + col + j) for j in range(1, 7)])
+    acts = rns_stack.split_action_logits(
+        jnp.asarray(logits.reshape(1, 6, -1), jnp.dtype(dtype)), q, s, False)
+    hat, mass, _ = limited_log_stack.run(*acts, 3, bottom)
+    acts64 = [np.asarray(a, np.float64)[0] for a in acts]
+    want_rho, want_la = pda_oracle.state_readings(*acts64, bottom=bottom,
+                                                  window=3)
+    np.testing.assert_allclose(rns_stack.readout(hat)[0][0], want_rho[1:],
+                               rtol=0, atol=atol)
+    want_mass = np.logaddexp.reduce(want_la.reshape(7, -1), axis=1)[1:]
+    np.testing.assert_allclose(mass[0], want_mass, rtol=atol)
+    state, parts = None, []
+    for lo, hi in ((0, 1), (1, 5), (5, 6)):
+      h, m, state = limited_log_stack.run(*[a[:, lo:hi] for a in acts], 3,
+                                          bottom, state=state)
+      parts.append(_log_alpha(h, m))
+    np.testing.assert_allclose(np.concatenate(parts, 1),
+                               _log_alpha(hat, mass), rtol=0,
+                               atol=10 * atol)
+
+
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+def test_gradient_equals_autodiff_of_the_plain_transcription(x64, bottom):
+  del x64
+  steps, q, s, window = 7, 2, 2, 3
+  rng = np.random.default_rng(5)
+  push, repl, pop = _actions(rng, steps, q, s)
+  c = rng.normal(size=(3, steps + 1, q * s))
+  e = rng.normal(size=(3, steps + 1))
+
+  def windowed(push, repl, pop, bottom):
+    hat, mass, _ = limited_log_stack.run(push, repl, pop, window, bottom)
+    return (jnp.concatenate([jnp.full_like(hat[:, :1], -jnp.inf).at[
+        :, :, 0, 0].set(0), hat], 1),
+            jnp.concatenate([jnp.zeros_like(mass[:, :1]), mass], 1))
+
+  def plain(push, repl, pop, bottom):
+    return rns_stack.run_log_space(push, repl, pop, bottom, window)
+
+  got, want = (jax.jit(jax.grad(stack_helpers.readings_loss(f, c, e, bottom),
+                                argnums=(0, 1, 2)))(push, repl, pop)
+               for f in (windowed, plain))
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-9)
+  # −inf weights (zero weight) get a zero gradient, not NaN.
+  assert np.all(np.asarray(got[0])[~np.isfinite(push)] == 0)
+  assert np.abs(np.asarray(got[0])).max() > 1e-3
+
+
+def test_long_stream_with_huge_weights_keeps_float32_readings():
+  """120 updates of weights ~1e3 (log Σα reaches ~1e5): float32 readings
+  as the float64 plain transcription's, and log Σα to float32 rounding of
+  the running sum."""
+  steps, q, s, window = 120, 1, 2, 4
+  # Rounded to float32 first: the reference gets the inputs the float32
+  # run gets (their rounding, ~1e-4 at 2e3, alone moves readings by 1e-4).
+  push, repl, pop = ((a * 20 + 1e3).astype(np.float32).astype(np.float64)
+                     for a in _actions(np.random.default_rng(3), steps, q, s))
+  with jax.enable_x64(True):
+    want_hat, want_mass = rns_stack.run_log_space(push, repl, pop,
+                                                  "fixed", window)
+    want_rho = np.asarray(rns_stack.readout(want_hat)[0])[:, 1:]
+  assert np.asarray(want_mass).max() > 1e5
+  acts = [jnp.asarray(a, jnp.float32) for a in (push, repl, pop)]
+  hat, mass, _ = limited_log_stack.run(*acts, window)
+  np.testing.assert_allclose(rns_stack.readout(hat)[0], want_rho, rtol=0,
+                             atol=3e-5)
+  np.testing.assert_allclose(mass, np.asarray(want_mass)[:, 1:],
+                             rtol=steps * float(jnp.finfo(jnp.float32).eps))
+  # The share window loses runs that come back on this input (a reading
+  # off by 1.0 and log Σα by ~200 when this test was written).
+  shares = rns_stack.readout(limited_stack.run(*acts, window)[0])[0]
+  assert np.abs(np.asarray(shares) - want_rho).max() > 0.5
+
+
+def test_gradient_memory_is_linear_in_length():
+  """An incremental stack: the gradient's compiled temporaries grow ~2x from
+  T = 24 to 48 (one window per update), not ~4x or ~8x."""
+  def temp_bytes(steps):
+    shapes = [(2, steps, 1, 2, 1, 2)] * 2 + [(2, steps, 1, 2, 1)]
+    acts = [jnp.zeros(sh) for sh in shapes]
+    loss = lambda *a: jnp.sum(limited_log_stack.run(*a, 6)[0][..., 0, 1])
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        *acts).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  ratio = temp_bytes(48) / temp_bytes(24)
+  assert 1.5 < ratio < 2.6, ratio
+
+
+def test_bad_input_is_a_clear_error():
+  push = np.zeros((1, 3, 1, 2, 1, 2), np.float32)
+  pop = np.zeros((1, 3, 1, 2, 1), np.float32)
+  for bad in (0, 2.0, True):
+    with pytest.raises(ValueError, match="window must be an integer"):
+      limited_log_stack.run(push, push, pop, bad)
+  with pytest.raises(ValueError, match="bottom"):
+    limited_log_stack.run(push, push, pop, 2, bottom="floating")
+  with pytest.raises(ValueError, match="NaN"):
+    limited_log_stack.run(np.full_like(push, np.nan), push, pop, 2)
+  share_state = limited_stack.initial_state(1, 2, 1, 2)
+  with pytest.raises(ValueError, match="LogWindowState"):
+    limited_log_stack.run(push, push, pop, 2, state=share_state)
+  state = limited_log_stack.initial_state(1, 3, 1, 2)
+  with pytest.raises(ValueError, match="state has window 3, not 2"):
+    limited_log_stack.run(push, push, pop, 2, state=state)
