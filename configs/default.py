@@ -35,9 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_stack_symbols = 2
   # NS-RNN: action-layer init, "uniform" U[-0.1, 0.1] (authors' code) or "xavier" (paper's text).
   config.ns_action_init = "uniform"
-  # NS/RNS stack's dynamic program: "shares" (exact unless a run ~80 nats behind
-  # comes back: rns_stack), "log" (exact for any finite log-weights, ~30x slower
-  # stack) or, NS only, "scaled" (float32 can flush when weights decay fast).
+  # NS/RNS/VRNS stack's dynamic program: "shares" (exact unless a run ~80 nats
+  # behind comes back: rns_stack), "log" (exact for any finite log-weights,
+  # 6-35x slower stack) or, NS only, "scaled" (float32 can flush).
   config.stack_table = "shares"
   # NS-RNN: strings the stack runs at once (0 = automatic: on CPU chunks
   # whose table fits 10 MiB, on accelerators all; else the largest divisor

@@ -7,9 +7,10 @@ checkpoints; an unwritable --out is an error before any work):
 
   python -m nsrnn_jax.evaluate --workdir=/tmp/nsrnn [--out=/tmp/table]
 
-`--stack_table=log` re-evaluates an NS or RNS run on the exact log-space
-stack (`log_stack`; same parameters, no flush limit) instead of the table
-it was trained on.
+`--stack_table=log` re-evaluates an NS, RNS or VRNS run on the exact
+log-space stack (`log_stack`, `limited_log_stack`, the VRNS's log-space
+tables; same parameters, no flush limit) instead of the table it was
+trained on.
 
 Scoring API:
 
@@ -290,6 +291,6 @@ if __name__ == "__main__":
                       "(default: the workdir).")
   flags.DEFINE_string("corpus_dir", None, "A corpus run's corpus where it "
                       "lies now (default: where it was trained).")
-  flags.DEFINE_string("stack_table", None, "Run an NS / RNS stack on this "
+  flags.DEFINE_string("stack_table", None, "Run an NS / RNS / VRNS stack on this "
                       "table instead of the run's own (e.g. 'log': exact).")
   cli.run(main)

@@ -382,7 +382,7 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                 window: int, broadcast_bottom: bool = False,
                 truncation_length: int = 0,
                 actions_fn: Optional[Callable[..., Any]] = None,
-                precision: str = "highest"):
+                precision: str = "highest", log_space: bool = False):
   """Controller + limited vector stack, chunked for truncated BPTT.
 
   Args:
@@ -403,6 +403,8 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
       is made in the next chunk from the detached carry with live `params`
       (ICLR 2023); None makes it at the chunk's end, without gradient.
     precision: matmul precision name of the share update's contractions.
+    log_space: the log-space window also for the run-consistent bottom
+      (`initial_state`): exact where the shares flush, slower.
 
   Returns:
     (outs [B, T, ...], readings ρ [B, T+1, Q, S, M], log Σα [B, T+1]);
@@ -414,7 +416,7 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
       num_states, num_symbols, log_bottom_vector, b)
   update, read, (state0, rho0) = coupled_parts(
       log_bottom_vector, num_states, num_symbols, window, broadcast_bottom,
-      check_precision(precision))
+      check_precision(precision), log_space)
   outs, (rho, lm) = limited_stack.run_chunks(
       step_fn, update, read, params, init_carry, (state0, rho0), xs,
       truncation_length, actions_fn)

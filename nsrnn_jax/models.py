@@ -86,6 +86,7 @@ INPUT_LOOKUP_MODELS = ('lstm', 'rns', 'vrns')
 NS_TABLES = ('shares', 'scaled', 'log')
 # The tables the RNS-RNN can run: ``rns_stack`` or ``log_stack`` with its
 # bottom and reading; with a window ``limited_stack`` or ``limited_log_stack``.
+# The VRNS-RNN's: ``vrns_stack`` / ``limited_vrns`` on shares or in log space.
 RNS_TABLES = ('shares', 'log')
 # Also the table of a config stored before ``stack_table`` existed (same
 # function as the 'scaled' table those runs used).
@@ -98,14 +99,14 @@ NS_ACTION_INITS = ('uniform', 'xavier')
 
 def can_run_table(model: str, table: str, window: int = 0) -> bool:
   """Whether `model` (with a stack window `window`) runs on `table`:
-  every model takes the default; ns any of ``NS_TABLES``; rns, with or
-  without a window, any of ``RNS_TABLES``."""
-  del window  # Every table the RNS-RNN runs has a windowed form.
+  every model takes the default; ns any of ``NS_TABLES``; rns and vrns,
+  with or without a window, any of ``RNS_TABLES``."""
+  del window  # Every table of rns and vrns has a windowed form.
   if table == DEFAULT_NS_TABLE:
     return True
   if model == 'ns':
     return table in NS_TABLES
-  return model == 'rns' and table in RNS_TABLES
+  return model in ('rns', 'vrns') and table in RNS_TABLES
 
 
 def check_stack_table(table: str) -> str:
@@ -1353,8 +1354,8 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
       (``vrns_stack`` docstring) instead of the run-consistent one.
     stack_table: the stack's dynamic program: for ns one of ``NS_TABLES``
       ('shares': exact up to its flush limit; 'log': exact, slower;
-      'scaled': can flush in float32), for rns without a window one of
-      ``RNS_TABLES``; other models take only the default.
+      'scaled': can flush in float32), for rns and vrns (with or without a
+      window) one of ``RNS_TABLES``; other models take only the default.
     stack_batch_chunk: strings per run of the NS-RNN's stack, 0 = automatic
       (``stack_batch_chunk``; ns only).
     scan_unroll: ``lax.scan`` unroll factor of the time loop (same values;
@@ -1428,9 +1429,10 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
                 input_lookup=bool(input_lookup))
   if name != 'vrns':
     common['scan_unroll'] = scan_unroll
-  if name not in ('ns', 'rns') and not can_run_table(name, stack_table):
-    raise ValueError(f'stack_table {stack_table!r} applies to models ns and '
-                     f'rns only (model {name!r})')
+  if name not in ('ns', 'rns', 'vrns') and not can_run_table(name,
+                                                             stack_table):
+    raise ValueError(f'stack_table {stack_table!r} applies to models ns, '
+                     f'rns and vrns only (model {name!r})')
   if name == 'lstm':
     return LSTMLM(**common)
   if name == 'jm':
@@ -1467,13 +1469,17 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
     rns_stack.validate_stack_config(dict(
         stack_window=stack_window, truncation_length=truncation_length))
+    if not can_run_table(name, stack_table):
+      raise ValueError(f'stack_table {stack_table!r} does not apply to model '
+                       'vrns; use ' + ' or '.join(map(repr, RNS_TABLES)))
     return vrns_model.make(
         num_states=num_states, num_stack_symbols=num_stack_symbols,
         stack_vector_size=stack_vector_size,
         stack_bottom_vector=stack_bottom_vector,
         broadcast_bottom_vector=broadcast_bottom_vector,
         stack_window=int(stack_window),
-        truncation_length=int(truncation_length), **common)
+        truncation_length=int(truncation_length), stack_table=stack_table,
+        **common)
   return NSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
               table=stack_table, batch_chunk=stack_batch_chunk,
               action_init=ns_action_init, **common)

@@ -117,7 +117,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if not models.can_run_table(model, table, window):
     fail("stack_table", f"is {table!r}, which model {model!r} cannot run;"
          f" leave it at {models.DEFAULT_NS_TABLE!r}"
-         + (" or use 'log'" if model == "rns" else ""))
+         + (" or use 'log'" if model in ("rns", "vrns") else ""))
   action_init = config.get("ns_action_init", "uniform")
   if action_init not in models.NS_ACTION_INITS:
     fail("ns_action_init", f"is {action_init!r}; expected one of "
@@ -717,7 +717,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if parallel.is_main_process():
     # The first line of a run (after the checks, so errors stay one line).
     runtime = parallel.describe_runtime(config.matmul_precision)
-    if config.model in ("ns", "rns"):
+    if config.model in ("ns", "rns", "vrns"):
       from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
       runtime += (f"; {config.model.upper()} stack table "
                   f"{config.get('stack_table', models.DEFAULT_NS_TABLE)}")

@@ -111,6 +111,10 @@ class VRNSLM(models.PDAStackLM):
   broadcast_bottom_vector: bool = False
   window: int = 0
   truncation_length: int = 0
+  # models.RNS_TABLES: 'shares' (the run-consistent bottom on share tables)
+  # or 'log' (the log-space tables: exact where shares flush, slower; the
+  # broadcast bottom always runs on them).
+  table: str = models.DEFAULT_NS_TABLE
 
   def _reading_size(self) -> int:
     return self.num_states * self.num_stack_symbols * self.stack_vector_size
@@ -174,7 +178,8 @@ class VRNSLM(models.PDAStackLM):
                                       (batch, self.stack_vector_size))
     return limited_vrns.coupled_parts(
         log_bottom_BxM, self.num_states, self.num_stack_symbols, self.window,
-        self.broadcast_bottom_vector, self.matmul_precision)
+        self.broadcast_bottom_vector, self.matmul_precision,
+        self.table == 'log')
 
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]
@@ -188,12 +193,14 @@ class VRNSLM(models.PDAStackLM):
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
           log_bottom_BxM, self.num_states, self.num_stack_symbols,
           self.window, self.broadcast_bottom_vector, self.truncation_length,
-          actions_fn=actions_fn, precision=self.matmul_precision)
+          actions_fn=actions_fn, precision=self.matmul_precision,
+          log_space=self.table == 'log')
     else:
       h_BxTxH, rho, log_mass = vrns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT,
           log_bottom_BxM, self.num_states, self.num_stack_symbols,
-          self.broadcast_bottom_vector, precision=self.matmul_precision)
+          self.broadcast_bottom_vector, log_space=self.table == 'log',
+          precision=self.matmul_precision)
     push, repl, pop = jax.vmap(
         lambda h: vrns_action_log_weights(params['action'], h,
                                           self.num_states,
@@ -245,9 +252,11 @@ def make(vocab_size: int, hidden_size: int, num_states: int,
          stack_bottom_vector: str = 'learned',
          broadcast_bottom_vector: bool = False, stack_window: int = 0,
          truncation_length: int = 0, dtype: Any = jnp.float32,
-         matmul_precision: str = 'highest', input_lookup: bool = False):
+         matmul_precision: str = 'highest', input_lookup: bool = False,
+         stack_table: str = models.DEFAULT_NS_TABLE):
   """A validated `VRNSLM` (called by `models.get`); `stack_window` D >= 1
-  selects the memory-limited stack, `truncation_length` its chunks."""
+  selects the memory-limited stack, `truncation_length` its chunks,
+  `stack_table` (``models.RNS_TABLES``) its tables."""
   check_options(stack_vector_size, stack_bottom_vector,
                 broadcast_bottom_vector)
   return VRNSLM(vocab_size=vocab_size, hidden_size=hidden_size,
@@ -258,4 +267,4 @@ def make(vocab_size: int, hidden_size: int, num_states: int,
                 window=int(stack_window),
                 truncation_length=int(truncation_length),
                 dtype=dtype, matmul_precision=matmul_precision,
-                input_lookup=input_lookup)
+                input_lookup=input_lookup, table=stack_table)

@@ -162,6 +162,9 @@ def test_xavier_action_init_is_the_ns_rnn_s_only():
     (dict(model="rns", stack_table="scaled", stack_window=4),
      "config.stack_table is 'scaled', which model 'rns' cannot run; leave "
      "it at 'shares' or use 'log'"),
+    (dict(model="vrns", stack_table="scaled"),
+     "config.stack_table is 'scaled', which model 'vrns' cannot run; leave "
+     "it at 'shares' or use 'log'"),
 ])
 def test_a_stack_table_the_model_cannot_run_is_refused(overrides, message):
   config = default.get_config()
@@ -170,7 +173,7 @@ def test_a_stack_table_the_model_cannot_run_is_refused(overrides, message):
     train.validate_config(config)
   config.stack_table = "shares"
   train.validate_config(config)
-  if config.model == "rns":  # With or without a window.
+  if config.model in ("rns", "vrns"):  # With or without a window.
     config.stack_table = "log"
     train.validate_config(config)
 

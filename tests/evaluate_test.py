@@ -222,5 +222,5 @@ def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
 
 def test_a_table_the_run_cannot_use_is_a_clear_error(workdir):
   with pytest.raises(ValueError, match="stack_table 'log' applies to models "
-                     "ns and rns only"):
+                     "ns, rns and vrns only"):
     evaluate.load_model(workdir, stack_table="log")

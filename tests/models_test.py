@@ -701,8 +701,10 @@ def test_rns_log_table_agrees_in_value_and_gradient_float64(variant):
 
 
 @pytest.mark.parametrize('name,kwargs,match', [
-    ('lstm', dict(stack_table='log'), 'applies to models ns and rns only'),
-    ('gref', dict(stack_table='scaled'), 'applies to models ns and rns'),
+    ('lstm', dict(stack_table='log'), 'applies to models ns, rns and vrns '
+     'only'),
+    ('gref', dict(stack_table='scaled'), 'applies to models ns, rns and '
+     'vrns'),
     ('rns', dict(stack_table='scaled'), "use 'shares' or 'log'"),
     ('rns', dict(stack_table='scaled', stack_window=4), "use 'shares' or "
      "'log'"),

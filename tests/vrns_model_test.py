@@ -79,6 +79,32 @@ def test_initial_reading_holds_the_bottom_vector(broadcast):
   np.testing.assert_array_equal(out['readings'], 0.0)
 
 
+@pytest.mark.usefixtures('fast_compile_test')
+@pytest.mark.parametrize('variant', [
+    {}, dict(stack_window=3, truncation_length=3)])
+def test_log_table_agrees_in_value_and_gradient_float64(variant):
+  # stack_table='log' runs the log-space tables (vrns_stack / limited_vrns
+  # log_space) for the run-consistent bottom: the same function as the
+  # shares inside their flush limit, in loss and every gradient.
+  symbols = jnp.asarray(np.array([[0, 1, 2, 1, 0, 2, 2], [2, 2, 0, 1, 1, 0,
+                                                          1]], np.int32))
+  with jax.enable_x64(True):
+    get = lambda table: _model(dtype=jnp.float64, stack_table=table,
+                               **variant)
+    params = jax.tree.map(lambda a: a * 20, models.init_params(
+        get('shares'), jax.random.key(2)))
+
+    def loss(model):
+      return lambda p: jnp.sum(jnp.sin(model.apply({'params': p}, symbols)))
+
+    (v1, g1), (v2, g2) = (jax.jit(jax.value_and_grad(loss(get(t))))(params)
+                          for t in models.RNS_TABLES)
+    np.testing.assert_allclose(v1, v2, rtol=1e-12)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+      np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    assert get('log').table == 'log'
+
+
 @pytest.mark.parametrize('field,value,message', [
     ('stack_vector_size', 0, 'config.stack_vector_size must be an integer >= 1'),
     ('stack_vector_size', -1, 'config.stack_vector_size'),
@@ -100,6 +126,9 @@ def test_model_errors_and_quick_config():
     _model(stack_vector_size=0)
   with pytest.raises(ValueError, match='stack_bottom_vector'):
     _model(stack_bottom_vector='learnt')
+  with pytest.raises(ValueError, match="stack_table 'scaled' does not apply "
+                     "to model vrns; use 'shares' or 'log'"):
+    _model(stack_table='scaled')
   from configs import quick_vrns  # pylint: disable=g-import-not-at-top
   config = quick_vrns.get_config()
   train.validate_config(config)

@@ -13,8 +13,10 @@ from nsrnn_jax import limited_vrns
 from nsrnn_jax import vrns_stack
 
 try:  # tests/ as a package (rootdir on sys.path) or as a plain directory.
+  from tests import stack_helpers  # pylint: disable=g-import-not-at-top
   from tests import vrns_oracle  # pylint: disable=g-import-not-at-top
 except ImportError:
+  import stack_helpers  # pylint: disable=g-import-not-at-top
   import vrns_oracle  # pylint: disable=g-import-not-at-top
 
 
@@ -168,6 +170,36 @@ def test_large_unnormalised_weights_float32_match_float64():
   np.testing.assert_allclose(float(loss32), np.sum(rho64 ** 2), rtol=1e-4)
   np.testing.assert_allclose(g64[3].sum() + g64[4].sum(), 2 * float(loss32),
                              rtol=1e-4)
+
+
+@pytest.mark.parametrize("big", [100.0, 300.0])
+def test_log_space_keeps_a_run_the_shares_flush(big):
+  """float32, `stack_helpers.run_that_comes_back`: a run e^-big behind comes
+  back at update 4. The share tables (unlimited and window 3) flush it and
+  read the wrong vector; the log-space tables (config.stack_table = 'log')
+  read the brute-force oracle's."""
+  acts, _, _ = stack_helpers.run_that_comes_back(big, np.float32)
+  vectors = np.array([[0.9, 0.1], [0.2, 0.7], [0.5, 0.5], [0.3, 0.3]])
+  bottom = np.array([0.4, 0.6])
+  log_v = np.log(vectors)[None].astype(np.float32)
+  log_b = np.log(bottom).astype(np.float32)
+  real = [np.exp(np.asarray(a[0], np.float64)) for a in acts]
+  for window in (None, 3):
+    want, want_mass = vrns_oracle.vector_readings(*real, vectors, bottom,
+                                                  window=window)
+    for log_space in (False, True):
+      if window is None:
+        rho, mass = vrns_stack.run(*acts, log_v, log_b, log_space=log_space)
+      else:
+        rho, mass, _ = limited_vrns.run(*acts, log_v, log_b, window,
+                                        log_space=log_space)
+        rho, mass = rho[:, -1:], mass[:, -1:]
+      err = np.abs(np.asarray(rho[0, -1]) - want[4]).max()
+      if log_space:
+        assert err < 1e-5, (window, err)
+        assert float(mass[0, -1]) == pytest.approx(want_mass[4], rel=1e-6)
+      else:
+        assert err > 0.1, (window, err)
 
 
 @pytest.mark.usefixtures("fast_compile_test")
