@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.ns_action_init = "uniform"
   # NS/RNS/VRNS stack's dynamic program: "shares" (exact unless a run ~80 nats
   # behind comes back: rns_stack), "log" (exact for any finite log-weights,
-  # 6-35x slower stack) or, NS only, "scaled" (float32 can flush).
+  # 4-23x slower stack) or, NS only, "scaled" (float32 can flush).
   config.stack_table = "shares"
   # NS-RNN: strings the stack runs at once (0 = automatic: on CPU chunks
   # whose table fits 10 MiB, on accelerators all; else the largest divisor

@@ -8,8 +8,9 @@ float64) is flushed to zero and lost for good: a run more than ~80 nats
 behind the best run to the same (state, top) that a later weight brings back
 is missing from its result (rns_stack's docstring; strict xfail tests). Here
 each entry keeps its own exponent, so the result is exact for any finite
-log-weights, at a constant factor in time (logsumexp contractions instead of
-matmuls). Opt in with ``config.stack_table = "log"`` (NS-RNN and RNS-RNN).
+log-weights, at a constant factor in time (log-matmuls, by matmul only
+where that is exact to rounding). Opt in with ``config.stack_table = "log"``
+(NS-RNN and RNS-RNN).
 
 Representation: log posterior shares
 ------------------------------------
@@ -53,11 +54,12 @@ pop term's logsumexp over (k, t) runs along the last, contiguous axes, and
 the sweeps run in time blocks on the tables cut to what each block reaches
 (`NUM_TIME_BLOCKS`).
 
-Cost: per update, the pop contraction materialises B·(j1+1)·j1·Q³·S²
+Cost: per update, the pop contraction is a log-matmul of B·(j1+1)·j1·Q³·S²
 terms for block end j1 (the replace one B·(j1+1)·Q³·S³), so time is
-O(B·T³·Q³·S²) like rns_stack but with exp/log per term instead of a
-matmul, and the per-update working memory is Q times the table's: 23-34x
-rns_stack's time at n = 80 on CPU (benchmarks/log_stack.py).
+O(B·T³·Q³·S²) like rns_stack. It runs as a matmul of shifted
+exponentials where that is exact to rounding, else over the materialised
+terms (`pop_rows_of`): 19-23x rns_stack's time at n = 80 on CPU
+(benchmarks/log_stack.py).
 """
 
 import functools
@@ -175,17 +177,81 @@ def new_column(table, log_c, prev, prev_rows, c_prev, a, push_BxQxSxQxS,
   m = _lse(prev_rows[..., None] + k_pop, axis=(4, 5))          # b k t y r
   m = _minus(m, jnp.swapaxes(e, 1, 2)[:, None, None])
   m = jnp.where(below[..., None], m, -jnp.inf)
-  # The one table-sized term: (k, t) are the table's last axes, so the
-  # logsumexp runs along contiguous memory (2-3x faster than over the
-  # column axis of a [B, I, K, Q, X, T, Y] table, measured).
   m_byrkt = jnp.transpose(m, (0, 3, 4, 1, 2))
-  terms = table[:, :, :, :, :, None] + m_byrkt[:, :, None, None, None]
-  pop_rows = jnp.moveaxis(_lse(terms, axis=(-2, -1)), 1, -1)   # b i q x r y
+  pop_rows = jnp.moveaxis(pop_rows_of(table, m_byrkt, cols_before), 1,
+                          -1)                                  # b i q x r y
   col = _lse(jnp.stack([repl_rows, pop_rows]), axis=0)
   at = lambda cond: cond[None, :, None, None, None, None]
   col = jnp.where(at(rows_before), col, -jnp.inf)
   col = jnp.where(at(push_at), push_row[:, None], col)
   return col, a_new, delta
+
+
+# The pop term's log-matmul, out[i, r] = ⊕_{k,t} L[i, k, t] + M[r, k, t],
+# runs as a matmul of exp(L − max_row) and exp(M − max_col) whenever that is
+# exact to rounding, else by logsumexp over the materialised terms:
+# "matmul" (the default; forward 1.5x / 1.9x and forward+backward 1.5x /
+# 2.2x faster at Q = S = 2 / 3, benchmarks/log_stack.py) or "logsumexp"
+# (always; the reference).
+POP_CONTRACTIONS = ("matmul", "logsumexp")
+POP_CONTRACTION = "matmul"
+
+
+def pop_rows_of(table, m_byrkt, cols_before):
+  """⊕_{k,t} L_{i,k}[q,x,t,y] + M_k[t,y,r], [B, Y, I, Q, X, R]: the pop
+  rows of column j, exact for any finite log-weights.
+
+  By matmul: with c = max_{k,t} L[i,·] (the columns of `cols_before`) and
+  d = max_{k,t} M[r,·], out = c + d + log Σ_{k,t} e^{L−c} e^{M−d}, every
+  factor ≤ 1. A product below the dtype's smallest normal number (tiny)
+  is flushed, so the sum is exact to rounding wherever it is at least
+  sqrt(tiny) (e^−44 in float32): the flushed part is then below
+  K·T·sqrt(tiny) of it. If any entry whose row and column are not all
+  −inf has a smaller sum (a run far behind its row's and column's best,
+  exactly what the share table loses), the update takes the logsumexp
+  instead (`lax.cond`, one branch runs; autodiff follows it).
+
+  Args:
+    table: L [B, Y, I, Q, X, K, T].
+    m_byrkt: M [B, Y, R, K, T] (−inf outside `cols_before`).
+    cols_before: bool [K], the columns the sum runs over.
+  """
+  if POP_CONTRACTION not in POP_CONTRACTIONS:
+    raise ValueError(f"log_stack.POP_CONTRACTION must be one of "
+                     f"{POP_CONTRACTIONS}, got {POP_CONTRACTION!r}")
+  if POP_CONTRACTION == "logsumexp":
+    return _pop_rows_by_logsumexp(table, m_byrkt)
+  b, y, i, q, x, k, t = table.shape
+  r = m_byrkt.shape[2]
+  rows = jnp.where(cols_before[:, None], table, -jnp.inf)
+  row_max = jnp.max(rows, axis=(-2, -1))                       # b y i q x
+  col_max = jnp.max(m_byrkt, axis=(-2, -1))                    # b y r
+  shift = lambda mx: lax.stop_gradient(jnp.where(jnp.isfinite(mx), mx, 0))
+  c, d = shift(row_max), shift(col_max)
+  e_rows = jnp.exp(rows - c[..., None, None]).reshape(b, y, i * q * x,
+                                                      k * t)
+  e_cols = jnp.exp(m_byrkt - d[..., None, None]).reshape(b, y, r, k * t)
+  sums = lax.dot_general(e_rows, e_cols, (((3,), (3,)), ((0, 1), (0, 1))),
+                         precision=lax.Precision.HIGHEST).reshape(
+                             b, y, i, q, x, r)
+  live = (jnp.isfinite(row_max)[..., None]
+          & jnp.isfinite(col_max)[:, :, None, None, None])
+  exact = jnp.all(~live | (sums >= float(jnp.finfo(table.dtype).tiny) ** 0.5))
+  ok = sums > 0
+  fast = jnp.where(ok, jnp.log(jnp.where(ok, sums, 1)) + c[..., None]
+                   + d[:, :, None, None, None], -jnp.inf)
+  return lax.cond(exact, lambda f, *_: f,
+                  lambda f, tb, mm: _pop_rows_by_logsumexp(tb, mm), fast,
+                  table, m_byrkt)
+
+
+def _pop_rows_by_logsumexp(table, m_byrkt):
+  """`pop_rows_of` over the materialised terms (Q times the table): (k, t)
+  are the table's last axes, so the logsumexp runs along contiguous memory
+  (2-3x faster than over the column axis of a [B, I, K, Q, X, T, Y] table,
+  measured)."""
+  terms = table[:, :, :, :, :, None] + m_byrkt[:, :, None, None, None]
+  return _lse(terms, axis=(-2, -1))
 
 
 def column(table, k):

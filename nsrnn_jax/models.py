@@ -75,7 +75,7 @@ INPUT_LOOKUP_MODELS = ('lstm', 'rns', 'vrns')
 #     stored as posterior shares): exact for finite log-weights up to its
 #     flush limit (rns_stack docstring), in float32 too. The default.
 #   'log': ``log_stack`` (the same shares as logarithms): exact for any
-#     finite log-weights, no flush; ~25-35x slower stack DP on CPU
+#     finite log-weights, no flush; ~20x slower stack DP on CPU
 #     (benchmarks/log_stack.py). For checking and evaluating; also the RNS-RNN's
 #     opt-in table (with a window: ``limited_log_stack``).
 #   'scaled': ``ns_stack`` (γ as linear mantissas with one scale per column):

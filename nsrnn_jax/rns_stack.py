@@ -44,7 +44,7 @@ run's configuration) is missing from the result: readings off by up to 1
 and log Σα off by the amount it came back by. Normalised actions and the
 weight spreads of trained models stay far inside the limit; `log_stack`
 computes the same function with the shares as logarithms, exact for any
-finite log-weights and ~25-35x slower (config.stack_table = "log"). All
+finite log-weights and ~20x slower (config.stack_table = "log"). All
 table-sized work is matmuls of linear shares; only column-sized arrays are
 exponentiated.
 

@@ -241,3 +241,74 @@ def test_time_blocks_change_nothing(x64, monkeypatch):
         jax.jit(jax.value_and_grad(coupled, argnums=(0, 1)))(params, h0)])
   for got, want in zip(*(jax.tree_util.tree_leaves(r) for r in results)):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _pop_inputs(rng, dtype, b=2, y=2, i=5, q=2, k=4, t=2, r=2):
+  table = rng.normal(size=(b, y, i, q, y, k, t)) * 3 - 2
+  table = np.where(rng.random(table.shape) < 0.2, -np.inf, table)
+  m = rng.normal(size=(b, y, r, k, t)) * 3
+  m[:, :, :, -1] = -np.inf        # a column outside the sum
+  cols = np.arange(k) < k - 1
+  return jnp.asarray(table, dtype), jnp.asarray(m, dtype), jnp.asarray(cols)
+
+
+@pytest.mark.parametrize("dtype,atol", [("float32", 2e-6), ("float64", 1e-13)])
+def test_pop_matmul_equals_the_logsumexp_in_value_and_gradient(
+    monkeypatch, dtype, atol):
+  with jax.enable_x64(dtype == "float64"):
+    table, m, cols = _pop_inputs(np.random.default_rng(4), dtype)
+    w = jnp.asarray(np.random.default_rng(5).normal(size=(2, 2, 5, 2, 2, 2)),
+                    dtype)
+
+    def value_and_grad():
+      f = lambda tb, mm: log_stack.pop_rows_of(tb, mm, cols)
+      out = jax.jit(f)(table, m)
+      g = jax.jit(jax.grad(lambda tb, mm: jnp.sum(
+          w * jnp.where(jnp.isfinite(f(tb, mm)), jnp.exp(f(tb, mm)), 0)),
+                           argnums=(0, 1)))(table, m)
+      return out, g
+
+    got = value_and_grad()
+    monkeypatch.setattr(log_stack, "POP_CONTRACTION", "logsumexp")
+    want = value_and_grad()
+  np.testing.assert_array_equal(np.isfinite(got[0]), np.isfinite(want[0]))
+  fin = np.isfinite(want[0])
+  np.testing.assert_allclose(got[0][fin], want[0][fin], rtol=0, atol=atol)
+  for g, v in zip(got[1], want[1]):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, v, rtol=10 * atol, atol=atol)
+
+
+def test_pop_matmul_falls_back_where_its_products_underflow():
+  """Row (0, −200) against column (−200, 0): both products are e^−200, below
+  float32's range, so the matmul's sum is 0 (checked in NumPy below); the
+  result is still ln 2 − 200. Disjoint supports (a true −inf with a live
+  row and column) also take the fallback: −inf, zero gradient."""
+  table = np.full((1, 1, 2, 1, 1, 2, 1), -np.inf, np.float32)
+  m = np.full((1, 1, 1, 2, 1), -np.inf, np.float32)
+  table[0, 0, 0, 0, 0, :, 0] = [0, -200]
+  m[0, 0, 0, :, 0] = [-200, 0]
+  table[0, 0, 1, 0, 0, :, 0] = [0, -np.inf]     # disjoint from m's support
+  m2 = m.copy()
+  m2[0, 0, 0, :, 0] = [-np.inf, 0]
+  products = np.exp(np.float32([0, -200])) * np.exp(np.float32([-200, 0]))
+  assert products.sum() == 0                    # what the matmul alone gives
+  cols = jnp.asarray([True, True])
+  out = log_stack.pop_rows_of(jnp.asarray(table), jnp.asarray(m), cols)
+  assert float(out[0, 0, 0, 0, 0, 0]) == pytest.approx(np.log(2) - 200,
+                                                       abs=1e-4)
+  out2 = log_stack.pop_rows_of(jnp.asarray(table), jnp.asarray(m2), cols)
+  assert out2[0, 0, 1, 0, 0, 0] == -np.inf
+  grad = jax.grad(lambda tb: jnp.where(
+      jnp.isfinite(log_stack.pop_rows_of(tb, jnp.asarray(m2), cols)),
+      log_stack.pop_rows_of(tb, jnp.asarray(m2), cols), 0).sum())(
+          jnp.asarray(table))
+  assert np.all(np.isfinite(grad))
+  assert np.all(np.asarray(grad)[0, 0, 1] == 0)
+
+
+def test_bad_pop_contraction_is_a_clear_error(monkeypatch):
+  monkeypatch.setattr(log_stack, "POP_CONTRACTION", "fft")
+  with pytest.raises(ValueError, match="POP_CONTRACTION must be one of"):
+    log_stack.pop_rows_of(jnp.zeros((1, 1, 1, 1, 1, 1, 1)),
+                          jnp.zeros((1, 1, 1, 1, 1)), jnp.asarray([True]))
