@@ -23,25 +23,11 @@ from nsrnn_jax import rns_stack
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
-def _actions(rng, steps, q, s):
-  """Three batch elements: unnormalised N(0, 3²), huge (N(0,10²) + 50) and
-  unnormalised with −inf entries."""
-  shapes = [(steps, q, s, q, s)] * 2 + [(steps, q, s, q)]
-  unnorm = [3 * rng.normal(size=sh) for sh in shapes]
-  huge = [10 * rng.normal(size=sh) + 50 for sh in shapes]
-  holes = [np.where(rng.random(sh) < p, -np.inf, 3 * rng.normal(size=sh))
-           for sh, p in zip(shapes, (0.15, 0.3, 0.3))]
-  return tuple(np.stack(a) for a in zip(unnorm, huge, holes))
+_actions = stack_helpers.three_kinds_of_actions
 
 
-def _log_alpha(hat, mass):
-  return np.asarray(hat) + np.asarray(mass)[..., None, None]
-
-
-def _assert_log_close(got, want, atol):
-  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-  fin = np.isfinite(want)
-  np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+_log_alpha = stack_helpers.log_alpha
+_assert_log_close = stack_helpers.assert_log_close
 
 
 @pytest.mark.parametrize("bottom,q,s,steps", [("fixed", 2, 2, 6),
@@ -100,31 +86,8 @@ def test_a_run_beyond_the_share_flush_that_comes_back_is_exact(
                                         ("float32", 3e-6)])
 @pytest.mark.parametrize("bottom", ["fixed", "frozen"])
 def test_worked_example_whole_and_in_pieces(dtype, atol, bottom):
-  # rns-vrns-reference.md §6: D = 3, U = 6, sin(row·C + col + j) logits;
-  # a stream fed in pieces (the state carried) gives the whole run.
-  with jax.enable_x64(dtype == "float64"):
-    q = s = 2
-    c = 2 * q * s + q
-    row, col = np.meshgrid(np.arange(q * s), np.arange(c), indexing="ij")
-    logits = np.stack([np.sin(row * c + col + j) for j in range(1, 7)])
-    acts = rns_stack.split_action_logits(
-        jnp.asarray(logits.reshape(1, 6, -1), jnp.dtype(dtype)), q, s, False)
-    hat, mass, _ = limited_log_stack.run(*acts, 3, bottom)
-    acts64 = [np.asarray(a, np.float64)[0] for a in acts]
-    want_rho, want_la = pda_oracle.state_readings(*acts64, bottom=bottom,
-                                                  window=3)
-    np.testing.assert_allclose(rns_stack.readout(hat)[0][0], want_rho[1:],
-                               rtol=0, atol=atol)
-    want_mass = np.logaddexp.reduce(want_la.reshape(7, -1), axis=1)[1:]
-    np.testing.assert_allclose(mass[0], want_mass, rtol=atol)
-    state, parts = None, []
-    for lo, hi in ((0, 1), (1, 5), (5, 6)):
-      h, m, state = limited_log_stack.run(*[a[:, lo:hi] for a in acts], 3,
-                                          bottom, state=state)
-      parts.append(_log_alpha(h, m))
-    np.testing.assert_allclose(np.concatenate(parts, 1),
-                               _log_alpha(hat, mass), rtol=0,
-                               atol=10 * atol)
+  stack_helpers.check_worked_example_window(limited_log_stack.run, dtype,
+                                            atol, bottom, ((1, 4, 1),))
 
 
 @pytest.mark.parametrize("bottom", ["fixed", "frozen"])

@@ -16,6 +16,7 @@ import pytest
 from jax import lax
 
 import pda_oracle
+import stack_helpers
 from nsrnn_jax import limited_stack
 from nsrnn_jax import rns_stack
 
@@ -31,14 +32,8 @@ def _actions(rng, batch, steps, q, s, scale=3.0, neginf=0.0):
   return [np.where(rng.random(a.shape) < neginf, -np.inf, a) for a in out]
 
 
-def _log_alpha(hat, mass):
-  return np.asarray(hat) + np.asarray(mass)[..., None, None]
-
-
-def _assert_log_close(got, want, atol):
-  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-  fin = np.isfinite(want)
-  np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+_log_alpha = stack_helpers.log_alpha
+_assert_log_close = stack_helpers.assert_log_close
 
 
 @pytest.mark.parametrize("bottom,q,s,steps", [("fixed", 2, 2, 6),
@@ -78,31 +73,8 @@ def test_window_at_least_n_equals_unlimited(x64, bottom):
                                         ("float32", 3e-6)])
 @pytest.mark.parametrize("bottom", ["fixed", "frozen"])
 def test_worked_example_whole_and_chunked(dtype, atol, bottom):
-  # rns-vrns-reference.md §6: D = 3, U = 6, sin(row·C + col + j) logits.
-  with jax.enable_x64(dtype == "float64"):
-    q = s = 2
-    c = 2 * q * s + q
-    row, col = np.meshgrid(np.arange(q * s), np.arange(c), indexing="ij")
-    logits = np.stack([np.sin(row * c + col + j) for j in range(1, 7)])
-    acts = rns_stack.split_action_logits(
-        jnp.asarray(logits.reshape(1, 6, -1), jnp.dtype(dtype)), q, s, False)
-    hat, mass, _ = limited_stack.run(*acts, 3, bottom)
-    acts64 = [np.asarray(a, np.float64)[0] for a in acts]
-    want_rho, want_la = pda_oracle.state_readings(*acts64, bottom=bottom,
-                                                  window=3)
-    rho, _ = rns_stack.readout(hat)
-    np.testing.assert_allclose(rho[0], want_rho[1:], rtol=0, atol=atol)
-    want_mass = np.logaddexp.reduce(want_la.reshape(7, -1), axis=1)[1:]
-    np.testing.assert_allclose(mass[0], want_mass, rtol=atol)
-    for split in ((3, 3), (1, 4, 1)):
-      state, parts = None, []
-      for lo, hi in zip(np.cumsum((0,) + split)[:-1], np.cumsum(split)):
-        h, m, state = limited_stack.run(*[a[:, lo:hi] for a in acts], 3,
-                                        bottom, state=state)
-        parts.append(_log_alpha(h, m))
-      np.testing.assert_allclose(np.concatenate(parts, 1),
-                                 _log_alpha(hat, mass), rtol=0,
-                                 atol=10 * atol)
+  stack_helpers.check_worked_example_window(limited_stack.run, dtype, atol,
+                                            bottom, ((3, 3), (1, 4, 1)))
 
 
 def test_long_string_float32_is_finite():

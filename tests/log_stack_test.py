@@ -20,15 +20,7 @@ from nsrnn_jax import rns_stack
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
-def _actions(rng, steps, q, s):
-  """Three batch elements: unnormalised N(0, 3²), huge (N(0,10²) + 50) and
-  unnormalised with −inf entries."""
-  shapes = [(steps, q, s, q, s)] * 2 + [(steps, q, s, q)]
-  unnorm = [3 * rng.normal(size=sh) for sh in shapes]
-  huge = [10 * rng.normal(size=sh) + 50 for sh in shapes]
-  holes = [np.where(rng.random(sh) < p, -np.inf, 3 * rng.normal(size=sh))
-           for sh, p in zip(shapes, (0.15, 0.3, 0.3))]
-  return tuple(np.stack(a) for a in zip(unnorm, huge, holes))
+_actions = stack_helpers.three_kinds_of_actions
 
 
 @pytest.mark.parametrize("bottom", ["fixed", "frozen"])

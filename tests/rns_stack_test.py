@@ -55,10 +55,7 @@ def _log_alpha(out):
   return hat + mass[..., None, None]
 
 
-def _assert_log_close(got, want, atol):
-  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-  fin = np.isfinite(want)
-  np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+_assert_log_close = stack_helpers.assert_log_close
 
 
 # ---------------------------------------------------------------------------

@@ -9,6 +9,12 @@
 * `tanh_controller` / `tanh_params`: a small tanh controller for the coupled
   sweeps (`run_coupled`), unnormalised actions scaled by 4, vocabulary `V`,
   hidden size `H`.
+* `three_kinds_of_actions`: unnormalised, huge and holed log-weights.
+* `log_alpha`, `assert_log_close`: log α from (log α̂, log Σα), and a
+  comparison of log-weights that needs −inf exactly where expected.
+* `check_worked_example_window`: a window stack's run on
+  rns-vrns-reference.md §6's example against the windowed oracle, whole
+  and fed in pieces.
 """
 
 import jax
@@ -89,3 +95,61 @@ def reference_mass_and_readings(push, repl, pop):
   rho = np.stack([np.exp(w.reshape(len(w), -1) - m[:, None])
                   for w, m in zip(want, mass)])
   return mass, rho
+
+
+def three_kinds_of_actions(rng, steps, q, s):
+  """(push, repl, pop) [3, steps, ...]: batch element 0 unnormalised
+  N(0, 3²), 1 huge (N(0, 10²) + 50), 2 unnormalised with −inf entries."""
+  shapes = [(steps, q, s, q, s)] * 2 + [(steps, q, s, q)]
+  unnorm = [3 * rng.normal(size=sh) for sh in shapes]
+  huge = [10 * rng.normal(size=sh) + 50 for sh in shapes]
+  holes = [np.where(rng.random(sh) < p, -np.inf, 3 * rng.normal(size=sh))
+           for sh, p in zip(shapes, (0.15, 0.3, 0.3))]
+  return tuple(np.stack(a) for a in zip(unnorm, huge, holes))
+
+
+def log_alpha(hat, mass):
+  """log α = log α̂ + log Σα, as a NumPy array."""
+  return np.asarray(hat) + np.asarray(mass)[..., None, None]
+
+
+def assert_log_close(got, want, atol):
+  """−inf exactly where `want` has it; elsewhere within `atol`."""
+  got, want = np.asarray(got), np.asarray(want)
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+  fin = np.isfinite(want)
+  np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+
+
+def check_worked_example_window(run, dtype, atol, bottom, splits):
+  """rns-vrns-reference.md §6: D = 3, U = 6, sin(row·C + col + j) logits.
+
+  `run(push, repl, pop, window, bottom, state=None) -> (log α̂, log Σα,
+  state)` (a window stack's `run`) must give the windowed oracle's state
+  readings and log Σα, and the same log α fed in the pieces of each of
+  `splits` (tuples of piece lengths summing to 6) with the state carried.
+  """
+  with jax.enable_x64(dtype == "float64"):
+    q = s = 2
+    c = 2 * q * s + q
+    row, col = np.meshgrid(np.arange(q * s), np.arange(c), indexing="ij")
+    logits = np.stack([np.sin(row * c + col + j) for j in range(1, 7)])
+    acts = rns_stack.split_action_logits(
+        jnp.asarray(logits.reshape(1, 6, -1), jnp.dtype(dtype)), q, s, False)
+    hat, mass, _ = run(*acts, 3, bottom)
+    acts64 = [np.asarray(a, np.float64)[0] for a in acts]
+    want_rho, want_la = pda_oracle.state_readings(*acts64, bottom=bottom,
+                                                  window=3)
+    np.testing.assert_allclose(rns_stack.readout(hat)[0][0], want_rho[1:],
+                               rtol=0, atol=atol)
+    want_mass = np.logaddexp.reduce(want_la.reshape(7, -1), axis=1)[1:]
+    np.testing.assert_allclose(mass[0], want_mass, rtol=atol)
+    for split in splits:
+      state, parts = None, []
+      for lo, hi in zip(np.cumsum((0,) + split)[:-1], np.cumsum(split)):
+        h, m, state = run(*[a[:, lo:hi] for a in acts], 3, bottom,
+                          state=state)
+        parts.append(log_alpha(h, m))
+      np.testing.assert_allclose(np.concatenate(parts, 1),
+                                 log_alpha(hat, mass), rtol=0,
+                                 atol=10 * atol)
