@@ -23,14 +23,16 @@ Gradient: autodiff of the scan with each update rematerialised
 memory, the same as `limited_stack`'s "autodiff" window VJP (its default
 keeps O(L·D) by rebuilding the windows in reverse).
 
-Cost per update: the pop term materialises B·D²·Q³·S² terms (logsumexp
-instead of `limited_stack`'s matmul), independent of the position in the
-stream, so long streams still run in linear time.
+Cost per update: the pop term is a log-matmul of B·D²·Q³·S² terms
+(`log_stack.pop_rows_of`: a matmul where that is exact to rounding, else a
+logsumexp over the terms), independent of the position in the stream, so
+long streams still run in linear time.
 
 Shape legend: B batch, T updates, D window, Q states, S stack symbols,
 Y/X symbols in roles, L chunk length.
 """
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -87,7 +89,7 @@ def initial_state(batch_size, window, num_states, num_symbols,
 
 
 def _update(state: LogWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
-            pop_BxQxSxQ):
+            pop_BxQxSxQ, precision):
   table, a_prev, log_mass, p = state
   d = table.shape[2]
   log_c = jnp.transpose(_lse(table, axis=(2, 3, 4)), (0, 2, 3, 1))  # b k t y
@@ -98,7 +100,7 @@ def _update(state: LogWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
       table, log_c, prev, prev,  # rows and columns share the slots
       lax.dynamic_index_in_dim(log_c, p, axis=1, keepdims=False), a_prev,
       push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, cols_before=earlier,
-      rows_before=earlier, push_at=slots == p)
+      rows_before=earlier, push_at=slots == p, precision=precision)
   nxt = (p + 1) % d
   table = lax.dynamic_update_index_in_dim(table, jnp.moveaxis(col, -1, 1),
                                           nxt, axis=5)
@@ -110,27 +112,32 @@ def _update(state: LogWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
 
 
 # Each update is recomputed in the backward pass: a scan then keeps only
-# its carried windows, not the Q-times-larger pop terms of every update.
-_remat_update = jax.checkpoint(_update)
+# its carried windows, not the table-sized intermediates of every update.
+_remat_update = jax.checkpoint(_update, static_argnums=(4,))
 
 
 def step(state: LogWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
-         pop_BxQxSxQ):
-  """One update; returns (next state, log α̂_j [B,Q,S], log Σα_j [B])."""
-  return _remat_update(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ)
+         pop_BxQxSxQ, precision="highest"):
+  """One update; returns (next state, log α̂_j [B,Q,S], log Σα_j [B]).
+
+  `precision` is the matmul precision name of the pop term's matmul.
+  """
+  return _remat_update(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
+                       precision)
 
 
-def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None):
+def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
+        precision="highest"):
   """Runs T updates from `state` (default: the initial state), exactly.
 
-  The contract of `limited_stack.run` (no matmul precision: nothing here is
-  a matmul), without its flush limit.
+  The contract of `limited_stack.run`, without its flush limit.
 
   Args:
     push, repl, pop: log-weights [B,T,Q,S,Q,S], [B,T,Q,S,Q,S], [B,T,Q,S,Q].
     window: D ≥ 1.
     bottom: "fixed" or "frozen" (used only for the initial state).
     state: a LogWindowState to continue from (incremental evaluation).
+    precision: matmul precision name (`ns_stack.MATMUL_PRECISIONS`).
 
   Returns:
     (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state) for times
@@ -147,13 +154,13 @@ def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None):
   elif state.table.shape[2] != window:
     raise ValueError(f"state has window {state.table.shape[2]}, not "
                      f"{window}")
-  return _run_jit(push, repl, pop, state)
+  return _run_jit(push, repl, pop, state, ns_stack.check_precision(precision))
 
 
-@jax.jit
-def _run_jit(push, repl, pop, state):
+@functools.partial(jax.jit, static_argnums=(4,))
+def _run_jit(push, repl, pop, state, precision):
   def body(st, acts):
-    st, a_hat, lm = step(st, *acts)
+    st, a_hat, lm = step(st, *acts, precision=precision)
     return st, (a_hat, lm)
 
   xs = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
@@ -163,7 +170,8 @@ def _run_jit(push, repl, pop, state):
 
 def coupled_parts(batch: int, num_states: int, num_symbols: int,
                   window: int, bottom: str = rns_stack.FIXED,
-                  reading: str = rns_stack.STATE, dtype=jnp.float32):
+                  reading: str = rns_stack.STATE, dtype=jnp.float32,
+                  precision: str = "highest"):
   """The stack's side of `limited_stack.run_chunks` / `stream_chunk`:
   (update, read, state0) for B strings, as `limited_stack.coupled_parts`
   (``update`` returns (state, (α̂_j, log Σα_j)))."""
@@ -171,7 +179,7 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
                          dtype)
 
   def update(st, acts):
-    st, a_hat, lm = step(st, *acts)
+    st, a_hat, lm = step(st, *acts, precision=precision)
     return st, (a_hat, lm)
 
   read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
@@ -183,11 +191,11 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
                 bottom: str = rns_stack.FIXED,
                 reading: str = rns_stack.STATE,
                 truncation_length: int = 0,
-                actions_fn: Optional[Callable[..., Any]] = None):
+                actions_fn: Optional[Callable[..., Any]] = None,
+                precision: str = "highest"):
   """Controller + the exact limited stack, chunked for truncated BPTT.
 
-  The contract of `limited_stack.run_coupled` without `precision`: the same
-  chunks, boundary gradients (`actions_fn`: ICLR 2023 if given, ICLR 2022
+  The contract of `limited_stack.run_coupled`: the same chunks, boundary gradients (`actions_fn`: ICLR 2023 if given, ICLR 2022
   if None) and outputs (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S],
   log_mass [B, T+1]).
   """
@@ -198,6 +206,7 @@ def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,
   dtype = rns_stack._float_dtype(params)  # pylint: disable=protected-access
   return limited_stack.run_parts(
       step_fn, coupled_parts(b, num_states, num_symbols, window, bottom,
-                             reading, dtype),
+                             reading, dtype,
+                             ns_stack.check_precision(precision)),
       params, init_carry, xs, truncation_length, actions_fn)
 

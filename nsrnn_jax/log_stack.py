@@ -96,7 +96,7 @@ def _initial(b, t, q, s, bottom, dtype):
 
 
 def update(table, log_c, a_hat, j, push_BxQxSxQxS, repl_BxQxSxQxS,
-           pop_BxQxSxQ):
+           pop_BxQxSxQ, precision="highest"):
   """Update j (1 ≤ j ≤ T) of the log-share recurrence (module docstring).
 
   Reads columns < j of `table` and `log_c` and â_{j−1} only, so it gives
@@ -113,6 +113,8 @@ def update(table, log_c, a_hat, j, push_BxQxSxQxS, repl_BxQxSxQxS,
     a_hat: â [B, N, Q, S].
     j: the update (traced int).
     push, repl [B, Q, S, Q, S] and pop [B, Q, S, Q]: update j's log-weights.
+    precision: matmul precision name of the pop term's matmul
+      (`pop_rows_of`).
 
   Returns:
     (column j [B, N+1, Q, S, Q, S] indexed (i+1, q, x, r, y), log c_j
@@ -128,13 +130,13 @@ def update(table, log_c, a_hat, j, push_BxQxSxQxS, repl_BxQxSxQxS,
       lax.dynamic_index_in_dim(a_hat, j - 1, axis=1, keepdims=False),
       push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
       cols_before=col_time <= j - 2, rows_before=row_time <= j - 2,
-      push_at=row_time == j - 1)
+      push_at=row_time == j - 1, precision=precision)
   return col, _lse(col, axis=(1, 2, 3)), a_new, delta
 
 
 def new_column(table, log_c, prev, prev_rows, c_prev, a, push_BxQxSxQxS,
                repl_BxQxSxQxS, pop_BxQxSxQ, cols_before, rows_before,
-               push_at):
+               push_at, precision="highest"):
   """The recurrence of update j (module docstring) on any time axes.
 
   Shared by `update` (time-ordered axes) and `limited_log_stack` (a ring
@@ -152,6 +154,7 @@ def new_column(table, log_c, prev, prev_rows, c_prev, a, push_BxQxSxQxS,
     cols_before: bool [K], the columns of times k ≤ j−2.
     rows_before: bool [I], the rows of times i ≤ j−2.
     push_at: bool [I], the row of time j−1.
+    precision: matmul precision name of `pop_rows_of`'s matmul.
 
   Returns:
     (column j [B, I, Q, X, R, Y], â_j [B, Q, S], δ_j [B]).
@@ -178,8 +181,8 @@ def new_column(table, log_c, prev, prev_rows, c_prev, a, push_BxQxSxQxS,
   m = _minus(m, jnp.swapaxes(e, 1, 2)[:, None, None])
   m = jnp.where(below[..., None], m, -jnp.inf)
   m_byrkt = jnp.transpose(m, (0, 3, 4, 1, 2))
-  pop_rows = jnp.moveaxis(pop_rows_of(table, m_byrkt, cols_before), 1,
-                          -1)                                  # b i q x r y
+  pop_rows = jnp.moveaxis(pop_rows_of(table, m_byrkt, cols_before,
+                                      precision), 1, -1)       # b i q x r y
   col = _lse(jnp.stack([repl_rows, pop_rows]), axis=0)
   at = lambda cond: cond[None, :, None, None, None, None]
   col = jnp.where(at(rows_before), col, -jnp.inf)
@@ -197,7 +200,7 @@ POP_CONTRACTIONS = ("matmul", "logsumexp")
 POP_CONTRACTION = "matmul"
 
 
-def pop_rows_of(table, m_byrkt, cols_before):
+def pop_rows_of(table, m_byrkt, cols_before, precision="highest"):
   """⊕_{k,t} L_{i,k}[q,x,t,y] + M_k[t,y,r], [B, Y, I, Q, X, R]: the pop
   rows of column j, exact for any finite log-weights.
 
@@ -215,6 +218,9 @@ def pop_rows_of(table, m_byrkt, cols_before):
     table: L [B, Y, I, Q, X, K, T].
     m_byrkt: M [B, Y, R, K, T] (−inf outside `cols_before`).
     cols_before: bool [K], the columns the sum runs over.
+    precision: matmul precision name (`ns_stack.MATMUL_PRECISIONS`): the
+      model's ``config.matmul_precision``; anything below "highest" makes
+      the sums (not the exponents) reduced-precision on GPUs / TPUs.
   """
   if POP_CONTRACTION not in POP_CONTRACTIONS:
     raise ValueError(f"log_stack.POP_CONTRACTION must be one of "
@@ -232,7 +238,8 @@ def pop_rows_of(table, m_byrkt, cols_before):
                                                       k * t)
   e_cols = jnp.exp(m_byrkt - d[..., None, None]).reshape(b, y, r, k * t)
   sums = lax.dot_general(e_rows, e_cols, (((3,), (3,)), ((0, 1), (0, 1))),
-                         precision=lax.Precision.HIGHEST).reshape(
+                         precision=rns_stack.lax_precision(precision)
+                         ).reshape(
                              b, y, i, q, x, r)
   live = (jnp.isfinite(row_max)[..., None]
           & jnp.isfinite(col_max)[:, :, None, None, None])
@@ -332,7 +339,7 @@ def _log_mass(delta_BxT):
 # ---------------------------------------------------------------------------
 
 
-def _sweep(push, repl, pop, bottom):
+def _sweep(push, repl, pop, bottom, precision):
   """Forward sweep: (final table, â [B, T+1, Q, S], δ [B, T])."""
   b, t, q, s = push.shape[:4]
   init = _initial(b, t, q, s, bottom, push.dtype)
@@ -340,7 +347,7 @@ def _sweep(push, repl, pop, bottom):
   def body(carry, inp):
     tables, _ = carry
     j, pu, re, po = inp
-    col, c_col, a_new, delta = update(*tables, j, pu, re, po)
+    col, c_col, a_new, delta = update(*tables, j, pu, re, po, precision)
     return (_write(tables, j, col, c_col, a_new), None), delta
 
   xs = (jnp.arange(1, t + 1),) + tuple(jnp.swapaxes(x, 0, 1)
@@ -358,18 +365,18 @@ def _column_cotangents(tables_ct, j):
           lax.dynamic_index_in_dim(a_hat_ct, j, axis=1, keepdims=False))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tables(push, repl, pop, bottom):
-  tables, delta = _sweep(push, repl, pop, bottom)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tables(push, repl, pop, bottom, precision):
+  tables, delta = _sweep(push, repl, pop, bottom, precision)
   return tables[2], delta
 
 
-def _tables_fwd(push, repl, pop, bottom):
-  tables, delta = _sweep(push, repl, pop, bottom)
+def _tables_fwd(push, repl, pop, bottom, precision):
+  tables, delta = _sweep(push, repl, pop, bottom, precision)
   return (tables[2], delta), (tables, push, repl, pop)
 
 
-def _tables_bwd(bottom, res, cts):
+def _tables_bwd(bottom, precision, res, cts):
   del bottom
   tables, push, repl, pop = res
   a_ct, delta_ct = cts
@@ -381,8 +388,9 @@ def _tables_bwd(bottom, res, cts):
     def body(carry, inp):
       tables_ct, _ = carry
       j, pu, re, po, d_ct = inp
-      _, vjp = jax.vjp(lambda tb, pu, re, po: update(*tb, j, pu, re, po),
-                       final, pu, re, po)
+      _, vjp = jax.vjp(
+          lambda tb, pu, re, po: update(*tb, j, pu, re, po, precision),
+          final, pu, re, po)
       d_tables, d_pu, d_re, d_po = vjp(
           _column_cotangents(tables_ct, j) + (d_ct,))
       return (jax.tree_util.tree_map(jnp.add, tables_ct, d_tables), None), (
@@ -399,17 +407,18 @@ def _tables_bwd(bottom, res, cts):
 _tables.defvjp(_tables_fwd, _tables_bwd)
 
 
-def run(push, repl, pop, bottom=FIXED):
+def run(push, repl, pop, bottom=FIXED, precision="highest"):
   """Normalised log α and log Σα for j = 0..T, exact for finite log-weights.
 
-  The contract of `rns_stack.run` (same arguments but no matmul precision:
-  nothing here is a matmul), without its flush limit; differentiable in
-  O(T²) memory.
+  The contract of `rns_stack.run` (without `unroll`), without its flush
+  limit; differentiable in O(T²) memory.
 
   Args:
     push, repl: [B, T, Q, S, Q, S] log-weights indexed (q, x, r, y).
     pop: [B, T, Q, S, Q] log-weights indexed (q, x, r).
     bottom: "fixed" (default) or "frozen".
+    precision: matmul precision name of the pop term's matmul
+      (`pop_rows_of`; `ns_stack.MATMUL_PRECISIONS`).
 
   Returns:
     (log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]) as `rns_stack.run`.
@@ -417,12 +426,12 @@ def run(push, repl, pop, bottom=FIXED):
   rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
   push, repl, pop = (jnp.asarray(x) for x in (push, repl, pop))
   rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
-  return _run_jit(push, repl, pop, bottom)
+  return _run_jit(push, repl, pop, bottom, ns_stack.check_precision(precision))
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
-def _run_jit(push, repl, pop, bottom):
-  a_hat, delta = _tables(push, repl, pop, bottom)
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _run_jit(push, repl, pop, bottom, precision):
+  a_hat, delta = _tables(push, repl, pop, bottom, precision)
   return a_hat, _log_mass(delta)
 
 
@@ -431,17 +440,18 @@ def _run_jit(push, repl, pop, bottom):
 # ---------------------------------------------------------------------------
 
 
-def _coupled_step(step_fn, reading, params, x, tables, ctrl, j):
+def _coupled_step(step_fn, reading, precision, params, x, tables, ctrl, j):
   """Controller step j (reads ρ_{j−1}) then update j: (column, log c_j,
   â_j, δ_j, new carry, output)."""
   rho, _ = rns_stack.readout(
       lax.dynamic_index_in_dim(tables[2], j - 1, axis=1, keepdims=False),
       reading)
   new_ctrl, (pu, re, po), out = step_fn(params, ctrl, x, rho)
-  return update(*tables, j, pu, re, po) + (new_ctrl, out)
+  return update(*tables, j, pu, re, po, precision) + (new_ctrl, out)
 
 
-def _coupled_sweep(step_fn, q, s, bottom, reading, params, init_carry, xs):
+def _coupled_sweep(step_fn, q, s, bottom, reading, precision, params,
+                   init_carry, xs):
   b, t = jax.tree_util.tree_leaves(xs)[0].shape[:2]
   init = _initial(b, t, q, s, bottom, rns_stack._float_dtype(params))  # pylint: disable=protected-access
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
@@ -450,7 +460,7 @@ def _coupled_sweep(step_fn, q, s, bottom, reading, params, init_carry, xs):
     tables, ctrl = carry
     j, x = inp
     col, c_col, a_new, delta, new_ctrl, out = _coupled_step(
-        step_fn, reading, params, x, tables, ctrl, j)
+        step_fn, reading, precision, params, x, tables, ctrl, j)
     return (_write(tables, j, col, c_col, a_new), new_ctrl), (
         delta, out, ctrl)
 
@@ -459,19 +469,21 @@ def _coupled_sweep(step_fn, q, s, bottom, reading, params, init_carry, xs):
   return outs_T, tables[2], delta_TxB.T, tables, ctrls
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _coupled(step_fn, q, s, bottom, reading, params, init_carry, xs):
-  return _coupled_sweep(step_fn, q, s, bottom, reading, params, init_carry,
-                        xs)[:3]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _coupled(step_fn, q, s, bottom, reading, precision, params, init_carry,
+             xs):
+  return _coupled_sweep(step_fn, q, s, bottom, reading, precision, params,
+                        init_carry, xs)[:3]
 
 
-def _coupled_fwd(step_fn, q, s, bottom, reading, params, init_carry, xs):
+def _coupled_fwd(step_fn, q, s, bottom, reading, precision, params,
+                 init_carry, xs):
   outs_T, a_hat, delta, tables, ctrls = _coupled_sweep(
-      step_fn, q, s, bottom, reading, params, init_carry, xs)
+      step_fn, q, s, bottom, reading, precision, params, init_carry, xs)
   return (outs_T, a_hat, delta), (params, xs, tables, ctrls)
 
 
-def _coupled_bwd(step_fn, q, s, bottom, reading, res, cts):
+def _coupled_bwd(step_fn, q, s, bottom, reading, precision, res, cts):
   """Reverse sweep: vjp of (controller step j + update j) on final tables."""
   del q, s, bottom
   params, xs, tables, ctrls = res
@@ -486,7 +498,8 @@ def _coupled_bwd(step_fn, q, s, bottom, reading, res, cts):
     def body(carry, inp):
       tables_ct, (p_bar, c_bar) = carry
       j, x, ctrl_prev, out_ct, d_ct = inp
-      f = lambda p, tb, c: _coupled_step(step_fn, reading, p, x, tb, c, j)
+      f = lambda p, tb, c: _coupled_step(step_fn, reading, precision, p, x,
+                                         tb, c, j)
       _, vjp = jax.vjp(f, params, final, ctrl_prev)
       dp, d_tables, dc = vjp(_column_cotangents(tables_ct, j)
                              + (d_ct, c_bar, out_ct))
@@ -509,20 +522,20 @@ _coupled.defvjp(_coupled_fwd, _coupled_bwd)
 
 def run_coupled(step_fn: Callable[..., Any], params: Any, init_carry: Any,
                 xs: Any, num_states: int, num_symbols: int,
-                bottom: str = FIXED, reading: str = STATE):
+                bottom: str = FIXED, reading: str = STATE,
+                precision: str = "highest"):
   """Runs a controller and the stack together, t = 1..T, exactly.
 
-  The contract of `rns_stack.run_coupled` (no matmul precision or unroll:
-  the stack has no matmuls), without its flush limit; O(T²) gradient
-  memory. Controller step t sees ρ_{t−1} (ρ_0 one-hot at index 0), then
-  update t uses the log-weights it returned.
+  The contract of `rns_stack.run_coupled` (without `unroll`), without its
+  flush limit; O(T²) gradient memory. Controller step t sees ρ_{t−1} (ρ_0
+  one-hot at index 0), then update t uses the log-weights it returned.
 
-  Args and returns: those of `rns_stack.run_coupled` without `precision`
-  and `unroll`: step_fn(params, carry, x_t, reading_prev) -> (carry_t,
-  (push_t, repl_t, pop_t), out_t); xs batch-major [B, T, ...] (zero
-  cotangent); bottom "fixed" or "frozen"; reading "state" or "symbol";
-  returns (outs [B, T, ...], log_alpha_hat [B, T+1, Q, S], log_mass
-  [B, T+1]).
+  Args and returns: those of `rns_stack.run_coupled` without `unroll`:
+  step_fn(params, carry, x_t, reading_prev) -> (carry_t, (push_t, repl_t,
+  pop_t), out_t); xs batch-major [B, T, ...] (zero cotangent); bottom
+  "fixed" or "frozen"; reading "state" or "symbol"; precision the matmul
+  precision name of the pop term's matmul; returns (outs [B, T, ...],
+  log_alpha_hat [B, T+1, Q, S], log_mass [B, T+1]).
   """
   rns_stack._check_bottom(bottom)  # pylint: disable=protected-access
   rns_stack._check_reading(reading)  # pylint: disable=protected-access
@@ -531,7 +544,8 @@ def run_coupled(step_fn: Callable[..., Any], params: Any, init_carry: Any,
   leaves = jax.tree_util.tree_leaves(xs)
   if not leaves or any(jnp.ndim(l) < 2 for l in leaves):
     raise ValueError("xs must be a pytree of arrays [B, T, ...]")
-  outs_T, a_hat, delta = _coupled(step_fn, q, s, bottom, reading, params,
-                                  init_carry, xs)
+  outs_T, a_hat, delta = _coupled(step_fn, q, s, bottom, reading,
+                                  ns_stack.check_precision(precision),
+                                  params, init_carry, xs)
   outs = jax.tree_util.tree_map(lambda o: jnp.swapaxes(o, 0, 1), outs_T)
   return outs, a_hat, _log_mass(delta)

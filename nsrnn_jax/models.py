@@ -1022,7 +1022,7 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
     if table == 'log':
       outs, la, log_mass = log_stack.run_coupled(
           step_fn, params, carry, x, num_states, num_symbols,
-          rns_stack.FROZEN, rns_stack.SYMBOL)
+          rns_stack.FROZEN, rns_stack.SYMBOL, precision=precision)
     else:
       outs, la, log_mass = rns_stack.run_coupled(
           step_fn, params, carry, x, num_states, num_symbols,
@@ -1215,7 +1215,7 @@ class RNSLM(PDAStackLM):
     if self.table == 'log':
       return limited_log_stack.coupled_parts(
           batch, self.num_states, self.num_stack_symbols, self.window,
-          self.bottom, self.reading, self.dtype)
+          self.bottom, self.reading, self.dtype, self.matmul_precision)
     return limited_stack.coupled_parts(
         batch, self.num_states, self.num_stack_symbols, self.window,
         self.bottom, self.reading, self.dtype, self.matmul_precision)
@@ -1233,7 +1233,7 @@ class RNSLM(PDAStackLM):
     elif self.table == 'log':
       h_BxTxH, la, log_mass = log_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
-          self.bottom, self.reading)
+          self.bottom, self.reading, precision=self.matmul_precision)
     else:
       h_BxTxH, la, log_mass = rns_stack.run_coupled(
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,

@@ -215,7 +215,7 @@ def test_time_blocks_change_nothing(x64, monkeypatch):
   c = rng.normal(size=(3, t + 1, q * s))
 
   def plain(pu, re, po):
-    hat, delta = log_stack._tables(pu, re, po, "fixed")  # pylint: disable=protected-access
+    hat, delta = log_stack._tables(pu, re, po, "fixed", "highest")  # pylint: disable=protected-access
     return jnp.sum(c * rns_stack.readout(hat)[0]) + 0.1 * jnp.sum(delta)
 
   def coupled(p, h):

@@ -1075,6 +1075,18 @@ def test_memory_limited_rns_carries_the_precision(precision, attr):
                  matmul_precision=precision), attr)
 
 
+@pytest.mark.parametrize('name,kwargs', [
+    ('ns', {}), ('rns', {}), ('rns', dict(stack_window=3, truncation_length=4))])
+@pytest.mark.parametrize('precision,attr', [('highest', 'HIGHEST'),
+                                            ('default', 'DEFAULT')])
+def test_log_tables_carry_the_precision(name, kwargs, precision, attr):
+  # The exact tables' one matmul (log_stack.pop_rows_of), in log_stack's
+  # custom VJP and limited_log_stack's rematerialised window.
+  _assert_gradient_precision(
+      models.get(name, _VOCAB, stack_table='log', matmul_precision=precision,
+                 **kwargs), attr)
+
+
 def test_bad_matmul_precision_is_a_one_line_error():
   with pytest.raises(ValueError, match='matmul_precision') as e:
     models.get('ns', _VOCAB, matmul_precision='tf32')
