@@ -1076,7 +1076,8 @@ def test_memory_limited_rns_carries_the_precision(precision, attr):
 
 
 @pytest.mark.parametrize('name,kwargs', [
-    ('ns', {}), ('rns', {}), ('rns', dict(stack_window=3, truncation_length=4))])
+    ('ns', {}), ('rns', {}), ('rns', dict(stack_window=3, truncation_length=4)),
+    ('vrns', {}), ('vrns', dict(stack_window=3, truncation_length=4))])
 @pytest.mark.parametrize('precision,attr', [('highest', 'HIGHEST'),
                                             ('default', 'DEFAULT')])
 def test_log_tables_carry_the_precision(name, kwargs, precision, attr):
