@@ -36,8 +36,8 @@ def get_config() -> ml_collections.ConfigDict:
   # NS-RNN: action-layer init, "uniform" U[-0.1, 0.1] (authors' code) or "xavier" (paper's text).
   config.ns_action_init = "uniform"
   # NS/RNS/VRNS stack's dynamic program: "shares" (exact unless a run ~80 nats
-  # behind comes back: rns_stack), "log" (exact for any finite log-weights,
-  # 4-23x slower stack) or, NS only, "scaled" (float32 can flush).
+  # behind comes back: rns_stack), "log" (exact for any finite log-weights;
+  # stack 4-23x slower, VRNS ~100x) or, NS only, "scaled" (float32 can flush).
   config.stack_table = "shares"
   # NS-RNN: strings the stack runs at once (0 = automatic: on CPU chunks
   # whose table fits 10 MiB, on accelerators all; else the largest divisor
