@@ -107,6 +107,31 @@ def _row(q, rng, tables):
 TRAINED_LENGTHS = (20, 40, 80, 120)
 
 
+TIMED_LENGTH = 80
+
+
+def _trained_timing(shares_trace, log_model, params, language, count, rng):
+  """Forward (trace) seconds on the trained model at n = TIMED_LENGTH, each
+  table timed in turn (median of 3 after a warm-up): "shares", "log" and
+  "log_logsumexp" (log_stack.POP_CONTRACTION = "logsumexp": every update
+  on the materialised terms). "log" near "log_logsumexp" would mean the
+  matmul path's fallback runs on most updates of a trained model."""
+  x = jnp.asarray(np.stack([language.sample(TIMED_LENGTH, rng)
+                            for _ in range(count)]), jnp.int32)
+  fns = {"shares": shares_trace}
+  for name, mode in (("log", "matmul"), ("log_logsumexp", "logsumexp")):
+    log_stack.POP_CONTRACTION = mode
+    fn = jax.jit(lambda p, x: log_model.apply({"params": p}, x,
+                                              method="trace"))
+    jax.block_until_ready(fn(params, x))   # traced under `mode`
+    fns[name] = fn
+  log_stack.POP_CONTRACTION = "matmul"
+  out = {}
+  for name, fn in fns.items():
+    out[name] = machine.median_seconds(fn, params, x, repeats=3)
+  return out
+
+
 def _trained(workdir, per_length, note, out_name):
   """Both tables on a trained run's best parameters (float32)."""
   from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
@@ -145,10 +170,15 @@ def _trained(workdir, per_length, note, out_name):
       r = rows[-1]
       print(f"| {n} | {kind} | {r['max_log_prob_difference']:.1e} | "
             f"{r['max_reading_difference']:.1e} |", flush=True)
+  timing = _trained_timing(trace["shares"], log_model, shares.params,
+                           language, per_length, rng)
+  print(f"n = {TIMED_LENGTH}, {per_length} strings of the language, forward: "
+        + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in timing.items()))
   info = machine.machine_info()
   result = {**info, "device": machine.device_label(info), "dtype": "float32",
             "note": note, "workdir": os.path.abspath(workdir),
-            "task": config.task, "model": config.model, "rows": rows}
+            "task": config.task, "model": config.model, "rows": rows,
+            "timed_length": TIMED_LENGTH, "forward_s": timing}
   path = os.path.join(_ROOT, "benchmarks", "results", out_name)
   with open(path, "w") as f:
     json.dump(result, f, indent=1)

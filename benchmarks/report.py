@@ -1082,6 +1082,16 @@ def log_stack_block():
                     f"{r['max_log_prob_difference']:.1e} | "
                     f"{r['max_reading_difference']:.1e} |\n"
                     for r in t["rows"])
+    if "forward_s" in t:
+      f = t["forward_s"]
+      text += (f"\nForward (trace) on {t['rows'][0]['count']} of its "
+               f"language's strings of length {t['timed_length']}: shares "
+               f"{_ms(f['shares'])}, log {_ms(f['log'])} "
+               f"({f['log'] / f['shares']:.0f}×), log with every pop term "
+               f"by logsumexp {_ms(f['log_logsumexp'])} (the matmul path "
+               f"{f['log_logsumexp'] / f['log']:.1f}× faster, about its "
+               "gain on random weights, so its logsumexp fallback cannot "
+               "run on many of a trained model's updates).\n")
   return text
 
 
