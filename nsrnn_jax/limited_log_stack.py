@@ -32,7 +32,6 @@ Shape legend: B batch, T updates, D window, Q states, S stack symbols,
 Y/X symbols in roles, L chunk length.
 """
 
-import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -154,18 +153,8 @@ def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
   elif state.table.shape[2] != window:
     raise ValueError(f"state has window {state.table.shape[2]}, not "
                      f"{window}")
-  return _run_jit(push, repl, pop, state, ns_stack.check_precision(precision))
-
-
-@functools.partial(jax.jit, static_argnums=(4,))
-def _run_jit(push, repl, pop, state, precision):
-  def body(st, acts):
-    st, a_hat, lm = step(st, *acts, precision=precision)
-    return st, (a_hat, lm)
-
-  xs = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
-  state, (a_hat, lm) = lax.scan(body, state, xs)
-  return jnp.swapaxes(a_hat, 0, 1), jnp.swapaxes(lm, 0, 1), state
+  return limited_stack.run_steps(step, push, repl, pop, state,
+                                 ns_stack.check_precision(precision))
 
 
 def coupled_parts(batch: int, num_states: int, num_symbols: int,

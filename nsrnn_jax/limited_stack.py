@@ -53,8 +53,8 @@ from nsrnn_jax.ns_stack import check_precision
 Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
-           "run_parts", "run_chunks", "stream_chunk", "chunk_start",
-           "coupled_parts"]
+           "run_parts", "run_steps", "run_chunks", "stream_chunk",
+           "chunk_start", "coupled_parts"]
 
 
 class WindowState(NamedTuple):
@@ -331,15 +331,25 @@ def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
   b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
   if state is None:
     state = initial_state(b, window, q, s, bottom, push.dtype)
+  elif not isinstance(state, WindowState):
+    raise ValueError("state must be a limited_stack.WindowState, got "
+                     f"{type(state).__name__}")
   elif state.g.shape[2] != window:
     raise ValueError(f"state has window {state.g.shape[2]}, not {window}")
-  return _run_jit(push, repl, pop, state, check_precision(precision))
+  return run_steps(step, push, repl, pop, state, check_precision(precision))
 
 
-@functools.partial(jax.jit, static_argnums=(4,))
-def _run_jit(push, repl, pop, state, precision):
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def run_steps(step_fn, push, repl, pop, state, precision):
+  """A window stack's `step_fn(state, push_j, repl_j, pop_j, precision=)
+  -> (state, log α̂_j, log Σα_j)` over T given updates (this module's
+  `step`, `limited_log_stack.step`).
+
+  Returns:
+    (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state).
+  """
   def body(st, acts):
-    st, a_hat, lm = step(st, *acts, precision=precision)
+    st, a_hat, lm = step_fn(st, *acts, precision=precision)
     return st, (a_hat, lm)
 
   xs = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))

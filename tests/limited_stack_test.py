@@ -252,6 +252,12 @@ def test_bad_window_raises_value_error():
   state = limited_stack.initial_state(1, 4, 2, 2)
   with pytest.raises(ValueError, match="state has window"):
     limited_stack.run(push, push, pop, 3, state=state)
+  # The exact window's state (log shares) is not this stack's.
+  from nsrnn_jax import limited_log_stack  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="state must be a "
+                     "limited_stack.WindowState, got LogWindowState"):
+    limited_stack.run(push, push, pop, 4,
+                      state=limited_log_stack.initial_state(1, 4, 2, 2))
   with pytest.raises(ValueError, match="truncation_length"):
     limited_stack.run_coupled(lambda *a: a, {}, (), np.zeros((1, 3), int),
                               2, 2, 3, truncation_length=-1)
