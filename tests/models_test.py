@@ -676,6 +676,7 @@ def test_ns_tables_agree_in_value_and_gradient_float64():
     assert max(np.abs(np.asarray(g)).max() for g in jax.tree.leaves(g1)) > 0
 
 
+@pytest.mark.usefixtures('fast_compile_test')
 @pytest.mark.parametrize('variant', [
     {},
     # The memory-limited stack (limited_log_stack against limited_stack)
