@@ -97,11 +97,10 @@ DEFAULT_NS_TABLE = 'shares'
 NS_ACTION_INITS = ('uniform', 'xavier')
 
 
-def can_run_table(model: str, table: str, window: int = 0) -> bool:
-  """Whether `model` (with a stack window `window`) runs on `table`:
-  every model takes the default; ns any of ``NS_TABLES``; rns and vrns,
-  with or without a window, any of ``RNS_TABLES``."""
-  del window  # Every table of rns and vrns has a windowed form.
+def can_run_table(model: str, table: str) -> bool:
+  """Whether `model` runs on `table`: every model takes the default; ns
+  any of ``NS_TABLES``; rns and vrns, with or without a window, any of
+  ``RNS_TABLES``."""
   if table == DEFAULT_NS_TABLE:
     return True
   if model == 'ns':
@@ -1429,8 +1428,10 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
                 input_lookup=bool(input_lookup))
   if name != 'vrns':
     common['scan_unroll'] = scan_unroll
-  if name not in ('ns', 'rns', 'vrns') and not can_run_table(name,
-                                                             stack_table):
+  if not can_run_table(name, stack_table):
+    if name in ('rns', 'vrns'):
+      raise ValueError(f'stack_table {stack_table!r} does not apply to model '
+                       f'{name}; use ' + ' or '.join(map(repr, RNS_TABLES)))
     raise ValueError(f'stack_table {stack_table!r} applies to models ns, '
                      f'rns and vrns only (model {name!r})')
   if name == 'lstm':
@@ -1456,10 +1457,6 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
         stack_normalize=stack_normalize, stack_reading=stack_reading,
         stack_bottom=stack_bottom, stack_window=stack_window,
         truncation_length=truncation_length))
-    if not can_run_table(name, stack_table, stack_window):
-      raise ValueError(
-          f'stack_table {stack_table!r} does not apply to model rns; use '
-          + ' or '.join(map(repr, RNS_TABLES)))
     return RNSLM(num_states=num_states, num_stack_symbols=num_stack_symbols,
                  normalize=bool(stack_normalize), reading=stack_reading,
                  bottom=stack_bottom, window=int(stack_window),
@@ -1469,9 +1466,6 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
     rns_stack.validate_stack_config(dict(
         stack_window=stack_window, truncation_length=truncation_length))
-    if not can_run_table(name, stack_table):
-      raise ValueError(f'stack_table {stack_table!r} does not apply to model '
-                       'vrns; use ' + ' or '.join(map(repr, RNS_TABLES)))
     return vrns_model.make(
         num_states=num_states, num_stack_symbols=num_stack_symbols,
         stack_vector_size=stack_vector_size,

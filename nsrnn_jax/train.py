@@ -113,8 +113,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if table not in models.NS_TABLES:
     fail("stack_table", f"is {table!r}; expected one of "
          f"{', '.join(models.NS_TABLES)}")
-  window = config.get("stack_window", 0)
-  if not models.can_run_table(model, table, window):
+  if not models.can_run_table(model, table):
     fail("stack_table", f"is {table!r}, which model {model!r} cannot run;"
          f" leave it at {models.DEFAULT_NS_TABLE!r}"
          + (" or use 'log'" if model in ("rns", "vrns") else ""))
