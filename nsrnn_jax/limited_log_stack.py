@@ -127,34 +127,13 @@ def step(state: LogWindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
 
 def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
         precision="highest"):
-  """Runs T updates from `state` (default: the initial state), exactly.
-
-  The contract of `limited_stack.run`, without its flush limit.
-
-  Args:
-    push, repl, pop: log-weights [B,T,Q,S,Q,S], [B,T,Q,S,Q,S], [B,T,Q,S,Q].
-    window: D ≥ 1.
-    bottom: "fixed" or "frozen" (used only for the initial state).
-    state: a LogWindowState to continue from (incremental evaluation).
-    precision: matmul precision name (`ns_stack.MATMUL_PRECISIONS`).
-
-  Returns:
-    (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state) for times
-    1..T after `state`; log α_j = log_alpha_hat_j + log_mass_j.
+  """Runs T updates from `state` (default: the initial state), exactly:
+  the arguments and results of `limited_stack.run` (`state` a
+  `LogWindowState`), without its flush limit. Returns (log_alpha_hat
+  [B, T, Q, S], log_mass [B, T], final state) for times 1..T after `state`.
   """
-  limited_stack.check_window(window)
-  push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
-  b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
-  if state is None:
-    state = initial_state(b, window, q, s, bottom, push.dtype)
-  elif not isinstance(state, LogWindowState):
-    raise ValueError("state must be a limited_log_stack.LogWindowState, got "
-                     f"{type(state).__name__}")
-  elif state.table.shape[2] != window:
-    raise ValueError(f"state has window {state.table.shape[2]}, not "
-                     f"{window}")
-  return limited_stack.run_steps(step, push, repl, pop, state,
-                                 ns_stack.check_precision(precision))
+  return limited_stack.run_given(step, initial_state, LogWindowState, push,
+                                 repl, pop, window, bottom, state, precision)
 
 
 def coupled_parts(batch: int, num_states: int, num_symbols: int,

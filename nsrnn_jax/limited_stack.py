@@ -53,7 +53,7 @@ from nsrnn_jax.ns_stack import check_precision
 Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
-           "run_parts", "run_steps", "run_chunks", "stream_chunk",
+           "run_parts", "run_given", "run_chunks", "stream_chunk",
            "chunk_start", "coupled_parts"]
 
 
@@ -326,28 +326,38 @@ def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
     (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state) for times
     1..T after `state`; log α_j = log_alpha_hat_j + log_mass_j.
   """
-  check_window(window)
-  push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
-  b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
-  if state is None:
-    state = initial_state(b, window, q, s, bottom, push.dtype)
-  elif not isinstance(state, WindowState):
-    raise ValueError("state must be a limited_stack.WindowState, got "
-                     f"{type(state).__name__}")
-  elif state.g.shape[2] != window:
-    raise ValueError(f"state has window {state.g.shape[2]}, not {window}")
-  return run_steps(step, push, repl, pop, state, check_precision(precision))
+  return run_given(step, initial_state, WindowState, push, repl, pop, window,
+                   bottom, state, precision)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def run_steps(step_fn, push, repl, pop, state, precision):
-  """A window stack's `step_fn(state, push_j, repl_j, pop_j, precision=)
-  -> (state, log α̂_j, log Σα_j)` over T given updates (this module's
-  `step`, `limited_log_stack.step`).
+def run_given(step_fn, initial_state_fn, state_type, push, repl, pop,
+              window, bottom, state, precision):
+  """A window stack's `run`: its `step_fn(state, push_j, repl_j, pop_j,
+  precision=) -> (state, log α̂_j, log Σα_j)` over T given updates, from
+  `state` (a `state_type` whose first field's axis 2 is the window) or
+  ``initial_state_fn(B, D, Q, S, bottom, dtype)``. This module's `run`
+  and `limited_log_stack.run`.
 
   Returns:
     (log_alpha_hat [B, T, Q, S], log_mass [B, T], final state).
   """
+  check_window(window)
+  push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
+  b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
+  if state is None:
+    state = initial_state_fn(b, window, q, s, bottom, push.dtype)
+  elif not isinstance(state, state_type):
+    raise ValueError(f"state must be a "
+                     f"{state_type.__module__.rsplit('.', 1)[-1]}."
+                     f"{state_type.__name__}, got {type(state).__name__}")
+  elif state[0].shape[2] != window:
+    raise ValueError(f"state has window {state[0].shape[2]}, not {window}")
+  return _run_steps(step_fn, push, repl, pop, state,
+                    check_precision(precision))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _run_steps(step_fn, push, repl, pop, state, precision):
   def body(st, acts):
     st, a_hat, lm = step_fn(st, *acts, precision=precision)
     return st, (a_hat, lm)
