@@ -119,13 +119,16 @@ def _trained_timing(shares_trace, log_model, params, language, count, rng):
   x = jnp.asarray(np.stack([language.sample(TIMED_LENGTH, rng)
                             for _ in range(count)]), jnp.int32)
   fns = {"shares": shares_trace}
-  for name, mode in (("log", "matmul"), ("log_logsumexp", "logsumexp")):
-    log_stack.POP_CONTRACTION = mode
-    fn = jax.jit(lambda p, x: log_model.apply({"params": p}, x,
-                                              method="trace"))
-    jax.block_until_ready(fn(params, x))   # traced under `mode`
-    fns[name] = fn
-  log_stack.POP_CONTRACTION = "matmul"
+  default = log_stack.POP_CONTRACTION
+  try:
+    for name, mode in (("log", "matmul"), ("log_logsumexp", "logsumexp")):
+      log_stack.POP_CONTRACTION = mode
+      fn = jax.jit(lambda p, x: log_model.apply({"params": p}, x,
+                                                method="trace"))
+      jax.block_until_ready(fn(params, x))   # traced under `mode`
+      fns[name] = fn
+  finally:
+    log_stack.POP_CONTRACTION = default
   out = {}
   for name, fn in fns.items():
     out[name] = machine.median_seconds(fn, params, x, repeats=3)

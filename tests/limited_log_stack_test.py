@@ -48,15 +48,9 @@ def test_matches_windowed_enumeration(x64, bottom, q, s, steps):
 @pytest.mark.parametrize("bottom", ["fixed", "frozen"])
 def test_window_at_least_n_equals_the_unlimited_log_stack(x64, bottom):
   del x64
-  push, repl, pop = _actions(np.random.default_rng(1), 7, 2, 2)
-  hat_u, mass_u = log_stack.run(push, repl, pop, bottom)
-  for window in (8, 10):
-    hat, mass, _ = limited_log_stack.run(push, repl, pop, window, bottom)
-    _assert_log_close(np.asarray(hat), np.asarray(hat_u[:, 1:]), 1e-12)
-    np.testing.assert_allclose(mass, mass_u[:, 1:], rtol=1e-13)
-  # A smaller window really does drop runs.
-  hat, _, _ = limited_log_stack.run(push, repl, pop, 3, bottom)
-  assert np.abs(np.nan_to_num(np.asarray(hat - hat_u[:, 1:]))).max() > 1e-3
+  stack_helpers.check_window_covering_equals_unlimited(
+      limited_log_stack.run, log_stack.run,
+      _actions(np.random.default_rng(1), 7, 2, 2), bottom, (8, 10), 1e-13)
 
 
 @pytest.mark.parametrize("big,dtype", [(100.0, np.float32),

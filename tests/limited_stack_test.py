@@ -58,15 +58,9 @@ def test_matches_windowed_enumeration(x64, bottom, q, s, steps):
 @pytest.mark.parametrize("bottom", ["fixed", "frozen"])
 def test_window_at_least_n_equals_unlimited(x64, bottom):
   rng = np.random.default_rng(1)
-  push, repl, pop = _actions(rng, 2, 8, 2, 2, 10.0, 0.2)
-  hat_u, mass_u = rns_stack.run(push, repl, pop, bottom)
-  for window in (9, 12):
-    hat, mass, _ = limited_stack.run(push, repl, pop, window, bottom)
-    _assert_log_close(np.asarray(hat), np.asarray(hat_u[:, 1:]), 1e-12)
-    np.testing.assert_allclose(mass, mass_u[:, 1:], rtol=1e-14)
-  # A smaller window really does drop runs.
-  hat, _, _ = limited_stack.run(push, repl, pop, 3, bottom)
-  assert np.abs(np.nan_to_num(np.asarray(hat - hat_u[:, 1:]))).max() > 1e-3
+  stack_helpers.check_window_covering_equals_unlimited(
+      limited_stack.run, rns_stack.run,
+      _actions(rng, 2, 8, 2, 2, 10.0, 0.2), bottom, (9, 12), 1e-14)
 
 
 @pytest.mark.parametrize("dtype,atol", [("float64", 1e-12),

@@ -12,6 +12,8 @@
 * `three_kinds_of_actions`: unnormalised, huge and holed log-weights.
 * `log_alpha`, `assert_log_close`: log α from (log α̂, log Σα), and a
   comparison of log-weights that needs −inf exactly where expected.
+* `check_window_covering_equals_unlimited`: a window stack with D ≥ T + 1
+  is the unlimited one, and a small window drops runs.
 * `check_worked_example_window`: a window stack's run on
   rns-vrns-reference.md §6's example against the windowed oracle, whole
   and fed in pieces.
@@ -119,6 +121,21 @@ def assert_log_close(got, want, atol):
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
   fin = np.isfinite(want)
   np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=atol)
+
+
+def check_window_covering_equals_unlimited(run_window, run_unlimited, acts,
+                                           bottom, windows, rtol):
+  """`run_window(push, repl, pop, D, bottom)` with each D of `windows`
+  (all ≥ T + 1) gives `run_unlimited(push, repl, pop, bottom)`'s log α̂
+  (to 1e-12) and log Σα (to `rtol`) at times 1..T; with D = 3 it differs."""
+  hat_u, mass_u = run_unlimited(*acts, bottom)
+  for window in windows:
+    hat, mass, _ = run_window(*acts, window, bottom)
+    assert_log_close(hat, hat_u[:, 1:], 1e-12)
+    np.testing.assert_allclose(mass, mass_u[:, 1:], rtol=rtol)
+  # A smaller window really does drop runs.
+  hat, _, _ = run_window(*acts, 3, bottom)
+  assert np.abs(np.nan_to_num(np.asarray(hat - hat_u[:, 1:]))).max() > 1e-3
 
 
 def check_worked_example_window(run, dtype, atol, bottom, splits):
