@@ -383,7 +383,9 @@ class _AbandonedReadFilter(logging_std.Filter):
   The reads a failed restore leaves behind (see
   `_without_closed_loop_tracebacks`) end in exceptions nobody awaits, which
   asyncio logs with their whole tensorstore spec when the garbage collector
-  reaches them, at any later point of the run. Only those are dropped.
+  reaches them, at any later point of the run. Only those are dropped: the
+  message names an array read, or (a `gather` of reads, whose message holds
+  only the exception's text) its traceback passes through one.
   """
 
   def filter(self, record) -> bool:
@@ -391,7 +393,18 @@ class _AbandonedReadFilter(logging_std.Filter):
     return not ("exception was never retrieved" in message
                 and ("tensorstore" in message
                      or "async_deserialize" in message
-                     or _ARRAY_READ_COROUTINE in message))
+                     or _ARRAY_READ_COROUTINE in message
+                     or _raised_in_array_read(record.exc_info)))
+
+
+def _raised_in_array_read(exc_info) -> bool:
+  """Whether a logged exception was raised inside Orbax's array read."""
+  traceback = exc_info[2] if exc_info else None
+  while traceback is not None:
+    if traceback.tb_frame.f_code.co_name == _ARRAY_READ_COROUTINE:
+      return True
+    traceback = traceback.tb_next
+  return False
 
 
 _ABANDONED_READ_FILTER = _AbandonedReadFilter()
