@@ -704,6 +704,10 @@ def build_parser():
 def main():
   parser = build_parser()
   args = parser.parse_args()
+  unknown = [n for n in args.models.split(",") if n and n not in SETTINGS]
+  if unknown:
+    parser.error(f"--models: unknown {', '.join(unknown)}; choose from "
+                 f"{', '.join(SETTINGS)}")
   if (args.cpu_devices > jax.device_count() and jax.default_backend() == "cpu"
       and not os.environ.get("NSRNN_BENCH_CHILD")):
     sys.exit(_reexec_with_devices(args.cpu_devices))

@@ -7,9 +7,15 @@ product in every backward block) and nothing else that the step computes,
 or its time difference would not be their cost.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 
 from nsrnn_jax import rns_stack
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_table_matmul_cost_variant_drops_only_the_table_products(
@@ -33,3 +39,15 @@ def test_table_matmul_cost_variant_drops_only_the_table_products(
   zeroed.time_once()
   _, metrics = zeroed.step(zeroed.state, zeroed.batch)
   assert np.isfinite(float(metrics["loss"]))
+
+
+def test_an_unknown_model_is_one_line_and_exit_2():
+  # Before anything is measured (the machine's matmul and read rates come
+  # first), not a KeyError traceback after them.
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "train_step.py"),
+       "--models=ns22,ns2", f"--out={os.devnull}"],
+      capture_output=True, text=True, timeout=300, check=False)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+  assert "--models: unknown ns2; choose from ns22, ns33" in lines[0]
