@@ -115,7 +115,13 @@ def main():
     cli.fail("--cores must be >= 2, --window > 0, --rounds >= 1")
   sys.path[:0] = [REPO, HERE]
   import machine  # pylint: disable=g-import-not-at-top
+  import train_step  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
+  unknown = [m for m in args.models.split(",")
+             if m not in train_step.SETTINGS]
+  if unknown:
+    parser.error(f"--models: unknown {', '.join(unknown)}; choose from "
+                 f"{', '.join(train_step.SETTINGS)}")
   usable = parallel.usable_cores()
   if usable is None:
     cli.fail("this OS cannot pin a process to cores")

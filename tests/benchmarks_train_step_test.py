@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from nsrnn_jax import rns_stack
 
@@ -41,11 +42,13 @@ def test_table_matmul_cost_variant_drops_only_the_table_products(
   assert np.isfinite(float(metrics["loss"]))
 
 
-def test_an_unknown_model_is_one_line_and_exit_2():
+@pytest.mark.parametrize("script", ["train_step.py", "concurrent_steps.py"])
+def test_an_unknown_model_is_one_line_and_exit_2(script):
   # Before anything is measured (the machine's matmul and read rates come
-  # first), not a KeyError traceback after them.
+  # first), not a KeyError traceback (train_step) or a child's exit status
+  # (concurrent_steps) after them.
   proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, "benchmarks", "train_step.py"),
+      [sys.executable, os.path.join(REPO, "benchmarks", script),
        "--models=ns22,ns2", f"--out={os.devnull}"],
       capture_output=True, text=True, timeout=300, check=False)
   lines = proc.stderr.strip().splitlines()
