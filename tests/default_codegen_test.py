@@ -35,3 +35,21 @@ def test_float32_tests_pass_under_xla_default_codegen():
   # The selection is not empty: a renamed test would drop out silently.
   passed = int(summary.split(" passed")[0].split()[-1])
   assert passed >= 30, summary
+
+
+def test_a_flag_this_jaxlib_does_not_know_is_left_out(monkeypatch):
+  # XLA aborts a process whose XLA_FLAGS holds a flag it does not know: a
+  # jaxlib that drops the emitter flag must get XLA's default, not a dead
+  # session. The probe is what decides.
+  monkeypatch.setattr(conftest, "TEST_CODEGEN_FLAG",
+                      "--xla_cpu_no_such_flag_for_nsrnn=false")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+  monkeypatch.delenv(conftest.DEFAULT_CODEGEN_ENV, raising=False)
+  conftest._use_test_codegen()  # pylint: disable=protected-access
+  assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
+  monkeypatch.setattr(conftest, "TEST_CODEGEN_FLAG",
+                      "--xla_cpu_use_fusion_emitters=true")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+  conftest._use_test_codegen()  # pylint: disable=protected-access
+  assert os.environ["XLA_FLAGS"] == ("--xla_cpu_enable_fast_math=false "
+                                     "--xla_cpu_use_fusion_emitters=true")
