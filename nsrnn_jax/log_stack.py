@@ -212,7 +212,10 @@ def pop_rows_of(table, m_byrkt, cols_before, precision="highest"):
   K·T·sqrt(tiny) of it. If any entry whose row and column are not all
   −inf has a smaller sum (a run far behind its row's and column's best,
   exactly what the share table loses), the update takes the logsumexp
-  instead (`lax.cond`, one branch runs; autodiff follows it).
+  instead (`lax.cond`, one branch runs). The gradient is written out the
+  same way (two matmuls, or the logsumexp's own gradient), keeping only
+  the inputs and the output: autodiff through the cond kept both branches'
+  residuals at every update (1.5x the log table's gradient temporaries).
 
   Args:
     table: L [B, Y, I, Q, X, K, T].
@@ -227,6 +230,12 @@ def pop_rows_of(table, m_byrkt, cols_before, precision="highest"):
                      f"{POP_CONTRACTIONS}, got {POP_CONTRACTION!r}")
   if POP_CONTRACTION == "logsumexp":
     return _pop_rows_by_logsumexp(table, m_byrkt)
+  return _pop_rows_by_matmul(table, m_byrkt, cols_before, precision)
+
+
+def _shifted_exponentials(table, m_byrkt, cols_before):
+  """(row_max, col_max, c, d, e_rows [B,Y,I·Q·X,K·T], e_cols [B,Y,R,K·T])
+  of `pop_rows_of`: e^{L−c} and e^{M−d}, every entry ≤ 1."""
   b, y, i, q, x, k, t = table.shape
   r = m_byrkt.shape[2]
   rows = jnp.where(cols_before[:, None], table, -jnp.inf)
@@ -237,19 +246,76 @@ def pop_rows_of(table, m_byrkt, cols_before, precision="highest"):
   e_rows = jnp.exp(rows - c[..., None, None]).reshape(b, y, i * q * x,
                                                       k * t)
   e_cols = jnp.exp(m_byrkt - d[..., None, None]).reshape(b, y, r, k * t)
+  return row_max, col_max, c, d, e_rows, e_cols
+
+
+def _pop_rows_primal(table, m_byrkt, cols_before, precision):
+  """`pop_rows_of` by matmul, and whether the matmul was exact (else the
+  logsumexp gave the value)."""
+  b, y, i, q, x, _, _ = table.shape
+  r = m_byrkt.shape[2]
+  row_max, col_max, c, d, e_rows, e_cols = _shifted_exponentials(
+      table, m_byrkt, cols_before)
   sums = lax.dot_general(e_rows, e_cols, (((3,), (3,)), ((0, 1), (0, 1))),
                          precision=rns_stack.lax_precision(precision)
-                         ).reshape(
-                             b, y, i, q, x, r)
+                         ).reshape(b, y, i, q, x, r)
   live = (jnp.isfinite(row_max)[..., None]
           & jnp.isfinite(col_max)[:, :, None, None, None])
   exact = jnp.all(~live | (sums >= float(jnp.finfo(table.dtype).tiny) ** 0.5))
   ok = sums > 0
   fast = jnp.where(ok, jnp.log(jnp.where(ok, sums, 1)) + c[..., None]
                    + d[:, :, None, None, None], -jnp.inf)
-  return lax.cond(exact, lambda f, *_: f,
-                  lambda f, tb, mm: _pop_rows_by_logsumexp(tb, mm), fast,
-                  table, m_byrkt)
+  out = lax.cond(exact, lambda f, *_: f,
+                 lambda f, tb, mm: _pop_rows_by_logsumexp(tb, mm), fast,
+                 table, m_byrkt)
+  return out, exact
+
+
+# The gradient is written out (below) so that it keeps only the inputs and
+# the output: autodiff through the `lax.cond` keeps the residuals of both
+# branches, the logsumexp's Q-times-the-table terms included, at every
+# update.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _pop_rows_by_matmul(table, m_byrkt, cols_before, precision):
+  return _pop_rows_primal(table, m_byrkt, cols_before, precision)[0]
+
+
+def _pop_rows_by_matmul_fwd(table, m_byrkt, cols_before, precision):
+  out, exact = _pop_rows_primal(table, m_byrkt, cols_before, precision)
+  return out, (table, m_byrkt, cols_before, out, exact)
+
+
+def _pop_rows_by_matmul_bwd(precision, res, out_ct):
+  """d out / d L = Σ_r g·e^{L+M−out}, d out / d M = Σ_{i,q,x} g·e^{L+M−out}:
+  two matmuls of the shifted exponentials with w = g·e^{c+d−out} where
+  the forward's matmul was exact (there every live sum is ≥ sqrt(tiny),
+  so w ≤ |g|/sqrt(tiny)); else the logsumexp's own gradient."""
+  table, m_byrkt, cols_before, out, exact = res
+  lax_precision = rns_stack.lax_precision(precision)
+
+  def by_matmul(g):
+    b, y, i, q, x, k, t = table.shape
+    r = m_byrkt.shape[2]
+    _, _, c, d, e_rows, e_cols = _shifted_exponentials(table, m_byrkt,
+                                                       cols_before)
+    live = jnp.isfinite(out)
+    w = jnp.where(live, g * jnp.exp(
+        c[..., None] + d[:, :, None, None, None] - jnp.where(live, out, 0)),
+                  0).reshape(b, y, i * q * x, r)
+    d_rows = e_rows * lax.dot_general(
+        w, e_cols, (((3,), (2,)), ((0, 1), (0, 1))), precision=lax_precision)
+    d_cols = e_cols * lax.dot_general(
+        w, e_rows, (((2,), (2,)), ((0, 1), (0, 1))), precision=lax_precision)
+    return d_rows.reshape(table.shape), d_cols.reshape(m_byrkt.shape)
+
+  def by_logsumexp(g):
+    return jax.vjp(_pop_rows_by_logsumexp, table, m_byrkt)[1](g)
+
+  table_ct, m_ct = lax.cond(exact, by_matmul, by_logsumexp, out_ct)
+  return table_ct, m_ct, None
+
+
+_pop_rows_by_matmul.defvjp(_pop_rows_by_matmul_fwd, _pop_rows_by_matmul_bwd)
 
 
 def _pop_rows_by_logsumexp(table, m_byrkt):
