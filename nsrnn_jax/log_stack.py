@@ -58,7 +58,7 @@ Cost: per update, the pop contraction is a log-matmul of B·(j1+1)·j1·Q³·S²
 terms for block end j1 (the replace one B·(j1+1)·Q³·S³), so time is
 O(B·T³·Q³·S²) like rns_stack. It runs as a matmul of shifted
 exponentials where that is exact to rounding, else over the materialised
-terms (`pop_rows_of`): 19-23x rns_stack's time at n = 80 on CPU
+terms (`pop_rows_of`): 14-23x rns_stack's time at n = 80 on CPU
 (benchmarks/log_stack.py).
 """
 
