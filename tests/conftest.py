@@ -13,7 +13,8 @@ user set XLA_PYTHON_CLIENT_PREALLOCATE), so that the workers share it.
 * Test codegen: the session compiles with XLA's previous CPU fusion code
   generator (`--xla_cpu_use_fusion_emitters=false` appended to XLA_FLAGS,
   inherited by the workers and subprocesses) where this jaxlib knows the
-  flag. The suite's time is mostly compiling hundreds of small programs,
+  flag and the default backend is the CPU (a GPU/TPU session keeps XLA's
+  defaults). The suite's time is mostly compiling hundreds of small programs,
   and that generator compiles them faster: on 2 CPU cores the whole suite
   took 828 s with XLA's default and 536 s with it, all tests passing both
   ways. The library keeps XLA's default (its NS-RNN train step runs faster
@@ -70,7 +71,8 @@ DEFAULT_CODEGEN_ENV = "NSRNN_TEST_DEFAULT_CODEGEN"
 
 
 def _use_test_codegen():
-  """Appends TEST_CODEGEN_FLAG to XLA_FLAGS if this jaxlib accepts it.
+  """Appends TEST_CODEGEN_FLAG to XLA_FLAGS if this jaxlib accepts it and
+  JAX's default backend is the CPU.
 
   Runs before any backend starts in this process (XLA reads XLA_FLAGS when
   the backend starts); the xdist workers and the tests' subprocesses
@@ -82,10 +84,14 @@ def _use_test_codegen():
     return
   candidate = f"{flags} {TEST_CODEGEN_FLAG}".strip()
   probe = subprocess.run(
-      [sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"],
-      env=dict(os.environ, XLA_FLAGS=candidate, JAX_PLATFORMS="cpu"),
-      capture_output=True, timeout=300, check=False)
-  if probe.returncode == 0:
+      [sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0); "
+       "print(jax.default_backend())"],
+      env=dict(os.environ, XLA_FLAGS=candidate), capture_output=True,
+      text=True, timeout=300, check=False)
+  # On a GPU or TPU the session keeps XLA's defaults whole (its tests run
+  # on that backend's compiler; issue 11 asks for the suite there at the
+  # default environment).
+  if probe.returncode == 0 and probe.stdout.split()[-1:] == ["cpu"]:
     os.environ["XLA_FLAGS"] = candidate
 
 
