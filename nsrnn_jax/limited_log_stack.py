@@ -18,10 +18,13 @@ j) to −inf in every column, exactly as `limited_stack` writes and clears
 its share ring. The column sums log c_k are recomputed from the window at
 each update (the row cleared at update j changes every column's sum).
 
-Gradient: autodiff of the scan with each update rematerialised
-(`jax.checkpoint`): a chunk of L updates keeps its L windows, O(L·D²)
-memory, the same as `limited_stack`'s "autodiff" window VJP (its default
-keeps O(L·D) by rebuilding the windows in reverse).
+Gradient: in a chunk of L coupled steps (`run_coupled`, the models'
+training and streams), a reverse sweep as `limited_stack`'s: the forward
+keeps the column and the row each update overwrites, O(L·D) memory, and
+the backward rebuilds the windows in reverse and re-differentiates each
+update (`limited_stack.WINDOW_VJP`: "custom", the default). With
+"autodiff", and for `run` / `step` on given actions, autodiff of the scan
+with each update rematerialised (`jax.checkpoint`): the L windows, O(L·D²).
 
 Cost per update: the pop term is a log-matmul of B·D²·Q³·S² terms
 (`log_stack.pop_rows_of`: a matmul where that is exact to rounding, else a
@@ -32,11 +35,13 @@ Shape legend: B batch, T updates, D window, Q states, S stack symbols,
 Y/X symbols in roles, L chunk length.
 """
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from nsrnn_jax import limited_stack
 from nsrnn_jax import log_stack
@@ -136,6 +141,119 @@ def run(push, repl, pop, window, bottom=rns_stack.FIXED, state=None,
                                  repl, pop, window, bottom, state, precision)
 
 
+# ---------------------------------------------------------------------------
+# A chunk of coupled steps with a reversible window (the training path).
+# ---------------------------------------------------------------------------
+#
+# As `limited_stack._window_scan`: an update changes the window in one
+# column slot (written) and one row slot (cleared), so the forward keeps
+# those two slices (O(L·D)) instead of a window per update (O(L·D²) under
+# autodiff of the scan), and the backward rebuilds each window from the
+# one after it and re-differentiates the update (jax.vjp of `_update`, as
+# `log_stack`'s reverse sweep) and the controller step.
+
+
+def _log_window_scan_forward(step_fn, reading, precision, params, ctrl0,
+                             state0, xs_T, keep):
+  def body(carry, x):
+    ctrl, table, a_prev, lm_prev, head = carry
+    rho = rns_stack.readout(a_prev, reading)[0]
+    ctrl_new, acts, out = step_fn(params, ctrl, x, rho)
+    st, a_hat, lm = _update(LogWindowState(table, a_prev, lm_prev, head),
+                            *acts, precision)
+    saved = None
+    if keep:
+      nxt = (head + 1) % table.shape[2]
+      # What update j overwrote (the rest of the window is unchanged).
+      saved = (ctrl, a_prev, lm_prev, head,
+               lax.dynamic_index_in_dim(table, nxt, axis=5, keepdims=False),
+               lax.dynamic_index_in_dim(table, nxt, axis=2, keepdims=False))
+    return (ctrl_new, st.table, a_hat, lm, st.head), (out, a_hat, lm, saved)
+
+  carry = (ctrl0, state0.table, state0.a_hat, state0.log_mass, state0.head)
+  return lax.scan(body, carry, xs_T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _log_window_scan(step_fn, reading, precision, params, ctrl0, state0,
+                     xs_T):
+  (ctrl, table, a, lm, head), (outs, a_hats, lms, _) = (
+      _log_window_scan_forward(step_fn, reading, precision, params, ctrl0,
+                               state0, xs_T, False))
+  return ctrl, LogWindowState(table, a, lm, head), outs, a_hats, lms
+
+
+def _log_window_scan_fwd(step_fn, reading, precision, params, ctrl0, state0,
+                         xs_T):
+  (ctrl, table, a, lm, head), (outs, a_hats, lms, saved) = (
+      _log_window_scan_forward(step_fn, reading, precision, params, ctrl0,
+                               state0, xs_T, True))
+  out = (ctrl, LogWindowState(table, a, lm, head), outs, a_hats, lms)
+  return out, (params, xs_T, table, saved)
+
+
+def _log_window_scan_bwd(step_fn, reading, precision, resid, cts):
+  params, xs_T, table_last, saved = resid
+  ctrl_ct, state_ct, outs_ct, a_hats_ct, lms_ct = cts
+
+  def body(carry, inp):
+    table, table_ct, ctrl_ct, a_ct, lm_ct, p_ct = carry
+    x, out_ct, a_out_ct, lm_out_ct, sv = inp
+    ctrl_prev, a_prev, lm_prev, head, old_col, old_row = sv
+    # The window before update j: its cleared row and written column back.
+    nxt = (head + 1) % table.shape[2]
+    table = lax.dynamic_update_index_in_dim(table, old_row, nxt, axis=2)
+    table = lax.dynamic_update_index_in_dim(table, old_col, nxt, axis=5)
+    xf, merge = rns_stack.float_inputs(x)
+
+    def ctrl(p, c, ap, xf):
+      return step_fn(p, c, merge(xf), rns_stack.readout(ap, reading)[0])
+
+    (_, acts, _), ctrl_vjp = jax.vjp(ctrl, params, ctrl_prev, a_prev, xf)
+
+    def update(tb, ap, lp, acts):
+      st, a_hat, lm = _update(LogWindowState(tb, ap, lp, head), *acts,
+                              precision)
+      return st.table, a_hat, lm
+
+    _, update_vjp = jax.vjp(update, table, a_prev, lm_prev, acts)
+    table_ct, d_a, d_lm, d_acts = update_vjp(
+        (table_ct, a_ct + a_out_ct, lm_ct + lm_out_ct))
+    dp, dc, d_a_ctrl, dxf = ctrl_vjp((ctrl_ct, d_acts, out_ct))
+    p_ct = jax.tree_util.tree_map(jnp.add, p_ct, dp)
+    return (table, table_ct, dc, d_a + d_a_ctrl, d_lm, p_ct), dxf
+
+  init = (table_last, state_ct.table, ctrl_ct, state_ct.a_hat,
+          state_ct.log_mass, jax.tree_util.tree_map(jnp.zeros_like, params))
+  (_, table_ct, ctrl_ct, a_ct, lm_ct, p_ct), dxf_T = lax.scan(
+      body, init, (xs_T, outs_ct, a_hats_ct, lms_ct, saved), reverse=True)
+  xs_ct = rns_stack.inputs_cotangent(xs_T, dxf_T)
+  state0_ct = LogWindowState(table_ct, a_ct, lm_ct,
+                             np.zeros((), jax.dtypes.float0))
+  return p_ct, ctrl_ct, state0_ct, xs_ct
+
+
+_log_window_scan.defvjp(_log_window_scan_fwd, _log_window_scan_bwd)
+
+
+def _coupled_log_window_scan(reading, precision, step_fn, params, carry,
+                             xs_chunk):
+  """`limited_stack.stream_chunk`'s scan of coupled steps for this window.
+
+  Same values and gradients as ``lax.scan`` over (controller step, `step`)
+  (`limited_stack.run_chunks`' generic loop); memory O(L·D) rather than
+  O(L·D²).
+
+  Returns:
+    ((controller carry, LogWindowState), (outs, (log α̂_j, log Σα_j))), all
+    time-major [L, B, ...].
+  """
+  ctrl, st = carry
+  ctrl, st, outs, a_hats, lms = _log_window_scan(step_fn, reading, precision,
+                                                 params, ctrl, st, xs_chunk)
+  return (ctrl, st), (outs, (a_hats, lms))
+
+
 def coupled_parts(batch: int, num_states: int, num_symbols: int,
                   window: int, bottom: str = rns_stack.FIXED,
                   reading: str = rns_stack.STATE, dtype=jnp.float32,
@@ -150,6 +268,10 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
     st, a_hat, lm = step(st, *acts, precision=precision)
     return st, (a_hat, lm)
 
+  if limited_stack.WINDOW_VJP == "custom":
+    # stream_chunk's fast path: the chunk's scan with the reversible window.
+    update.coupled_scan = functools.partial(_coupled_log_window_scan,
+                                            reading, precision)
   read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
   return update, read, state0
 

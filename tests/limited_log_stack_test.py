@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import limited_stack_test as window_helpers
 import pda_oracle
 import stack_helpers
 from nsrnn_jax import limited_log_stack
@@ -170,3 +171,68 @@ def test_bad_input_is_a_clear_error():
   state = limited_log_stack.initial_state(1, 3, 1, 2)
   with pytest.raises(ValueError, match="state has window 3, not 2"):
     limited_log_stack.run(push, push, pop, 2, state=state)
+
+
+@pytest.mark.parametrize("bottom,boundary", [("fixed", "iclr2023"),
+                                             ("frozen", "iclr2022")])
+def test_reversible_window_gradients_equal_autodiff(x64, monkeypatch, bottom,
+                                                    boundary):
+  # A chunk of coupled steps runs as the reverse sweep that rebuilds each
+  # window from the next one and the two slices its update overwrote
+  # (WINDOW_VJP "custom", the default) against autodiff of the generic scan
+  # of the same steps ("autodiff"): the window wrapping around its ring,
+  # chunks of 3 steps with either boundary, gradients of the controller's
+  # parameters and initial carry.
+  q, s, b, t, window = 2, 2, 2, 9, 3
+  rng = np.random.default_rng(23)
+  step_fn = window_helpers._controller(q, s)
+  params = window_helpers._controller_params(rng, q, s)
+  h0 = jnp.asarray(rng.normal(size=(b, window_helpers._H)))
+  xs = jnp.asarray(rng.integers(0, window_helpers._V, size=(b, t)))
+  c1 = rng.normal(size=(b, t, window_helpers._V))
+  c2 = rng.normal(size=(b, t + 1, q * s))
+
+  def coupled():
+    def loss(p, h):
+      outs, hat, lm = limited_log_stack.run_coupled(
+          step_fn, p, h, xs, q, s, window, bottom, truncation_length=3,
+          actions_fn=(window_helpers._actions_of(q, s)
+                      if boundary == "iclr2023" else None))
+      return (jnp.sum(c1 * outs) + jnp.sum(c2 * jnp.exp(hat).reshape(
+          b, t + 1, q * s)) + 0.01 * jnp.sum(lm))
+    return jax.value_and_grad(loss, (0, 1))(params, h0)
+
+  got = window_helpers._with_window_vjp(monkeypatch, "custom", coupled)
+  want = window_helpers._with_window_vjp(monkeypatch, "autodiff", coupled)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+  for g, w in zip(jax.tree_util.tree_leaves(got[1]),
+                  jax.tree_util.tree_leaves(want[1])):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+  assert np.any(np.asarray(got[1][1]) != 0)  # the initial carry is trained
+
+
+def test_reversible_window_keeps_linear_memory_in_the_window(monkeypatch):
+  # What one more step of a chunk adds to the gradient's memory, at D = 16
+  # (one chunk of L = 40 steps against 80): a D × D window under autodiff
+  # of the scan, two D-sized slices (1/8 of a window) under the reverse
+  # sweep.
+  q, s, b, window = 2, 2, 2, 16
+  rng = np.random.default_rng(3)
+  step_fn = window_helpers._controller(q, s)
+  params = window_helpers._controller_params(rng, q, s, np.float32)
+  h0 = jnp.zeros((b, window_helpers._H), jnp.float32)
+
+  def temp_bytes(mode, t):
+    monkeypatch.setattr(limited_stack, "WINDOW_VJP", mode)
+    xs = jnp.asarray(rng.integers(0, window_helpers._V, size=(b, t)))
+    loss = lambda p: jnp.sum(limited_log_stack.run_coupled(
+        step_fn, p, h0, xs, q, s, window)[1])
+    compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  per_step = {mode: (temp_bytes(mode, 80) - temp_bytes(mode, 40)) / 40
+              for mode in ("custom", "autodiff")}
+  window_bytes = 4 * b * s * window * q * s * window * q
+  assert per_step["autodiff"] >= window_bytes, (per_step, window_bytes)
+  assert per_step["custom"] <= window_bytes / 4, (per_step, window_bytes)
