@@ -236,24 +236,6 @@ def _log_window_scan_bwd(step_fn, reading, precision, resid, cts):
 _log_window_scan.defvjp(_log_window_scan_fwd, _log_window_scan_bwd)
 
 
-def _coupled_log_window_scan(reading, precision, step_fn, params, carry,
-                             xs_chunk):
-  """`limited_stack.stream_chunk`'s scan of coupled steps for this window.
-
-  Same values and gradients as ``lax.scan`` over (controller step, `step`)
-  (`limited_stack.run_chunks`' generic loop); memory O(L·D) rather than
-  O(L·D²).
-
-  Returns:
-    ((controller carry, LogWindowState), (outs, (log α̂_j, log Σα_j))), all
-    time-major [L, B, ...].
-  """
-  ctrl, st = carry
-  ctrl, st, outs, a_hats, lms = _log_window_scan(step_fn, reading, precision,
-                                                 params, ctrl, st, xs_chunk)
-  return (ctrl, st), (outs, (a_hats, lms))
-
-
 def coupled_parts(batch: int, num_states: int, num_symbols: int,
                   window: int, bottom: str = rns_stack.FIXED,
                   reading: str = rns_stack.STATE, dtype=jnp.float32,
@@ -270,8 +252,8 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
 
   if limited_stack.WINDOW_VJP == "custom":
     # stream_chunk's fast path: the chunk's scan with the reversible window.
-    update.coupled_scan = functools.partial(_coupled_log_window_scan,
-                                            reading, precision)
+    update.coupled_scan = limited_stack.coupled_scan_of(
+        _log_window_scan, reading, precision)
   read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
   return update, read, state0
 

@@ -187,7 +187,7 @@ _window_update.defvjp(_window_update_fwd, _window_update_bwd)
 # benchmarks/window_vjp.py has the before/after). An update changes the
 # window only in one column slot and one row slot, so the backward can
 # rebuild the window before update j from the one after it and the two
-# slices the update overwrote: `_coupled_window_scan` saves those (L·D) and
+# slices the update overwrote: `_window_scan` saves those (L·D) and
 # sweeps the chunk in reverse with the window as a carry, differentiating
 # each update with `_window_update_bwd` and the controller with `jax.vjp`.
 
@@ -275,21 +275,25 @@ def _window_scan_bwd(step_fn, reading, precision, resid, cts):
 _window_scan.defvjp(_window_scan_fwd, _window_scan_bwd)
 
 
-def _coupled_window_scan(reading, precision, step_fn, params, carry,
-                         xs_chunk):
-  """`stream_chunk`'s scan of coupled steps for this module's window.
+def coupled_scan_of(window_scan, reading, precision):
+  """`stream_chunk`'s scan of coupled steps from a window stack's
+  custom-VJP chunk scan (`_window_scan`, `limited_log_stack`'s).
 
-  Same values and gradients as ``lax.scan`` over (controller step, `step`)
-  (`run_chunks`' generic loop); memory O(L·D) rather than O(L·D²).
-
-  Returns:
-    ((controller carry, WindowState), (outs, (log α̂_j, log Σα_j))), all
-    time-major [L, B, ...].
+  ``window_scan(step_fn, reading, precision, params, ctrl, state, xs)``
+  returns (ctrl, state, outs, log α̂_j's, log Σα_j's); the result has the
+  signature of ``lax.scan`` over (controller step, update), with the same
+  values and gradients as that generic loop (`run_chunks`'), and returns
+  ((controller carry, state), (outs, (log α̂_j, log Σα_j))), all
+  time-major [L, B, ...].
   """
-  ctrl, st = carry
-  ctrl, st, outs, a_hats, lms = _window_scan(step_fn, reading, precision,
-                                             params, ctrl, st, xs_chunk)
-  return (ctrl, st), (outs, (a_hats, lms))
+
+  def scan(step_fn, params, carry, xs_chunk):
+    ctrl, st = carry
+    ctrl, st, outs, a_hats, lms = window_scan(step_fn, reading, precision,
+                                              params, ctrl, st, xs_chunk)
+    return (ctrl, st), (outs, (a_hats, lms))
+
+  return scan
 
 
 def step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
@@ -437,7 +441,7 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
 
   With WINDOW_VJP = "custom" (as when this is called), ``update`` carries
   ``coupled_scan``: `stream_chunk` then runs a chunk's steps as
-  `_coupled_window_scan` (same values and gradients, O(L·D) memory).
+  `_window_scan` (same values and gradients, O(L·D) memory).
   """
   state0 = initial_state(batch, window, num_states, num_symbols, bottom,
                          dtype)
@@ -448,8 +452,7 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
 
   if WINDOW_VJP == "custom":
     # stream_chunk's fast path: the chunk's scan with the reversible window.
-    update.coupled_scan = functools.partial(_coupled_window_scan, reading,
-                                            precision)
+    update.coupled_scan = coupled_scan_of(_window_scan, reading, precision)
   read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
   return update, read, state0
 
@@ -471,7 +474,7 @@ def run_chunks(step_fn: Callable[..., Any],
       state), xs) -> ((ctrl, state), (outs, stack_out))`` that replaces
       the chunk's ``lax.scan`` over (controller step, update) with the
       same values and gradients (this module's window:
-      `_coupled_window_scan`).
+      `_window_scan`).
     read: ``read(state) -> reading``, what the controller reads.
     params, init_carry: differentiable pytrees.
     state0: the stack state before update 1 (differentiable: it may depend
@@ -587,7 +590,7 @@ def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
 
   def scan(carry, xs):
     # An update may bring its own scan of coupled steps (same values and
-    # gradients; e.g. `_coupled_window_scan`'s O(L·D) memory).
+    # gradients; e.g. `_window_scan`'s O(L·D) memory).
     if coupled_scan is not None:
       return coupled_scan(step_fn, params, carry, xs)
     return lax.scan(one_step, carry, xs)
