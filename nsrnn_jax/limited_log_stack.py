@@ -47,6 +47,7 @@ from nsrnn_jax import limited_stack
 from nsrnn_jax import log_stack
 from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
+from nsrnn_jax.limited_stack import _controller_step  # pylint: disable=protected-access
 from nsrnn_jax.ns_stack import logsumexp_guarded as _lse  # -inf-safe
 
 Array = jax.Array
@@ -157,8 +158,8 @@ def _log_window_scan_forward(step_fn, reading, precision, params, ctrl0,
                              state0, xs_T, keep):
   def body(carry, x):
     ctrl, table, a_prev, lm_prev, head = carry
-    rho = rns_stack.readout(a_prev, reading)[0]
-    ctrl_new, acts, out = step_fn(params, ctrl, x, rho)
+    ctrl_new, acts, out = _controller_step(step_fn, reading, params, ctrl, x,
+                                           a_prev)
     st, a_hat, lm = _update(LogWindowState(table, a_prev, lm_prev, head),
                             *acts, precision)
     saved = None
@@ -207,7 +208,7 @@ def _log_window_scan_bwd(step_fn, reading, precision, resid, cts):
     xf, merge = rns_stack.float_inputs(x)
 
     def ctrl(p, c, ap, xf):
-      return step_fn(p, c, merge(xf), rns_stack.readout(ap, reading)[0])
+      return _controller_step(step_fn, reading, p, c, merge(xf), ap)
 
     (_, acts, _), ctrl_vjp = jax.vjp(ctrl, params, ctrl_prev, a_prev, xf)
 
