@@ -10,6 +10,9 @@ interleaved in one process:
 * `chunk`: the gradient of `limited_stack.run_coupled` (a tanh controller,
   H = 8, Q-S = 2-3) for B = 10 strings of n = 80 at windows D = 10 and 35,
   one chunk (no truncation); median wall time and XLA's temporary memory;
+* `log chunk`: the same gradient through `limited_log_stack.run_coupled`
+  (the window's log table, config.stack_table = "log"), whose "custom"
+  reverse sweep re-differentiates each update with `jax.vjp`;
 * `ptb`: the PTB RNS-RNN's corpus train step (configs/ptb_rns.py: V =
   10,000, H = 256, B = 32, T = D = 35, input by lookup), forward, backward
   and SGD update of one BPTT chunk.
@@ -37,6 +40,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 
 import corpus_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import limited_log_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -44,8 +48,10 @@ from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-po
 MODES = ("custom", "autodiff")
 
 
-def _chunk_gradient(window, batch=10, length=80, q=2, s=3, hidden=8):
-  """(compiled gradient, its args) of one coupled chunk at this window."""
+def _chunk_gradient(window, batch=10, length=80, q=2, s=3, hidden=8,
+                    stack=limited_stack):
+  """(call of the compiled gradient, its memory analysis) of one coupled
+  chunk at this window; `stack` is `limited_stack` or `limited_log_stack`."""
   rng = np.random.default_rng(0)
   f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   params = {"wr": f(q * s, hidden), "wx": f(hidden, hidden),
@@ -58,7 +64,7 @@ def _chunk_gradient(window, batch=10, length=80, q=2, s=3, hidden=8):
     return h, rns_stack.split_action_logits(h @ p["wa"], q, s, False), h
 
   def loss(p):
-    outs, hat, lm = limited_stack.run_coupled(
+    outs, hat, lm = stack.run_coupled(
         step_fn, p, jnp.zeros((batch, hidden)), xs, q, s, window)
     return (jnp.sum(outs) + jnp.sum(w * jnp.exp(hat))
             + 0.01 * jnp.sum(lm))
@@ -109,13 +115,15 @@ def main():
   def mib(analysis):
     return round(analysis.temp_size_in_bytes / 2**20, 1)
 
-  for window in (10, 35):
-    res = _timed(lambda w=window: (lambda f, m: (f, mib(m)))(
-        *_chunk_gradient(w)), args.reps)
-    rows.append({"case": "chunk", "label": f"chunk gradient, D = {window}",
-                 "window": window, "batch": 10, "length": 80,
-                 **{f"{m}_ms": round(1e3 * res[m][0], 2) for m in MODES},
-                 **{f"{m}_temp_mib": res[m][1] for m in MODES}})
+  for case, stack in (("chunk", limited_stack),
+                      ("log chunk", limited_log_stack)):
+    for window in (10, 35):
+      res = _timed(lambda w=window, st=stack: (lambda f, m: (f, mib(m)))(
+          *_chunk_gradient(w, stack=st)), args.reps)
+      rows.append({"case": case, "label": f"{case} gradient, D = {window}",
+                   "window": window, "batch": 10, "length": 80,
+                   **{f"{m}_ms": round(1e3 * res[m][0], 2) for m in MODES},
+                   **{f"{m}_temp_mib": res[m][1] for m in MODES}})
   res = _timed(_ptb_step, args.reps)
   rows.append({"case": "ptb", "label": "PTB RNS 2-3 train step, D = 35",
                "window": 35, "batch": 32, "length": 35,
