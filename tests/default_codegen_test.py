@@ -3,8 +3,9 @@
 The session compiles with XLA's previous CPU fusion emitters, which compile
 faster (conftest.py). Float32 accuracy is where two code generators could
 part (their exp, log and reduction orders), and the library runs on XLA's
-default: so every test with "float32" in its id runs once more here, in a
-subprocess on the default codegen.
+default: so every test with "float32" in its id (`conftest.is_float32_test`)
+runs here, in a subprocess on the default codegen, and the session that
+runs this test leaves them out of its own run (conftest).
 """
 
 import os
@@ -26,9 +27,10 @@ def test_float32_tests_pass_under_xla_default_codegen():
   env = dict(os.environ, XLA_FLAGS=" ".join(
       f for f in flags.split() if f != conftest.TEST_CODEGEN_FLAG))
   env[conftest.DEFAULT_CODEGEN_ENV] = "1"
+  env[conftest.FLOAT32_ONLY_ENV] = "1"
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       "-p", "no:xdist", "-k", "float32 and not default_codegen", _TESTS],
+       "-p", "no:xdist", _TESTS],
       cwd=os.path.dirname(_TESTS), env=env, capture_output=True, text=True,
       timeout=900, check=False)
   summary = proc.stdout.strip().splitlines()[-1] if proc.stdout else ""
@@ -54,3 +56,51 @@ def test_a_flag_this_jaxlib_does_not_know_is_left_out(monkeypatch):
   conftest._use_test_codegen()  # pylint: disable=protected-access
   assert os.environ["XLA_FLAGS"] == ("--xla_cpu_enable_fast_math=false "
                                      "--xla_cpu_use_fusion_emitters=true")
+
+
+class _Item:
+
+  def __init__(self, nodeid):
+    self.nodeid = nodeid
+
+
+class _Config:
+
+  class hook:  # pylint: disable=invalid-name
+
+    deselected = []
+
+    @classmethod
+    def pytest_deselected(cls, items):
+      cls.deselected.extend(items)
+
+
+def _collected(monkeypatch, nodeids, flags, float32_only=False):
+  """The ids conftest keeps of `nodeids` under these XLA_FLAGS."""
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  if float32_only:
+    monkeypatch.setenv(conftest.FLOAT32_ONLY_ENV, "1")
+  else:
+    monkeypatch.delenv(conftest.FLOAT32_ONLY_ENV, raising=False)
+  items = [_Item(n) for n in nodeids]
+  conftest.pytest_collection_modifyitems(_Config(), items)
+  return [i.nodeid for i in items]
+
+
+def test_float32_tests_run_once_on_the_default_codegen(monkeypatch):
+  rerun = ("tests/default_codegen_test.py::"
+           "test_float32_tests_pass_under_xla_default_codegen")
+  f32 = ["tests/a_test.py::test_fixture_float32",
+         "tests/b_test.py::test_x[float32-4]"]
+  other = ["tests/a_test.py::test_fixture_float64",
+           "tests/float32_named_module_test.py::test_y"]
+  ids = [rerun] + f32 + other
+  flag = conftest.TEST_CODEGEN_FLAG
+  # The session on the test codegen that runs the rerun: float32 tests out.
+  assert _collected(monkeypatch, ids, flag) == [rerun] + other
+  # Without the rerun in the session (e.g. -k float32, or one module), or on
+  # XLA's default codegen, they run here.
+  assert _collected(monkeypatch, f32 + other, flag) == f32 + other
+  assert _collected(monkeypatch, ids, "") == ids
+  # The rerun's subprocess: the float32 tests only.
+  assert _collected(monkeypatch, ids, "", float32_only=True) == f32
