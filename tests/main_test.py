@@ -139,26 +139,19 @@ def _cases(tmp):
   return cases
 
 
-def _run_concurrently(argvs, cwd, at_once=8):
-  """(return code, stderr) of `python ARGV` for each argv, in order.
+def _run_forked(argvs, cwd):
+  """(exit status, stderr) of `python ARGV` for each argv, in order.
 
-  The CLIs run several at a time (each one's cost is importing JAX), at
-  most `at_once`: all 32 at once held ~6.7 GB (~210 MB each).
+  The commands run in children forked after their common imports
+  (tests/cli_forks.py): importing JAX and Flax is each process's cost, and
+  ~2 s of CPU 32 times over was most of this test's time.
   """
-  results = [None] * len(argvs)
-  running = {}
-  pending = list(enumerate(argvs))
-  while pending or running:
-    while pending and len(running) < at_once:
-      i, argv = pending.pop(0)
-      running[i] = subprocess.Popen(
-          [sys.executable, *argv], cwd=cwd, stdout=subprocess.DEVNULL,
-          stderr=subprocess.PIPE, text=True)
-    i = next(iter(running))  # the oldest: started first, done first mostly
-    proc = running.pop(i)
-    _, stderr = proc.communicate(timeout=300)
-    results[i] = (proc.returncode, stderr)
-  return results
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "tests", "cli_forks.py")],
+      input=json.dumps(argvs), cwd=cwd, capture_output=True, text=True,
+      timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return [tuple(r) for r in json.loads(proc.stdout)]
 
 
 def test_every_bad_input_is_one_line_and_exit_2(tmp_path):
@@ -182,7 +175,7 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path):
   cases = _cases(tmp)
   failures = []
   for (name, _, fragment), (returncode, stderr) in zip(
-      cases, _run_concurrently([argv for _, argv, _ in cases], tmp)):
+      cases, _run_forked([argv for _, argv, _ in cases], tmp)):
     lines = stderr.strip().splitlines()
     if (returncode != 2 or len(lines) != 1
         or not lines[0].startswith("error: ") or fragment not in lines[0]):
