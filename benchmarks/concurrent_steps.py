@@ -12,7 +12,12 @@ and their sum. Two modes, alternated over --rounds:
            `reproduce --workers` does by default)
 
   python benchmarks/concurrent_steps.py [--models=ns22,jm] [--cores=2] \
-      [--window=30] [--rounds=1]
+      [--window=30] [--rounds=1] [--modes=free,pinned] [--batch_chunk=0,5]
+
+--batch_chunk runs the NS models once per value of config.stack_batch_chunk
+(0: automatic, `models.stack_batch_chunk`, sized for one process's use of
+the caches), to see what chunk suits N processes sharing them, as
+`reproduce --workers=N` runs them.
 
 Prints a table and saves benchmarks/results/concurrent_steps.json. Other
 jobs on the cores skew it: run it on an otherwise idle machine.
@@ -33,7 +38,7 @@ RESULTS = os.path.join(HERE, "results")
 START_DELAY_S = 0.5
 
 
-def child(model, go_path, window, cores, out):
+def child(model, go_path, window, cores, out, batch_chunk=0):
   """One process: pin (if asked), compile, say so, wait for the window's
   start (written to `go_path` once every process has compiled), time."""
   sys.path[:0] = [REPO, HERE]
@@ -45,6 +50,7 @@ def child(model, go_path, window, cores, out):
   import train_step as ts  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import models, train  # pylint: disable=g-import-not-at-top
   config = ts._config(model, "highest")  # pylint: disable=protected-access
+  config.stack_batch_chunk = batch_chunk
   module = models.build(config, vocab_size=3)
   state = train.create_train_state(config, jax.random.key(0), module)
   batch = train.make_batch(ts._symbols(80))  # pylint: disable=protected-access
@@ -68,15 +74,17 @@ def child(model, go_path, window, cores, out):
                "best_s": min(times), "cores": parallel.usable_cores()}, f)
 
 
-def run_mode(model, mode, usable, cores, window, tmp):
+def run_mode(model, mode, usable, cores, window, tmp, batch_chunk=0,
+             tag=""):
   """Runs `cores` processes at once (pinned: the k-th on `usable[k]`);
   their results in process order."""
-  go_path = os.path.join(tmp, f"{model}-{mode}.go")
+  go_path = os.path.join(tmp, f"{model}-{mode}{tag}.go")
   procs, outs = [], []
   for k in range(cores):
-    out = os.path.join(tmp, f"{model}-{mode}-{k}.json")
+    out = os.path.join(tmp, f"{model}-{mode}{tag}-{k}.json")
     argv = [sys.executable, __file__, "--child", model, go_path,
-            str(window), str(usable[k]) if mode == "pinned" else "", out]
+            str(window), str(usable[k]) if mode == "pinned" else "", out,
+            str(batch_chunk)]
     procs.append(subprocess.Popen(argv, cwd=REPO))
     outs.append(out)
   # The window opens once every process has compiled (compiling on the
@@ -100,19 +108,34 @@ def run_mode(model, mode, usable, cores, window, tmp):
 
 def main():
   if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    model, go_path, window, cores, out = sys.argv[2:7]
-    child(model, go_path, float(window), cores, out)
+    model, go_path, window, cores, out, chunk = sys.argv[2:8]
+    child(model, go_path, float(window), cores, out, int(chunk))
     return
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", default="ns22,jm")
   parser.add_argument("--cores", type=int, default=os.cpu_count() or 2)
   parser.add_argument("--window", type=float, default=30.0)
   parser.add_argument("--rounds", type=int, default=1)
+  parser.add_argument("--modes", default="free,pinned",
+                      help="comma-separated: free, pinned")
+  parser.add_argument("--batch_chunk", default="0",
+                      help="comma-separated config.stack_batch_chunk values "
+                      "for the NS models (0: automatic)")
   parser.add_argument("--out", default=os.path.join(RESULTS,
                                                     "concurrent_steps.json"))
   args = parser.parse_args()
   if args.cores < 2 or args.window <= 0 or args.rounds < 1:
     cli.fail("--cores must be >= 2, --window > 0, --rounds >= 1")
+  modes = tuple(args.modes.split(","))
+  if not modes or set(modes) - {"free", "pinned"}:
+    cli.fail(f"--modes must name free and/or pinned, got {args.modes!r}")
+  try:
+    chunks = [int(c) for c in args.batch_chunk.split(",")]
+  except ValueError:
+    chunks = [-1]
+  if any(c < 0 for c in chunks):
+    cli.fail("--batch_chunk must be comma-separated integers >= 0, got "
+             f"{args.batch_chunk!r}")
   sys.path[:0] = [REPO, HERE]
   import machine  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
@@ -133,30 +156,38 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     for model in args.models.split(","):
       for r in range(args.rounds):
-        # Alternate which mode goes first, so drift favours neither.
-        for mode in (("free", "pinned") if r % 2 == 0 else ("pinned", "free")):
+        # Alternate which variant goes first, so drift favours none.
+        variants = [(m, c) for c in (chunks if model.startswith("ns")
+                                     else [0]) for m in modes]
+        for mode, chunk in (variants if r % 2 == 0 else variants[::-1]):
           procs = run_mode(model, mode, usable, args.cores, args.window,
-                           tmp)
+                           tmp, chunk, tag=f"-c{chunk}-r{r}")
           rows.append({"model": model, "mode": mode, "round": r,
+                       "batch_chunk": chunk,
                        "steps": [p["steps"] for p in procs],
                        "total_steps": sum(p["steps"] for p in procs),
                        "median_ms": [1e3 * p["median_s"] for p in procs],
                        "cores": [p["cores"] for p in procs]})
-          print(f"{model} {mode} round {r}: {rows[-1]['steps']} steps",
-                flush=True)
+          print(f"{model} {mode} chunk {chunk or 'auto'} round {r}: "
+                f"{rows[-1]['steps']} steps", flush=True)
   summary = {}
   for model in args.models.split(","):
-    tot = {m: sum(r["total_steps"] for r in rows
-                  if r["model"] == model and r["mode"] == m)
-           for m in ("free", "pinned")}
-    summary[model] = {"free_steps": tot["free"], "pinned_steps": tot["pinned"],
-                      "pinned_over_free": tot["pinned"] / tot["free"]}
+    for chunk in sorted({r["batch_chunk"] for r in rows
+                         if r["model"] == model}):
+      tot = {m: sum(r["total_steps"] for r in rows
+                    if r["model"] == model and r["mode"] == m
+                    and r["batch_chunk"] == chunk) for m in modes}
+      key = model if chunk == 0 else f"{model} chunk {chunk}"
+      summary[key] = {f"{m}_steps": tot[m] for m in modes}
+      if len(modes) == 2:
+        summary[key]["pinned_over_free"] = tot["pinned"] / tot["free"]
   print(f"\n{args.cores} processes at once, {args.window:g} s window, "
         f"{machine.device_label(info)}")
-  print(f"{'model':<6} {'free steps':>10} {'pinned steps':>12} {'ratio':>6}")
-  for model, s in summary.items():
-    print(f"{model:<6} {s['free_steps']:>10} {s['pinned_steps']:>12} "
-          f"{s['pinned_over_free']:>5.2f}x")
+  print(f"{'model':<16} " + " ".join(f"{m + ' steps':>12}" for m in modes)
+        + ("  ratio" if len(modes) == 2 else ""))
+  for key, s in summary.items():
+    print(f"{key:<16} " + " ".join(f"{s[m + '_steps']:>12}" for m in modes)
+          + (f"  {s['pinned_over_free']:>4.2f}x" if len(modes) == 2 else ""))
   result = {"benchmark": "concurrent_steps", "machine": info,
             "device": machine.device_label(info),
             "date": time.strftime("%Y-%m-%d"), "processes": args.cores,

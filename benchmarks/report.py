@@ -989,6 +989,33 @@ def concurrent_steps_block():
   return "\n".join(out) + "\n"
 
 
+def concurrent_chunks_block():
+  """The NS-RNN's stack chunks with two pinned workers sharing the caches
+  (concurrent_steps.py --batch_chunk)."""
+  name = "concurrent_steps_chunks.json"
+  d = _load(name)
+  if d is None:
+    return f"No `{name}` yet.\n"
+  lines = ["| model | stack chunk (strings) | steps, both processes | "
+           "/ automatic | steps per process and round |",
+           "|---|---|---|---|---|"]
+  for model in dict.fromkeys(r["model"] for r in d["rows"]):
+    runs = [r for r in d["rows"] if r["model"] == model]
+    total = lambda c: sum(r["total_steps"] for r in runs  # pylint: disable=cell-var-from-loop
+                          if r["batch_chunk"] == c)
+    for chunk in sorted({r["batch_chunk"] for r in runs}):
+      per = ", ".join("/".join(map(str, r["steps"])) for r in runs
+                      if r["batch_chunk"] == chunk)
+      lines.append(f"| {MODEL_LABELS.get(model, model)} | "
+                   f"{chunk or 'automatic'} | {total(chunk)} | "
+                   f"{total(chunk) / total(0):.2f}× | {per} |")
+  rounds = len({r["round"] for r in d["rows"]})
+  return ("\n".join(lines) + f"\n\n`{name}`: {d['processes']} pinned "
+          f"processes at once, each timing its train step (batch "
+          f"{d['batch']}, n = {d['length']}) for {d['window_s']:g} s, "
+          f"{rounds} rounds, {d['device']}; {d['note']}.\n")
+
+
 def huge_pages_block():
   """Train steps with and without transparent huge pages (one table)."""
   name = "huge_pages.json"
@@ -1214,6 +1241,7 @@ def rerun_records_block():
 BLOCKS = {"headline": headline_block, "compile": compile_block,
           "reproduce_workers": reproduce_workers_block,
           "concurrent_steps": concurrent_steps_block,
+          "concurrent_chunks": concurrent_chunks_block,
           "rerun_records": rerun_records_block}
 BENCHMARKS = os.path.join(REPO, "docs", "benchmarks.md")
 BENCHMARKS_BLOCKS = {"benchmarks": benchmarks_block, "vrns": vrns_block,

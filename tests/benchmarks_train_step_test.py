@@ -54,3 +54,17 @@ def test_an_unknown_model_is_one_line_and_exit_2(script):
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
   assert "--models: unknown ns2; choose from ns22, ns33" in lines[0]
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--batch_chunk=0,x", "--batch_chunk must be comma-separated integers"),
+    ("--batch_chunk=-1", "--batch_chunk must be comma-separated integers"),
+    ("--modes=pinned,loose", "--modes must name free and/or pinned")])
+def test_concurrent_steps_bad_variant_is_one_line_and_exit_2(flag, message):
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "concurrent_steps.py"),
+       "--models=ns32", flag, f"--out={os.devnull}"],
+      capture_output=True, text=True, timeout=300, check=False)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+  assert message in lines[0]
