@@ -14,7 +14,12 @@
 #              where the image has it (README's command uses at most 8);
 #              JAX_DEFAULT_MATMUL_PRECISION and XLA_FLAGS unset (the tests'
 #              conftest turns GPU memory preallocation off so the workers
-#              share the GPU: memory only, not numerics)
+#              share the GPU: memory only, not numerics). Cut at its limit,
+#              it is finished by a second call: copy the first call's
+#              tests.xml into the tree (e.g. .gpu/tests_1.xml, untracked, so
+#              it travels) and run the phase again with
+#              TESTS_DONE=.gpu/tests_1.xml: that run leaves out the tests
+#              the first finished, and gpu_suite.json counts both parts
 #   ns         train step of the NS-RNN, Q=S=2 and 3, config.scan_unroll 1, 8
 #   baselines  train step of LSTM, JM, Gref, scan_unroll 1, 8 and 80 (full)
 #   scale      20 vmapped NS-RNNs at length 80, scan_unroll 1 and 8
@@ -61,7 +66,8 @@
 #              against autodiff (benchmarks/window_vjp.py)
 #
 # Writes to $OUT (a device call brings back at most 8 files: give each call
-# a few phases): env.txt, tests.log, gpu_suite.json (the suite's record,
+# a few phases): env.txt, tests.log, tests.xml (pytest's JUnit report),
+# gpu_suite.json (the suite's record,
 # benchmarks/suite_record.py: add the cause of any failure), bench.log and one
 # JSON per benchmark phase (train_step_gpu_ns.json, ..._baselines.json,
 # ..._default.json, ..._cmdbuf.json, scale_gpu_unroll{1,8}.json,
@@ -136,10 +142,19 @@ for p in "${phases[@]}"; do
       log "test suite (limit $secs s)"
       xdist=()
       $PY -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-14}")
-      xml=$(mktemp --suffix=.xml)
+      xml=$OUT/tests.xml
+      # A second call finishes a suite the first cut at its limit: the
+      # first call's tests.xml, copied into the tree, as TESTS_DONE.
+      done_env=() parts=()
+      if [ -n "${TESTS_DONE:-}" ]; then
+        [ -f "$TESTS_DONE" ] || { echo "error: TESTS_DONE=$TESTS_DONE is not a file" >&2; exit 2; }
+        done_env=("NSRNN_TEST_DONE=$(realpath "$TESTS_DONE")") parts=("$TESTS_DONE")
+        log "leaving out the tests $TESTS_DONE finished"
+      fi
       # At the limit pytest gets SIGINT, so it stops and still writes the
       # JUnit report of the tests that finished (a kill 30 s later if not).
-      env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS timeout -s INT -k 30 \
+      env -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS "${done_env[@]}" \
+        timeout -s INT -k 30 \
         "$secs" "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
         --durations=25 --junitxml="$xml" tests > "$OUT/tests.log" 2>&1
       code=$?
@@ -147,7 +162,7 @@ for p in "${phases[@]}"; do
       tail -n 3 "$OUT/tests.log" >> "$OUT/bench.log"
       # The record for results/gpu_suite_<gpu>.json (docs/benchmarks.md's suite line);
       # marked interrupted when the limit struck.
-      "$PY" benchmarks/suite_record.py "$xml" --out "$OUT/gpu_suite.json" \
+      "$PY" benchmarks/suite_record.py "${parts[@]}" "$xml" --out "$OUT/gpu_suite.json" \
         --exit_code "$code" \
         --command "python3 -m pytest -q -p no:cacheprovider ${xdist[*]} tests" \
         --environment "JAX_DEFAULT_MATMUL_PRECISION and XLA_FLAGS unset; XLA_PYTHON_CLIENT_PREALLOCATE=false (the workers share the GPU's memory)" \

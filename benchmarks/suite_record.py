@@ -8,8 +8,13 @@ hand. Counts, failed and skipped tests, the device, the packages and the
 code's revision are filled in; what only a person can say (the cause of
 failures, the commits that fix them) is left for them to write.
 
-  python benchmarks/suite_record.py REPORT.xml --out gpu_suite_h100.json \
-      [--command "python -m pytest ..."] [--environment "..."]
+  python benchmarks/suite_record.py REPORT.xml [MORE.xml ...] \
+      --out gpu_suite_h100.json [--command "python -m pytest ..."] \
+      [--environment "..."]
+
+Several reports are the parts of one suite, in order: a run stopped at a
+time limit, then a run of the tests it did not finish (NSRNN_TEST_DONE in
+tests/conftest.py; gpu_session.sh's TESTS_DONE).
 """
 
 import importlib.metadata
@@ -43,35 +48,58 @@ def _node_id(case, root):
   return "::".join(parts + [case.get("name", "")])
 
 
-def parse(xml_path, root="."):
-  """{passed, failed, errors, skipped, xfailed, wall_s, failed_tests,
-  skipped_tests} of a pytest JUnit XML report."""
+def _outcomes(xml_path, root):
+  """({node id: (outcome, skip message)}, wall seconds) of one report."""
   tree = ElementTree.parse(xml_path)
   suites = ([tree.getroot()] if tree.getroot().tag == "testsuite"
             else list(tree.getroot().iter("testsuite")))
-  out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0,
-         "wall_s": sum(float(s.get("time", 0)) for s in suites),
-         "failed_tests": [], "skipped_tests": []}
+  outcomes = {}
   for case in (c for s in suites for c in s.iter("testcase")):
     if not case.get("name"):
       continue  # an interrupted run's placeholder for the test it stopped in
-    node = _node_id(case, root)
-    failure = case.find("failure")
-    error = case.find("error")
     skipped = case.find("skipped")
-    if failure is not None:
-      out["failed"] += 1
-      out["failed_tests"].append(node)
-    elif error is not None:
-      out["errors"] += 1
-      out["failed_tests"].append(node)
+    if case.find("failure") is not None:
+      outcome = "failed"
+    elif case.find("error") is not None:
+      outcome = "errors"
     elif skipped is not None and skipped.get("type") == "pytest.xfail":
-      out["xfailed"] += 1
+      outcome = "xfailed"
     elif skipped is not None:
-      out["skipped"] += 1
-      out["skipped_tests"].append(f"{node} ({skipped.get('message', '')})")
+      outcome = "skipped"
     else:
-      out["passed"] += 1
+      outcome = "passed"
+    outcomes[_node_id(case, root)] = (
+        outcome, skipped.get("message", "") if skipped is not None else "")
+  return outcomes, sum(float(s.get("time", 0)) for s in suites)
+
+
+def finished_tests(xml_path, root="."):
+  """The node ids of the tests a JUnit report says finished (any outcome):
+  what a run that completes an interrupted suite leaves out (tests/conftest.py,
+  NSRNN_TEST_DONE)."""
+  return set(_outcomes(xml_path, root)[0])
+
+
+def parse(xml_paths, root="."):
+  """{passed, failed, errors, skipped, xfailed, wall_s, failed_tests,
+  skipped_tests} of pytest JUnit XML reports: one path, or the parts of one
+  suite in order (an interrupted run's report, then the report of the run
+  that finished it; a test in two parts counts once, as the later says)."""
+  if isinstance(xml_paths, (str, os.PathLike)):
+    xml_paths = [xml_paths]
+  outcomes, wall = {}, 0.0
+  for path in xml_paths:
+    part, part_wall = _outcomes(path, root)
+    outcomes.update(part)
+    wall += part_wall
+  out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0,
+         "wall_s": wall, "failed_tests": [], "skipped_tests": []}
+  for node, (outcome, message) in outcomes.items():
+    out[outcome] += 1
+    if outcome in ("failed", "errors"):
+      out["failed_tests"].append(node)
+    elif outcome == "skipped":
+      out["skipped_tests"].append(f"{node} ({message})")
   return out
 
 
@@ -81,12 +109,13 @@ def parse(xml_path, root="."):
 INTERRUPTED_EXIT_CODES = (2, 124, 137)
 
 
-def record(xml_path, root, command, environment, exit_code=None):
+def record(xml_paths, root, command, environment, exit_code=None):
   """The results record: `parse` plus the machine, packages and code.
 
-  exit_code: the suite's exit status, if known; an interrupted suite (time
-    limit) is marked `"interrupted": true` -- its counts are of the tests
-    that finished, not of the suite.
+  xml_paths: one report, or the parts of one suite in order (`parse`).
+  exit_code: the suite's exit status (of its last part), if known; an
+    interrupted suite (time limit) is marked `"interrupted": true` -- its
+    counts are of the tests that finished, not of the suite.
   """
   info = machine.machine_info()
   versions = {}
@@ -95,13 +124,16 @@ def record(xml_path, root, command, environment, exit_code=None):
       versions[name] = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
       pass
-  result = parse(xml_path, root)
+  result = parse(xml_paths, root)
+  parts = 1 if isinstance(xml_paths, (str, os.PathLike)) else len(xml_paths)
   d = {"note": "the test suite's result, written by benchmarks/"
                "suite_record.py from pytest's JUnit XML report",
        "device": machine.device_label(info), "date": time.strftime("%Y-%m-%d"),
        "commit": info.get("source_revision"),
        "python": sys.version.split()[0], "packages": versions,
        "command": command, "environment": environment, **result}
+  if parts > 1:
+    d["parts"] = parts
   if exit_code is not None:
     d.update(exit_code=int(exit_code),
              interrupted=int(exit_code) in INTERRUPTED_EXIT_CODES)
@@ -114,28 +146,33 @@ def record(xml_path, root, command, environment, exit_code=None):
 
 def main():
   parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("report", help="pytest --junitxml output")
+  parser.add_argument("report", nargs="+",
+                      help="pytest --junitxml output; or the parts of one "
+                      "suite in order: an interrupted run's report, then "
+                      "that of the run that finished it (NSRNN_TEST_DONE)")
   parser.add_argument("--out", required=True)
   parser.add_argument("--root", default=".",
                       help="the directory pytest ran in (for test paths)")
   parser.add_argument("--command", default="")
   parser.add_argument("--environment", default="")
   parser.add_argument("--exit_code", type=int, default=None,
-                      help="the suite's exit status (2, 124, 137: "
-                      "interrupted, so the counts are partial)")
+                      help="the suite's exit status, of its last part (2, "
+                      "124, 137: interrupted, so the counts are partial)")
   args = parser.parse_args()
   try:
     d = record(args.report, args.root, args.command, args.environment,
                args.exit_code)
   except (OSError, ElementTree.ParseError) as e:
-    parser.error(f"cannot read {args.report}: {e}")
+    parser.error(f"cannot read {' '.join(args.report)}: {e}")
   with open(args.out, "w") as f:
     json.dump(d, f, indent=1)
   print(("INTERRUPTED (the counts are of the tests that finished): "
          if d.get("interrupted") else "")
         + f"{d['passed']} passed, {d['failed']} failed, {d['errors']} errors, "
         f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
-        f"{d['wall_s']:.0f} s on {d['device']}; saved {args.out}")
+        f"{d['wall_s']:.0f} s on {d['device']}"
+        + (f" in {d['parts']} parts" if d.get("parts") else "")
+        + f"; saved {args.out}")
 
 
 if __name__ == "__main__":

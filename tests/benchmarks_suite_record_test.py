@@ -154,3 +154,78 @@ def test_suite_stopped_at_its_time_limit_gives_a_partial_record(
   # A finished suite is not marked.
   assert not suite_record.record(str(xml), str(tmp_path), "", "",
                                  exit_code=1)["interrupted"]
+
+
+def _run_part(tmp_path, name, keyword):
+  xml = tmp_path / name
+  subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
+                  "no:cacheprovider", "-p", "no:xdist", "-k", keyword,
+                  f"--junitxml={xml}", "sub/sample_test.py"],
+                 cwd=tmp_path, capture_output=True, check=False)
+  return str(xml)
+
+
+def test_a_suite_in_two_parts_counts_as_the_whole(suite_record, tmp_path):
+  # A run cut at a time limit, then a run of the rest (gpu_session.sh's
+  # TESTS_DONE): the two reports give the whole suite's record.
+  whole = suite_record.parse(str(_run_suite(tmp_path)), str(tmp_path))
+  first = _run_part(tmp_path, "first.xml", "passes")
+  rest = _run_part(tmp_path, "rest.xml", "not passes")
+  assert suite_record.finished_tests(first, str(tmp_path)) == {
+      "sub/sample_test.py::test_passes[1]",
+      "sub/sample_test.py::test_passes[2]"}
+  merged = suite_record.parse([first, rest], str(tmp_path))
+  for key in ("passed", "failed", "errors", "skipped", "xfailed"):
+    assert merged[key] == whole[key], key
+  assert sorted(merged["failed_tests"]) == sorted(whole["failed_tests"])
+  # A test in both parts counts once.
+  assert suite_record.parse([first, first], str(tmp_path))["passed"] == 2
+  out = tmp_path / "gpu_suite_x.json"
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
+       first, rest, "--out", str(out), "--root", str(tmp_path),
+       "--exit_code", "1"], capture_output=True, text=True, check=False)
+  assert run.returncode == 0, run.stderr
+  assert "2 passed, 2 failed, 1 errors" in run.stdout
+  assert "in 2 parts" in run.stdout
+  d = json.loads(out.read_text())
+  assert d["parts"] == 2 and not d["interrupted"]
+
+
+class _Item:
+
+  def __init__(self, nodeid):
+    self.nodeid = nodeid
+
+
+class _Config:
+
+  class hook:  # pylint: disable=invalid-name
+
+    @staticmethod
+    def pytest_deselected(items):
+      del items
+
+
+def test_the_session_leaves_out_what_an_earlier_report_finished(
+    tmp_path, monkeypatch):
+  # tests/conftest.py with NSRNN_TEST_DONE: the finished tests (any outcome)
+  # are left out; the one the interrupted run stopped in (no name in its
+  # report) and those it never reached run.
+  import conftest  # pylint: disable=g-import-not-at-top
+  (tmp_path / "first.xml").write_text(textwrap.dedent("""\
+      <testsuites><testsuite name="pytest" time="3.0">
+      <testcase classname="tests.main_test" name="test_a" time="1"/>
+      <testcase classname="tests.main_test" name="test_b[x-1]" time="1">
+        <failure message="boom"/></testcase>
+      <testcase classname="" name="" time="0"/>
+      </testsuite></testsuites>
+      """))
+  monkeypatch.setenv(conftest.DONE_ENV, str(tmp_path / "first.xml"))
+  monkeypatch.delenv(conftest.FLOAT32_ONLY_ENV, raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  ids = ["tests/main_test.py::test_a", "tests/main_test.py::test_b[x-1]",
+         "tests/main_test.py::test_b[x-2]", "tests/main_test.py::test_c"]
+  items = [_Item(n) for n in ids]
+  conftest.pytest_collection_modifyitems(_Config(), items)
+  assert [i.nodeid for i in items] == ids[2:]

@@ -133,10 +133,30 @@ def is_float32_test(item) -> bool:
           and "default_codegen_test.py" not in item.nodeid)
 
 
+# A JUnit XML report of an earlier, interrupted run of the suite: this run
+# leaves out the tests it finished (gpu_session.sh completes a suite cut at
+# a device call's time limit in a second call; suite_record.py merges the
+# two reports).
+DONE_ENV = "NSRNN_TEST_DONE"
+
+
+def _deselect(config, items, drop):
+  if drop:
+    dropped = set(map(id, drop))
+    items[:] = [i for i in items if id(i) not in dropped]
+    config.hook.pytest_deselected(items=drop)
+
+
 def pytest_collection_modifyitems(config, items):
-  """Runs each float32 test under XLA's default codegen only (module
-  docstring): the rerun's subprocess keeps just those, and a session on
-  the test codegen that will run the rerun leaves them out."""
+  """Leaves out the tests NSRNN_TEST_DONE's report finished, and runs each
+  float32 test under XLA's default codegen only (module docstring): the
+  rerun's subprocess keeps just those, and a session on the test codegen
+  that will run the rerun leaves them out."""
+  done_report = os.environ.get(DONE_ENV)
+  if done_report:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = _load_benchmark("suite_record").finished_tests(done_report, root)
+    _deselect(config, items, [i for i in items if i.nodeid in done])
   if os.environ.get(FLOAT32_ONLY_ENV) == "1":
     drop = [i for i in items if not is_float32_test(i)]
   elif (TEST_CODEGEN_FLAG in os.environ.get("XLA_FLAGS", "").split()
@@ -144,10 +164,7 @@ def pytest_collection_modifyitems(config, items):
     drop = [i for i in items if is_float32_test(i)]
   else:
     return
-  if drop:
-    dropped = set(map(id, drop))
-    items[:] = [i for i in items if id(i) not in dropped]
-    config.hook.pytest_deselected(items=drop)
+  _deselect(config, items, drop)
 
 
 def pytest_unconfigure(config):
