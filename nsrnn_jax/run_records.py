@@ -293,10 +293,16 @@ def write_json_atomic(path: str, obj) -> None:
   """Writes JSON via a temporary file and a rename (never half a file)."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w") as f:
+      json.dump(obj, f, indent=1, sort_keys=True)
+      f.write("\n")
+    os.replace(tmp, path)
+  except BaseException:
+    # A value JSON cannot write (or an interrupt): no half file left behind.
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 def load_records(results_dir: str, task: Optional[str] = None

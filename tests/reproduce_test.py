@@ -50,17 +50,6 @@ def _tiny_run(tmp_path, name, task="marked_reversal", **kwargs):
 # ---------------------------------------------------------------------------
 
 
-def test_full_plan_is_the_papers_grid():
-  runs = run_records.plan("dyck", run_records.MODELS)
-  counts = {m: sum(r.model == m for r in runs) for m in run_records.MODELS}
-  # 4 lr x 5 restarts; JM and Gref also x 3 values of m (ref. section 9).
-  assert counts == {"lstm": 20, "jm": 60, "gref": 60, "ns": 20}
-  assert len({r.record_path for r in runs}) == 160
-  # Restart-major: every run of restart 0 precedes every run of restart 1.
-  restarts = [r.restart for r in runs]
-  assert restarts == sorted(restarts)
-
-
 def test_restart_ids_keep_only_those_restarts_with_their_seeds():
   full = run_records.plan("dyck", ("lstm", "ns"), restarts=3)
   part = run_records.plan("dyck", ("lstm", "ns"), restarts=3, restart_ids=[2])
@@ -447,22 +436,6 @@ def test_workdir_of_another_task_or_config_is_refused(tmp_path, capsys):
 # ---------------------------------------------------------------------------
 
 
-def test_cost_estimates_ignore_pauses_of_the_machine():
-  # Epoch 1 compiles; epoch 4 ran while the process was stopped for 490 s.
-  rec = dict(fake_record("dyck", "ns", 0.005, 0, 0.01, 0.01),
-             epochs=[{"epoch": e, "valid_ce_diff": 0.01, "time": t}
-                     for e, t in enumerate([600.0, 10.0, 12.0, 500.0, 10.0],
-                                           start=1)],
-             train_time_s=1132.0)
-  assert run_records.training_seconds(rec) == 5 * 11.0   # median 11 s x 5
-  probe = run_records.RunSpec("dyck", "ns", 0.005, None, 1)
-  other = dict(rec, epochs=[dict(e, time=20.0) for e in rec["epochs"]])
-  assert run_records.estimate_seconds(probe, [rec, other]) == (55.0 + 100.0) / 2
-  # A record without epoch times falls back to its total.
-  assert run_records.training_seconds(fake_record("dyck", "ns", 0.005, 0, 0.01,
-                                                0.01)) == 600.0
-
-
 def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
   # Two finished runs like it: 5 epochs of 11 s and 5 of 20 s (medians after
   # the compiling first epoch); mean 77.5 s over a mean of 5 epochs.
@@ -546,49 +519,6 @@ def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
                         + args[3:]) == 0
   assert "2 with a record" in capsys.readouterr().out
   assert not (tmp_path / "new").exists()
-
-
-def test_code_version_names_the_checkout_commit_and_its_changes(tmp_path):
-  def git(*args):
-    return subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-        cwd=tmp_path, check=True, capture_output=True, text=True).stdout
-  unknown = {"commit": None, "modified": None}
-  assert run_records.code_version(str(tmp_path)) == unknown   # no git
-  git("init", "-q")
-  (tmp_path / "nsrnn_jax").mkdir()
-  (tmp_path / "nsrnn_jax" / "a.py").write_text("x = 1\n")
-  (tmp_path / "notes.txt").write_text("not code\n")
-  git("add", "-A")
-  git("commit", "-q", "-m", "one")
-  head = git("rev-parse", "HEAD").strip()
-  assert run_records.code_version(str(tmp_path)) == {"commit": head,
-                                                     "modified": False}
-  (tmp_path / "notes.txt").write_text("changed, but not code\n")
-  assert not run_records.code_version(str(tmp_path))["modified"]
-  (tmp_path / "configs").mkdir()
-  (tmp_path / "configs" / "new.py").write_text("y = 2\n")  # untracked
-  assert run_records.code_version(str(tmp_path)) == {"commit": head,
-                                                     "modified": True}
-  # A folder inside a checkout is not one (a package installed into a
-  # virtual environment that lives in some repository).
-  assert run_records.code_version(str(tmp_path / "nsrnn_jax")) == unknown
-
-
-def test_every_committed_record_is_consistent():
-  for rec in run_records.load_records(os.path.join(REPO, "results")):
-    assert rec["protocol"] == "paper", rec["task"]
-    epochs = [e["epoch"] for e in rec["epochs"]]
-    assert epochs == list(range(1, rec["num_epochs"] + 1))
-    assert 1 <= rec["best_epoch"] <= rec["num_epochs"]
-    assert rec["last_valid_ce_diff"] == rec["epochs"][-1]["valid_ce_diff"]
-    assert rec["config"]["task"] == rec["task"]
-    assert rec["config"]["model"] == rec["model"]
-    assert rec["config"]["learning_rate"] == rec["learning_rate"]
-    assert rec["config"]["data_seed"] == run_records.BASE_SEED + rec["restart"]
-    # The paper's test set: every valid length in 40..100.
-    assert rec["test"] and min(rec["test"]["lengths"]) >= 40
-    assert max(rec["test"]["lengths"]) <= 100
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps")
@@ -896,20 +826,3 @@ def test_a_misplaced_or_malformed_record_is_refused_in_one_line(
   assert not (tmp_path / "rep.md").exists()
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(task="dyk"), "unknown task 'dyk'"),
-    (dict(models=["NS"]), "models must be a non-empty list"),
-    (dict(models="ns"), "models must be a non-empty list"),
-    (dict(restarts=-1), "restarts must be an integer >= 1"),
-    (dict(restart_ids=[7]), "restart_ids must be a non-empty list"),
-    (dict(learning_rates=[float("nan")]), "learning_rates must be"),
-    (dict(learning_rates=[-0.1]), "learning_rates must be"),
-    (dict(stack_sizes=[2.5]), "stack_sizes must be"),
-])
-def test_a_plan_of_bad_arguments_is_refused(kwargs, message):
-  # Not a plan of nothing (which a run reported finished) or of bogus runs.
-  args = dict(task="dyck", models=["ns", "jm"]) | kwargs
-  with pytest.raises(run_records.ReproduceError, match=re.escape(message)):
-    run_records.plan(**args)
-  # A task name given as a string is that task, not its letters.
-  assert {s.task for s in reproduce.plan_tasks("dyck", ["ns"])} == {"dyck"}
