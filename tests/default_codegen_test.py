@@ -68,16 +68,15 @@ class _Config:
 
   class hook:  # pylint: disable=invalid-name
 
-    deselected = []
-
-    @classmethod
-    def pytest_deselected(cls, items):
-      cls.deselected.extend(items)
+    @staticmethod
+    def pytest_deselected(items):
+      del items
 
 
 def _collected(monkeypatch, nodeids, flags, float32_only=False):
   """The ids conftest keeps of `nodeids` under these XLA_FLAGS."""
   monkeypatch.setenv("XLA_FLAGS", flags)
+  monkeypatch.delenv(conftest.DONE_ENV, raising=False)
   if float32_only:
     monkeypatch.setenv(conftest.FLOAT32_ONLY_ENV, "1")
   else:
