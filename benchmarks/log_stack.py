@@ -19,7 +19,9 @@ With --workdir RUN it instead checks a trained NS / RNS run: its best
 parameters on both tables, float32, on strings of its task sampled at
 lengths 20, 40, 80 and 120 (`--strings` per length) and on uniformly random
 strings of the same lengths (off the language, where the weights are least
-tame): the largest difference in ln p(w) and in the stack readings.
+tame): the largest difference in ln p(w) and in the stack readings, and
+the smallest entry of the exact log-share table (how far inside the share
+table's flush the model's runs stay).
 
 Other work shares the CPU cores: compare the ratios of one run. Usage:
 
@@ -110,6 +112,30 @@ TRAINED_LENGTHS = (20, 40, 80, 120)
 TIMED_LENGTH = 80
 
 
+# The share table's flush margin, float32: a share below e^-43 times
+# another below it is a product below the smallest normal number, which the
+# shares table would flush; below e^-87 a share itself is flushed.
+SHARE_MARGINS = (-43.0, -87.0)
+
+
+def _log_shares(trace_out, model):
+  """The exact log-share table's finite entries for a trace of `model`
+  (log_stack's sweep on the trace's action log-weights): how far below
+  the best runs the smallest shares of a trained model's runs fall."""
+  if "action_log_weights" in trace_out:         # RNS: unnormalised weights
+    w = trace_out["action_log_weights"]
+    acts = (w["push"], w["repl"], w["pop"])
+    bottom = model.bottom
+  else:                                         # NS: probabilities
+    a = trace_out["actions"]
+    acts = tuple(jnp.log(a[k]) for k in ("push", "repl", "pop"))
+    bottom = log_stack.FROZEN
+  tables, _ = jax.jit(lambda *z: log_stack._sweep(  # pylint: disable=protected-access
+      *z, bottom, "highest"))(*acts)
+  table = np.asarray(tables[0])
+  return table[np.isfinite(table)]
+
+
 def _trained_timing(shares_trace, log_model, params, language, count, rng):
   """Forward (trace) seconds on the trained model at n = TIMED_LENGTH, each
   table timed in turn (median of 3 after a warm-up): "shares", "log" and
@@ -170,9 +196,14 @@ def _trained(workdir, per_length, note, out_name):
                    "max_reading_difference": float(np.abs(
                        np.asarray(out["log"]["readings"])
                        - np.asarray(out["shares"]["readings"])).max())})
+      exact = _log_shares(out["log"], log_model)
+      rows[-1].update(min_log_share=float(exact.min()), **{
+          f"fraction_of_shares_below_{-m:g}_nats": float((exact < m).mean())
+          for m in SHARE_MARGINS})
       r = rows[-1]
       print(f"| {n} | {kind} | {r['max_log_prob_difference']:.1e} | "
-            f"{r['max_reading_difference']:.1e} |", flush=True)
+            f"{r['max_reading_difference']:.1e} | {r['min_log_share']:.1f} "
+            "|", flush=True)
   timing = _trained_timing(trace["shares"], log_model, shares.params,
                            language, per_length, rng)
   print(f"n = {TIMED_LENGTH}, {per_length} strings of the language, forward: "
@@ -203,8 +234,8 @@ def main():
   args = parser.parse_args()
   if args.workdir:
     print("| n | strings | largest ln p difference | largest reading "
-          "difference |")
-    print("|---|---|---|---|")
+          "difference | smallest log share |")
+    print("|---|---|---|---|---|")
     _trained(args.workdir, args.strings, args.note, args.out)
     return
   rng = np.random.default_rng(0)

@@ -1101,14 +1101,21 @@ def log_stack_block():
                                             "log_stack_trained*.json"))):
     name = os.path.basename(path)
     t = _load(name)
+    margin = "min_log_share" in t["rows"][0]
     text += (f"\nA trained {t['model'].upper()}-RNN on both tables (`{name}`, "
              f"`log_stack.py --workdir`; {t['task']}, {t['note']}; float32, "
-             f"{_device(t)}): largest differences per batch of strings.\n\n"
-             "| n | strings | ln p(w) | readings |\n|---|---|---|---|\n")
+             f"{_device(t)}): largest differences per batch of strings"
+             + ("; and the smallest log share of the exact table (the "
+                "shares table flushes a share below ~−87 nats, and a "
+                "product of two below −43)" if margin else "")
+             + ".\n\n| n | strings | ln p(w) | readings |"
+             + (" smallest log share |\n|---|---|---|---|---|\n" if margin
+                else "\n|---|---|---|---|\n"))
     text += "".join(f"| {r['n']} | {r['strings']} ({r['count']}) | "
                     f"{r['max_log_prob_difference']:.1e} | "
-                    f"{r['max_reading_difference']:.1e} |\n"
-                    for r in t["rows"])
+                    f"{r['max_reading_difference']:.1e} |"
+                    + (f" {r['min_log_share']:.1f} |" if margin else "")
+                    + "\n" for r in t["rows"])
     if "forward_s" in t:
       f = t["forward_s"]
       text += (f"\nForward (trace) on {t['rows'][0]['count']} of its "

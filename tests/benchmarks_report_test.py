@@ -161,3 +161,26 @@ def test_concurrent_steps_benchmark_runs_and_pins(tmp_path):
   summary = data["summary"]["lstm"]
   assert summary["pinned_over_free"] == pytest.approx(
       summary["pinned_steps"] / summary["free_steps"])
+
+
+def test_trained_share_margin_reads_the_exact_table(load_benchmark):
+  # log_stack.py --workdir's smallest share: after one update every run
+  # starts with the push from (q0, ⊥), so each (r, y) with a push holds all
+  # of α_1 (log share 0) and one without holds none (−inf, left out). At
+  # update 2 a pop is impossible (frozen bottom) and a replace of weight
+  # e^-50 beside a push of weight 1 leaves the replaced run a share of
+  # about e^-50 of its (r, y).
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  bench = load_benchmark("log_stack")
+  q, s = 1, 2
+  push = np.ones((1, 2, q, s, q, s), np.float32)
+  push[:, 0, 0, 0, 0, 1] = 0                  # update 1: only y = 0 pushed
+  repl = np.full((1, 2, q, s, q, s), np.exp(-50.0), np.float32)
+  pop = np.ones((1, 2, q, s, q), np.float32)
+  out = {"actions": {"push": push, "repl": repl, "pop": pop}}
+  shares = bench._log_shares(out, model=None)  # pylint: disable=protected-access
+  assert shares.max() == pytest.approx(0.0, abs=1e-6)
+  assert shares.min() == pytest.approx(-50.0, abs=1.0)
+  one = bench._log_shares(  # pylint: disable=protected-access
+      {"actions": {k: v[:, :1] for k, v in out["actions"].items()}}, None)
+  np.testing.assert_allclose(one, [0.0], atol=1e-6)
