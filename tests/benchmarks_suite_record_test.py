@@ -192,21 +192,6 @@ def test_a_suite_in_two_parts_counts_as_the_whole(suite_record, tmp_path):
   assert d["parts"] == 2 and not d["interrupted"]
 
 
-class _Item:
-
-  def __init__(self, nodeid):
-    self.nodeid = nodeid
-
-
-class _Config:
-
-  class hook:  # pylint: disable=invalid-name
-
-    @staticmethod
-    def pytest_deselected(items):
-      del items
-
-
 def test_the_session_leaves_out_what_an_earlier_report_finished(
     tmp_path, monkeypatch):
   # tests/conftest.py with NSRNN_TEST_DONE: the finished tests (any outcome)
@@ -226,6 +211,4 @@ def test_the_session_leaves_out_what_an_earlier_report_finished(
   monkeypatch.setenv("XLA_FLAGS", "")
   ids = ["tests/main_test.py::test_a", "tests/main_test.py::test_b[x-1]",
          "tests/main_test.py::test_b[x-2]", "tests/main_test.py::test_c"]
-  items = [_Item(n) for n in ids]
-  conftest.pytest_collection_modifyitems(_Config(), items)
-  assert [i.nodeid for i in items] == ids[2:]
+  assert conftest.kept_by_collection(ids) == ids[2:]

@@ -167,6 +167,30 @@ def pytest_collection_modifyitems(config, items):
   _deselect(config, items, drop)
 
 
+class _FakeItem:
+  """What `pytest_collection_modifyitems` reads of a test: its node id."""
+
+  def __init__(self, nodeid):
+    self.nodeid = nodeid
+
+
+class _FakeConfig:
+
+  class hook:  # pylint: disable=invalid-name
+
+    @staticmethod
+    def pytest_deselected(items):
+      del items
+
+
+def kept_by_collection(nodeids):
+  """The node ids `pytest_collection_modifyitems` keeps of `nodeids` under
+  the current environment (for the hook's own tests)."""
+  items = [_FakeItem(n) for n in nodeids]
+  pytest_collection_modifyitems(_FakeConfig(), items)
+  return [i.nodeid for i in items]
+
+
 def pytest_unconfigure(config):
   del config
   if _created_cache_dir:

@@ -58,21 +58,6 @@ def test_a_flag_this_jaxlib_does_not_know_is_left_out(monkeypatch):
                                      "--xla_cpu_use_fusion_emitters=true")
 
 
-class _Item:
-
-  def __init__(self, nodeid):
-    self.nodeid = nodeid
-
-
-class _Config:
-
-  class hook:  # pylint: disable=invalid-name
-
-    @staticmethod
-    def pytest_deselected(items):
-      del items
-
-
 def _collected(monkeypatch, nodeids, flags, float32_only=False):
   """The ids conftest keeps of `nodeids` under these XLA_FLAGS."""
   monkeypatch.setenv("XLA_FLAGS", flags)
@@ -81,9 +66,7 @@ def _collected(monkeypatch, nodeids, flags, float32_only=False):
     monkeypatch.setenv(conftest.FLOAT32_ONLY_ENV, "1")
   else:
     monkeypatch.delenv(conftest.FLOAT32_ONLY_ENV, raising=False)
-  items = [_Item(n) for n in nodeids]
-  conftest.pytest_collection_modifyitems(_Config(), items)
-  return [i.nodeid for i in items]
+  return conftest.kept_by_collection(nodeids)
 
 
 def test_float32_tests_run_once_on_the_default_codegen(monkeypatch):
