@@ -129,13 +129,11 @@ def main():
   modes = tuple(args.modes.split(","))
   if not modes or set(modes) - {"free", "pinned"}:
     cli.fail(f"--modes must name free and/or pinned, got {args.modes!r}")
-  try:
-    chunks = [int(c) for c in args.batch_chunk.split(",")]
-  except ValueError:
-    chunks = [-1]
-  if any(c < 0 for c in chunks):
+  chunks = args.batch_chunk.split(",")
+  if not all(c.isdigit() for c in chunks):
     cli.fail("--batch_chunk must be comma-separated integers >= 0, got "
              f"{args.batch_chunk!r}")
+  chunks = [int(c) for c in chunks]
   sys.path[:0] = [REPO, HERE]
   import machine  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top

@@ -80,15 +80,19 @@ def finished_tests(xml_path, root="."):
   return set(_outcomes(xml_path, root)[0])
 
 
+def _as_list(xml_paths):
+  """One report path, or the parts of one suite, as a list of paths."""
+  return ([xml_paths] if isinstance(xml_paths, (str, os.PathLike))
+          else list(xml_paths))
+
+
 def parse(xml_paths, root="."):
   """{passed, failed, errors, skipped, xfailed, wall_s, failed_tests,
   skipped_tests} of pytest JUnit XML reports: one path, or the parts of one
   suite in order (an interrupted run's report, then the report of the run
   that finished it; a test in two parts counts once, as the later says)."""
-  if isinstance(xml_paths, (str, os.PathLike)):
-    xml_paths = [xml_paths]
   outcomes, wall = {}, 0.0
-  for path in xml_paths:
+  for path in _as_list(xml_paths):
     part, part_wall = _outcomes(path, root)
     outcomes.update(part)
     wall += part_wall
@@ -124,16 +128,16 @@ def record(xml_paths, root, command, environment, exit_code=None):
       versions[name] = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
       pass
+  xml_paths = _as_list(xml_paths)
   result = parse(xml_paths, root)
-  parts = 1 if isinstance(xml_paths, (str, os.PathLike)) else len(xml_paths)
   d = {"note": "the test suite's result, written by benchmarks/"
                "suite_record.py from pytest's JUnit XML report",
        "device": machine.device_label(info), "date": time.strftime("%Y-%m-%d"),
        "commit": info.get("source_revision"),
        "python": sys.version.split()[0], "packages": versions,
        "command": command, "environment": environment, **result}
-  if parts > 1:
-    d["parts"] = parts
+  if len(xml_paths) > 1:
+    d["parts"] = len(xml_paths)
   if exit_code is not None:
     d.update(exit_code=int(exit_code),
              interrupted=int(exit_code) in INTERRUPTED_EXIT_CODES)
