@@ -21,7 +21,9 @@ lengths 20, 40, 80 and 120 (`--strings` per length) and on uniformly random
 strings of the same lengths (off the language, where the weights are least
 tame): the largest difference in ln p(w) and in the stack readings, and
 the smallest entry of the exact log-share table (how far inside the share
-table's flush the model's runs stay).
+table's flush the model's runs stay), and the share sweep's factor margin
+(`model.stack_margin`): its smallest value and the fraction of strings it
+proves exact (margin above `rns_stack.exact_margin`, ~−40.2 nats).
 
 Other work shares the CPU cores: compare the ratios of one run. Usage:
 
@@ -178,6 +180,9 @@ def _trained(workdir, per_length, note, out_name):
   trace = {name: jax.jit(lambda p, x, m=m: m.apply({"params": p}, x,
                                                    method="trace"))
            for name, m in (("shares", shares.model), ("log", log_model))}
+  margin_fn = jax.jit(lambda p, x: shares.model.apply(
+      {"params": p}, x, method="stack_margin"))
+  proven = rns_stack.exact_margin(np.float32)
   rows = []
   for n in TRAINED_LENGTHS:
     for kind in ("language", "random"):
@@ -197,13 +202,17 @@ def _trained(workdir, per_length, note, out_name):
                        np.asarray(out["log"]["readings"])
                        - np.asarray(out["shares"]["readings"])).max())})
       exact = _log_shares(out["log"], log_model)
+      margins = np.asarray(margin_fn(shares.params, x), np.float64)
       rows[-1].update(min_log_share=float(exact.min()), **{
           f"fraction_of_shares_below_{-m:g}_nats": float((exact < m).mean())
           for m in SHARE_MARGINS})
+      rows[-1].update(min_stack_margin=float(margins.min()),
+                      fraction_proven_exact=float((margins > proven).mean()))
       r = rows[-1]
       print(f"| {n} | {kind} | {r['max_log_prob_difference']:.1e} | "
             f"{r['max_reading_difference']:.1e} | {r['min_log_share']:.1f} "
-            "|", flush=True)
+            f"| {r['min_stack_margin']:.1f} | "
+            f"{r['fraction_proven_exact']:.0%} |", flush=True)
   timing = _trained_timing(trace["shares"], log_model, shares.params,
                            language, per_length, rng)
   print(f"n = {TIMED_LENGTH}, {per_length} strings of the language, forward: "
@@ -234,8 +243,9 @@ def main():
   args = parser.parse_args()
   if args.workdir:
     print("| n | strings | largest ln p difference | largest reading "
-          "difference | smallest log share |")
-    print("|---|---|---|---|---|")
+          "difference | smallest log share | smallest margin | proven "
+          "exact |")
+    print("|---|---|---|---|---|---|---|")
     _trained(args.workdir, args.strings, args.note, args.out)
     return
   rng = np.random.default_rng(0)

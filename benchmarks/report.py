@@ -1102,19 +1102,26 @@ def log_stack_block():
     name = os.path.basename(path)
     t = _load(name)
     margin = "min_log_share" in t["rows"][0]
+    proof = "min_stack_margin" in t["rows"][0]
     text += (f"\nA trained {t['model'].upper()}-RNN on both tables (`{name}`, "
              f"`log_stack.py --workdir`; {t['task']}, {t['note']}; float32, "
              f"{_device(t)}): largest differences per batch of strings"
              + ("; and the smallest log share of the exact table (the "
                 "shares table flushes a share below ~−87 nats, and a "
                 "product of two below −43)" if margin else "")
+             + ("; the share sweep's smallest factor margin "
+                "(`model.stack_margin`) and the strings it proves exact "
+                "(margin above −40.2 nats)" if proof else "")
              + ".\n\n| n | strings | ln p(w) | readings |"
-             + (" smallest log share |\n|---|---|---|---|---|\n" if margin
-                else "\n|---|---|---|---|\n"))
+             + (" smallest log share |" if margin else "")
+             + (" smallest margin | proven exact |" if proof else "")
+             + "\n|---|---|---|---|" + "---|" * (margin + 2 * proof) + "\n")
     text += "".join(f"| {r['n']} | {r['strings']} ({r['count']}) | "
                     f"{r['max_log_prob_difference']:.1e} | "
                     f"{r['max_reading_difference']:.1e} |"
                     + (f" {r['min_log_share']:.1f} |" if margin else "")
+                    + (f" {r['min_stack_margin']:.1f} | "
+                       f"{r['fraction_proven_exact']:.0%} |" if proof else "")
                     + "\n" for r in t["rows"])
     if "forward_s" in t:
       f = t["forward_s"]
@@ -1122,10 +1129,10 @@ def log_stack_block():
                f"language's strings of length {t['timed_length']}: shares "
                f"{_ms(f['shares'])}, log {_ms(f['log'])} "
                f"({f['log'] / f['shares']:.0f}×), log with every pop term "
-               f"by logsumexp {_ms(f['log_logsumexp'])} (the matmul path "
-               f"{f['log_logsumexp'] / f['log']:.1f}× faster, about its "
-               "gain on random weights, so its logsumexp fallback cannot "
-               "run on many of a trained model's updates).\n")
+               f"by logsumexp {_ms(f['log_logsumexp'])} (the matmul path, "
+               "which falls back to the logsumexp on an update whose "
+               "exponentials would underflow, "
+               f"{f['log_logsumexp'] / f['log']:.1f}× faster).\n")
   return text
 
 

@@ -124,20 +124,19 @@ def encode(strings: Sequence[Union[str, Sequence[str]]],
   return out
 
 
-def score(workdir_or_loaded: Union[str, os.PathLike, Loaded],
-          strings: Sequence[Union[str, Sequence[str]]]) -> np.ndarray:
-  """Natural-log probabilities ln p_model(w) of strings (float64 [len]).
-
-  Strings of equal length are scored in one batch. For a config with
-  predict_eos the score includes ln p_model(EOS | w) (a complete string).
-  """
+def _loaded(workdir_or_loaded, what: str) -> Loaded:
   if isinstance(workdir_or_loaded, (str, os.PathLike)):
     loaded = load_model(os.fspath(workdir_or_loaded))
   elif isinstance(workdir_or_loaded, Loaded):
     loaded = workdir_or_loaded
   else:
-    raise TypeError(f"score takes a workdir path or evaluate.load_model's "
+    raise TypeError(f"{what} takes a workdir path or evaluate.load_model's "
                     f"result, got {type(workdir_or_loaded).__name__}")
+  return loaded
+
+
+def _batches(loaded: Loaded, strings):
+  """(indices, batch) per string length: `train.make_batch` batches."""
   if isinstance(strings, str):
     raise ValueError("strings must be a list of strings, not one string")
   corpus_run = _is_corpus(loaded.config)
@@ -148,20 +147,76 @@ def score(workdir_or_loaded: Union[str, os.PathLike, Loaded],
     if alphabet is None:
       raise ValueError("the workdir's config.json lacks the alphabet")
     encoded = encode(strings, alphabet)
-  scores = np.zeros(len(encoded), np.float64)
   by_length = {}
   for k, ids in enumerate(encoded):
     by_length.setdefault(len(ids), []).append(k)
-  params_K = _stacked(loaded.params)
+  batches = []
   for _, ks in sorted(by_length.items()):
     batch = train.make_batch(np.stack([encoded[k] for k in ks]),
                              eos=train.eos_id(loaded.config, loaded.model))
     if corpus_run:  # The leading <eos> is context, not a target.
       batch["mask"][:, 0] = 0
+    batches.append((ks, batch))
+  return len(encoded), batches
+
+
+def score(workdir_or_loaded: Union[str, os.PathLike, Loaded],
+          strings: Sequence[Union[str, Sequence[str]]]) -> np.ndarray:
+  """Natural-log probabilities ln p_model(w) of strings (float64 [len]).
+
+  Strings of equal length are scored in one batch. For a config with
+  predict_eos the score includes ln p_model(EOS | w) (a complete string).
+  """
+  loaded = _loaded(workdir_or_loaded, "score")
+  num, batches = _batches(loaded, strings)
+  scores = np.zeros(num, np.float64)
+  params_K = _stacked(loaded.params)
+  for ks, batch in batches:
     batch_K = jax.tree.map(lambda x: x[None], batch)
     sums = loop.eval_models(params_K, batch_K, apply_fn=loaded.model.apply)
     scores[ks] = -np.asarray(sums["nll"][0], np.float64)
   return scores
+
+
+def stack_margins(workdir_or_loaded: Union[str, os.PathLike, Loaded],
+                  strings: Sequence[Union[str, Sequence[str]]]) -> np.ndarray:
+  """The share stack's factor margin on each string (float64 [len], nats).
+
+  ``models.PDAStackLM.stack_margin`` on the strings as `score` feeds them:
+  where a margin is above ``rns_stack.exact_margin`` of the model's float
+  type (``exact_margin`` below), `score` is exact up to rounding for that
+  string; below it, ``load_model(..., stack_table='log')`` scores it
+  exactly.
+
+  Raises:
+    ValueError: (one line) the run's stack is not the unlimited share
+      sweep (lstm, jm, gref, 'log', 'scaled', windows, vrns).
+  """
+  loaded = _loaded(workdir_or_loaded, "stack_margins")
+  margin_fn = _margin_fn(loaded.model)
+  num, batches = _batches(loaded, strings)
+  out = np.zeros(num, np.float64)
+  for ks, batch in batches:
+    out[ks] = np.asarray(margin_fn(loaded.params, batch["symbols"]),
+                         np.float64)
+  return out
+
+
+def exact_margin(workdir_or_loaded: Union[str, os.PathLike, Loaded]) -> float:
+  """The margin above which a run's share stack is exact (`stack_margins`)."""
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  return rns_stack.exact_margin(
+      _loaded(workdir_or_loaded, "exact_margin").model.dtype)
+
+
+def _margin_fn(model):
+  """jit(params, symbols -> margins), or a one-line ValueError."""
+  if not hasattr(model, "stack_margin"):
+    raise ValueError(f"stack_margins applies to the share table of ns and "
+                     f"rns without a window, not to {type(model).__name__}")
+  # A table or window without a margin raises (one line) when traced.
+  return jax.jit(lambda p, x: model.apply({"params": p}, x,
+                                          method="stack_margin"))
 
 
 def _is_corpus(config) -> bool:
@@ -230,7 +285,8 @@ def _reevaluate_corpus(loaded: Loaded, out: str,
 def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
                model: Any = None, out: Optional[str] = None,
                corpus_dir: Optional[str] = None,
-               stack_table: Optional[str] = None) -> dict:
+               stack_table: Optional[str] = None,
+               stack_margin: bool = False) -> dict:
   """Recomputes the per-length test table of a workdir with its best params.
 
   Args:
@@ -242,6 +298,11 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
     corpus_dir: a corpus run's corpus where it lies now (default: where it
       was trained; the files must be the same, by SHA-256).
     stack_table: as for `load_model` (e.g. 'log': the exact stack).
+    stack_margin: also check the share stack's exactness on the test
+      strings (`stack_margins`; ns / rns on the 'shares' table, no window):
+      the summary gains ``stack_margin_min`` (nats) and
+      ``stack_margin_exact_fraction`` (of strings whose margin is above
+      `exact_margin`, where the table is exact up to rounding).
 
   Returns:
     {"table": per-length table, "summary": overall test metrics, "text"}.
@@ -251,18 +312,31 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
   checkpointing.check_writable(out, what="output directory")
   loaded = load_model(workdir, model=model, stack_table=stack_table)
   if _is_corpus(loaded.config):
+    if stack_margin:
+      raise ValueError("--stack_margin applies to formal-language runs; use "
+                       "evaluate.stack_margins on a corpus run's sentences")
     return _reevaluate_corpus(loaded, out, corpus_dir)
   if corpus_dir:
     raise ValueError("--corpus_dir applies to corpus runs (task 'corpus')")
+  margin_fn = _margin_fn(loaded.model) if stack_margin else None
   if splits is None:
     splits = data.from_config(loaded.config, need_test=True)
   if not splits.test.batches:
     raise ValueError("no test data to evaluate")
+  if stack_margin:   # Before the long evaluation (a table without one fails).
+    eos = train.eos_id(loaded.config, loaded.model)
+    margins = np.concatenate([np.asarray(margin_fn(
+        loaded.params, train.make_batch(b.symbols, eos=eos)["symbols"]),
+        np.float64) for b in splits.test.batches])
   results = loop.evaluate_split(
       _stacked(loaded.params), loaded.model.apply, [splits.test],
       loaded.config, [loop.test_num_lengths(splits.test, loaded.config)],
       parallel.make_mesh(), train.eos_id(loaded.config, loaded.model))[0]
   table, summary = loop.test_outputs(results, loaded.config)
+  if stack_margin:
+    summary["stack_margin_min"] = float(margins.min())
+    summary["stack_margin_exact_fraction"] = float(np.mean(
+        margins > exact_margin(loaded)))
   main = parallel.is_main_process()
   if main:
     os.makedirs(out, exist_ok=True)
@@ -277,7 +351,8 @@ def main(argv):
     raise ValueError("--workdir is required")
   result = reevaluate(workdir, out=flags.FLAGS.out,
                       corpus_dir=flags.FLAGS.corpus_dir,
-                      stack_table=flags.FLAGS.stack_table)
+                      stack_table=flags.FLAGS.stack_table,
+                      stack_margin=flags.FLAGS.stack_margin)
   print(result["text"])
   for key, value in sorted(result["summary"].items()):
     print(f"{key}: {value:.6f}")
@@ -293,4 +368,8 @@ if __name__ == "__main__":
                       "lies now (default: where it was trained).")
   flags.DEFINE_string("stack_table", None, "Run an NS / RNS / VRNS stack on this "
                       "table instead of the run's own (e.g. 'log': exact).")
+  flags.DEFINE_bool("stack_margin", False, "Also report the share stack's "
+                    "factor margin on the test strings (ns / rns, 'shares' "
+                    "table): the smallest, and the fraction of strings it "
+                    "proves exact.")
   cli.run(main)

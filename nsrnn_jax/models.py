@@ -73,7 +73,8 @@ INPUT_LOOKUP_MODELS = ('lstm', 'rns', 'vrns')
 # same function (tested to 1e-12 in float64):
 #   'shares': ``rns_stack`` with the frozen bottom and the symbol reading (γ
 #     stored as posterior shares): exact for finite log-weights up to its
-#     flush limit (rns_stack docstring), in float32 too. The default.
+#     flush limit (rns_stack docstring), in float32 too; ``stack_margin``
+#     proves it exact per string (``rns_stack.share_margin``). The default.
 #   'log': ``log_stack`` (the same shares as logarithms): exact for any
 #     finite log-weights, no flush; ~20x slower stack DP on CPU
 #     (benchmarks/log_stack.py). For checking and evaluating; also the RNS-RNN's
@@ -949,6 +950,35 @@ class PDAStackLM(LanguageModel):
   def _stack_params(self):
     return {'action': self.action()}
 
+  def stack_margin(self, symbols_BxN) -> jax.Array:
+    """The share sweep's factor margin on these strings: [B] nats (≤ 0).
+
+    ``rns_stack.share_margin`` of the action log-weights the stack saw:
+    where it is above ``rns_stack.exact_margin(dtype)`` (about -40 nats in
+    float32) the readings, log masses and so the logits are those of exact
+    arithmetic up to rounding; below it they may have lost PDA runs that
+    fell that far behind, and ``stack_table='log'`` gives the exact ones.
+    Use as ``model.apply(params, symbols, method='stack_margin')``.
+
+    Raises:
+      ValueError: (one line) the model's stack is not the unlimited share
+        sweep (the 'log' table is exact; windows, 'scaled' and the vector
+        stack have no margin).
+    """
+    symbols_BxN = _check_symbols(symbols_BxN, self.vocab_size)
+    if symbols_BxN.shape[1] < 2:
+      return jnp.full(symbols_BxN.shape[:1], jnp.inf, self.dtype)
+    push, repl, pop, bottom = self._sweep_actions(self._params(),
+                                                  symbols_BxN[:, :-1])
+    return rns_stack.share_margin(push, repl, pop, bottom,
+                                  self.matmul_precision)
+
+  def _sweep_actions(self, params, inputs_BxT):
+    """(push, repl, pop log-weights, bottom) of the share sweep."""
+    del params, inputs_BxT
+    raise ValueError(f'stack_margin applies to the share table of ns and '
+                     f'rns without a window, not to {type(self).__name__}')
+
   def setup(self):
     super().setup()
     q, s = self.num_states, self.num_stack_symbols
@@ -1129,15 +1159,26 @@ class NSLM(PDAStackLM):
         self.num_states, self.num_stack_symbols, self.table,
         self.matmul_precision, unroll=self.scan_unroll,
         batch_chunk=self.batch_chunk)
-    push, repl, pop = jax.vmap(
-        lambda h: ns_action_log_probs(params['action'], h, self.num_states,
-                                      self.num_stack_symbols,
-                                      self.matmul_precision),
-        in_axes=1, out_axes=1)(h_BxTxH)
+    push, repl, pop = self._action_log_probs(params, h_BxTxH)
     actions = {'push': jnp.exp(push), 'repl': jnp.exp(repl),
                'pop': jnp.exp(pop)}
     return h_BxTxH, {'actions': actions, 'readings': readings,
                      'log_mass': log_mass}
+
+  def _action_log_probs(self, params, h_BxTxH):
+    """Update t's action log-probabilities from h_t: push, repl, pop."""
+    return jax.vmap(
+        lambda h: ns_action_log_probs(params['action'], h, self.num_states,
+                                      self.num_stack_symbols,
+                                      self.matmul_precision),
+        in_axes=1, out_axes=1)(h_BxTxH)
+
+  def _sweep_actions(self, params, inputs_BxT):
+    if self.table != 'shares':
+      raise ValueError(f"stack_margin applies to the 'shares' table, not "
+                       f"{self.table!r} ('log' is exact)")
+    h_BxTxH = self._run(params, inputs_BxT)[0]
+    return (*self._action_log_probs(params, h_BxTxH), rns_stack.FROZEN)
 
 
 class RNSLM(PDAStackLM):
@@ -1238,14 +1279,26 @@ class RNSLM(PDAStackLM):
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
           self.bottom, self.reading, precision=self.matmul_precision,
           unroll=self.scan_unroll)
-    push, repl, pop = rns_stack.split_action_logits(
-        affine(params['action'], h_BxTxH, self.matmul_precision), q, s,
-        self.normalize)
+    push, repl, pop = self._action_log_weights(params, h_BxTxH)
     return h_BxTxH, {
         'action_log_weights': {'push': push, 'repl': repl, 'pop': pop},
         'readings': rns_stack.readout(la, self.reading)[0],
         'state_readings': rns_stack.readout(la, rns_stack.STATE)[0],
         'log_mass': log_mass}
+
+  def _action_log_weights(self, params, h_BxTxH):
+    """Update t's action log-weights from h_t: push, repl, pop."""
+    return rns_stack.split_action_logits(
+        affine(params['action'], h_BxTxH, self.matmul_precision),
+        self.num_states, self.num_stack_symbols, self.normalize)
+
+  def _sweep_actions(self, params, inputs_BxT):
+    if self.window or self.table != 'shares':
+      raise ValueError(
+          "stack_margin applies to the 'shares' table without a window "
+          f"(this model: table {self.table!r}, window {self.window})")
+    h_BxTxH = self._run(params, inputs_BxT)[0]
+    return (*self._action_log_weights(params, h_BxTxH), self.bottom)
 
 
 # ---------------------------------------------------------------------------

@@ -42,9 +42,12 @@ is later brought back by a larger weight (e.g. a replace of weight e^100
 beside a push of weight 1, then a push of weight e^200 from the pushed
 run's configuration) is missing from the result: readings off by up to 1
 and log Σα off by the amount it came back by. Normalised actions and the
-weight spreads of trained models stay far inside the limit; `log_stack`
+weight spreads of trained models mostly stay inside the limit; `log_stack`
 computes the same function with the shares as logarithms, exact for any
-finite log-weights and ~20x slower (config.stack_table = "log"). All
+finite log-weights and ~20x slower (config.stack_table = "log").
+`share_margin` says, per batch element, whether a sweep stayed inside it:
+above `exact_margin` (−40.2 nats in float32) no product came near the
+flush and the values are exact up to rounding; below, use `log_stack`. All
 table-sized work is matmuls of linear shares; only column-sized arrays are
 exponentiated.
 
@@ -151,7 +154,7 @@ __all__ = [
     "split_action_logits", "readout", "initial_table", "update",
     "run", "run_coupled", "run_coupled_vectors", "run_log_space", "viterbi",
     "replay_run", "square_table",
-    "validate_stack_config",
+    "validate_stack_config", "share_margin", "exact_margin",
 ]
 
 FIXED, FROZEN = "fixed", "frozen"
@@ -456,7 +459,8 @@ def _column_views(prev, cs, p, ring=False):
 
 
 def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
-           pop_BxQxSxQ, prec, ring=False, residuals=False, vectors=None):
+           pop_BxQxSxQ, prec, ring=False, residuals=False, vectors=None,
+           margin=False):
   """The column-sized part of update j (everything but the pop matmul).
 
   Args:
@@ -469,6 +473,9 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       vector table in the cutoff basis (`update`'s ``vectors``) and the
       pushed vector; its column j but for the pop term (`_vector_local`)
       is then added as a last output.
+    margin: also return, last, this update's factor margin [b]
+      (`share_margin`: the smallest log of a nonzero factor of its
+      products, or minus the largest).
 
   Returns:
     (col_local [b,y,r,i,q,x] (replace rows + push row), mt [b,y,r,k,t]
@@ -561,7 +568,24 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     out += ((jnp.stack([kern, kd, sm]), w),)
   if vectors is not None:
     out += (_vector_local(kern, *vectors, prec),)
+  if margin:
+    # The factors of this update's products: column j−1's shares (the
+    # table's columns k ≤ j−2 were each checked as column j−1 of an
+    # earlier update), the kernels (by their exponents) and M̃. Column sums
+    # and W enter only through their logarithms.
+    out += (jnp.minimum(
+        jnp.minimum(_log_min_positive(prev), _log_min_positive(mt)),
+        jnp.min(jnp.where(ok, -jnp.abs(x), jnp.inf).reshape(b, -1),
+                axis=1)),)
   return out
+
+
+def _log_min_positive(v):
+  """log of the smallest positive entry of each v[b] (inf if none)."""
+  v = v.reshape(v.shape[0], -1)
+  small = jnp.min(jnp.where(v > 0, v, jnp.inf), axis=1)
+  return jnp.where(jnp.isfinite(small),
+                   jnp.log(jnp.where(jnp.isfinite(small), small, 1)), jnp.inf)
 
 
 def _vector_local(kern, prev_v, vec, prec):
@@ -862,7 +886,7 @@ def _initial(b, t, q, s, bottom, dtype):
 
 
 def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
-                    unroll=1, vectors0=None):
+                    unroll=1, vectors0=None, margin=False):
   """Runs updates 1..T in static time blocks (shared by run / run_coupled).
 
   Block [j0, j1) is one `lax.scan` over the table sliced to the time points
@@ -886,10 +910,13 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       vector stack (`run_coupled_vectors`: E_k[t,y] at [b, y, k+1, t, 0]);
       actions_fn is then called with E_{j−1} [b, y, r, 1, M] as a fifth
       argument and returns the pushed vector v_j [B, M] after the actions.
+    margin: also compute the factor margin [B] of every update (`_local`'s
+      ``margin``; on XLA, without vectors) and return its minimum.
 
   Returns:
     (table, cs, la, lm, extra, ys (time-major), mt_TxBxYxRxNxT or None,
-    residuals (time-major) or None, the final vector table or None); the
+    residuals (time-major) or None, the final vector table or None, the
+    margin [B] or None); the
     table as column chunks, a tuple with one per time block (block [j0, j1)
     writes axis indices j0+1..j1: chunk [B, Y, K, T, j1+1, Q, X] holds
     those columns, the first also 0..j0, with their rows ≤ j1), or square
@@ -900,11 +927,15 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   num_pts = g.shape[2]
   vec = vectors0 is not None
   # The Pallas update has no vector column: the vector stack runs on XLA.
-  fused = _update_kernels() and not vec
+  fused = _update_kernels() and not vec and not margin
+  if margin and vec:
+    raise ValueError("rns_stack: the factor margin has no vector stack")
   if fused:
     # Imported on use: Pallas is needed only by this opt-in path.
     from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
   extra, ys_all, mts, a_hats, lms, res_all = extra0, [], [], [], [], []
+  # The running factor margin (a carry only when asked for).
+  lo = jnp.full(g.shape[:1], jnp.inf, g.dtype) if margin else ()
   # T = 0: one empty block.
   blocks = _time_blocks(t, _table_bytes(g)) or [(1, 1)]
   # With the chunked layout (`TABLE_LAYOUT`) the table is kept in column
@@ -948,7 +979,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       vcarry = (_pad_to(vcarry[0], n, (2,)), vcarry[1])
 
     def body(carry, inp, frozen_b=tuple(frozen)):
-      extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev = carry
+      extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev, lo = carry
       j, x_j = inp
       if vec:
         gv, e_prev = vcarry
@@ -961,7 +992,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
             g, cs, j, a_prev, *acts)
         lm_j = lm_prev + inc
         kept = (mt, res) if keep_mt else None
-        return ((extra, g, cs, cs_col, a_hat, lm_j, vcarry, prev),
+        return ((extra, g, cs, cs_col, a_hat, lm_j, vcarry, prev, lo),
                 (ys, kept, a_hat, lm_j))
       # Column j − 1's sums are written one update late, before anything
       # reads cs, and fenced: XLA then updates cs in place instead of
@@ -971,7 +1002,9 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       if not chunked:
         prev = lax.dynamic_index_in_dim(g, j, axis=2, keepdims=False)
       parts = _local(prev, cs, j, a_prev, *acts, prec, residuals=keep_mt,
-                     vectors=(e_prev, v_j) if vec else None)
+                     vectors=(e_prev, v_j) if vec else None, margin=margin)
+      if margin:
+        lo = jnp.minimum(lo, parts[-1])
       col, mt, a_hat, inc = parts[:4]
       if chunked:                                   # column j, index j + 1
         col = col + _chunk_pop(frozen_b, g, mt, prec)
@@ -988,13 +1021,13 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       lm_j = lm_prev + inc
       kept = (mt, parts[4]) if keep_mt else None
       return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j,
-               vcarry, col if chunked else ()), (ys, kept, a_hat, lm_j))
+               vcarry, col if chunked else (), lo), (ys, kept, a_hat, lm_j))
 
     x_blk = jax.tree_util.tree_map(lambda l: l[j0 - 1:j1 - 1], xs_T)
     cs_col = cs[:, :, j0]                     # already in place: rewritten
-    (extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev), (
+    (extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev, lo), (
         ys, kept, a_hat, lm_j) = lax.scan(
-            body, (extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev),
+            body, (extra, g, cs, cs_col, a_prev, lm_prev, vcarry, prev, lo),
             (jnp.arange(j0, j1), x_blk), unroll=unroll)
     if not fused:
       cs = lax.dynamic_update_index_in_dim(cs, cs_col, j1, axis=2)
@@ -1015,7 +1048,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
                        axis=1)[:, :t + 1]
   gv = _pad_to(vcarry[0], num_pts, (2,)) if vec else None
   table = tuple(frozen) + (g,) if chunked else _pad_to(g, num_pts, (2, 4))
-  return (table, _pad_to(cs, num_pts, (2,)), la, lm, extra, ys, mt, res, gv)
+  return (table, _pad_to(cs, num_pts, (2,)), la, lm, extra, ys, mt, res, gv,
+          lo if margin else None)
 
 
 def _pad_to(x, n, axes):
@@ -1209,7 +1243,7 @@ def _forward(push, repl, pop, bottom, precision, keep_mt=False, unroll=1,
   b, t, q, s = push.shape[:4]
   prec = lax_precision(precision)
   xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
-  g, cs, la, lm, _, _, mt, res, _ = _forward_blocks(
+  g, cs, la, lm, _, _, mt, res, _, _ = _forward_blocks(
       t, _initial(b, t, q, s, bottom, push.dtype), xs_T,
       _given_actions, (), prec, keep_mt, unroll)
   return (square_table(g, t + 2) if square else g), cs, la, lm, mt, res
@@ -1290,6 +1324,64 @@ def _run_jit(push, repl, pop, bottom, precision, unroll):
 
 
 # ---------------------------------------------------------------------------
+# The factor margin: when the shares are exact.
+# ---------------------------------------------------------------------------
+#
+# Every product the sweep forms has two non-negative factors: a share of
+# the table (column j−1's entries, or those of an earlier column, each
+# checked when it was column j−1), a kernel exp(x) (x: α̂_{j−1} + action
+# − α_j) or an entry of M̃. Column sums and W enter α_j only through
+# their logarithms. If every nonzero factor f of a run lies in
+# [e^m, e^−m] with m > exact_margin(dtype) = ½ ln(flush), every product
+# is at least the flush threshold, so no product underflows or is dropped
+# as flushed (a sum of non-negative terms only grows), no kernel is
+# clamped, and every entry, log α̂ and log Σα equal exact arithmetic up to
+# rounding — the values `log_stack` computes. Below it nothing is
+# promised (a run may or may not have lost mass): `log_stack` is exact.
+# The margin covers the forward values (readings, log Σα, the loss), not
+# the backward's cotangents.
+
+
+def exact_margin(dtype=jnp.float32) -> float:
+  """The factor margin above which the shares are exact (½ ln flush).
+
+  About −40.2 nats in float32 and −350 in float64 (`share_margin`).
+  """
+  return 0.5 * float(np.log(_flush(jnp.dtype(dtype))))
+
+
+def share_margin(push, repl, pop, bottom=FIXED, precision="highest"):
+  """The factor margin of `run` on these log-weights: [B] nats (≤ 0).
+
+  The smallest m such that every nonzero factor f of every product the
+  share sweep forms for batch element b satisfies e^m ≤ f ≤ e^−m (+inf
+  when there are none). Above `exact_margin(dtype)` `run`'s values are
+  exact up to rounding for that element; below it they may have lost runs
+  that fell that far behind (module docstring), and `log_stack.run` gives
+  the exact ones. Forward only, not differentiable; costs a few column
+  reductions per update beside `run`'s forward.
+
+  Args:
+    push, repl, pop, bottom, precision: as for `run`.
+  """
+  _check_bottom(bottom)
+  push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
+  _check_actions(push, repl, pop)
+  return _margin_jit(push, repl, pop, bottom, check_precision(precision))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _margin_jit(push, repl, pop, bottom, precision):
+  push, repl, pop = (lax.stop_gradient(a) for a in (push, repl, pop))
+  b, t, q, s = push.shape[:4]
+  xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
+  lo = _forward_blocks(t, _initial(b, t, q, s, bottom, push.dtype), xs_T,
+                       _given_actions, (), lax_precision(precision), False,
+                       margin=True)[-1]
+  return lo
+
+
+# ---------------------------------------------------------------------------
 # Coupled controller + stack (the RNS-RNN's recurrence).
 # ---------------------------------------------------------------------------
 
@@ -1317,7 +1409,7 @@ def _coupled_forward(step_fn, q, s, bottom, reading, precision, unroll,
   prec = lax_precision(precision)
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
   init = _initial(b, t, q, s, bottom, _float_dtype(params))
-  g, cs, la, lm, _, (outs, ctrls), mt, lres, _ = _forward_blocks(
+  g, cs, la, lm, _, (outs, ctrls), mt, lres, _, _ = _forward_blocks(
       t, init, xs_T, _controller_actions(step_fn, reading, params),
       init_carry, prec, keep_mt, unroll)
   return outs, la, lm, g, cs, ctrls, (mt, lres)
@@ -1507,7 +1599,7 @@ def _coupled_vectors_forward(step_fn, q, s, precision, unroll, params,
   b, t = jax.tree_util.tree_leaves(xs)[0].shape[:2]
   dtype = _float_dtype((params, bottom_v))
   xs_T = jax.tree_util.tree_map(lambda l: jnp.swapaxes(l, 0, 1), xs)
-  g, cs, la, lm, _, (outs, ctrls), mt, lres, gv = _forward_blocks(
+  g, cs, la, lm, _, (outs, ctrls), mt, lres, gv, _ = _forward_blocks(
       t, _initial(b, t, q, s, FIXED, dtype), xs_T,
       _vector_actions(step_fn, params), init_carry, lax_precision(precision),
       keep_mt, unroll,

@@ -218,6 +218,40 @@ def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
   assert evaluate.load_model(path, stack_table="log").model.table == "log"
   np.testing.assert_allclose(result["table"]["ce_diff"], saved["ce_diff"],
                              rtol=1e-5, atol=1e-6)
+  # The share table's margin on the test strings: every one proven exact
+  # (a small model on short strings), the summary's minimum that of
+  # stack_margins on the same strings, fed as text.
+  checked = evaluate.reevaluate(path, splits=_splits(),
+                                out=str(tmp_path / "out2"), stack_margin=True)
+  summary = checked["summary"]
+  strings = ["".join("01#"[i] for i in row)
+             for b in _splits().test.batches for row in b.symbols]
+  margins = evaluate.stack_margins(path, strings)
+  assert summary["stack_margin_min"] == pytest.approx(margins.min(), rel=1e-6)
+  assert evaluate.exact_margin(path) < margins.min() < 0
+  assert summary["stack_margin_exact_fraction"] == 1.0
+  with pytest.raises(ValueError, match="'shares' table, not 'log'"):
+    evaluate.stack_margins(evaluate.load_model(path, stack_table="log"),
+                           strings)
+
+
+def test_stack_margins_of_a_run_without_a_share_stack_is_a_clear_error(
+    workdir, tmp_path):
+  with pytest.raises(ValueError, match="not to LSTMLM"):
+    evaluate.stack_margins(workdir, ["01#10"])
+  with pytest.raises(ValueError, match="not to LSTMLM"):
+    evaluate.reevaluate(workdir, splits=_splits(), out=str(tmp_path),
+                        stack_margin=True)
+  with pytest.raises(TypeError, match="stack_margins takes a workdir path"):
+    evaluate.stack_margins(None, ["01#10"])
+  proc = subprocess.run(
+      [sys.executable, "-m", "nsrnn_jax.evaluate", f"--workdir={workdir}",
+       f"--out={tmp_path / 'cli'}", "--stack_margin"], capture_output=True,
+      text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [
+      "error: stack_margins applies to the share table of ns and rns "
+      "without a window, not to LSTMLM"]
 
 
 def test_a_table_the_run_cannot_use_is_a_clear_error(workdir):

@@ -20,6 +20,7 @@ import pytest
 
 from nsrnn_jax import models
 from nsrnn_jax import ns_stack
+from nsrnn_jax import rns_stack
 import action_weights  # tests/action_weights.py, on sys.path under pytest
 import pda_oracle  # tests/pda_oracle.py, on sys.path under pytest
 
@@ -444,6 +445,46 @@ def test_ns_log_likelihood_matches_pda_composition(q, s, table):
     np.testing.assert_allclose(rows, 1.0, atol=1e-12)
     # The readings are far from the initial one-hot: the stack matters.
     assert np.ptp(np.asarray(out['readings'][:, 2:])) > 0.05
+
+
+@pytest.mark.parametrize('name,extra', [
+    ('ns', {}), ('rns', {'stack_bottom': 'fixed'}),
+    ('rns', {'stack_bottom': 'frozen', 'stack_normalize': True})])
+def test_stack_margin_is_the_share_margin_of_the_traced_actions(name, extra):
+  """stack_margin = rns_stack.share_margin of the actions trace reports
+  (the ones the stack saw: test_ns_log_likelihood_matches_pda_composition
+  and the RNS trace tests), with the model's bottom."""
+  with jax.enable_x64(True):
+    model = models.get(name, _VOCAB, hidden_size=4, num_states=2,
+                       num_stack_symbols=3, dtype=jnp.float64, **extra)
+    params = _randomize(_init(model), seed=5, scale=3.0)
+    out = _apply(model, params, _SYMBOLS, method='trace')
+    margin = _apply(model, params, _SYMBOLS, method='stack_margin')
+    if name == 'ns':
+      acts = [jnp.log(out['actions'][k]) for k in ('push', 'repl', 'pop')]
+      bottom = rns_stack.FROZEN
+    else:
+      acts = [out['action_log_weights'][k] for k in ('push', 'repl', 'pop')]
+      bottom = extra['stack_bottom']
+    want = rns_stack.share_margin(*acts, bottom=bottom)
+    np.testing.assert_allclose(margin, want, rtol=1e-9)
+    assert np.all(np.asarray(margin) < -1)
+    # A string of one symbol makes no update: no factor, margin +inf.
+    one = _apply(model, params, _SYMBOLS[:, :1], method='stack_margin')
+    assert np.all(np.isposinf(np.asarray(one)))
+
+
+@pytest.mark.parametrize('name,extra,match', [
+    ('ns', {'stack_table': 'log'}, "'shares' table, not 'log'"),
+    ('ns', {'stack_table': 'scaled'}, "'shares' table, not 'scaled'"),
+    ('rns', {'stack_window': 3}, 'without a window'),
+    ('rns', {'stack_table': 'log'}, 'without a window'),
+    ('vrns', {}, 'not to VRNSLM')])
+def test_stack_margin_of_a_stack_without_one_is_a_clear_error(name, extra,
+                                                              match):
+  model = models.get(name, _VOCAB, hidden_size=3, **extra)
+  with pytest.raises(ValueError, match=match):
+    _apply(model, _init(model), _SYMBOLS, method='stack_margin')
 
 
 def test_lstm_log_prob_equals_manual_sum():

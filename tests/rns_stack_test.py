@@ -285,6 +285,51 @@ def test_a_run_beyond_the_flush_that_comes_back_is_lost(big, dtype, x64):
   assert mass == pytest.approx(want_mass, rel=1e-6)
 
 
+@pytest.mark.parametrize("big,dtype,exact", [
+    (30.0, np.float32, True), (100.0, np.float32, False),
+    (300.0, np.float64, True), (800.0, np.float64, False)])
+def test_share_margin_flags_the_run_that_comes_back(big, dtype, exact, x64):
+  """The margin is −big on the run that falls e^−big behind; it promises
+  exactness at 30 / 300 nats and does not at 100 / 800, where the run is
+  lost (the xfail above)."""
+  del x64
+  acts, _, _ = stack_helpers.run_that_comes_back(big, dtype)
+  margin = float(rns_stack.share_margin(*acts)[0])
+  assert margin == pytest.approx(-big, rel=1e-6)
+  assert (margin > rns_stack.exact_margin(dtype)) == exact
+
+
+def test_share_margin_promises_only_exact_values():
+  """Random float32 log-weights from N(0, 1) to N(0, 60²) (with and
+  without −inf holes): every element whose margin is above exact_margin
+  matches the float64 log-space reference, and both sides occur."""
+  rng = np.random.default_rng(7)
+  steps, q, s = 9, 2, 2
+  shapes = [(steps, q, s, q, s)] * 2 + [(steps, q, s, q)]
+  elements = []
+  for scale in (1, 3, 10, 30, 60):
+    for holes in (0.0, 0.3):
+      for _ in range(2):
+        elements.append([np.where(rng.random(sh) < holes, -np.inf,
+                                  scale * rng.normal(size=sh))
+                         for sh in shapes])
+  push, repl, pop = (np.stack(a) for a in zip(*elements))
+  want_mass, want_rho = stack_helpers.reference_mass_and_readings(
+      push, repl, pop)
+  acts = [jnp.asarray(a, jnp.float32) for a in (push, repl, pop)]
+  hat, mass = rns_stack.run(*acts)
+  rho = np.asarray(rns_stack.readout(hat)[0])
+  margin = np.asarray(rns_stack.share_margin(*acts))
+  promised = margin > rns_stack.exact_margin(np.float32)
+  assert 0 < promised.sum() < len(promised), margin
+  assert np.all(margin <= 0)
+  err_rho = np.abs(rho - want_rho).max(axis=(1, 2))
+  err_mass = np.abs(np.asarray(mass) - want_mass).max(axis=1)
+  assert np.all(err_rho[promised] < 2e-5), (err_rho, margin)
+  assert np.all(err_mass[promised]
+                < 1e-5 * np.maximum(1, np.abs(want_mass).max(axis=1))[promised])
+
+
 @pytest.mark.benchmark
 @pytest.mark.skipif(not os.environ.get("NSRNN_LONG_TESTS"),
                     reason="T = 500 log-space reference: 30 s to minutes; "
