@@ -189,8 +189,8 @@ def stack_margins(workdir_or_loaded: Union[str, os.PathLike, Loaded],
   exactly.
 
   Raises:
-    ValueError: (one line) the run's stack is not the unlimited share
-      sweep (lstm, jm, gref, 'log', 'scaled', windows, vrns).
+    ValueError: (one line) the run's stack is not a share sweep (lstm,
+      jm, gref, 'log', 'scaled', vrns).
   """
   loaded = _loaded(workdir_or_loaded, "stack_margins")
   margin_fn = _margin_fn(loaded.model)
@@ -213,7 +213,7 @@ def _margin_fn(model):
   """jit(params, symbols -> margins), or a one-line ValueError."""
   if not hasattr(model, "stack_margin"):
     raise ValueError(f"stack_margins applies to the share table of ns and "
-                     f"rns without a window, not to {type(model).__name__}")
+                     f"rns, not to {type(model).__name__}")
   # A table or window without a margin raises (one line) when traced.
   return jax.jit(lambda p, x: model.apply({"params": p}, x,
                                           method="stack_margin"))
@@ -299,7 +299,7 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
       was trained; the files must be the same, by SHA-256).
     stack_table: as for `load_model` (e.g. 'log': the exact stack).
     stack_margin: also check the share stack's exactness on the test
-      strings (`stack_margins`; ns / rns on the 'shares' table, no window):
+      strings (`stack_margins`; ns / rns on the 'shares' table):
       the summary gains ``stack_margin_min`` (nats) and
       ``stack_margin_exact_fraction`` (of strings whose margin is above
       `exact_margin`, where the table is exact up to rounding).

@@ -54,7 +54,7 @@ Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
            "run_parts", "run_given", "run_chunks", "stream_chunk",
-           "chunk_start", "coupled_parts"]
+           "chunk_start", "coupled_parts", "share_margin"]
 
 
 class WindowState(NamedTuple):
@@ -369,6 +369,44 @@ def _run_steps(step_fn, push, repl, pop, state, precision):
   xs = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
   state, (a_hat, lm) = lax.scan(body, state, xs)
   return jnp.swapaxes(a_hat, 0, 1), jnp.swapaxes(lm, 0, 1), state
+
+
+def share_margin(push, repl, pop, window, bottom=rns_stack.FIXED,
+                 precision="highest"):
+  """The factor margin of `run` on these log-weights: [B] nats (≤ 0).
+
+  `rns_stack.share_margin` for the window: above
+  `rns_stack.exact_margin(dtype)` `run`'s values for that batch element
+  equal exact arithmetic up to rounding (`limited_log_stack.run`'s); below
+  it a share may have been flushed. Forward only, not differentiable.
+
+  Args:
+    push, repl, pop, window, bottom, precision: as for `run` (from the
+      initial state).
+  """
+  check_window(window)
+  push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
+  b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
+  state = initial_state(b, window, q, s, bottom, push.dtype)
+  return _margin_steps(push, repl, pop, state, check_precision(precision))
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _margin_steps(push, repl, pop, state, precision):
+  def body(carry, acts):
+    g, head, a_prev, lo = carry
+    col, a_hat, _, lo_j = rns_stack.update(
+        g, head, a_prev, *acts, precision, ring=True, margin=True)
+    head_next = (head + 1) % g.shape[2]
+    return (_ring_write(g, col, head_next), head_next, a_hat,
+            jnp.minimum(lo, lo_j)), None
+
+  xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
+             for a in (push, repl, pop))
+  lo0 = jnp.full(push.shape[:1], jnp.inf, push.dtype)
+  (_, _, _, lo), _ = lax.scan(body, (state.g, state.head, state.a_hat, lo0),
+                              xs)
+  return lo
 
 
 def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,

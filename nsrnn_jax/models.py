@@ -953,7 +953,8 @@ class PDAStackLM(LanguageModel):
   def stack_margin(self, symbols_BxN) -> jax.Array:
     """The share sweep's factor margin on these strings: [B] nats (≤ 0).
 
-    ``rns_stack.share_margin`` of the action log-weights the stack saw:
+    ``rns_stack.share_margin`` (with a window ``limited_stack``'s) of the
+    action log-weights the stack saw:
     where it is above ``rns_stack.exact_margin(dtype)`` (about -40 nats in
     float32) the readings, log masses and so the logits are those of exact
     arithmetic up to rounding; below it they may have lost PDA runs that
@@ -961,23 +962,26 @@ class PDAStackLM(LanguageModel):
     Use as ``model.apply(params, symbols, method='stack_margin')``.
 
     Raises:
-      ValueError: (one line) the model's stack is not the unlimited share
-        sweep (the 'log' table is exact; windows, 'scaled' and the vector
-        stack have no margin).
+      ValueError: (one line) the model's stack is not a share sweep (the
+        'log' table is exact; 'scaled' and the vector stack have no
+        margin).
     """
     symbols_BxN = _check_symbols(symbols_BxN, self.vocab_size)
+    margin_fn = self._margin_fn()
     if symbols_BxN.shape[1] < 2:
       return jnp.full(symbols_BxN.shape[:1], jnp.inf, self.dtype)
-    push, repl, pop, bottom = self._sweep_actions(self._params(),
-                                                  symbols_BxN[:, :-1])
-    return rns_stack.share_margin(push, repl, pop, bottom,
-                                  self.matmul_precision)
+    params = self._params()
+    h_BxTxH = self._run(params, symbols_BxN[:, :-1])[0]
+    return margin_fn(*self._stack_log_weights(params, h_BxTxH))
 
-  def _sweep_actions(self, params, inputs_BxT):
-    """(push, repl, pop log-weights, bottom) of the share sweep."""
-    del params, inputs_BxT
+  def _margin_fn(self):
+    """push, repl, pop -> the share sweep's margin, or a ValueError."""
     raise ValueError(f'stack_margin applies to the share table of ns and '
-                     f'rns without a window, not to {type(self).__name__}')
+                     f'rns, not to {type(self).__name__}')
+
+  def _stack_log_weights(self, params, h_BxTxH):
+    """Update t's action log-weights from h_t: push, repl, pop."""
+    raise NotImplementedError
 
   def setup(self):
     super().setup()
@@ -1159,26 +1163,25 @@ class NSLM(PDAStackLM):
         self.num_states, self.num_stack_symbols, self.table,
         self.matmul_precision, unroll=self.scan_unroll,
         batch_chunk=self.batch_chunk)
-    push, repl, pop = self._action_log_probs(params, h_BxTxH)
+    push, repl, pop = self._stack_log_weights(params, h_BxTxH)
     actions = {'push': jnp.exp(push), 'repl': jnp.exp(repl),
                'pop': jnp.exp(pop)}
     return h_BxTxH, {'actions': actions, 'readings': readings,
                      'log_mass': log_mass}
 
-  def _action_log_probs(self, params, h_BxTxH):
-    """Update t's action log-probabilities from h_t: push, repl, pop."""
+  def _stack_log_weights(self, params, h_BxTxH):
     return jax.vmap(
         lambda h: ns_action_log_probs(params['action'], h, self.num_states,
                                       self.num_stack_symbols,
                                       self.matmul_precision),
         in_axes=1, out_axes=1)(h_BxTxH)
 
-  def _sweep_actions(self, params, inputs_BxT):
+  def _margin_fn(self):
     if self.table != 'shares':
       raise ValueError(f"stack_margin applies to the 'shares' table, not "
                        f"{self.table!r} ('log' is exact)")
-    h_BxTxH = self._run(params, inputs_BxT)[0]
-    return (*self._action_log_probs(params, h_BxTxH), rns_stack.FROZEN)
+    return functools.partial(rns_stack.share_margin, bottom=rns_stack.FROZEN,
+                             precision=self.matmul_precision)
 
 
 class RNSLM(PDAStackLM):
@@ -1279,26 +1282,28 @@ class RNSLM(PDAStackLM):
           step_fn, step_params, (zeros_BxH, zeros_BxH), inputs_BxT, q, s,
           self.bottom, self.reading, precision=self.matmul_precision,
           unroll=self.scan_unroll)
-    push, repl, pop = self._action_log_weights(params, h_BxTxH)
+    push, repl, pop = self._stack_log_weights(params, h_BxTxH)
     return h_BxTxH, {
         'action_log_weights': {'push': push, 'repl': repl, 'pop': pop},
         'readings': rns_stack.readout(la, self.reading)[0],
         'state_readings': rns_stack.readout(la, rns_stack.STATE)[0],
         'log_mass': log_mass}
 
-  def _action_log_weights(self, params, h_BxTxH):
-    """Update t's action log-weights from h_t: push, repl, pop."""
+  def _stack_log_weights(self, params, h_BxTxH):
     return rns_stack.split_action_logits(
         affine(params['action'], h_BxTxH, self.matmul_precision),
         self.num_states, self.num_stack_symbols, self.normalize)
 
-  def _sweep_actions(self, params, inputs_BxT):
-    if self.window or self.table != 'shares':
-      raise ValueError(
-          "stack_margin applies to the 'shares' table without a window "
-          f"(this model: table {self.table!r}, window {self.window})")
-    h_BxTxH = self._run(params, inputs_BxT)[0]
-    return (*self._action_log_weights(params, h_BxTxH), self.bottom)
+  def _margin_fn(self):
+    if self.table != 'shares':
+      raise ValueError(f"stack_margin applies to the 'shares' table, not "
+                       f"{self.table!r} ('log' is exact)")
+    if self.window:
+      return functools.partial(limited_stack.share_margin,
+                               window=self.window, bottom=self.bottom,
+                               precision=self.matmul_precision)
+    return functools.partial(rns_stack.share_margin, bottom=self.bottom,
+                             precision=self.matmul_precision)
 
 
 # ---------------------------------------------------------------------------

@@ -776,7 +776,7 @@ def square_table(table, num_points):
 
 def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
            pop_BxQxSxQ, precision="highest", ring=False, vectors=None,
-           residuals=False):
+           residuals=False, margin=False):
   """One update j on a share table.
 
   Args:
@@ -803,6 +803,8 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       Its new column costs one more replace mix and pop matmul.
     residuals: also return what `_local_bwd` needs to differentiate the
       update by hand (`limited_stack`'s window VJP).
+    margin: also return, last, the update's factor margin [B]
+      (`share_margin`; `limited_stack.share_margin` takes their minimum).
 
   Returns:
     (col_BxYxRxNxQxX, a_hat_BxQxS, inc_B): column j on the same row axis
@@ -837,14 +839,19 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
                      vec)
   parts = _local(prev, colsum, p, a_prev_BxQxS, push_BxQxSxQxS,
                  repl_BxQxSxQxS, pop_BxQxSxQ, prec, ring,
-                 residuals=residuals, vectors=local_vectors)
+                 residuals=residuals, vectors=local_vectors, margin=margin)
   col, mt, a_hat, inc = parts[:4]
   col = col + _pop_matmul(g, mt, prec)
   out = (col, a_hat, inc)
   if vectors is not None:
+    if margin:
+      raise ValueError("rns_stack.update: the factor margin has no vector "
+                       "stack")
     out = (col, parts[-1] + _pop_matmul(gv, mt, prec), a_hat, inc)
   if residuals:
     out += ((colsum, mt, parts[4]),)
+  if margin:
+    out += (parts[-1],)
   return out
 
 

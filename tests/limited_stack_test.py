@@ -120,6 +120,57 @@ def _actions_of(q, s):
                                                     False)
 
 
+@pytest.mark.parametrize("window", [3, 6])
+@pytest.mark.parametrize("big,exact", [(30.0, True), (100.0, False)])
+def test_share_margin_flags_the_window_run_that_comes_back(window, big,
+                                                           exact):
+  """The window's margin is −big on the run that falls e^−big behind:
+  it proves the 30-nat case and not the 100-nat one, which the window
+  loses as the unlimited table does (log Σα off by up to 100 nats)."""
+  acts, _, _ = stack_helpers.run_that_comes_back(big, np.float32)
+  margin = float(limited_stack.share_margin(*acts, window=window)[0])
+  assert margin == pytest.approx(-big, rel=1e-6)
+  assert (margin > rns_stack.exact_margin(np.float32)) == exact
+  with jax.enable_x64(True):
+    want = limited_stack.run(*(jnp.asarray(a, jnp.float64) for a in acts),
+                             window=window)[1]
+  got = limited_stack.run(*acts, window=window)[1]
+  lost = np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want)))
+  assert (lost < 1e-4) == exact, lost
+
+
+def test_window_share_margin_promises_only_exact_values():
+  """Random float32 log-weights, N(0, 1) to N(0, 60²), D = 4: the
+  elements whose margin is above exact_margin match the float64 window
+  (which flushes only ~700 nats down: exact for these weights), and both
+  sides occur."""
+  rng = np.random.default_rng(11)
+  steps, q, s = 10, 2, 2
+  acts = [np.concatenate(a) for a in zip(*[
+      _actions(rng, 2, steps, q, s, scale) for scale in (1, 3, 10, 30, 60)])]
+  margin = np.asarray(limited_stack.share_margin(
+      *(jnp.asarray(a, jnp.float32) for a in acts), window=4))
+  hat, mass, _ = limited_stack.run(
+      *(jnp.asarray(a, jnp.float32) for a in acts), 4)
+  with jax.enable_x64(True):
+    want_hat, want_mass, _ = limited_stack.run(
+        *(jnp.asarray(a, jnp.float64) for a in acts), 4)
+    want_rho = np.asarray(rns_stack.readout(want_hat)[0])
+    want_mass = np.asarray(want_mass)
+    # The float64 reference is itself proven exact.
+    assert np.all(np.asarray(limited_stack.share_margin(
+        *(jnp.asarray(a, jnp.float64) for a in acts), window=4))
+                  > rns_stack.exact_margin(np.float64))
+  promised = margin > rns_stack.exact_margin(np.float32)
+  assert 0 < promised.sum() < len(promised), margin
+  err_rho = np.abs(np.asarray(rns_stack.readout(hat)[0], np.float64)
+                   - want_rho).max((1, 2))
+  err_mass = np.abs(np.asarray(mass, np.float64) - want_mass).max(1)
+  scale = np.maximum(1, np.abs(want_mass).max(1))
+  assert np.all(err_rho[promised] < 2e-5), (err_rho, margin)
+  assert np.all(err_mass[promised] < 1e-5 * scale[promised])
+
+
 @pytest.mark.parametrize("boundary", ["iclr2022", "iclr2023"])
 def test_truncated_bptt(x64, fast_compile_test, boundary):
   q, s, b, t, window = 2, 2, 2, 5, 2

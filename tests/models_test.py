@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nsrnn_jax import limited_stack
 from nsrnn_jax import models
 from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
@@ -449,11 +450,14 @@ def test_ns_log_likelihood_matches_pda_composition(q, s, table):
 
 @pytest.mark.parametrize('name,extra', [
     ('ns', {}), ('rns', {'stack_bottom': 'fixed'}),
-    ('rns', {'stack_bottom': 'frozen', 'stack_normalize': True})])
+    ('rns', {'stack_bottom': 'frozen', 'stack_normalize': True}),
+    ('rns', {'stack_bottom': 'fixed', 'stack_window': 3,
+             'truncation_length': 5})])
 def test_stack_margin_is_the_share_margin_of_the_traced_actions(name, extra):
-  """stack_margin = rns_stack.share_margin of the actions trace reports
-  (the ones the stack saw: test_ns_log_likelihood_matches_pda_composition
-  and the RNS trace tests), with the model's bottom."""
+  """stack_margin = the share margin of the actions trace reports, which
+  are the ones the stack saw: the stack run on them alone gives the
+  trace's readings."""
+  window = extra.get('stack_window', 0)
   with jax.enable_x64(True):
     model = models.get(name, _VOCAB, hidden_size=4, num_states=2,
                        num_stack_symbols=3, dtype=jnp.float64, **extra)
@@ -462,11 +466,18 @@ def test_stack_margin_is_the_share_margin_of_the_traced_actions(name, extra):
     margin = _apply(model, params, _SYMBOLS, method='stack_margin')
     if name == 'ns':
       acts = [jnp.log(out['actions'][k]) for k in ('push', 'repl', 'pop')]
-      bottom = rns_stack.FROZEN
+      bottom, reading = rns_stack.FROZEN, rns_stack.SYMBOL
     else:
       acts = [out['action_log_weights'][k] for k in ('push', 'repl', 'pop')]
-      bottom = extra['stack_bottom']
-    want = rns_stack.share_margin(*acts, bottom=bottom)
+      bottom, reading = extra['stack_bottom'], rns_stack.STATE
+    if window:
+      la = limited_stack.run(*acts, window, bottom)[0]
+      want = limited_stack.share_margin(*acts, window, bottom)
+    else:
+      la = rns_stack.run(*acts, bottom)[0][:, 1:]
+      want = rns_stack.share_margin(*acts, bottom=bottom)
+    np.testing.assert_allclose(rns_stack.readout(la, reading)[0],
+                               out['readings'][:, 1:], atol=1e-9)
     np.testing.assert_allclose(margin, want, rtol=1e-9)
     assert np.all(np.asarray(margin) < -1)
     # A string of one symbol makes no update: no factor, margin +inf.
@@ -477,8 +488,8 @@ def test_stack_margin_is_the_share_margin_of_the_traced_actions(name, extra):
 @pytest.mark.parametrize('name,extra,match', [
     ('ns', {'stack_table': 'log'}, "'shares' table, not 'log'"),
     ('ns', {'stack_table': 'scaled'}, "'shares' table, not 'scaled'"),
-    ('rns', {'stack_window': 3}, 'without a window'),
-    ('rns', {'stack_table': 'log'}, 'without a window'),
+    ('rns', {'stack_table': 'log', 'stack_window': 3},
+     "'shares' table, not 'log'"),
     ('vrns', {}, 'not to VRNSLM')])
 def test_stack_margin_of_a_stack_without_one_is_a_clear_error(name, extra,
                                                               match):
