@@ -826,6 +826,12 @@ class Inspection:
     baseline_readings_MxN: models 'jm' and 'gref': the vector readings
       r_0 (= 0) .. r_{N-1} the controller read (JM with K stacks: the K tops
       concatenated, K * M rows).
+    stack_margin: the share stack's factor margin on the string, nats
+      (`models.PDAStackLM.stack_margin`; NS- and RNS-RNN on the 'shares'
+      table, else None): above `exact_margin` the model's numbers are
+      those of exact arithmetic up to rounding.
+    exact_margin: `rns_stack.exact_margin` of the model's float type (with
+      stack_margin).
   """
   symbols: np.ndarray
   alphabet: tuple[str, ...] | None
@@ -838,6 +844,8 @@ class Inspection:
   vector_view: Mapping[str, np.ndarray] | None = None
   baseline_actions: Mapping[str, Any] | None = None
   baseline_readings_MxN: np.ndarray | None = None
+  stack_margin: float | None = None
+  exact_margin: float | None = None
 
   @property
   def model_nll_N(self) -> np.ndarray:
@@ -868,6 +876,11 @@ class Inspection:
       diff = (self.model_nll_N.sum() - true) / len(self.symbols)
       line += (f"   -ln p_true(w | n) = {true:.4f}   difference "
                f"{diff:+.4f} nats/symbol")
+    if self.stack_margin is not None:
+      line += f"   stack margin {self.stack_margin:.1f} nats " + (
+          "(proven exact)" if self.stack_margin > self.exact_margin else
+          f"(not proven exact: below {self.exact_margin:.1f}; "
+          "stack_table='log' is exact)")
     return line
 
   def next_symbol_table(self) -> str:
@@ -891,10 +904,21 @@ class Inspection:
     return "\n".join(lines)
 
 
-# Jitted trace functions per model object (id -> (model, fn)); keeping the
-# model alive keeps its id unique. Jitting the whole trace is several times
-# faster than dispatching its operations one by one.
-_TRACE_FNS: dict[int, tuple[Any, Any]] = {}
+# Jitted model methods per (model object, method) ((id, method) -> (model,
+# fn)); keeping the model alive keeps its id unique. Jitting the whole trace
+# is several times faster than dispatching its operations one by one.
+_TRACE_FNS: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+def _apply_jitted(model: Any, params: Any, symbols_N: np.ndarray,
+                  method: str) -> Any:
+  import jax  # pylint: disable=g-import-not-at-top
+  key = (id(model), method)
+  if key not in _TRACE_FNS or _TRACE_FNS[key][0] is not model:
+    _TRACE_FNS[key] = (model, jax.jit(
+        lambda p, x: model.apply({"params": p}, x, method=method)))
+  out = _TRACE_FNS[key][1](params, symbols_N[None].astype(np.int32))
+  return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64)[0], out)
 
 
 def trace(model: Any, params: Any, symbols: Sequence[int]) -> dict[str, Any]:
@@ -903,13 +927,8 @@ def trace(model: Any, params: Any, symbols: Sequence[int]) -> dict[str, Any]:
   Raises:
     ValueError: for a malformed string or ids outside the vocabulary.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   symbols_N = _check_string(symbols, int(model.vocab_size))
-  if id(model) not in _TRACE_FNS or _TRACE_FNS[id(model)][0] is not model:
-    _TRACE_FNS[id(model)] = (model, jax.jit(
-        lambda p, x: model.apply({"params": p}, x, method="trace")))
-  out = _TRACE_FNS[id(model)][1](params, symbols_N[None].astype(np.int32))
-  return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64)[0], out)
+  return _apply_jitted(model, params, symbols_N, "trace")
 
 
 def inspect_string(model: Any, params: Any, symbols: Sequence[int] | str,
@@ -1020,10 +1039,16 @@ def inspect_string(model: Any, params: Any, symbols: Sequence[int] | str,
                   for op in JM_OPS]
         values = per_stack.reshape(per_stack.shape[0], -1).T
       baseline_actions = {"labels": labels, "values_RxT": values}
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  margin = exact = None
+  if models.has_stack_margin(model):
+    margin = float(_apply_jitted(model, params, symbols_N, "stack_margin"))
+    exact = rns_stack.exact_margin(model.dtype)
   return Inspection(symbols_N, None if alphabet is None else tuple(alphabet),
                     model_probs_NxV, true_probs_NxV, readings_SxN, actions,
                     viterbi, state_readings, vector_view, baseline_actions,
-                    baseline_readings)
+                    baseline_readings, margin, exact)
 
 
 # ---------------------------------------------------------------------------

@@ -98,6 +98,12 @@ DEFAULT_NS_TABLE = 'shares'
 NS_ACTION_INITS = ('uniform', 'xavier')
 
 
+def has_stack_margin(model: Any) -> bool:
+  """Whether ``model.stack_margin`` applies: an NS- or RNS-RNN (with or
+  without a window) on the 'shares' table."""
+  return isinstance(model, (NSLM, RNSLM)) and model.table == 'shares'
+
+
 def can_run_table(model: str, table: str) -> bool:
   """Whether `model` runs on `table`: every model takes the default; ns
   any of ``NS_TABLES``; rns and vrns, with or without a window, any of

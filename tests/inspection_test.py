@@ -15,13 +15,16 @@ import math
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from nsrnn_jax import inspection
 from nsrnn_jax import languages
+from nsrnn_jax import limited_stack
 from nsrnn_jax import models
 from nsrnn_jax import pcfg
+from nsrnn_jax import rns_stack
 
 # Compile time dominates these tiny models; XLA's optimisations do not pay.
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -384,6 +387,15 @@ def test_inspect_string_agrees_with_model_and_ns_stack(ns_model):
   printed_nll = float(insp.summary().split("=")[1].split()[0])
   assert printed_nll == pytest.approx(
       -np.log(expected[np.arange(9), symbols]).sum(), abs=2e-4)
+  # The share stack's margin: the model's own, in the summary line.
+  want = float(model.apply({"params": params},
+                           np.asarray(symbols, np.int32)[None],
+                           method="stack_margin")[0])
+  assert insp.stack_margin == pytest.approx(want, rel=1e-6) and want < 0
+  assert insp.exact_margin == pytest.approx(-40.21, abs=0.01)
+  verdict = ("(proven exact)" if want > insp.exact_margin
+             else "(not proven exact")
+  assert f"stack margin {want:.1f} nats {verdict}" in insp.summary()
 
 
 def test_inspect_string_on_a_non_context_free_task(ns_model):
@@ -465,6 +477,7 @@ def test_bad_input_is_rejected_with_clear_errors(ns_model):
   lstm_params = lstm.init(jax.random.key(0), np.zeros((1, 3), np.int32))
   insp = inspection.inspect_string(lstm, lstm_params["params"], [0, 2, 0])
   assert insp.actions is None and insp.viterbi is None
+  assert insp.stack_margin is None and "margin" not in insp.summary()
   with pytest.raises(ValueError, match="NS-RNN"):
     inspection.plot_actions(insp)
 
@@ -506,6 +519,21 @@ def test_inspect_rns_string(bottom, window):
   # The actions view: the model's own bottom and window (the brute-force
   # check of run_action_shares is below).
   want_shares = inspection.run_action_shares(*acts, bottom, window or None)
+  # The margin of the stack run on the traced actions (float32, as the
+  # model), proven exact here; with 30 times sharper weights not.
+  f32 = [jnp.asarray(a, jnp.float32)[None] for a in acts]
+  margin = (limited_stack.share_margin(*f32, window, bottom) if window
+            else rns_stack.share_margin(*f32, bottom=bottom))
+  assert insp.stack_margin == pytest.approx(float(margin[0]), rel=1e-5)
+  assert insp.exact_margin < insp.stack_margin < 0
+  assert f"stack margin {insp.stack_margin:.1f} nats (proven exact)" in (
+      insp.summary())
+  sharp = dict(params, action={k: v * 30.0
+                               for k, v in params["action"].items()})
+  insp_sharp = inspection.inspect_string(model, sharp, symbols)
+  assert insp_sharp.stack_margin < insp.exact_margin
+  assert ("(not proven exact: below -40.2; stack_table='log' is exact)"
+          in insp_sharp.summary())
   for key in ("rows_TxQxSx3", "marginal_3xT"):
     np.testing.assert_allclose(insp.actions[key], want_shares[key])
   fig = inspection.plot_actions(insp)
