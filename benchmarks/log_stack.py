@@ -23,7 +23,10 @@ tame): the largest difference in ln p(w) and in the stack readings, and
 the smallest entry of the exact log-share table (how far inside the share
 table's flush the model's runs stay), and the share sweep's factor margin
 (`model.stack_margin`): its smallest value and the fraction of strings it
-proves exact (margin above `rns_stack.exact_margin`, ~−40.2 nats).
+proves exact (margin above `rns_stack.exact_margin`, ~−40.2 nats); and
+each table's float32 ln p(w) against the same parameters in float64 on
+the share table (proven exact there by its float64 margin, ~−350 nats):
+which of the two float32 tables is nearer the exact value.
 
 Other work shares the CPU cores: compare the ratios of one run. Usage:
 
@@ -183,6 +186,14 @@ def _trained(workdir, per_length, note, out_name):
   margin_fn = jax.jit(lambda p, x: shares.model.apply(
       {"params": p}, x, method="stack_margin"))
   proven = rns_stack.exact_margin(np.float32)
+  with jax.enable_x64(True):
+    model64 = models.build(dict(config.to_dict(), dtype="float64"),
+                           vocab_size=config.get("vocab_size"))
+    params64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64),
+                            shares.params)
+    logits64 = jax.jit(lambda p, x: model64.apply({"params": p}, x))
+    margin64 = jax.jit(lambda p, x: model64.apply({"params": p}, x,
+                                                  method="stack_margin"))
   rows = []
   for n in TRAINED_LENGTHS:
     for kind in ("language", "random"):
@@ -208,11 +219,29 @@ def _trained(workdir, per_length, note, out_name):
           for m in SHARE_MARGINS})
       rows[-1].update(min_stack_margin=float(margins.min()),
                       fraction_proven_exact=float((margins > proven).mean()))
+      with jax.enable_x64(True):
+        x64 = jnp.asarray(x, jnp.int32)
+        lp64 = np.asarray(models.sequence_log_prob(
+            logits64(params64, x64), x64), np.float64)
+        m64 = np.asarray(margin64(params64, x64))
+      if not np.all(m64 > rns_stack.exact_margin(np.float64)):
+        raise SystemExit("error: the float64 reference is not proven exact "
+                         f"(margin {m64.min():.1f})")
+      rows[-1].update(**{
+          f"max_log_prob_error_{k}": float(np.abs(lp[k] - lp64).max())
+          for k in ("shares", "log")})
+      # On the strings the float32 margin proves flush-free: what is left
+      # is float32 rounding (amplified by the recurrence).
+      ok = margins > proven
+      rows[-1]["max_log_prob_error_shares_proven"] = (
+          float(np.abs(lp["shares"] - lp64)[ok].max()) if ok.any() else None)
       r = rows[-1]
       print(f"| {n} | {kind} | {r['max_log_prob_difference']:.1e} | "
             f"{r['max_reading_difference']:.1e} | {r['min_log_share']:.1f} "
             f"| {r['min_stack_margin']:.1f} | "
-            f"{r['fraction_proven_exact']:.0%} |", flush=True)
+            f"{r['fraction_proven_exact']:.0%} | "
+            f"{r['max_log_prob_error_shares']:.1e} | "
+            f"{r['max_log_prob_error_log']:.1e} |", flush=True)
   timing = _trained_timing(trace["shares"], log_model, shares.params,
                            language, per_length, rng)
   print(f"n = {TIMED_LENGTH}, {per_length} strings of the language, forward: "
@@ -244,8 +273,8 @@ def main():
   if args.workdir:
     print("| n | strings | largest ln p difference | largest reading "
           "difference | smallest log share | smallest margin | proven "
-          "exact |")
-    print("|---|---|---|---|---|---|---|")
+          "exact | shares error | log error |")
+    print("|---|---|---|---|---|---|---|---|---|")
     _trained(args.workdir, args.strings, args.note, args.out)
     return
   rng = np.random.default_rng(0)

@@ -1083,6 +1083,12 @@ def _log_table_lines(d, title):
   return "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"
 
 
+def _proven_error(row):
+  """' (proven: E)' for a log_stack.py --workdir row that has it."""
+  e = row.get("max_log_prob_error_shares_proven")
+  return "" if e is None else f" ({e:.1e})"
+
+
 def log_stack_block():
   """The exact log-space table against the share table (log_stack.json),
   unlimited and with a window (log_stack_window.json)."""
@@ -1103,6 +1109,7 @@ def log_stack_block():
     t = _load(name)
     margin = "min_log_share" in t["rows"][0]
     proof = "min_stack_margin" in t["rows"][0]
+    err = "max_log_prob_error_shares" in t["rows"][0]
     text += (f"\nA trained {t['model'].upper()}-RNN on both tables (`{name}`, "
              f"`log_stack.py --workdir`; {t['task']}, {t['note']}; float32, "
              f"{_device(t)}): largest differences per batch of strings"
@@ -1112,16 +1119,27 @@ def log_stack_block():
              + ("; the share sweep's smallest factor margin "
                 "(`model.stack_margin`) and the strings it proves exact "
                 "(margin above −40.2 nats)" if proof else "")
+             + ("; and each float32 table's largest ln p(w) error against "
+                "the same parameters in float64 (share table, proven exact "
+                "by its float64 margin; in brackets the shares' on the "
+                "strings the float32 margin proves flush-free, i.e. float32 "
+                "rounding alone)" if err else "")
              + ".\n\n| n | strings | ln p(w) | readings |"
              + (" smallest log share |" if margin else "")
              + (" smallest margin | proven exact |" if proof else "")
-             + "\n|---|---|---|---|" + "---|" * (margin + 2 * proof) + "\n")
+             + (" shares error | log error |" if err else "")
+             + "\n|---|---|---|---|"
+             + "---|" * (margin + 2 * proof + 2 * err) + "\n")
     text += "".join(f"| {r['n']} | {r['strings']} ({r['count']}) | "
                     f"{r['max_log_prob_difference']:.1e} | "
                     f"{r['max_reading_difference']:.1e} |"
                     + (f" {r['min_log_share']:.1f} |" if margin else "")
                     + (f" {r['min_stack_margin']:.1f} | "
                        f"{r['fraction_proven_exact']:.0%} |" if proof else "")
+                    + (f" {r['max_log_prob_error_shares']:.1e}"
+                       + _proven_error(r)
+                       + f" | {r['max_log_prob_error_log']:.1e} |"
+                       if err else "")
                     + "\n" for r in t["rows"])
     if "forward_s" in t:
       f = t["forward_s"]

@@ -161,13 +161,54 @@ def _batches(loaded: Loaded, strings):
 
 
 def score(workdir_or_loaded: Union[str, os.PathLike, Loaded],
-          strings: Sequence[Union[str, Sequence[str]]]) -> np.ndarray:
+          strings: Sequence[Union[str, Sequence[str]]],
+          exact: bool = False) -> np.ndarray:
   """Natural-log probabilities ln p_model(w) of strings (float64 [len]).
 
   Strings of equal length are scored in one batch. For a config with
   predict_eos the score includes ln p_model(EOS | w) (a complete string).
+
+  With `exact`, the strings are scored in float64 with the same
+  parameters (any model, rebuilt from the run's config by
+  `models.build`); a share-table stack runs on the share table
+  where its float64 margin (`stack_margins`, ~−350 nats) proves it exact,
+  else on the float64 'log' table: ln p to float64 rounding. In float32 a
+  recurrent model can amplify rounding: a trained padded-reversal NS-RNN's
+  float32 ln p on its strings of length 120 was off by up to 8e-4 nats on
+  the share table and 1.4e-3 on the 'log' table, which cannot flush
+  (docs/benchmarks.md, "The exact log-space table").
   """
   loaded = _loaded(workdir_or_loaded, "score")
+  if exact:
+    return _float64_scores(loaded, strings)
+  return _score(loaded, strings)
+
+
+def _float64_scores(loaded: Loaded, strings) -> np.ndarray:
+  """`score` in float64: a share-table stack where its margin proves it
+  exact, else on the log table."""
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  with jax.enable_x64(True):
+    config = ml_collections.ConfigDict(loaded.config.to_dict())
+    config.dtype = "float64"
+    params = jax.tree.map(lambda a: np.asarray(a, np.float64), loaded.params)
+    shares = Loaded(models.build(config, vocab_size=config.get("vocab_size")),
+                    params, config)
+    scores = _score(shares, strings)
+    if models.has_stack_margin(shares.model):
+      redo = np.flatnonzero(stack_margins(shares, strings)
+                            <= exact_margin(shares))
+      if redo.size:
+        config = ml_collections.ConfigDict(config.to_dict())
+        config.stack_table = "log"
+        exact = Loaded(models.build(config,
+                                    vocab_size=config.get("vocab_size")),
+                       params, config)
+        scores[redo] = _score(exact, [strings[k] for k in redo])
+  return scores
+
+
+def _score(loaded: Loaded, strings) -> np.ndarray:
   num, batches = _batches(loaded, strings)
   scores = np.zeros(num, np.float64)
   params_K = _stacked(loaded.params)

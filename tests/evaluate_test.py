@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -233,6 +234,33 @@ def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
   with pytest.raises(ValueError, match="'shares' table, not 'log'"):
     evaluate.stack_margins(evaluate.load_model(path, stack_table="log"),
                            strings)
+  # score(exact=True): float64 scores of the same parameters, on the share
+  # table where its float64 margin proves it exact (here all), else on the
+  # float64 log table (an action layer 400 times sharper: margins ~ -400).
+  loaded = evaluate.load_model(path)
+  sharp = evaluate.Loaded(loaded.model, dict(loaded.params, action={
+      k: v * 400.0 for k, v in loaded.params["action"].items()}),
+                          loaded.config)
+  with jax.enable_x64(True):
+    def float64(run, table):
+      config = ml_collections.ConfigDict(dict(run.config.to_dict(),
+                                              dtype="float64",
+                                              stack_table=table))
+      return evaluate.Loaded(
+          models.build(config, vocab_size=3),
+          jax.tree.map(lambda a: np.asarray(a, np.float64), run.params),
+          config)
+    assert np.all(evaluate.stack_margins(float64(loaded, "shares"), strings)
+                  > evaluate.exact_margin(float64(loaded, "shares")))
+    assert np.all(evaluate.stack_margins(float64(sharp, "shares"), strings)
+                  < evaluate.exact_margin(float64(sharp, "shares")))
+    want = evaluate.score(float64(loaded, "shares"), strings)
+    want_sharp = evaluate.score(float64(sharp, "log"), strings)
+  got = evaluate.score(loaded, strings, exact=True)
+  np.testing.assert_allclose(got, want, rtol=1e-12)
+  assert np.abs(got - evaluate.score(loaded, strings)).max() > 0
+  np.testing.assert_allclose(evaluate.score(sharp, strings, exact=True),
+                             want_sharp, rtol=1e-12)
 
 
 def test_stack_margins_of_a_run_without_a_share_stack_is_a_clear_error(
