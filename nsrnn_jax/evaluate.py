@@ -225,9 +225,9 @@ def stack_margins(workdir_or_loaded: Union[str, os.PathLike, Loaded],
 
   ``models.PDAStackLM.stack_margin`` on the strings as `score` feeds them:
   where a margin is above ``rns_stack.exact_margin`` of the model's float
-  type (``exact_margin`` below), `score` is exact up to rounding for that
-  string; below it, ``load_model(..., stack_table='log')`` scores it
-  exactly.
+  type (``exact_margin`` below), the stack's arithmetic is that of exact
+  arithmetic up to rounding on that string (no share was flushed); below
+  it a share may have been. ``score(..., exact=True)`` scores in float64.
 
   Raises:
     ValueError: (one line) the run's stack is not a share sweep (lstm,

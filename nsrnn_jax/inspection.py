@@ -879,8 +879,8 @@ class Inspection:
     if self.stack_margin is not None:
       line += f"   stack margin {self.stack_margin:.1f} nats " + (
           "(proven exact)" if self.stack_margin > self.exact_margin else
-          f"(not proven exact: below {self.exact_margin:.1f}; "
-          "stack_table='log' is exact)")
+          f"(not proven exact: below {self.exact_margin:.1f}; the 'log' "
+          "table cannot flush)")
     return line
 
   def next_symbol_table(self) -> str:

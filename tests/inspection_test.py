@@ -532,7 +532,7 @@ def test_inspect_rns_string(bottom, window):
                                for k, v in params["action"].items()})
   insp_sharp = inspection.inspect_string(model, sharp, symbols)
   assert insp_sharp.stack_margin < insp.exact_margin
-  assert ("(not proven exact: below -40.2; stack_table='log' is exact)"
+  assert ("(not proven exact: below -40.2; the 'log' table cannot flush)"
           in insp_sharp.summary())
   for key in ("rows_TxQxSx3", "marginal_3xT"):
     np.testing.assert_allclose(insp.actions[key], want_shares[key])
