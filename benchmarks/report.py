@@ -1083,6 +1083,33 @@ def _log_table_lines(d, title):
   return "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"
 
 
+def share_margin_text():
+  """The factor margin's cost beside the forward (share_margin*.json)."""
+  parts = []
+  for name, what in (("share_margin.json", "`rns_stack.share_margin` beside "
+                      "`rns_stack.run`"),
+                     ("share_margin_window.json",
+                      "`limited_stack.share_margin` beside `limited_stack.run`"
+                      )):
+    d = _load(name)
+    if d is None:
+      continue
+    window = d["rows"][0]["window"]
+    rows = ", ".join(f"Q = S = {r['Q']} {_ms(r['margin_s'])} vs "
+                     f"{_ms(r['run_s'])} ({r['margin_over_run']:.2f}×)"
+                     for r in d["rows"])
+    parts.append(f"{what}{f' (window D = {window})' if window else ''}: "
+                 f"{rows} (`{name}`)")
+  if not parts:
+    return ""
+  d = _load("share_margin.json") or _load("share_margin_window.json")
+  r = d["rows"][0]
+  return ("\nThe share stack's factor margin (`benchmarks/share_margin.py`; "
+          f"B = {r['B']}, n = {r['n']}, float32, N(0, 3²) log-weights, "
+          f"{_device(d)}, {d['note']}), a forward sweep of its own: "
+          + "; ".join(parts) + ".\n")
+
+
 def _proven_error(row):
   """' (proven: E)' for a log_stack.py --workdir row that has it."""
   e = row.get("max_log_prob_error_shares_proven")
@@ -1103,6 +1130,7 @@ def log_stack_block():
         w, f"The memory-limited stacks, `benchmarks/log_stack.py --window "
         f"{w['window']}` (`limited_log_stack` against `limited_stack`, "
         f"window D = {w['window']}")
+  text += share_margin_text()
   for path in sorted(glob.glob(os.path.join(RESULTS,
                                             "log_stack_trained*.json"))):
     name = os.path.basename(path)

@@ -184,3 +184,26 @@ def test_trained_share_margin_reads_the_exact_table(load_benchmark):
   one = bench._log_shares(  # pylint: disable=protected-access
       {"actions": {k: v[:, :1] for k, v in out["actions"].items()}}, None)
   np.testing.assert_allclose(one, [0.0], atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_share_margin_benchmark_times_the_margin_it_reports(load_benchmark,
+                                                            monkeypatch,
+                                                            window):
+  # A small row: both timings positive and the reported margin is the
+  # smallest of share_margin's own on the row's inputs (same seed).
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  bench = load_benchmark("share_margin")
+  monkeypatch.setattr(bench, "B", 2)
+  monkeypatch.setattr(bench, "N", 5)
+  monkeypatch.setattr(bench, "REPEATS", 1)
+  row = bench.row(2, window, np.random.default_rng(4))
+  assert row["run_s"] > 0 and row["margin_s"] > 0
+  assert row["margin_over_run"] == pytest.approx(row["margin_s"]
+                                                 / row["run_s"])
+  rng = np.random.default_rng(4)
+  shapes = [(2, 5, 2, 2, 2, 2)] * 2 + [(2, 5, 2, 2, 2)]
+  acts = [np.asarray(3 * rng.normal(size=sh), np.float32) for sh in shapes]
+  want = bench.functions(window)[1](*acts)
+  assert row["min_margin"] == pytest.approx(float(np.min(want)))
+  assert row["min_margin"] < -1

@@ -1,0 +1,106 @@
+"""Benchmark: what the share stack's factor margin costs beside its forward.
+
+`rns_stack.share_margin` (and `limited_stack.share_margin` for a window)
+proves a share sweep flush-free per batch element by running the sweep
+again with a few column-sized reductions per update. For B = 10, n = 80,
+float32, unnormalised N(0, 3²) log-weights, Q = S = 2 and Q = S = 3 it
+times, interleaved in one process, the median of 5 calls after a warm-up:
+
+* `run`: the sweep's forward (`rns_stack.run`; `limited_stack.run` with
+  --window D), jitted;
+* `margin`: `share_margin` on the same inputs;
+
+and prints their ratio. Other work shares the CPU cores: compare the
+ratios of one run. Usage:
+
+  python benchmarks/share_margin.py [--window D] [--note "..."]
+
+Prints a table and writes benchmarks/results/share_margin.json
+(share_margin_window.json with --window).
+"""
+
+import functools
+import json
+import os
+import sys
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import limited_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+B, N = 10, 80
+SIZES = (2, 3)
+REPEATS = 5
+
+
+def functions(window):
+  """(run, margin) jitted on push, repl, pop, for the window D or none."""
+  if window:
+    run = functools.partial(limited_stack.run, window=window)
+    margin = functools.partial(limited_stack.share_margin, window=window)
+  else:
+    run, margin = rns_stack.run, rns_stack.share_margin
+  return jax.jit(lambda *a: run(*a)[:2]), jax.jit(margin)
+
+
+def row(q, window, rng):
+  """Timings of one (Q = S = q) row."""
+  shapes = [(B, N, q, q, q, q)] * 2 + [(B, N, q, q, q)]
+  acts = [jnp.asarray(3 * rng.normal(size=sh), jnp.float32) for sh in shapes]
+  fns = dict(zip(("run", "margin"), functions(window)))
+  for fn in fns.values():                            # compilation
+    jax.block_until_ready(fn(*acts))
+  times = {name: [] for name in fns}
+  for _ in range(REPEATS):
+    for name, fn in fns.items():
+      times[name].append(machine.median_seconds(fn, *acts, repeats=1,
+                                                warmup=False))
+  out = {"Q": q, "S": q, "B": B, "n": N, "window": window}
+  for name in fns:
+    out[f"{name}_s"] = float(np.median(times[name]))
+  out["margin_over_run"] = out["margin_s"] / out["run_s"]
+  out["min_margin"] = float(np.min(np.asarray(fns["margin"](*acts))))
+  return out
+
+
+def main():
+  parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--note", default="")
+  parser.add_argument("--window", type=int, default=0,
+                      help="time limited_stack's with this window D")
+  args = parser.parse_args()
+  if args.window < 0:
+    raise SystemExit(f"error: --window must be >= 0, got {args.window}")
+  rng = np.random.default_rng(0)
+  print("| Q = S | run | margin | margin / run | smallest margin |")
+  print("|---|---|---|---|---|")
+  rows = []
+  for q in SIZES:
+    r = row(q, args.window, rng)
+    rows.append(r)
+    print(f"| {q} | {1e3 * r['run_s']:.1f} ms | {1e3 * r['margin_s']:.1f} "
+          f"ms | {r['margin_over_run']:.2f} | {r['min_margin']:.1f} |",
+          flush=True)
+  info = machine.machine_info()
+  result = {**info, "device": machine.device_label(info), "dtype": "float32",
+            "note": args.note, "rows": rows}
+  name = ("share_margin_window.json" if args.window
+          else "share_margin.json")
+  path = os.path.join(_ROOT, "benchmarks", "results", name)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {os.path.relpath(path, _ROOT)}")
+
+
+if __name__ == "__main__":
+  main()
