@@ -39,7 +39,6 @@ Prints a table and writes benchmarks/results/log_stack.json
 """
 
 import functools
-import json
 import os
 import sys
 
@@ -251,10 +250,8 @@ def _trained(workdir, per_length, note, out_name):
             "note": note, "workdir": os.path.abspath(workdir),
             "task": config.task, "model": config.model, "rows": rows,
             "timed_length": TIMED_LENGTH, "forward_s": timing}
-  path = os.path.join(_ROOT, "benchmarks", "results", out_name)
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"wrote {os.path.relpath(path, _ROOT)}")
+  machine.save_result(os.path.join(_ROOT, "benchmarks", "results",
+                                   out_name), result)
 
 
 def main():
@@ -301,10 +298,8 @@ def main():
          "note": args.note, "baseline": args.baseline,
          "window": args.window, "rows": rows}
   name = "log_stack_window.json" if args.window else "log_stack.json"
-  path = os.path.join(_ROOT, "benchmarks", "results", name)
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
-  print(f"wrote {os.path.relpath(path, _ROOT)}")
+  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
+                      out)
 
 
 if __name__ == "__main__":

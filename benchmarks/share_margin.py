@@ -20,7 +20,6 @@ Prints a table and writes benchmarks/results/share_margin.json
 """
 
 import functools
-import json
 import os
 import sys
 
@@ -96,10 +95,8 @@ def main():
             "note": args.note, "rows": rows}
   name = ("share_margin_window.json" if args.window
           else "share_margin.json")
-  path = os.path.join(_ROOT, "benchmarks", "results", name)
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"wrote {os.path.relpath(path, _ROOT)}")
+  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
+                      result)
 
 
 if __name__ == "__main__":
