@@ -978,7 +978,21 @@ class PDAStackLM(LanguageModel):
       return jnp.full(symbols_BxN.shape[:1], jnp.inf, self.dtype)
     params = self._params()
     h_BxTxH = self._run(params, symbols_BxN[:, :-1])[0]
-    return margin_fn(*self._stack_log_weights(params, h_BxTxH))
+    acts = self._stack_log_weights(params, h_BxTxH)
+    if getattr(self, 'window', 0):
+      return margin_fn(*acts)
+    # The unlimited table in batch chunks that fit the caches, as the
+    # model's own sweep (`stack_batch_chunk`): a large batch of one length
+    # (evaluate.stack_margins) would otherwise hold its whole table.
+    batch, steps = symbols_BxN.shape[0], symbols_BxN.shape[1] - 1
+    chunk = stack_batch_chunk(getattr(self, 'batch_chunk', 0), batch, steps,
+                              self.num_states, self.num_stack_symbols,
+                              jnp.dtype(self.dtype).itemsize)
+    if chunk == batch:
+      return margin_fn(*acts)
+    split = lambda a: a.reshape((batch // chunk, chunk) + a.shape[1:])
+    return jax.lax.map(lambda a: margin_fn(*a),
+                       tuple(split(a) for a in acts)).reshape(batch)
 
   def _margin_fn(self):
     """push, repl, pop -> the share sweep's margin, or a ValueError."""

@@ -449,7 +449,8 @@ def test_ns_log_likelihood_matches_pda_composition(q, s, table):
 
 
 @pytest.mark.parametrize('name,extra', [
-    ('ns', {}), ('rns', {'stack_bottom': 'fixed'}),
+    ('ns', {}), ('ns', {'stack_batch_chunk': 1}),
+    ('rns', {'stack_bottom': 'fixed'}),
     ('rns', {'stack_bottom': 'frozen', 'stack_normalize': True}),
     ('rns', {'stack_bottom': 'fixed', 'stack_window': 3,
              'truncation_length': 5})])
