@@ -231,7 +231,7 @@ def stack_margins(workdir_or_loaded: Union[str, os.PathLike, Loaded],
 
   Raises:
     ValueError: (one line) the run's stack is not a share sweep (lstm,
-      jm, gref, 'log', 'scaled', vrns).
+      jm, gref, 'log', 'scaled', the VRNS-RNN's broadcast bottom).
   """
   loaded = _loaded(workdir_or_loaded, "stack_margins")
   margin_fn = _margin_fn(loaded.model)
@@ -253,8 +253,8 @@ def exact_margin(workdir_or_loaded: Union[str, os.PathLike, Loaded]) -> float:
 def _margin_fn(model):
   """jit(params, symbols -> margins), or a one-line ValueError."""
   if not hasattr(model, "stack_margin"):
-    raise ValueError(f"stack_margins applies to the share table of ns and "
-                     f"rns, not to {type(model).__name__}")
+    raise ValueError(f"stack_margins applies to the share table of ns, rns "
+                     f"and vrns, not to {type(model).__name__}")
   # A table or window without a margin raises (one line) when traced.
   return jax.jit(lambda p, x: model.apply({"params": p}, x,
                                           method="stack_margin"))
@@ -340,7 +340,7 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
       was trained; the files must be the same, by SHA-256).
     stack_table: as for `load_model` (e.g. 'log': the exact stack).
     stack_margin: also check the share stack's exactness on the test
-      strings (`stack_margins`; ns / rns on the 'shares' table):
+      strings (`stack_margins`; ns / rns / vrns on the 'shares' table):
       the summary gains ``stack_margin_min`` (nats) and
       ``stack_margin_exact_fraction`` (of strings whose margin is above
       `exact_margin`, where the table is exact up to rounding).
@@ -410,7 +410,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("stack_table", None, "Run an NS / RNS / VRNS stack on this "
                       "table instead of the run's own (e.g. 'log': exact).")
   flags.DEFINE_bool("stack_margin", False, "Also report the share stack's "
-                    "factor margin on the test strings (ns / rns, 'shares' "
+                    "factor margin on the test strings (ns / rns / vrns, 'shares' "
                     "table): the smallest, and the fraction of strings it "
                     "proves exact.")
   cli.run(main)

@@ -827,9 +827,9 @@ class Inspection:
       r_0 (= 0) .. r_{N-1} the controller read (JM with K stacks: the K tops
       concatenated, K * M rows).
     stack_margin: the share stack's factor margin on the string, nats
-      (`models.PDAStackLM.stack_margin`; NS- and RNS-RNN on the 'shares'
-      table, else None): above `exact_margin` the model's numbers are
-      those of exact arithmetic up to rounding.
+      (`models.PDAStackLM.stack_margin`; NS-, RNS- and VRNS-RNN on the
+      'shares' table, else None): above `exact_margin` the model's numbers
+      are those of exact arithmetic up to rounding.
     exact_margin: `rns_stack.exact_margin` of the model's float type (with
       stack_margin).
   """

@@ -83,7 +83,7 @@ from nsrnn_jax.ns_stack import safe_log as _safe_log
 Array = jax.Array
 
 __all__ = ["VectorShareState", "VectorWindowState", "initial_state", "step",
-           "reading", "run", "run_coupled", "coupled_parts"]
+           "reading", "run", "run_coupled", "coupled_parts", "share_margin"]
 
 _lse = vrns_stack._lse  # pylint: disable=protected-access
 _check_window = limited_stack.check_window
@@ -206,6 +206,14 @@ def step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
   if isinstance(state, VectorWindowState):
     return _step_log_space(state, push_BxQxSxQxS, repl_BxQxSxQxS,
                            pop_BxQxSxQ, log_vector_BxM)
+  return _share_step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
+                     log_vector_BxM, precision)
+
+
+def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
+                pop_BxQxSxQ, log_vector_BxM, precision, margin=False):
+  """`step` on shares; with `margin` also the update's factor margin [B]
+  (`rns_stack.update`'s), last."""
   # σ grows to cover the new vector; the vector table is rescaled only then
   # (never for the VRNS's sigmoid vectors).
   scale = jnp.maximum(state.scale, lax.stop_gradient(log_vector_BxM))
@@ -216,9 +224,9 @@ def step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
           :, None, None, None, None, :],
       lambda t: t, state.gv)
   vec = jnp.exp(log_vector_BxM - scale)
-  col, col_v, a_hat, inc = rns_stack.update(
+  col, col_v, a_hat, inc, *lo = rns_stack.update(
       state.g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
-      pop_BxQxSxQ, precision, ring=True, vectors=(gv, vec))
+      pop_BxQxSxQ, precision, ring=True, vectors=(gv, vec), margin=margin)
   # ρ_j = α̂_j e^σ R_j^{j−D}: all of column j's rows, j−D..j−1 (time j−D
   # is the slot after the head, about to be reused for time j).
   d = state.g.shape[2]
@@ -233,7 +241,7 @@ def step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
         t, jnp.zeros(t.shape[:4] + t.shape[5:], t.dtype), head, axis=4))
   log_mass = state.log_mass + inc
   return (VectorShareState(tables[0], tables[1], a_hat, log_mass, head,
-                           scale), rho, log_mass)
+                           scale), rho, log_mass, *lo)
 
 
 def _step_log_space(state: VectorWindowState, push_BxQxSxQxS,
@@ -356,6 +364,45 @@ def _run_jit(push, repl, pop, log_vectors, state, rho0, precision):
   rho = jnp.concatenate([rho0[:, None], jnp.swapaxes(rho, 0, 1)], axis=1)
   lm = jnp.concatenate([lm0[:, None], jnp.swapaxes(lm, 0, 1)], axis=1)
   return rho, lm, state
+
+
+def share_margin(push, repl, pop, log_vectors, log_bottom_vector, window,
+                 precision="highest"):
+  """The factor margin of `run` (run-consistent bottom, shares): [B] nats.
+
+  `rns_stack.vector_share_margin` for the window: above
+  `rns_stack.exact_margin(dtype)` `run`'s readings and log Σα for that
+  batch element are exact up to rounding; below it a share may have been
+  flushed. Forward only, not differentiable.
+
+  Args:
+    push, repl, pop, log_vectors, log_bottom_vector, window, precision: as
+      for `run` (from the initial state).
+  """
+  _check_window(window)
+  push, repl, pop, log_vectors = (
+      jnp.asarray(a) for a in (push, repl, pop, log_vectors))
+  b, _, q, s = vrns_stack._check_actions(push, repl, pop, log_vectors)  # pylint: disable=protected-access
+  log_bottom_vector = _check_bottom(q, s, log_bottom_vector, b,
+                                    log_vectors.shape[-1])
+  state = initial_state(log_bottom_vector, window, q, s)
+  return _margin_jit(push, repl, pop, log_vectors, state,
+                     check_precision(precision))
+
+
+@functools.partial(jax.jit, static_argnums=(5,))
+def _margin_jit(push, repl, pop, log_vectors, state, precision):
+  def body(carry, acts):
+    st, lo = carry
+    st, _, _, lo_j = _share_step(st, *acts, precision=precision, margin=True)
+    return (st, jnp.minimum(lo, lo_j)), None
+
+  xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
+             for a in (push, repl, pop, log_vectors))
+  # The bottom vector's shares are factors too.
+  lo0 = rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
+  (_, lo), _ = lax.scan(body, (lax.stop_gradient(state), lo0), xs)
+  return lo
 
 
 def coupled_parts(log_bottom_vector_BxM, num_states: int, num_symbols: int,

@@ -99,9 +99,16 @@ NS_ACTION_INITS = ('uniform', 'xavier')
 
 
 def has_stack_margin(model: Any) -> bool:
-  """Whether ``model.stack_margin`` applies: an NS- or RNS-RNN (with or
-  without a window) on the 'shares' table."""
-  return isinstance(model, (NSLM, RNSLM)) and model.table == 'shares'
+  """Whether ``model.stack_margin`` applies: an NS-, RNS- or VRNS-RNN (with
+  or without a window) on the 'shares' table (the VRNS-RNN's run-consistent
+  bottom)."""
+  if not isinstance(model, PDAStackLM):
+    return False
+  try:
+    model._margin_fn()  # pylint: disable=protected-access
+  except ValueError:
+    return False
+  return True
 
 
 def can_run_table(model: str, table: str) -> bool:
@@ -969,8 +976,8 @@ class PDAStackLM(LanguageModel):
 
     Raises:
       ValueError: (one line) the model's stack is not a share sweep (the
-        'log' table is exact; 'scaled' and the vector stack have no
-        margin).
+        'log' table cannot flush; 'scaled' and the VRNS-RNN's broadcast
+        bottom have no margin).
     """
     symbols_BxN = _check_symbols(symbols_BxN, self.vocab_size)
     margin_fn = self._margin_fn()
@@ -996,11 +1003,13 @@ class PDAStackLM(LanguageModel):
 
   def _margin_fn(self):
     """push, repl, pop -> the share sweep's margin, or a ValueError."""
-    raise ValueError(f'stack_margin applies to the share table of ns and '
-                     f'rns, not to {type(self).__name__}')
+    raise ValueError(f'stack_margin applies to the share table of ns, rns '
+                     f'and vrns, not to {type(self).__name__}')
 
   def _stack_log_weights(self, params, h_BxTxH):
-    """Update t's action log-weights from h_t: push, repl, pop."""
+    """Update t's stack inputs from h_t: the action log-weights push, repl,
+    pop (and the VRNS-RNN's log vectors, log bottom vector): what
+    ``_margin_fn``'s function takes."""
     raise NotImplementedError
 
   def setup(self):

@@ -154,7 +154,8 @@ __all__ = [
     "split_action_logits", "readout", "initial_table", "update",
     "run", "run_coupled", "run_coupled_vectors", "run_log_space", "viterbi",
     "replay_run", "square_table",
-    "validate_stack_config", "share_margin", "exact_margin",
+    "validate_stack_config", "share_margin", "vector_share_margin",
+    "exact_margin",
 ]
 
 FIXED, FROZEN = "fixed", "frozen"
@@ -588,6 +589,13 @@ def _log_min_positive(v):
                    jnp.log(jnp.where(jnp.isfinite(small), small, 1)), jnp.inf)
 
 
+def _vector_margin(margin, col_v, vec):
+  """`margin` with the vector stack's factors: its new column (E, or the
+  window's vector shares) and the pushed vector, all positive."""
+  return jnp.minimum(margin, jnp.minimum(_log_min_positive(col_v),
+                                         _log_min_positive(vec)))
+
+
 def _column_margin(local_margin, col):
   """An update's factor margin: `_local`'s and its new column's shares.
 
@@ -816,7 +824,9 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     residuals: also return what `_local_bwd` needs to differentiate the
       update by hand (`limited_stack`'s window VJP).
     margin: also return, last, the update's factor margin [B]
-      (`share_margin`; `limited_stack.share_margin` takes their minimum).
+      (`share_margin`; with `vectors` also over the vector column and the
+      pushed vector: `vector_share_margin`; `limited_stack.share_margin`
+      takes their minimum).
 
   Returns:
     (col_BxYxRxNxQxX, a_hat_BxQxS, inc_B): column j on the same row axis
@@ -855,15 +865,17 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   col, mt, a_hat, inc = parts[:4]
   col = col + _pop_matmul(g, mt, prec)
   out = (col, a_hat, inc)
+  vec_local = parts[-2] if margin else parts[-1]
   if vectors is not None:
-    if margin:
-      raise ValueError("rns_stack.update: the factor margin has no vector "
-                       "stack")
-    out = (col, parts[-1] + _pop_matmul(gv, mt, prec), a_hat, inc)
+    col_v = vec_local + _pop_matmul(gv, mt, prec)
+    out = (col, col_v, a_hat, inc)
   if residuals:
     out += ((colsum, mt, parts[4]),)
   if margin:
-    out += (_column_margin(parts[-1], col),)
+    lo = _column_margin(parts[-1], col)
+    if vectors is not None:
+      lo = _vector_margin(lo, col_v, vec)
+    out += (lo,)
   return out
 
 
@@ -930,7 +942,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       actions_fn is then called with E_{j−1} [b, y, r, 1, M] as a fifth
       argument and returns the pushed vector v_j [B, M] after the actions.
     margin: also compute the factor margin [B] of every update (`_local`'s
-      ``margin``; on XLA, without vectors) and return its minimum.
+      ``margin``, with the vector stack's factors; on XLA) and return its
+      minimum.
 
   Returns:
     (table, cs, la, lm, extra, ys (time-major), mt_TxBxYxRxNxT or None,
@@ -947,14 +960,14 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   vec = vectors0 is not None
   # The Pallas update has no vector column: the vector stack runs on XLA.
   fused = _update_kernels() and not vec and not margin
-  if margin and vec:
-    raise ValueError("rns_stack: the factor margin has no vector stack")
   if fused:
     # Imported on use: Pallas is needed only by this opt-in path.
     from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
   extra, ys_all, mts, a_hats, lms, res_all = extra0, [], [], [], [], []
   # The running factor margin (a carry only when asked for).
   lo = jnp.full(g.shape[:1], jnp.inf, g.dtype) if margin else ()
+  if margin and vec:                  # the bottom vector is a factor too
+    lo = jnp.minimum(lo, _log_min_positive(vectors0))
   # T = 0: one empty block.
   blocks = _time_blocks(t, _table_bytes(g)) or [(1, 1)]
   # With the chunked layout (`TABLE_LAYOUT`) the table is kept in column
@@ -1034,9 +1047,12 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
         lo = jnp.minimum(lo, _column_margin(parts[-1], col))
       if vec:
         # E_j: a column-sized pop (M̃ with the vector table's columns).
-        col_v = parts[-1] + _pop_matmul(gv, mt, prec)
+        col_v = (parts[-2] if margin else parts[-1]) + _pop_matmul(gv, mt,
+                                                                    prec)
         vcarry = (lax.dynamic_update_index_in_dim(gv, col_v, j + 1, axis=2),
                   col_v)
+        if margin:
+          lo = _vector_margin(lo, col_v, v_j)
       lm_j = lm_prev + inc
       kept = (mt, parts[4]) if keep_mt else None
       return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j,
@@ -1387,6 +1403,54 @@ def share_margin(push, repl, pop, bottom=FIXED, precision="highest"):
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
   _check_actions(push, repl, pop)
   return _margin_jit(push, repl, pop, bottom, check_precision(precision))
+
+
+def vector_share_margin(push, repl, pop, vectors, bottom_vector,
+                        precision="highest"):
+  """`share_margin` of the vector stack (`run_coupled_vectors`): [B] nats.
+
+  The stack's pushed and bottom vectors are positive, so its vector
+  shares are too and every product of its sweep has two non-negative
+  factors: those of `share_margin` plus the vector table's entries and
+  the vectors. Above `exact_margin(dtype)` the readings ρ_j = α̂_j ⊗ E_j
+  of `run_coupled_vectors` on these actions are exact up to rounding.
+  Forward only, not differentiable.
+
+  Args:
+    push, repl, pop: log-weights as for `run` (fixed bottom).
+    vectors: the pushed vectors v_t [B, T, M] (linear, > 0).
+    bottom_vector: v_⊥ [B, M] (linear, > 0).
+    precision: as for `run`.
+  """
+  push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
+  b, t = _check_actions(push, repl, pop)[:2]
+  vectors, bottom_vector = jnp.asarray(vectors), jnp.asarray(bottom_vector)
+  if (vectors.ndim != 3 or vectors.shape[:2] != (b, t)
+      or bottom_vector.shape != (b, vectors.shape[2])):
+    raise ValueError(f"vectors must be [B={b}, T={t}, M] and bottom_vector "
+                     f"[B, M], got shapes {vectors.shape} and "
+                     f"{bottom_vector.shape}")
+  return _vector_margin_jit(push, repl, pop, vectors, bottom_vector,
+                            check_precision(precision))
+
+
+@functools.partial(jax.jit, static_argnums=(5,))
+def _vector_margin_jit(push, repl, pop, vectors, bottom_vector, precision):
+  acts = tuple(lax.stop_gradient(a)
+               for a in (push, repl, pop, vectors.astype(push.dtype)))
+  b, t, q, s = push.shape[:4]
+  xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in acts)
+
+  def given(j, extra, x_j, a_prev, e_prev):
+    del j, a_prev, e_prev
+    return extra, x_j, None
+
+  return _forward_blocks(
+      t, _initial(b, t, q, s, FIXED, push.dtype), xs_T, given, (),
+      lax_precision(precision), False,
+      vectors0=_initial_vectors(
+          lax.stop_gradient(bottom_vector.astype(push.dtype)), t, q, s),
+      margin=True)[-1]
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))

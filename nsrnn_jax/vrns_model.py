@@ -32,6 +32,7 @@ import numpy as np
 
 from nsrnn_jax import limited_vrns
 from nsrnn_jax import models
+from nsrnn_jax import rns_stack
 from nsrnn_jax import vrns_stack
 
 BOTTOM_VECTORS = ("learned", "one", "zero")
@@ -201,12 +202,7 @@ class VRNSLM(models.PDAStackLM):
           log_bottom_BxM, self.num_states, self.num_stack_symbols,
           self.broadcast_bottom_vector, log_space=self.table == 'log',
           precision=self.matmul_precision)
-    push, repl, pop = jax.vmap(
-        lambda h: vrns_action_log_weights(params['action'], h,
-                                          self.num_states,
-                                          self.num_stack_symbols,
-                                          self.matmul_precision),
-        in_axes=1, out_axes=1)(h_BxTxH)
+    push, repl, pop = self._stack_log_weights(params, h_BxTxH)[:3]
     vectors = jax.nn.sigmoid(models.affine(
         params['push_vector'], h_BxTxH, self.matmul_precision))
     return h_BxTxH, {
@@ -216,6 +212,35 @@ class VRNSLM(models.PDAStackLM):
         'push_vectors': vectors, 'readings': rho, 'log_mass': log_mass,
         'bottom_vector': jnp.broadcast_to(
             jnp.exp(log_bottom), (batch, self.stack_vector_size))}
+
+
+  def _stack_log_weights(self, params, h_BxTxH):
+    push, repl, pop = jax.vmap(
+        lambda h: vrns_action_log_weights(params['action'], h,
+                                          self.num_states,
+                                          self.num_stack_symbols,
+                                          self.matmul_precision),
+        in_axes=1, out_axes=1)(h_BxTxH)
+    log_vectors = jax.nn.log_sigmoid(models.affine(
+        params['push_vector'], h_BxTxH, self.matmul_precision))
+    log_bottom = jnp.broadcast_to(self._log_bottom(params),
+                                  (h_BxTxH.shape[0], self.stack_vector_size))
+    return push, repl, pop, log_vectors, log_bottom
+
+  def _margin_fn(self):
+    if self.table != 'shares' or self.broadcast_bottom_vector:
+      raise ValueError(
+          "stack_margin applies to the VRNS-RNN's 'shares' table with the "
+          "run-consistent bottom, not to table "
+          f"{self.table!r}, broadcast_bottom_vector "
+          f"{self.broadcast_bottom_vector}")
+    if self.window:
+      return functools.partial(limited_vrns.share_margin, window=self.window,
+                               precision=self.matmul_precision)
+    return lambda push, repl, pop, log_v, log_bottom: (
+        rns_stack.vector_share_margin(push, repl, pop, jnp.exp(log_v),
+                                      jnp.exp(log_bottom),
+                                      self.matmul_precision))
 
 
 def check_options(stack_vector_size, stack_bottom_vector,

@@ -278,8 +278,8 @@ def test_stack_margins_of_a_run_without_a_share_stack_is_a_clear_error(
       text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert proc.stderr.strip().splitlines() == [
-      "error: stack_margins applies to the share table of ns and rns, "
-      "not to LSTMLM"]
+      "error: stack_margins applies to the share table of ns, rns and "
+      "vrns, not to LSTMLM"]
 
 
 def test_a_table_the_run_cannot_use_is_a_clear_error(workdir):

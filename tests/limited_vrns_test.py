@@ -15,8 +15,10 @@ import pytest
 from jax import lax
 
 import vrns_oracle
+from nsrnn_jax import limited_stack
 from nsrnn_jax import limited_vrns
 from nsrnn_jax import models
+from nsrnn_jax import rns_stack
 from nsrnn_jax import vrns_stack
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -341,3 +343,53 @@ def test_vrns_model_with_a_window(x64):
     np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12,
                                err_msg=jax.tree_util.keystr(path))
   assert np.abs(got["bottom_vector"]).max() > 1e-4
+
+
+def _margin_inputs(rng, b, t, q, s, m, scales):
+  acts = [np.concatenate([sc * rng.normal(size=(b,) + sh) for sc in scales])
+          for sh in [(t, q, s, q, s)] * 2 + [(t, q, s, q)]]
+  n = len(acts[0])
+  log_v = np.log(1 / (1 + np.exp(-2 * rng.normal(size=(n, t, m)))))
+  log_bottom = np.log(rng.uniform(0.05, 1, size=(n, m)))
+  return acts + [log_v, log_bottom]
+
+
+def test_window_vector_margin_adds_the_vector_factors_to_the_scalar_one():
+  # The scalar stack's factors are the same update's (limited_stack's
+  # margin); the vector shares and vectors can only lower the minimum. Some
+  # elements are lowered here (vectors down to ~e^-8 against scalar
+  # margins of ~-7 at the smallest scale).
+  rng = np.random.default_rng(2)
+  acts = [jnp.asarray(a, jnp.float32)
+          for a in _margin_inputs(rng, 2, 7, 2, 2, 3, (1, 10, 40))]
+  vector = np.asarray(limited_vrns.share_margin(*acts, window=4))
+  scalar = np.asarray(limited_stack.share_margin(*acts[:3], window=4))
+  assert np.all(vector <= scalar + 1e-6)
+  assert np.any(vector < scalar - 1e-3) and np.any(
+      np.isclose(vector, scalar, rtol=1e-6))
+
+
+def test_window_share_margin_promises_only_exact_readings():
+  """D = 3, float32, scales 1 to 30: the elements the margin proves have
+  the float64 window's readings (proven by its own margin); both sides
+  occur."""
+  rng = np.random.default_rng(3)
+  inputs = _margin_inputs(rng, 2, 8, 2, 2, 3, (1, 3, 10, 20, 30))
+  with jax.enable_x64(True):
+    a64 = [jnp.asarray(a, jnp.float64) for a in inputs]
+    want_rho, want_mass = (np.asarray(a) for a in
+                           limited_vrns.run(*a64, window=3)[:2])
+    assert np.all(np.asarray(limited_vrns.share_margin(*a64, window=3))
+                  > rns_stack.exact_margin(np.float64))
+  a32 = [jnp.asarray(a, jnp.float32) for a in inputs]
+  rho, mass = (np.asarray(a, np.float64)
+               for a in limited_vrns.run(*a32, window=3)[:2])
+  margin = np.asarray(limited_vrns.share_margin(*a32, window=3))
+  promised = margin > rns_stack.exact_margin(np.float32)
+  n = len(margin)
+  assert 0 < promised.sum() < n, margin
+  err_rho = np.abs(rho - want_rho).reshape(n, -1).max(1)
+  err_mass = np.abs(mass - want_mass).max(1)
+  scale = np.maximum(1, np.abs(want_mass).max(1))
+  assert np.all(err_rho[promised] < 2e-5), (err_rho, margin)
+  assert np.all(err_mass[promised] < 1e-5 * scale[promised])

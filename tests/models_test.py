@@ -491,12 +491,42 @@ def test_stack_margin_is_the_share_margin_of_the_traced_actions(name, extra):
     ('ns', {'stack_table': 'scaled'}, "'shares' table, not 'scaled'"),
     ('rns', {'stack_table': 'log', 'stack_window': 3},
      "'shares' table, not 'log'"),
-    ('vrns', {}, 'not to VRNSLM')])
+    ('vrns', {'broadcast_bottom_vector': True}, 'run-consistent bottom'),
+    ('vrns', {'stack_table': 'log'}, 'run-consistent bottom')])
 def test_stack_margin_of_a_stack_without_one_is_a_clear_error(name, extra,
                                                               match):
   model = models.get(name, _VOCAB, hidden_size=3, **extra)
   with pytest.raises(ValueError, match=match):
     _apply(model, _init(model), _SYMBOLS, method='stack_margin')
+  assert not models.has_stack_margin(model)
+
+
+@pytest.mark.parametrize('window', [0, 4])
+def test_vrns_stack_margin_is_the_vector_margin_of_the_traced_inputs(window):
+  """The VRNS-RNN's margin: the vector stack's on the actions, pushed
+  vectors and bottom vector trace reports (which give its readings)."""
+  from nsrnn_jax import limited_vrns  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import vrns_stack  # pylint: disable=g-import-not-at-top
+  with jax.enable_x64(True):
+    model = models.get('vrns', _VOCAB, hidden_size=4, num_states=2,
+                       num_stack_symbols=2, stack_vector_size=2,
+                       stack_window=window, dtype=jnp.float64)
+    assert models.has_stack_margin(model)
+    params = _randomize(_init(model), seed=8, scale=3.0)
+    out = _apply(model, params, _SYMBOLS, method='trace')
+    margin = _apply(model, params, _SYMBOLS, method='stack_margin')
+    acts = [out['action_log_weights'][k] for k in ('push', 'repl', 'pop')]
+    log_v, log_b = jnp.log(out['push_vectors']), jnp.log(out['bottom_vector'])
+    if window:
+      rho = limited_vrns.run(*acts, log_v, log_b, window)[0]
+      want = limited_vrns.share_margin(*acts, log_v, log_b, window)
+    else:
+      rho = vrns_stack.run(*acts, log_v, log_b)[0]
+      want = rns_stack.vector_share_margin(*acts, out['push_vectors'],
+                                           out['bottom_vector'])
+    np.testing.assert_allclose(rho, out['readings'], atol=1e-9)
+    np.testing.assert_allclose(margin, want, rtol=1e-9)
+    assert np.all(np.asarray(margin) < -1)
 
 
 def test_lstm_log_prob_equals_manual_sum():

@@ -10,6 +10,7 @@ import pytest
 from jax import lax
 
 from nsrnn_jax import limited_vrns
+from nsrnn_jax import rns_stack
 from nsrnn_jax import vrns_stack
 
 try:  # tests/ as a package (rootdir on sys.path) or as a plain directory.
@@ -519,3 +520,40 @@ def test_share_sweep_bad_inputs_give_one_line_errors():
     with pytest.raises(ValueError, match=match) as info:
       vrns_stack.rns_stack.run_coupled_vectors(step, (), (), *args)
     assert "\n" not in str(info.value)
+
+
+def test_vector_share_margin_promises_only_exact_readings():
+  """Random float32 log-weights, N(0, 1) to N(0, 30²), positive vectors:
+  every element whose vector margin is above exact_margin has the float64
+  sweep's readings and log Σα (that sweep proven by its own margin), both
+  sides occur, and the margin is at most the scalar stack's."""
+  rng = np.random.default_rng(5)
+  steps, q, s, m = 8, 2, 2, 3
+  shapes = [(steps, q, s, q, s)] * 2 + [(steps, q, s, q)]
+  elements = [[scale * rng.normal(size=sh) for sh in shapes]
+              for scale in (1, 3, 10, 20, 30) for _ in range(2)]
+  push, repl, pop = (np.stack(a) for a in zip(*elements))
+  b = len(push)
+  log_v = np.log(1 / (1 + np.exp(-3 * rng.normal(size=(b, steps, m)))))
+  log_bottom = np.log(rng.uniform(0.05, 1, size=(b, m)))
+  with jax.enable_x64(True):
+    acts64 = [jnp.asarray(a, jnp.float64)
+              for a in (push, repl, pop, log_v, log_bottom)]
+    want_rho, want_mass = (np.asarray(a) for a in vrns_stack.run(*acts64))
+    assert np.all(np.asarray(rns_stack.vector_share_margin(
+        *acts64[:3], jnp.exp(acts64[3]), jnp.exp(acts64[4])))
+                  > rns_stack.exact_margin(np.float64))
+  acts = [jnp.asarray(a, jnp.float32)
+          for a in (push, repl, pop, log_v, log_bottom)]
+  rho, mass = (np.asarray(a, np.float64) for a in vrns_stack.run(*acts))
+  margin = np.asarray(rns_stack.vector_share_margin(
+      *acts[:3], jnp.exp(acts[3]), jnp.exp(acts[4])))
+  assert np.all(margin <= np.asarray(rns_stack.share_margin(*acts[:3]))
+                + 1e-6)
+  promised = margin > rns_stack.exact_margin(np.float32)
+  assert 0 < promised.sum() < b, margin
+  err_rho = np.abs(rho - want_rho).reshape(b, -1).max(1)
+  err_mass = np.abs(mass - want_mass).max(1)
+  scale = np.maximum(1, np.abs(want_mass).max(1))
+  assert np.all(err_rho[promised] < 2e-5), (err_rho, margin)
+  assert np.all(err_mass[promised] < 1e-5 * scale[promised])
