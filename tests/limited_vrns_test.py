@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import stack_helpers
 import vrns_oracle
 from nsrnn_jax import limited_stack
 from nsrnn_jax import limited_vrns
@@ -384,12 +385,6 @@ def test_window_share_margin_promises_only_exact_readings():
   a32 = [jnp.asarray(a, jnp.float32) for a in inputs]
   rho, mass = (np.asarray(a, np.float64)
                for a in limited_vrns.run(*a32, window=3)[:2])
-  margin = np.asarray(limited_vrns.share_margin(*a32, window=3))
-  promised = margin > rns_stack.exact_margin(np.float32)
-  n = len(margin)
-  assert 0 < promised.sum() < n, margin
-  err_rho = np.abs(rho - want_rho).reshape(n, -1).max(1)
-  err_mass = np.abs(mass - want_mass).max(1)
-  scale = np.maximum(1, np.abs(want_mass).max(1))
-  assert np.all(err_rho[promised] < 2e-5), (err_rho, margin)
-  assert np.all(err_mass[promised] < 1e-5 * scale[promised])
+  stack_helpers.assert_margin_promise(
+      limited_vrns.share_margin(*a32, window=3), rho, want_rho, mass,
+      want_mass)

@@ -170,3 +170,28 @@ def check_worked_example_window(run, dtype, atol, bottom, splits):
       np.testing.assert_allclose(np.concatenate(parts, 1),
                                  log_alpha(hat, mass), rtol=0,
                                  atol=10 * atol)
+
+
+def assert_margin_promise(margin, rho, want_rho, mass, want_mass):
+  """The factor margin's promise on a float32 batch: both sides of
+  `rns_stack.exact_margin` occur, and every element above it has the exact
+  readings (to 2e-5) and log Σα (to 1e-5 relative, at least 1e-5).
+
+  Args:
+    margin: [B] float32 margins.
+    rho, want_rho: readings [B, ...] (float32 run, exact reference).
+    mass, want_mass: log Σα [B, ...] likewise.
+  """
+  margin = np.asarray(margin)
+  n = len(margin)
+  promised = margin > rns_stack.exact_margin(np.float32)
+  assert 0 < promised.sum() < n, margin
+  err_rho = np.abs(np.asarray(rho, np.float64)
+                   - np.asarray(want_rho)).reshape(n, -1).max(1)
+  mass, want_mass = (np.asarray(a, np.float64).reshape(n, -1)
+                     for a in (mass, want_mass))
+  err_mass = np.abs(mass - want_mass).max(1)
+  scale = np.maximum(1, np.abs(want_mass).max(1))
+  assert np.all(err_rho[promised] < 2e-5), (err_rho, margin)
+  assert np.all(err_mass[promised] < 1e-5 * scale[promised]), (err_mass,
+                                                               margin)
