@@ -451,8 +451,7 @@ def test_ns_log_likelihood_matches_pda_composition(q, s, table):
 @pytest.mark.parametrize('name,extra', [
     ('ns', {}), ('ns', {'stack_batch_chunk': 1}),
     ('rns', {'stack_bottom': 'fixed'}),
-    ('rns', {'stack_bottom': 'frozen', 'stack_normalize': True}),
-    ('rns', {'stack_bottom': 'fixed', 'stack_window': 3,
+    ('rns', {'stack_bottom': 'frozen', 'stack_window': 3,
              'truncation_length': 5})])
 def test_stack_margin_is_the_share_margin_of_the_traced_actions(name, extra):
   """stack_margin = the share margin of the actions trace reports, which
@@ -488,11 +487,9 @@ def test_stack_margin_is_the_share_margin_of_the_traced_actions(name, extra):
 
 @pytest.mark.parametrize('name,extra,match', [
     ('ns', {'stack_table': 'log'}, "'shares' table, not 'log'"),
-    ('ns', {'stack_table': 'scaled'}, "'shares' table, not 'scaled'"),
     ('rns', {'stack_table': 'log', 'stack_window': 3},
      "'shares' table, not 'log'"),
-    ('vrns', {'broadcast_bottom_vector': True}, 'run-consistent bottom'),
-    ('vrns', {'stack_table': 'log'}, 'run-consistent bottom')])
+    ('vrns', {'broadcast_bottom_vector': True}, 'run-consistent bottom')])
 def test_stack_margin_of_a_stack_without_one_is_a_clear_error(name, extra,
                                                               match):
   model = models.get(name, _VOCAB, hidden_size=3, **extra)
