@@ -1363,16 +1363,16 @@ def _run_jit(push, repl, pop, bottom, precision, unroll):
 # ---------------------------------------------------------------------------
 #
 # Every product the sweep forms has two non-negative factors: a share of
-# the table (column j−1's entries, or those of an earlier column, each
-# checked when it was column j−1), a kernel exp(x) (x: α̂_{j−1} + action
-# − α_j) or an entry of M̃. Column sums and W enter α_j only through
-# their logarithms. If every nonzero factor f of a run lies in
+# the table (each column checked as it is written), a kernel exp(x) (x:
+# α̂_{j−1} + action − α_j) or an entry of M̃. Column sums and W enter α_j
+# only through their logarithms. If every nonzero factor f of a run lies in
 # [e^m, e^−m] with m > exact_margin(dtype) = ½ ln(flush), every product
 # is at least the flush threshold, so no product underflows or is dropped
 # as flushed (a sum of non-negative terms only grows), no kernel is
 # clamped, and every entry, log α̂ and log Σα equal exact arithmetic up to
 # rounding — the values `log_stack` computes. Below it nothing is
-# promised (a run may or may not have lost mass): `log_stack` is exact.
+# promised (a run may or may not have lost mass): `log_stack` cannot flush,
+# and float64 moves the bound to about −350 nats.
 # The margin covers the forward values (readings, log Σα, the loss), not
 # the backward's cotangents.
 
