@@ -66,7 +66,8 @@ def load_model(workdir: str, model: Any = None,
       member's lr_<lr>/restart_<r>.
     model: the Flax model to use instead of models.build(config).
     stack_table: run the stack on this table (``config.stack_table``, e.g.
-      'log': exact) instead of the run's own; the parameters are the same.
+      'log': no flush) instead of the run's own; the parameters are the
+      same.
 
   Returns:
     Loaded(model, params, config).
@@ -338,7 +339,8 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
       checked for writability before any work.
     corpus_dir: a corpus run's corpus where it lies now (default: where it
       was trained; the files must be the same, by SHA-256).
-    stack_table: as for `load_model` (e.g. 'log': the exact stack).
+    stack_table: as for `load_model` (e.g. 'log': the stack that cannot
+      flush).
     stack_margin: also check the share stack's exactness on the test
       strings (`stack_margins`; ns / rns / vrns on the 'shares' table):
       the summary gains ``stack_margin_min`` (nats) and
@@ -408,7 +410,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("corpus_dir", None, "A corpus run's corpus where it "
                       "lies now (default: where it was trained).")
   flags.DEFINE_string("stack_table", None, "Run an NS / RNS / VRNS stack on this "
-                      "table instead of the run's own (e.g. 'log': exact).")
+                      "table instead of the run's own (e.g. 'log': cannot flush).")
   flags.DEFINE_bool("stack_margin", False, "Also report the share stack's "
                     "factor margin on the test strings (ns / rns / vrns, 'shares' "
                     "table): the smallest, and the fraction of strings it "

@@ -1439,7 +1439,7 @@ def get(name: str, vocab_size: int, hidden_size: int = 20,
     broadcast_bottom_vector: VRNS: the authors' broadcast bottom vector
       (``vrns_stack`` docstring) instead of the run-consistent one.
     stack_table: the stack's dynamic program: for ns one of ``NS_TABLES``
-      ('shares': exact up to its flush limit; 'log': exact, slower;
+      ('shares': exact up to its flush limit; 'log': no flush, slower;
       'scaled': can flush in float32), for rns and vrns (with or without a
       window) one of ``RNS_TABLES``; other models take only the default.
     stack_batch_chunk: strings per run of the NS-RNN's stack, 0 = automatic
