@@ -366,15 +366,15 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
     splits = data.from_config(loaded.config, need_test=True)
   if not splits.test.batches:
     raise ValueError("no test data to evaluate")
+  eos = train.eos_id(loaded.config, loaded.model)
   if stack_margin:   # Before the long evaluation (a table without one fails).
-    eos = train.eos_id(loaded.config, loaded.model)
     margins = np.concatenate([np.asarray(margin_fn(
         loaded.params, train.make_batch(b.symbols, eos=eos)["symbols"]),
         np.float64) for b in splits.test.batches])
   results = loop.evaluate_split(
       _stacked(loaded.params), loaded.model.apply, [splits.test],
       loaded.config, [loop.test_num_lengths(splits.test, loaded.config)],
-      parallel.make_mesh(), train.eos_id(loaded.config, loaded.model))[0]
+      parallel.make_mesh(), eos)[0]
   table, summary = loop.test_outputs(results, loaded.config)
   if stack_margin:
     summary["stack_margin_min"] = float(margins.min())
