@@ -372,7 +372,7 @@ def _run_steps(step_fn, push, repl, pop, state, precision):
 
 
 def share_margin(push, repl, pop, window, bottom=rns_stack.FIXED,
-                 precision="highest"):
+                 precision="highest", num_updates=None):
   """The factor margin of `run` on these log-weights: [B] nats (≤ 0).
 
   `rns_stack.share_margin` for the window: above
@@ -383,29 +383,32 @@ def share_margin(push, repl, pop, window, bottom=rns_stack.FIXED,
   Args:
     push, repl, pop, window, bottom, precision: as for `run` (from the
       initial state).
+    num_updates: as for `rns_stack.share_margin` (padding left out).
   """
   check_window(window)
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
   b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
   state = initial_state(b, window, q, s, bottom, push.dtype)
-  return _margin_steps(push, repl, pop, state, check_precision(precision))
+  return _margin_steps(push, repl, pop, state, check_precision(precision),
+                       rns_stack.check_num_updates(num_updates, b))
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
-def _margin_steps(push, repl, pop, state, precision):
-  def body(carry, acts):
+def _margin_steps(push, repl, pop, state, precision, num_updates):
+  def body(carry, inp):
     g, head, a_prev, lo = carry
+    j, acts = inp
     col, a_hat, _, lo_j = rns_stack.update(
         g, head, a_prev, *acts, precision, ring=True, margin=True)
     head_next = (head + 1) % g.shape[2]
     return (_ring_write(g, col, head_next), head_next, a_hat,
-            jnp.minimum(lo, lo_j)), None
+            jnp.minimum(lo, rns_stack._counted(lo_j, j, num_updates))), None  # pylint: disable=protected-access
 
   xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
              for a in (push, repl, pop))
   lo0 = jnp.full(push.shape[:1], jnp.inf, push.dtype)
   (_, _, _, lo), _ = lax.scan(body, (state.g, state.head, state.a_hat, lo0),
-                              xs)
+                              (jnp.arange(1, push.shape[1] + 1), xs))
   return lo
 
 

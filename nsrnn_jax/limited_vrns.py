@@ -367,7 +367,7 @@ def _run_jit(push, repl, pop, log_vectors, state, rho0, precision):
 
 
 def share_margin(push, repl, pop, log_vectors, log_bottom_vector, window,
-                 precision="highest"):
+                 precision="highest", num_updates=None):
   """The factor margin of `run` (run-consistent bottom, shares): [B] nats.
 
   `rns_stack.vector_share_margin` for the window: above
@@ -378,6 +378,8 @@ def share_margin(push, repl, pop, log_vectors, log_bottom_vector, window,
   Args:
     push, repl, pop, log_vectors, log_bottom_vector, window, precision: as
       for `run` (from the initial state).
+    num_updates: as for `rns_stack.share_margin` (padding left out; the
+      bottom vector always counts).
   """
   _check_window(window)
   push, repl, pop, log_vectors = (
@@ -387,21 +389,24 @@ def share_margin(push, repl, pop, log_vectors, log_bottom_vector, window,
                                     log_vectors.shape[-1])
   state = initial_state(log_bottom_vector, window, q, s)
   return _margin_jit(push, repl, pop, log_vectors, state,
-                     check_precision(precision))
+                     check_precision(precision),
+                     rns_stack.check_num_updates(num_updates, b))
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
-def _margin_jit(push, repl, pop, log_vectors, state, precision):
-  def body(carry, acts):
+def _margin_jit(push, repl, pop, log_vectors, state, precision, num_updates):
+  def body(carry, inp):
     st, lo = carry
+    j, acts = inp
     st, _, _, lo_j = _share_step(st, *acts, precision=precision, margin=True)
-    return (st, jnp.minimum(lo, lo_j)), None
+    return (st, jnp.minimum(lo, rns_stack._counted(lo_j, j, num_updates))), None  # pylint: disable=protected-access
 
   xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
              for a in (push, repl, pop, log_vectors))
   # The bottom vector's shares are factors too.
   lo0 = rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
-  (_, lo), _ = lax.scan(body, (lax.stop_gradient(state), lo0), xs)
+  (_, lo), _ = lax.scan(body, (lax.stop_gradient(state), lo0),
+                        (jnp.arange(1, push.shape[1] + 1), xs))
   return lo
 
 

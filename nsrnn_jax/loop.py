@@ -190,6 +190,26 @@ def jitted_eval(mesh):
   return jax.jit(eval_models_per_device, static_argnames="apply_fn")
 
 
+@functools.lru_cache(maxsize=None)
+def jitted_margins(mesh):
+  """Each model's stack margin on each string of a padded [K, B, N] batch
+  (`models.PDAStackLM.stack_margin` with the batch's mask), per device as
+  `jitted_eval`: [K, B]."""
+  model_spec, batch_spec = _model_and_batch_specs()
+
+  def margins(params, batch, apply_fn):
+    return apply_fn({"params": params}, batch["symbols"], batch["mask"],
+                    method="stack_margin")
+
+  def margins_per_device(params_K, batch_K, apply_fn):
+    return jax.shard_map(
+        over_models(functools.partial(margins, apply_fn=apply_fn)),
+        mesh=mesh, in_specs=(model_spec, batch_spec), out_specs=batch_spec,
+        check_vma=False)(params_K, batch_K)
+
+  return jax.jit(margins_per_device, static_argnames="apply_fn")
+
+
 # ---------------------------------------------------------------------------
 # Evaluation (also used by evaluate.py).
 # ---------------------------------------------------------------------------
@@ -197,7 +217,8 @@ def jitted_eval(mesh):
 
 def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
                    num_lengths_K: Sequence[Optional[int]], mesh,
-                   eos: Optional[int] = None) -> list[list[dict]]:
+                   eos: Optional[int] = None,
+                   stack_margin: bool = False) -> list[list[dict]]:
   """Model and lower-bound sums per batch and model (float64, on the host).
 
   Args:
@@ -209,10 +230,13 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
     mesh: the ('model', 'data') mesh the params live on.
     eos: the EOS id (`train.eos_id`) or None; with EOS each string counts
       |w| + 1 tokens (the bound is still -ln p(w|l) [+ ln N_L] per string).
+    stack_margin: also each string's stack margin (`jitted_margins`; the
+      model must have one: `models.has_stack_margin`).
 
   Returns:
     Per model, one dict per batch: length, num_strings, model_nll, bound_nll
-    (None when the batch has no true log-probs), num_tokens, num_correct.
+    (None when the batch has no true log-probs), num_tokens, num_correct;
+    with `stack_margin`, stack_margins (float64 [num_strings], nats).
   """
   num = {len(s) for s in splits_K}
   if len(num) != 1:
@@ -220,13 +244,19 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
                      f"({sorted(num)})")
   (num,) = num
   score = jitted_eval(mesh)
+  margins = jitted_margins(mesh) if stack_margin else None
   pending = []
   for j in range(num):
     symbols = [s[j].symbols for s in splits_K]
     longest = max(x.shape[1] for x in symbols)
-    batch = stack_batches(symbols, train.padded_length(longest, config), eos)
-    pending.append(score(params_K, parallel.put_model_batch(batch, mesh),
-                         apply_fn=apply_fn))
+    batch = parallel.put_model_batch(
+        stack_batches(symbols, train.padded_length(longest, config), eos),
+        mesh)
+    sums = score(params_K, batch, apply_fn=apply_fn)
+    if margins is not None:
+      sums = dict(sums, stack_margins=margins(params_K, batch,
+                                              apply_fn=apply_fn))
+    pending.append(sums)
   sums = parallel.to_host(pending)  # Fetch after dispatching everything.
   results = [[] for _ in splits_K]
   for j in range(num):
@@ -243,7 +273,21 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
           "model_nll": float(np.sum(s["nll"])), "bound_nll": bound,
           "num_tokens": float(np.sum(s["num_tokens"])),
           "num_correct": float(np.sum(s["num_correct"]))})
+      if stack_margin:
+        results[k][-1]["stack_margins"] = s["stack_margins"]
   return results
+
+
+def margin_summary(results: Sequence[dict], dtype) -> dict:
+  """The smallest stack margin of one model's `evaluate_split(...,
+  stack_margin=True)` dicts and the fraction of strings above
+  `rns_stack.exact_margin(dtype)` (their stack values are exact up to
+  rounding)."""
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  margins = np.concatenate([r["stack_margins"] for r in results])
+  return {"stack_margin": float(np.min(margins)),
+          "stack_exact_fraction": float(np.mean(
+              margins > rns_stack.exact_margin(dtype)))}
 
 
 def summarize(results: Sequence[dict]) -> dict:
@@ -347,9 +391,12 @@ def _epoch_line(epochs: np.ndarray, records: dict, max_epochs: int,
     (epoch, r), = records.items()
     diff = r.get("valid_ce_diff")
     diff = f"  valid ce_diff {diff:+.4f}" if diff is not None else ""
+    margin = r.get("valid_stack_margin")
+    margin = (f"  margin {margin:.1f} ({r['valid_stack_exact_fraction']:.0%}"
+              " exact)" if margin is not None else "")
     return (f"epoch {epoch:3d}/{max_epochs}  loss {r['train_loss']:.4f}{diff}"
-            f"  ppl {r['valid_perplexity']:.4f}  lr {r['learning_rate']:.3g}"
-            f"  {seconds:.1f}s")
+            f"  ppl {r['valid_perplexity']:.4f}{margin}"
+            f"  lr {r['learning_rate']:.3g}  {seconds:.1f}s")
   key = ("valid_ce_diff" if all("valid_ce_diff" in r for r in records.values())
          else "valid_perplexity")
   values = np.asarray([r[key] for r in records.values()])
@@ -552,9 +599,14 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
             f"{runs[k].name} (try a smaller learning rate); its last "
             "checkpoint is kept")
     train_time = time.perf_counter() - start
-    valid = [summarize(r) for r in evaluate_split(
+    stack_margin = bool(config.get("valid_stack_margin", False))
+    valid_results = evaluate_split(
         state.params, model.apply, [r.splits.valid for r in runs], config,
-        [r.splits.valid.num_lengths for r in runs], mesh, eos)]
+        [r.splits.valid.num_lengths for r in runs], mesh, eos, stack_margin)
+    valid = [summarize(r) for r in valid_results]
+    if stack_margin:
+      for v, r in zip(valid, valid_results):
+        v.update(margin_summary(r, model.dtype))
     lr_used = np.asarray(host(train.learning_rate(state)))
     ppl = np.asarray([v["perplexity"] for v in valid], np.float32)
     state = steps.end_of_epoch(state, parallel.shard_models(ppl, mesh))
@@ -577,6 +629,10 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
         record["valid_ce_diff"] = valid[k]["ce_diff"]
         record["valid_lower_bound_perplexity"] = (
             valid[k]["lower_bound_perplexity"])
+      if stack_margin:
+        record["valid_stack_margin"] = valid[k]["stack_margin"]
+        record["valid_stack_exact_fraction"] = (
+            valid[k]["stack_exact_fraction"])
       records[k] = (epoch, record)
     epochs_this_run += 1
     leaving = bool(config.stop_after_epochs) and (

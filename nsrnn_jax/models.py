@@ -963,7 +963,7 @@ class PDAStackLM(LanguageModel):
   def _stack_params(self):
     return {'action': self.action()}
 
-  def stack_margin(self, symbols_BxN) -> jax.Array:
+  def stack_margin(self, symbols_BxN, mask_BxN=None) -> jax.Array:
     """The share sweep's factor margin on these strings: [B] nats (≤ 0).
 
     ``rns_stack.share_margin`` (with a window ``limited_stack``'s) of the
@@ -973,6 +973,9 @@ class PDAStackLM(LanguageModel):
     arithmetic up to rounding; below it they may have lost PDA runs that
     fell that far behind, and ``stack_table='log'`` gives the exact ones.
     Use as ``model.apply(params, symbols, method='stack_margin')``.
+    With ``mask_BxN`` (a padded batch's target mask, `train.make_batch`)
+    string b's margin is that of its first sum(mask_BxN[b]) symbols alone:
+    the updates that read padding are left out.
 
     Raises:
       ValueError: (one line) the model's stack is not a share sweep (the
@@ -983,11 +986,26 @@ class PDAStackLM(LanguageModel):
     margin_fn = self._margin_fn()
     if symbols_BxN.shape[1] < 2:
       return jnp.full(symbols_BxN.shape[:1], jnp.inf, self.dtype)
+    num_updates = None
+    if mask_BxN is not None:
+      if jnp.shape(mask_BxN) != symbols_BxN.shape:
+        raise ValueError(f'mask_BxN must have the shape of the symbols '
+                         f'{symbols_BxN.shape}, got {jnp.shape(mask_BxN)}')
+      # Symbols 1..L are read by updates 1..L−1 (the first is predicted
+      # from the initial state).
+      num_updates = jnp.maximum(
+          jnp.sum(mask_BxN > 0, axis=1).astype(jnp.int32) - 1, 0)
+    margin_fn = functools.partial(margin_fn, num_updates=num_updates)
     params = self._params()
     h_BxTxH = self._run(params, symbols_BxN[:, :-1])[0]
     acts = self._stack_log_weights(params, h_BxTxH)
+    if num_updates is not None:
+      # A string of one symbol has no update: +inf, as unpadded.
+      finish = lambda lo: jnp.where(num_updates > 0, lo, jnp.inf)
+    else:
+      finish = lambda lo: lo
     if getattr(self, 'window', 0):
-      return margin_fn(*acts)
+      return finish(margin_fn(*acts))
     # The unlimited table in batch chunks that fit the caches, as the
     # model's own sweep (`stack_batch_chunk`): a large batch of one length
     # (evaluate.stack_margins) would otherwise hold its whole table.
@@ -996,10 +1014,15 @@ class PDAStackLM(LanguageModel):
                               self.num_states, self.num_stack_symbols,
                               jnp.dtype(self.dtype).itemsize)
     if chunk == batch:
-      return margin_fn(*acts)
+      return finish(margin_fn(*acts))
     split = lambda a: a.reshape((batch // chunk, chunk) + a.shape[1:])
-    return jax.lax.map(lambda a: margin_fn(*a),
-                       tuple(split(a) for a in acts)).reshape(batch)
+    if num_updates is None:
+      chunk_fn = lambda a: margin_fn(*a)
+    else:
+      chunk_fn = lambda a: margin_fn(*a[:-1], num_updates=a[-1])
+      acts = tuple(acts) + (num_updates,)
+    return finish(jax.lax.map(chunk_fn, tuple(split(a) for a in acts))
+                  .reshape(batch))
 
   def _margin_fn(self):
     """push, repl, pop -> the share sweep's margin, or a ValueError."""

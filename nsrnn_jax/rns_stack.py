@@ -155,7 +155,7 @@ __all__ = [
     "run", "run_coupled", "run_coupled_vectors", "run_log_space", "viterbi",
     "replay_run", "square_table",
     "validate_stack_config", "share_margin", "vector_share_margin",
-    "exact_margin",
+    "exact_margin", "check_num_updates",
 ]
 
 FIXED, FROZEN = "fixed", "frozen"
@@ -596,6 +596,14 @@ def _vector_margin(margin, col_v, vec):
                                          _log_min_positive(vec)))
 
 
+def _counted(lo_j, j, num_updates):
+  """Update j's margin lo_j [B], or +inf where j is past num_updates[b]
+  (padding: the margin of the actions' first num_updates[b] updates)."""
+  if num_updates is None:
+    return lo_j
+  return jnp.where(j <= num_updates, lo_j, jnp.inf)
+
+
 def _column_margin(local_margin, col):
   """An update's factor margin: `_local`'s and its new column's shares.
 
@@ -917,7 +925,8 @@ def _initial(b, t, q, s, bottom, dtype):
 
 
 def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
-                    unroll=1, vectors0=None, margin=False):
+                    unroll=1, vectors0=None, margin=False,
+                    num_updates=None):
   """Runs updates 1..T in static time blocks (shared by run / run_coupled).
 
   Block [j0, j1) is one `lax.scan` over the table sliced to the time points
@@ -944,6 +953,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
     margin: also compute the factor margin [B] of every update (`_local`'s
       ``margin``, with the vector stack's factors; on XLA) and return its
       minimum.
+    num_updates: with `margin`, None or [B] ints: the minimum over element
+      b's first num_updates[b] updates only (the rest are padding).
 
   Returns:
     (table, cs, la, lm, extra, ys (time-major), mt_TxBxYxRxNxT or None,
@@ -1044,7 +1055,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
         col = col + _pop_matmul(g, mt, prec)
         g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
       if margin:
-        lo = jnp.minimum(lo, _column_margin(parts[-1], col))
+        lo_j = _column_margin(parts[-1], col)
       if vec:
         # E_j: a column-sized pop (M̃ with the vector table's columns).
         col_v = (parts[-2] if margin else parts[-1]) + _pop_matmul(gv, mt,
@@ -1052,7 +1063,9 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
         vcarry = (lax.dynamic_update_index_in_dim(gv, col_v, j + 1, axis=2),
                   col_v)
         if margin:
-          lo = _vector_margin(lo, col_v, v_j)
+          lo_j = _vector_margin(lo_j, col_v, v_j)
+      if margin:
+        lo = jnp.minimum(lo, _counted(lo_j, j, num_updates))
       lm_j = lm_prev + inc
       kept = (mt, parts[4]) if keep_mt else None
       return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j,
@@ -1385,7 +1398,8 @@ def exact_margin(dtype=jnp.float32) -> float:
   return 0.5 * float(np.log(_flush(jnp.dtype(dtype))))
 
 
-def share_margin(push, repl, pop, bottom=FIXED, precision="highest"):
+def share_margin(push, repl, pop, bottom=FIXED, precision="highest",
+                 num_updates=None):
   """The factor margin of `run` on these log-weights: [B] nats (≤ 0).
 
   The smallest m such that every nonzero factor f of every product the
@@ -1398,15 +1412,19 @@ def share_margin(push, repl, pop, bottom=FIXED, precision="highest"):
 
   Args:
     push, repl, pop, bottom, precision: as for `run`.
+    num_updates: None, or [B] ints in 0..T: element b's margin is that of
+      its first num_updates[b] updates, as if the actions ended there (the
+      rest are padding, as in a batch padded to a compiled length).
   """
   _check_bottom(bottom)
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
-  _check_actions(push, repl, pop)
-  return _margin_jit(push, repl, pop, bottom, check_precision(precision))
+  b = _check_actions(push, repl, pop)[0]
+  return _margin_jit(push, repl, pop, bottom, check_precision(precision),
+                     check_num_updates(num_updates, b))
 
 
 def vector_share_margin(push, repl, pop, vectors, bottom_vector,
-                        precision="highest"):
+                        precision="highest", num_updates=None):
   """`share_margin` of the vector stack (`run_coupled_vectors`): [B] nats.
 
   The stack's pushed and bottom vectors are positive, so its vector
@@ -1421,6 +1439,7 @@ def vector_share_margin(push, repl, pop, vectors, bottom_vector,
     vectors: the pushed vectors v_t [B, T, M] (linear, > 0).
     bottom_vector: v_⊥ [B, M] (linear, > 0).
     precision: as for `run`.
+    num_updates: as for `share_margin` (the bottom vector always counts).
   """
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
   b, t = _check_actions(push, repl, pop)[:2]
@@ -1431,11 +1450,13 @@ def vector_share_margin(push, repl, pop, vectors, bottom_vector,
                      f"[B, M], got shapes {vectors.shape} and "
                      f"{bottom_vector.shape}")
   return _vector_margin_jit(push, repl, pop, vectors, bottom_vector,
-                            check_precision(precision))
+                            check_precision(precision),
+                            check_num_updates(num_updates, b))
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
-def _vector_margin_jit(push, repl, pop, vectors, bottom_vector, precision):
+def _vector_margin_jit(push, repl, pop, vectors, bottom_vector, precision,
+                       num_updates):
   acts = tuple(lax.stop_gradient(a)
                for a in (push, repl, pop, vectors.astype(push.dtype)))
   b, t, q, s = push.shape[:4]
@@ -1450,18 +1471,30 @@ def _vector_margin_jit(push, repl, pop, vectors, bottom_vector, precision):
       lax_precision(precision), False,
       vectors0=_initial_vectors(
           lax.stop_gradient(bottom_vector.astype(push.dtype)), t, q, s),
-      margin=True)[-1]
+      margin=True, num_updates=num_updates)[-1]
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def _margin_jit(push, repl, pop, bottom, precision):
+def _margin_jit(push, repl, pop, bottom, precision, num_updates):
   push, repl, pop = (lax.stop_gradient(a) for a in (push, repl, pop))
   b, t, q, s = push.shape[:4]
   xs_T = tuple(jnp.swapaxes(a, 0, 1) for a in (push, repl, pop))
   lo = _forward_blocks(t, _initial(b, t, q, s, bottom, push.dtype), xs_T,
                        _given_actions, (), lax_precision(precision), False,
-                       margin=True)[-1]
+                       margin=True, num_updates=num_updates)[-1]
   return lo
+
+
+def check_num_updates(num_updates, batch):
+  """`share_margin`'s num_updates as [batch] int32 (None stays None), or a
+  one-line ValueError."""
+  if num_updates is None:
+    return None
+  shape = np.shape(num_updates)
+  if shape != (batch,):
+    raise ValueError(f"num_updates must have shape ({batch},) (one count "
+                     f"per batch element), got {shape}")
+  return jnp.asarray(num_updates, jnp.int32)
 
 
 # ---------------------------------------------------------------------------

@@ -237,10 +237,10 @@ class VRNSLM(models.PDAStackLM):
     if self.window:
       return functools.partial(limited_vrns.share_margin, window=self.window,
                                precision=self.matmul_precision)
-    return lambda push, repl, pop, log_v, log_bottom: (
+    return lambda push, repl, pop, log_v, log_bottom, num_updates=None: (
         rns_stack.vector_share_margin(push, repl, pop, jnp.exp(log_v),
                                       jnp.exp(log_bottom),
-                                      self.matmul_precision))
+                                      self.matmul_precision, num_updates))
 
 
 def check_options(stack_vector_size, stack_bottom_vector,

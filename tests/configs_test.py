@@ -142,6 +142,27 @@ def test_scan_unroll_is_refused_where_the_scans_are_not_unrolled(overrides):
     train.validate_config(config)
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (dict(model="lstm"), "not to model 'lstm', table 'shares'"),
+    (dict(model="jm"), "not to model 'jm', table 'shares'"),
+    (dict(stack_table="log"), "not to model 'ns', table 'log'"),
+    (dict(model="vrns", broadcast_bottom_vector=True),
+     "the run-consistent VRNS bottom"),
+    (dict(model="rns", stack_window=4), None),
+    (dict(model="vrns"), None),
+])
+def test_valid_stack_margin_needs_a_share_stack(overrides, message):
+  config = default.get_config()
+  config.valid_stack_margin = True
+  config.update(overrides)
+  if message is None:
+    train.validate_config(config)
+    return
+  with pytest.raises(ValueError, match="config.valid_stack_margin ") as info:
+    train.validate_config(config)
+  assert message in str(info.value)
+
+
 def test_xavier_action_init_is_the_ns_rnn_s_only():
   config = default.get_config()
   config.ns_action_init = "xavier"

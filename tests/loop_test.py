@@ -50,6 +50,36 @@ def test_best_epoch_parameters_are_tested_when_the_last_epoch_is_worse(
   assert np.max(np.abs(np.asarray(saved) - tables["params"])) > 1e-3
 
 
+def test_validation_stack_margin_is_each_unpadded_string_s(tmp_path,
+                                                          capsys):
+  """valid_stack_margin, from the loop's batches padded to a bucket with
+  the margin masked to each string, is the smallest margin of the
+  validation strings each run alone with that epoch's parameters; the
+  fraction proven exact is theirs too, and the epoch line shows both."""
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  model = models.get("ns", 3, hidden_size=3, num_states=2,
+                     num_stack_symbols=2)
+  config = tiny_config(max_epochs=1, valid_stack_margin=True, run_test=False,
+                       learning_rate=0.5)
+  splits = tiny_splits(num_train=4)
+  train.train_and_evaluate(config, str(tmp_path), splits=splits, model=model)
+  (record,) = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  _, arrays, _ = restore_arrays(str(tmp_path), model, config)
+  margin_fn = jax.jit(lambda p, x: model.apply({"params": p}, x,
+                                               method="stack_margin"))
+  margins = np.concatenate([np.asarray(margin_fn(arrays["params"], b.symbols))
+                            for b in splits.valid])
+  assert {b.symbols.shape[1] for b in splits.valid} == {5, 7}  # bucket 8
+  assert record["valid_stack_margin"] == pytest.approx(np.min(margins),
+                                                       rel=1e-5)
+  assert record["valid_stack_exact_fraction"] == np.mean(
+      margins > rns_stack.exact_margin())
+  assert (f"margin {np.min(margins):.1f} "
+          f"({record['valid_stack_exact_fraction']:.0%} exact)"
+          in capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("strategy,compiles", [("per_length", 2),
                                                ("bucket", 1)])
 def test_train_step_compiles_once_per_length_or_bucket(tmp_path, strategy,

@@ -483,6 +483,22 @@ def test_stack_margin_is_the_share_margin_of_the_traced_actions(name, extra):
     # A string of one symbol makes no update: no factor, margin +inf.
     one = _apply(model, params, _SYMBOLS[:, :1], method='stack_margin')
     assert np.all(np.isposinf(np.asarray(one)))
+    _check_masked_margin(model, params, margin)
+
+
+def _check_masked_margin(model, params, full):
+  """With a padded batch's mask, each string's margin is that of its real
+  symbols run alone (lengths 3 and 1 here): the padding is left out."""
+  mask = np.zeros(_SYMBOLS.shape, np.float32)
+  mask[0, :3], mask[1, :1] = 1, 1
+  masked = np.asarray(jax.jit(functools.partial(
+      model.apply, method='stack_margin'))({'params': params}, _SYMBOLS,
+                                           mask))
+  short = _apply(model, params, _SYMBOLS[:1, :3], method='stack_margin')
+  np.testing.assert_allclose(masked[0], short[0], rtol=1e-12)
+  assert np.isposinf(masked[1])
+  # The padding's updates would have lowered it: the mask is what counts.
+  assert masked[0] > full[0] + 0.1
 
 
 @pytest.mark.parametrize('name,extra,match', [
@@ -524,6 +540,7 @@ def test_vrns_stack_margin_is_the_vector_margin_of_the_traced_inputs(window):
     np.testing.assert_allclose(rho, out['readings'], atol=1e-9)
     np.testing.assert_allclose(margin, want, rtol=1e-9)
     assert np.all(np.asarray(margin) < -1)
+    _check_masked_margin(model, params, margin)
 
 
 def test_lstm_log_prob_equals_manual_sum():

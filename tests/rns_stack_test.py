@@ -324,6 +324,24 @@ def test_share_margin_promises_only_exact_values():
   stack_helpers.assert_margin_promise(margin, rho, want_rho, mass, want_mass)
 
 
+def test_share_margin_counts_num_updates_per_element():
+  """With num_updates, element b's margin is that of its first
+  num_updates[b] actions run alone (the padding of a bucketed batch is
+  left out); a count per element or a one-line error."""
+  acts = [jnp.asarray(a, jnp.float32) for a in
+          _actions(np.random.default_rng(3), 2, 6, 2, 2, "unnorm")]
+  got = np.asarray(rns_stack.share_margin(*acts, num_updates=[6, 2]))
+  np.testing.assert_allclose(
+      got[1], rns_stack.share_margin(*(a[1:, :2] for a in acts))[0],
+      rtol=1e-6)
+  full = np.asarray(rns_stack.share_margin(*acts))
+  np.testing.assert_allclose(got[0], full[0], rtol=1e-6)
+  assert got[1] > full[1] + 0.1       # the left-out updates would count
+  with pytest.raises(ValueError, match=r"num_updates must have shape "
+                     r"\(2,\) \(one count per batch element\), got \(3,\)"):
+    rns_stack.share_margin(*acts, num_updates=[1, 2, 3])
+
+
 @pytest.mark.benchmark
 @pytest.mark.skipif(not os.environ.get("NSRNN_LONG_TESTS"),
                     reason="T = 500 log-space reference: 30 s to minutes; "
