@@ -54,7 +54,7 @@ Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
            "run_parts", "run_given", "run_chunks", "stream_chunk",
-           "chunk_start", "coupled_parts", "share_margin"]
+           "chunk_start", "coupled_parts", "share_margin", "margin_scan"]
 
 
 class WindowState(NamedTuple):
@@ -395,20 +395,42 @@ def share_margin(push, repl, pop, window, bottom=rns_stack.FIXED,
 
 @functools.partial(jax.jit, static_argnums=(4,))
 def _margin_steps(push, repl, pop, state, precision, num_updates):
-  def body(carry, inp):
-    g, head, a_prev, lo = carry
-    j, acts = inp
+  def step(carry, acts):
+    g, head, a_prev = carry
     col, a_hat, _, lo_j = rns_stack.update(
         g, head, a_prev, *acts, precision, ring=True, margin=True)
     head_next = (head + 1) % g.shape[2]
-    return (_ring_write(g, col, head_next), head_next, a_hat,
-            jnp.minimum(lo, rns_stack._counted(lo_j, j, num_updates))), None  # pylint: disable=protected-access
+    return (_ring_write(g, col, head_next), head_next, a_hat), lo_j
 
   xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
              for a in (push, repl, pop))
-  lo0 = jnp.full(push.shape[:1], jnp.inf, push.dtype)
-  (_, _, _, lo), _ = lax.scan(body, (state.g, state.head, state.a_hat, lo0),
-                              (jnp.arange(1, push.shape[1] + 1), xs))
+  return margin_scan(step, (state.g, state.head, state.a_hat),
+                     jnp.full(push.shape[:1], jnp.inf, push.dtype), xs,
+                     num_updates)
+
+
+def margin_scan(step, carry, lo0, xs_T, num_updates):
+  """A window's factor margin: the minimum of lo0 and every update's.
+
+  Shared by this module's and `limited_vrns`'s share margins.
+
+  Args:
+    step: (carry, x_j) -> (carry, update j's margin [B]).
+    carry: the window's state.
+    lo0: the initial state's margin [B] (+inf, or the bottom vector's).
+    xs_T: time-major inputs of updates 1..T (pytree, leading axis T).
+    num_updates: None or [B] ints: element b counts its first
+      num_updates[b] updates only (`rns_stack.share_margin`).
+  """
+  def body(c, inp):
+    carry, lo = c
+    j, x_j = inp
+    carry, lo_j = step(carry, x_j)
+    return (carry, jnp.minimum(
+        lo, rns_stack._counted(lo_j, j, num_updates))), None  # pylint: disable=protected-access
+
+  t = jax.tree_util.tree_leaves(xs_T)[0].shape[0]
+  (_, lo), _ = lax.scan(body, (carry, lo0), (jnp.arange(1, t + 1), xs_T))
   return lo
 
 

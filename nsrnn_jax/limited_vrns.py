@@ -395,19 +395,16 @@ def share_margin(push, repl, pop, log_vectors, log_bottom_vector, window,
 
 @functools.partial(jax.jit, static_argnums=(5,))
 def _margin_jit(push, repl, pop, log_vectors, state, precision, num_updates):
-  def body(carry, inp):
-    st, lo = carry
-    j, acts = inp
+  def step(st, acts):
     st, _, _, lo_j = _share_step(st, *acts, precision=precision, margin=True)
-    return (st, jnp.minimum(lo, rns_stack._counted(lo_j, j, num_updates))), None  # pylint: disable=protected-access
+    return st, lo_j
 
   xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
              for a in (push, repl, pop, log_vectors))
   # The bottom vector's shares are factors too.
   lo0 = rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
-  (_, lo), _ = lax.scan(body, (lax.stop_gradient(state), lo0),
-                        (jnp.arange(1, push.shape[1] + 1), xs))
-  return lo
+  return limited_stack.margin_scan(step, lax.stop_gradient(state), lo0, xs,
+                                   num_updates)
 
 
 def coupled_parts(log_bottom_vector_BxM, num_states: int, num_symbols: int,
