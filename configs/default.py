@@ -41,7 +41,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.stack_table = "shares"
   # NS/RNS/VRNS on "shares": each epoch also records the validation strings'
   # smallest factor margin (valid_stack_margin, nats) and the fraction proven
-  # exact (above ~-40 in float32: rns_stack.share_margin); ~1 stack forward more.
+  # exact (above ~-40 in float32: rns_stack.share_margin), the final results
+  # and test table the best parameters'; ~1 stack forward more per string.
   config.valid_stack_margin = False
   # NS-RNN: strings the stack runs at once (0 = automatic: on CPU chunks
   # whose table fits 10 MiB, on accelerators all; else the largest divisor

@@ -309,12 +309,18 @@ def test_outputs(results: Sequence[dict], config) -> tuple[dict, dict]:
 
   The summary holds the overall test metrics (prefixed test_) and the mean
   per-length CE difference over the training-length range and beyond it.
+  Dicts with stack margins add, per length and overall, the smallest margin
+  and the fraction of strings proven exact (`margin_summary`).
   """
   by_length = {}
   for r in results:
     by_length.setdefault(r["length"], []).append(r)
+  margins = bool(results) and all("stack_margins" in r for r in results)
+  dtype = config.get("dtype", "float32")
   table = {"lengths": [], "ce_diff": [], "perplexity": [],
            "lower_bound_perplexity": [], "num_strings": []}
+  if margins:
+    table.update(stack_margin=[], stack_exact_fraction=[])
   for length in sorted(by_length):
     s = summarize(by_length[length])
     table["lengths"].append(length)
@@ -323,7 +329,13 @@ def test_outputs(results: Sequence[dict], config) -> tuple[dict, dict]:
     table["lower_bound_perplexity"].append(
         s.get("lower_bound_perplexity", float("nan")))
     table["num_strings"].append(sum(r["num_strings"] for r in by_length[length]))
+    if margins:
+      for key, v in margin_summary(by_length[length], dtype).items():
+        table[key].append(v)
   summary = {f"test_{k}": v for k, v in summarize(results).items()}
+  if margins:
+    summary.update({f"test_{k}": v
+                    for k, v in margin_summary(results, dtype).items()})
   lengths = np.asarray(table["lengths"])
   diffs = np.asarray(table["ce_diff"])
   inside = lengths <= config.train_max_length
@@ -727,9 +739,10 @@ def _finish(state, model, runs, mesh, results, writers, main):
   """Best-parameter validation and test of every run; results.json files."""
   config = runs[0].config
   eos = train.eos_id(config, model)
+  stack_margin = bool(config.get("valid_stack_margin", False))
   best_valid = evaluate_split(
       state.best_params, model.apply, [r.splits.valid for r in runs], config,
-      [r.splits.valid.num_lengths for r in runs], mesh, eos)
+      [r.splits.valid.num_lengths for r in runs], mesh, eos, stack_margin)
   tests = None
   if config.run_test:
     # The train and validation programs are done with. On the CPU every
@@ -742,10 +755,14 @@ def _finish(state, model, runs, mesh, results, writers, main):
       drop_compiled_programs()
     tests = evaluate_split(
         state.best_params, model.apply, [r.splits.test for r in runs], config,
-        [test_num_lengths(r.splits.test, config) for r in runs], mesh, eos)
+        [test_num_lengths(r.splits.test, config) for r in runs], mesh, eos,
+        stack_margin)
   for k, run in enumerate(runs):
     results[k].update({f"best_valid_{key}": v
                        for key, v in summarize(best_valid[k]).items()})
+    if stack_margin:
+      results[k].update({f"best_valid_{key}": v for key, v in
+                         margin_summary(best_valid[k], model.dtype).items()})
     if tests is not None:
       table, summary = test_outputs(tests[k], config)
       results[k].update(summary)

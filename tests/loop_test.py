@@ -50,17 +50,18 @@ def test_best_epoch_parameters_are_tested_when_the_last_epoch_is_worse(
   assert np.max(np.abs(np.asarray(saved) - tables["params"])) > 1e-3
 
 
-def test_validation_stack_margin_is_each_unpadded_string_s(tmp_path,
-                                                          capsys):
-  """valid_stack_margin, from the loop's batches padded to a bucket with
-  the margin masked to each string, is the smallest margin of the
-  validation strings each run alone with that epoch's parameters; the
-  fraction proven exact is theirs too, and the epoch line shows both."""
+def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys):
+  """With valid_stack_margin, each epoch's valid_stack_margin (from the
+  loop's batches padded to a bucket, the margin masked to each string) is
+  the smallest margin of the validation strings each run alone with that
+  epoch's parameters, and the fraction proven exact is theirs; the epoch
+  line shows both; results.json and the test table hold the best
+  parameters' on the validation and test strings (per length)."""
   from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
   model = models.get("ns", 3, hidden_size=3, num_states=2,
                      num_stack_symbols=2)
-  config = tiny_config(max_epochs=1, valid_stack_margin=True, run_test=False,
+  config = tiny_config(max_epochs=1, valid_stack_margin=True,
                        learning_rate=0.5)
   splits = tiny_splits(num_train=4)
   train.train_and_evaluate(config, str(tmp_path), splits=splits, model=model)
@@ -68,16 +69,29 @@ def test_validation_stack_margin_is_each_unpadded_string_s(tmp_path,
   _, arrays, _ = restore_arrays(str(tmp_path), model, config)
   margin_fn = jax.jit(lambda p, x: model.apply({"params": p}, x,
                                                method="stack_margin"))
-  margins = np.concatenate([np.asarray(margin_fn(arrays["params"], b.symbols))
-                            for b in splits.valid])
+  margins = lambda split: [np.asarray(margin_fn(arrays["best_params"],
+                                                b.symbols))
+                           for b in split]
+  valid = np.concatenate(margins(splits.valid))
   assert {b.symbols.shape[1] for b in splits.valid} == {5, 7}  # bucket 8
-  assert record["valid_stack_margin"] == pytest.approx(np.min(margins),
-                                                       rel=1e-5)
-  assert record["valid_stack_exact_fraction"] == np.mean(
-      margins > rns_stack.exact_margin())
-  assert (f"margin {np.min(margins):.1f} "
+  exact = rns_stack.exact_margin()
+  for got in (record, json.load(open(tmp_path / "results.json"))):
+    prefix = "valid_" if got is record else "best_valid_"
+    assert got[prefix + "stack_margin"] == pytest.approx(np.min(valid),
+                                                         rel=1e-5)
+    assert got[prefix + "stack_exact_fraction"] == np.mean(valid > exact)
+  assert (f"margin {np.min(valid):.1f} "
           f"({record['valid_stack_exact_fraction']:.0%} exact)"
           in capsys.readouterr().err)
+  test = margins(splits.test)
+  table = json.load(open(tmp_path / "test_by_length.json"))
+  assert table["lengths"] == [5, 7, 9]    # 9: padded to bucket 12
+  np.testing.assert_allclose(table["stack_margin"],
+                             [np.min(m) for m in test], rtol=1e-5)
+  assert table["stack_exact_fraction"] == [np.mean(m > exact) for m in test]
+  results = json.load(open(tmp_path / "results.json"))
+  assert results["test_stack_margin"] == pytest.approx(
+      np.min(np.concatenate(test)), rel=1e-5)
 
 
 @pytest.mark.parametrize("strategy,compiles", [("per_length", 2),
