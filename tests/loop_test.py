@@ -66,6 +66,7 @@ def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys):
   splits = tiny_splits(num_train=4)
   train.train_and_evaluate(config, str(tmp_path), splits=splits, model=model)
   (record,) = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert record["best_epoch"] == 1      # so best_params are epoch 1's too
   _, arrays, _ = restore_arrays(str(tmp_path), model, config)
   margin_fn = jax.jit(lambda p, x: model.apply({"params": p}, x,
                                                method="stack_margin"))
