@@ -220,17 +220,27 @@ def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
   np.testing.assert_allclose(result["table"]["ce_diff"], saved["ce_diff"],
                              rtol=1e-5, atol=1e-6)
   # The share table's margin on the test strings: every one proven exact
-  # (a small model on short strings), the summary's minimum that of
-  # stack_margins on the same strings, fed as text.
+  # (a small model on short strings), the summary's and each length's
+  # minimum that of stack_margins on the same strings, fed as text.
   checked = evaluate.reevaluate(path, splits=_splits(),
                                 out=str(tmp_path / "out2"), stack_margin=True)
   summary = checked["summary"]
   strings = ["".join("01#"[i] for i in row)
              for b in _splits().test.batches for row in b.symbols]
   margins = evaluate.stack_margins(path, strings)
-  assert summary["stack_margin_min"] == pytest.approx(margins.min(), rel=1e-6)
+  assert summary["test_stack_margin"] == pytest.approx(margins.min(), rel=1e-6)
   assert evaluate.exact_margin(path) < margins.min() < 0
-  assert summary["stack_margin_exact_fraction"] == 1.0
+  assert summary["test_stack_exact_fraction"] == 1.0
+  by_length = {}
+  for text, m in zip(strings, margins):
+    by_length[len(text)] = min(m, by_length.get(len(text), np.inf))
+  assert checked["table"]["lengths"] == sorted(by_length)
+  np.testing.assert_allclose(checked["table"]["stack_margin"],
+                             [by_length[n] for n in sorted(by_length)],
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="'shares' table, not 'log'"):
+    evaluate.reevaluate(path, splits=_splits(), out=str(tmp_path / "out3"),
+                        stack_table="log", stack_margin=True)
   with pytest.raises(ValueError, match="'shares' table, not 'log'"):
     evaluate.stack_margins(evaluate.load_model(path, stack_table="log"),
                            strings)
