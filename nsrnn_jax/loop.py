@@ -254,6 +254,10 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
         mesh)
     sums = score(params_K, batch, apply_fn=apply_fn)
     if margins is not None:
+      padded = margin_length(longest, config)
+      if padded != train.padded_length(longest, config):
+        batch = parallel.put_model_batch(
+            stack_batches(symbols, padded, eos), mesh)
       sums = dict(sums, stack_margins=margins(params_K, batch,
                                               apply_fn=apply_fn))
     pending.append(sums)
@@ -276,6 +280,21 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
       if stack_margin:
         results[k][-1]["stack_margins"] = s["stack_margins"]
   return results
+
+
+def margin_length(length: int, config) -> int:
+  """The compiled length of a margin batch of `length`: its length bucket
+  (`config.length_buckets`) under either compile strategy, else `length`.
+
+  A margin is masked to each string's own length, so padding costs only
+  time; bucketing keeps the margin's compiled programs to a few (41
+  training lengths of a per_length run would otherwise compile, and hold
+  the memory mappings of, 41 more programs: see `many_memory_mappings`).
+  """
+  for bound in config.get("length_buckets", ()):
+    if length <= bound:
+      return int(bound)
+  return length
 
 
 def margin_summary(results: Sequence[dict], dtype) -> dict:

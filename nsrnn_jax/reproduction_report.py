@@ -353,6 +353,34 @@ def _ns_table_summary(records) -> str:
           "\"The stack\").")
 
 
+def _ns_margin_summary(records) -> str:
+  """One sentence: on how many test strings the NS-RNN records that measured
+  the share stack's factor margin (`config.valid_stack_margin`) are proven
+  exact, per task ('' if none measured it)."""
+  per_task = {}
+  for r in records:
+    test = r.get("test") or {}
+    if r["model"] == "ns" and "stack_exact_fraction" in test:
+      runs, proven, strings, low = per_task.get(r["task"], (0, 0.0, 0, 0.0))
+      n = test["num_strings"]
+      per_task[r["task"]] = (
+          runs + 1,
+          proven + sum(f * k for f, k in zip(test["stack_exact_fraction"], n)),
+          strings + sum(n), min([low] + list(test["stack_margin"])))
+  if not per_task:
+    return ""
+  parts = [f"{TASK_TITLES[t]} {proven / strings:.0%} of "
+           f"{strings:,} ({runs} run{'s' if runs > 1 else ''}, smallest "
+           f"{low:.1f} nats)"
+           for t, (runs, proven, strings, low) in sorted(
+               per_task.items(), key=lambda kv: list(TASK_TITLES).index(
+                   kv[0]))]
+  return ("NS-RNN test strings on which the share stack is proven exact "
+          "(its factor margin above ½ ln of the float type's flush, −40.2 "
+          "nats in float32; records that measured it, "
+          f"`config.valid_stack_margin`): {'; '.join(parts)}.")
+
+
 def _hardware_summary(records) -> str:
   kinds = sorted({f"{r['hardware']['device_kind']} "
                   f"({r['hardware']['backend']}, {r['hardware']['cpu_count']} "
@@ -484,6 +512,7 @@ def render_report(records: Sequence[Mapping[str, Any]],
       (f"Records: {len(paper_runs)} finished runs of the paper's protocol, "
        f"on {_hardware_summary(paper_runs)}. " + " ".join(
           part for part in (_ns_table_summary(paper_runs),
+                            _ns_margin_summary(paper_runs),
                             _code_summary(paper_runs)) if part)).rstrip(),
       "",
       ("Selection as in the paper: per model, the setting (learning rate, "

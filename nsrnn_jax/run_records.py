@@ -240,6 +240,11 @@ def read_json(path: str):
     return json.load(f)
 
 
+# Per-epoch keys a record keeps where the run measured them: the share
+# stack's factor margin on the validation strings (config.valid_stack_margin).
+MARGIN_KEYS = ("valid_stack_margin", "valid_stack_exact_fraction")
+
+
 def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
                 maker: Mapping[str, Any]) -> dict[str, Any]:
   """The committed record of a finished run, from its run directory.
@@ -255,7 +260,8 @@ def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
       epochs[int(rec["epoch"])] = rec  # The last record of an epoch wins.
   keys = ("train_loss", "valid_ce_diff", "valid_perplexity", "learning_rate",
           "time")
-  history = [{"epoch": e, **{k: epochs[e].get(k) for k in keys}}
+  history = [{"epoch": e, **{k: epochs[e].get(k) for k in keys},
+              **{k: epochs[e][k] for k in MARGIN_KEYS if k in epochs[e]}}
              for e in sorted(epochs)]
   if [h["epoch"] for h in history] != list(range(1, results["epochs"] + 1)):
     raise ReproduceError(f"{run_dir}: metrics.jsonl does not hold epochs "
@@ -265,7 +271,8 @@ def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
   if os.path.isfile(test_path):
     table = read_json(test_path)
     test = {k: table[k] for k in ("lengths", "ce_diff", "perplexity",
-                                  "lower_bound_perplexity", "num_strings")
+                                  "lower_bound_perplexity", "num_strings",
+                                  "stack_margin", "stack_exact_fraction")
             if k in table}
   return {
       "format": RECORD_FORMAT,

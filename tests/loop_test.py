@@ -63,8 +63,16 @@ def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys):
                      num_stack_symbols=2)
   config = tiny_config(max_epochs=1, valid_stack_margin=True,
                        learning_rate=0.5)
+  assert config.compile_strategy == "per_length"    # scores: 5, 7 and 9
   splits = tiny_splits(num_train=4)
+  margin_programs = loop.jitted_margins(parallel.make_mesh())
+  before = margin_programs._cache_size()  # pylint: disable=protected-access
   train.train_and_evaluate(config, str(tmp_path), splits=splits, model=model)
+  # Margins go to length buckets (8, 12) whatever the compile strategy:
+  # one program per bucket and batch size, validation's (4 strings) at 8
+  # and the test's (6) at 8 and 12, where the scores compile one per
+  # length (5: 5 and 7, then 5, 7 and 9).
+  assert margin_programs._cache_size() - before == 3  # pylint: disable=protected-access
   (record,) = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert record["best_epoch"] == 1      # so best_params are epoch 1's too
   _, arrays, _ = restore_arrays(str(tmp_path), model, config)
@@ -74,7 +82,7 @@ def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys):
                                                 b.symbols))
                            for b in split]
   valid = np.concatenate(margins(splits.valid))
-  assert {b.symbols.shape[1] for b in splits.valid} == {5, 7}  # bucket 8
+  assert {b.symbols.shape[1] for b in splits.valid} == {5, 7}
   exact = rns_stack.exact_margin()
   for got in (record, json.load(open(tmp_path / "results.json"))):
     prefix = "valid_" if got is record else "best_valid_"
@@ -86,7 +94,7 @@ def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys):
           in capsys.readouterr().err)
   test = margins(splits.test)
   table = json.load(open(tmp_path / "test_by_length.json"))
-  assert table["lengths"] == [5, 7, 9]    # 9: padded to bucket 12
+  assert table["lengths"] == [5, 7, 9]
   np.testing.assert_allclose(table["stack_margin"],
                              [np.min(m) for m in test], rtol=1e-5)
   assert table["stack_exact_fraction"] == [np.mean(m > exact) for m in test]

@@ -23,6 +23,7 @@ import pytest
 from nsrnn_jax import parallel
 from nsrnn_jax import reproduce
 from nsrnn_jax import run_records
+from nsrnn_jax import train
 # tests/fake_records.py (tests/ is on sys.path under pytest).
 from fake_records import fake_record
 
@@ -65,6 +66,20 @@ def test_ns_runs_use_the_papers_q_and_s(task, shape):
   config = reproduce.run_config(spec)
   assert (config.num_states, config.num_stack_symbols) == shape
   assert config.task == task and config.learning_rate == 0.001
+  # Its share stack's margin is measured (records: strings proven exact).
+  assert config.valid_stack_margin and config.stack_table == "shares"
+
+
+def test_only_the_ns_rnn_s_share_stack_measures_its_margin():
+  for model, stack_size in (("lstm", None), ("jm", 2), ("gref", 2)):
+    spec = run_records.RunSpec("dyck", model, 0.001, stack_size, 0)
+    assert not reproduce.run_config(spec).valid_stack_margin
+  spec = run_records.RunSpec("dyck", "ns", 0.001, None, 0)
+  for overrides in ({"stack_table": "scaled"}, {"stack_table": "log"},
+                    {"valid_stack_margin": False}):
+    config = reproduce.run_config(spec, overrides)
+    assert not config.valid_stack_margin
+    train.validate_config(config)
 
 
 def test_restarts_have_their_own_seeds_and_settings_are_paired():

@@ -146,3 +146,39 @@ def test_a_failed_write_leaves_the_old_record_whole(tmp_path):
   assert os.listdir(tmp_path / "sub") == ["r.json"]   # no temporary left
   run_records.write_json_atomic(path, {"b": 2})
   assert json.load(open(path)) == {"b": 2}
+
+
+def test_a_record_keeps_the_stack_margins_its_run_measured(tmp_path):
+  """With valid_stack_margin the run's per-epoch and per-length margins go
+  into its record; a run without them gets none (no empty keys)."""
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  epochs = [{"epoch": e, "train_loss": 1.0, "valid_ce_diff": 0.1,
+             "valid_perplexity": 2.0, "learning_rate": 0.01, "time": 5.0,
+             "valid_stack_margin": -20.0 - e,
+             "valid_stack_exact_fraction": 1.0} for e in (1, 2)]
+  (run_dir / "metrics.jsonl").write_text(
+      "".join(json.dumps(e) + "\n" for e in epochs))
+  (run_dir / "results.json").write_text(json.dumps(
+      {"epochs": 2, "best_epoch": 2, "best_valid_ce_diff": 0.1}))
+  (run_dir / "config.json").write_text(json.dumps({"model": "ns"}))
+  table = {"lengths": [40, 41], "ce_diff": [0.1, 0.2],
+           "num_strings": [100, 100], "stack_margin": [-30.0, -41.0],
+           "stack_exact_fraction": [1.0, 0.97]}
+  (run_dir / "test_by_length.json").write_text(json.dumps(table))
+  spec = run_records.RunSpec("dyck", "ns", 0.005, None, 0)
+  maker = {"hardware": {}, "code": {}}
+  rec = run_records.make_record(spec, str(run_dir), {}, maker)
+  assert [e["valid_stack_margin"] for e in rec["epochs"]] == [-21.0, -22.0]
+  assert rec["test"]["stack_margin"] == [-30.0, -41.0]
+  assert rec["test"]["stack_exact_fraction"] == [1.0, 0.97]
+  for e in epochs:
+    del e["valid_stack_margin"], e["valid_stack_exact_fraction"]
+  (run_dir / "metrics.jsonl").write_text(
+      "".join(json.dumps(e) + "\n" for e in epochs))
+  for key in ("stack_margin", "stack_exact_fraction"):
+    del table[key]
+  (run_dir / "test_by_length.json").write_text(json.dumps(table))
+  rec = run_records.make_record(spec, str(run_dir), {}, maker)
+  assert all("valid_stack_margin" not in e for e in rec["epochs"])
+  assert set(rec["test"]) == {"lengths", "ce_diff", "num_strings"}
