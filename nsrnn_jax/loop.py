@@ -431,9 +431,13 @@ def _epoch_line(epochs: np.ndarray, records: dict, max_epochs: int,
   key = ("valid_ce_diff" if all("valid_ce_diff" in r for r in records.values())
          else "valid_perplexity")
   values = np.asarray([r[key] for r in records.values()])
+  margin = ""
+  if all("valid_stack_margin" in r for r in records.values()):
+    margin = (f"  margin min "
+              f"{min(r['valid_stack_margin'] for r in records.values()):.1f}")
   return (f"epoch {int(np.max(epochs)):3d}/{max_epochs}  {num_running} of "
           f"{len(epochs)} models running  {key} min {np.min(values):.4f} "
-          f"median {np.median(values):.4f}  {seconds:.1f}s")
+          f"median {np.median(values):.4f}{margin}  {seconds:.1f}s")
 
 
 # ---------------------------------------------------------------------------

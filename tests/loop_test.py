@@ -300,3 +300,20 @@ def test_two_device_evaluation_matches_one_device_without_collectives():
       cwd=repo, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.strip().endswith("OK")
+
+
+def test_epoch_lines_show_the_stack_margin_where_measured():
+  record = {"train_loss": 1.0, "valid_perplexity": 2.0, "learning_rate": 0.01,
+            "valid_ce_diff": 0.05}
+  margin = dict(record, valid_stack_margin=-41.25,
+                valid_stack_exact_fraction=0.875)
+  one = loop._epoch_line(np.array([3]), {3: margin}, 10, 1, 2.0)  # pylint: disable=protected-access
+  assert "ppl 2.0000  margin -41.2 (88% exact)  lr" in one
+  several = loop._epoch_line(  # pylint: disable=protected-access
+      np.array([3, 3]), {0: margin, 1: dict(margin, valid_stack_margin=-5.0)},
+      10, 2, 2.0)
+  assert several.endswith("median 0.0500  margin min -41.2  2.0s"), several
+  plain = loop._epoch_line(np.array([3, 3]), {0: record, 1: record}, 10, 2,  # pylint: disable=protected-access
+                           2.0)
+  assert "margin" not in plain and "margin" not in loop._epoch_line(  # pylint: disable=protected-access
+      np.array([3]), {3: record}, 10, 1, 2.0)
