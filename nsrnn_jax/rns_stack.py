@@ -484,7 +484,8 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
     inc_B); column j = col_local + Σ_{k,t} mt[b,y,r,k,t] G[b,y,k,t,i,q,x].
     With `residuals`, a fifth entry: what `_local_bwd` needs of this update
     (the kernels, the terms' softmax over F and W; column-sized); with
-    `vectors`, then the vector column.
+    `vectors`, then the vector column; with `margin`, last, the margin
+    (`_optional_outputs` names them).
   """
   dtype = prev.dtype
   flush = _flush(dtype)
@@ -594,6 +595,15 @@ def _vector_margin(margin, col_v, vec):
   window's vector shares) and the pushed vector, all positive."""
   return jnp.minimum(margin, jnp.minimum(_log_min_positive(col_v),
                                          _log_min_positive(vec)))
+
+
+def _optional_outputs(parts, residuals, vectors, margin):
+  """`_local`'s optional outputs by name: (residuals, the vector column,
+  the margin), each None where not asked for (they follow its first four
+  outputs in that order)."""
+  rest = list(parts[4:])
+  return tuple(rest.pop(0) if asked else None
+               for asked in (residuals, vectors, margin))
 
 
 def _counted(lo_j, j, num_updates):
@@ -871,16 +881,17 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
                  repl_BxQxSxQxS, pop_BxQxSxQ, prec, ring,
                  residuals=residuals, vectors=local_vectors, margin=margin)
   col, mt, a_hat, inc = parts[:4]
+  res, vec_local, lo_local = _optional_outputs(parts, residuals,
+                                               vectors is not None, margin)
   col = col + _pop_matmul(g, mt, prec)
   out = (col, a_hat, inc)
-  vec_local = parts[-2] if margin else parts[-1]
   if vectors is not None:
     col_v = vec_local + _pop_matmul(gv, mt, prec)
     out = (col, col_v, a_hat, inc)
   if residuals:
-    out += ((colsum, mt, parts[4]),)
+    out += ((colsum, mt, res),)
   if margin:
-    lo = _column_margin(parts[-1], col)
+    lo = _column_margin(lo_local, col)
     if vectors is not None:
       lo = _vector_margin(lo, col_v, vec)
     out += (lo,)
@@ -1047,6 +1058,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       parts = _local(prev, cs, j, a_prev, *acts, prec, residuals=keep_mt,
                      vectors=(e_prev, v_j) if vec else None, margin=margin)
       col, mt, a_hat, inc = parts[:4]
+      res, vec_local, lo_local = _optional_outputs(parts, keep_mt, vec,
+                                                   margin)
       if chunked:                                   # column j, index j + 1
         col = col + _chunk_pop(frozen_b, g, mt, prec)
         g = lax.dynamic_update_index_in_dim(
@@ -1055,11 +1068,10 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
         col = col + _pop_matmul(g, mt, prec)
         g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
       if margin:
-        lo_j = _column_margin(parts[-1], col)
+        lo_j = _column_margin(lo_local, col)
       if vec:
         # E_j: a column-sized pop (M̃ with the vector table's columns).
-        col_v = (parts[-2] if margin else parts[-1]) + _pop_matmul(gv, mt,
-                                                                    prec)
+        col_v = vec_local + _pop_matmul(gv, mt, prec)
         vcarry = (lax.dynamic_update_index_in_dim(gv, col_v, j + 1, axis=2),
                   col_v)
         if margin:
@@ -1067,7 +1079,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       if margin:
         lo = jnp.minimum(lo, _counted(lo_j, j, num_updates))
       lm_j = lm_prev + inc
-      kept = (mt, parts[4]) if keep_mt else None
+      kept = (mt, res) if keep_mt else None
       return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j,
                vcarry, col if chunked else (), lo), (ys, kept, a_hat, lm_j))
 
