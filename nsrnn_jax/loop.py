@@ -291,10 +291,8 @@ def margin_length(length: int, config) -> int:
   training lengths of a per_length run would otherwise compile, and hold
   the memory mappings of, 41 more programs: see `many_memory_mappings`).
   """
-  for bound in config.get("length_buckets", ()):
-    if length <= bound:
-      return int(bound)
-  return length
+  bucket = train.length_bucket(length, config)
+  return length if bucket is None else bucket
 
 
 def margin_summary(results: Sequence[dict], dtype) -> dict:

@@ -619,13 +619,22 @@ def eval_step(params, batch: Batch, *, apply_fn):
 # ---------------------------------------------------------------------------
 
 
+def length_bucket(length: int, config) -> Optional[int]:
+  """The smallest of `config.length_buckets` that holds `length` (None if
+  none does)."""
+  for bound in config.get("length_buckets", ()):
+    if length <= bound:
+      return int(bound)
+  return None
+
+
 def padded_length(length: int, config) -> int:
   """The compiled length of a batch of `length` under compile_strategy."""
   if config.compile_strategy == "per_length":
     return length
-  for bound in config.length_buckets:
-    if length <= bound:
-      return int(bound)
+  bucket = length_bucket(length, config)
+  if bucket is not None:
+    return bucket
   raise ValueError(f"length {length} exceeds the largest of "
                    f"config.length_buckets {tuple(config.length_buckets)}")
 
