@@ -160,6 +160,18 @@ def eval_chunk(params, batch, carry, *, apply_fn):
   return carry, nll, count
 
 
+def eval_chunk_margin(params, batch, carry, *, apply_fn):
+  """`eval_chunk` plus the stack's factor margin of the chunk, per row [B]
+  (the model's ``stream_with_margin``: a row's padding left out)."""
+  logits_BxTxV, carry, margin_B = apply_fn(
+      {"params": params}, batch["inputs"], carry, batch["mask"],
+      method="stream_with_margin")
+  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
+      logits_BxTxV.astype(jnp.float32), batch["targets"])
+  return (carry, jnp.sum(ce_BxT * batch["mask"]), jnp.sum(batch["mask"]),
+          margin_B)
+
+
 class SplitStream:
   """A split's stream as rows on the mesh (`corpus.make_rows`).
 
@@ -205,6 +217,7 @@ class Programs:
       rows}, for the training and the evaluation row counts.
     train: `train_chunk` (the carry donated).
     eval: `eval_chunk` with the model bound.
+    eval_margin: `eval_chunk_margin` with the model bound.
     end_of_epoch: `train.end_of_epoch`.
   """
 
@@ -220,22 +233,48 @@ class Programs:
     self.train = jax.jit(train_chunk, donate_argnums=(2,))
     self.end_of_epoch = jax.jit(train.end_of_epoch)
     self.eval = jax.jit(functools.partial(eval_chunk, apply_fn=model.apply))
+    self.eval_margin = jax.jit(functools.partial(eval_chunk_margin,
+                                                 apply_fn=model.apply))
+    self.dtype = model.dtype
 
 
 def evaluate(params, programs: Programs, split: SplitStream,
-             progress: bool = False, desc: str = "eval") -> dict:
+             progress: bool = False, desc: str = "eval",
+             stack_margin: bool = False) -> dict:
   """Perplexity of a split from a fresh carry: {"cross_entropy" (nats per
-  token), "perplexity", "num_targets"}."""
+  token), "perplexity", "num_targets"}.
+
+  With `stack_margin` also "stack_margins", each row's factor margin of
+  the share stack ([B] nats; the rows of `corpus.make_rows`),
+  "stack_margin", their minimum, and "stack_exact_fraction", the fraction
+  of rows above `rns_stack.exact_margin`: their stack values, and so their
+  logits, are those of exact arithmetic up to rounding.
+  """
   carry = programs.initial[split.num_rows](params)
-  nlls = []
+  nlls, margins = [], []
   for i in _progress(range(split.num_chunks), progress, desc):
-    carry, nll, _ = programs.eval(params, split.chunk(i), carry)
+    if stack_margin:
+      carry, nll, _, margin_B = programs.eval_margin(params, split.chunk(i),
+                                                     carry)
+      # A running minimum per row: one [B] array, not one per chunk.
+      margins = [margin_B if not margins else jnp.minimum(margins[0],
+                                                          margin_B)]
+    else:
+      carry, nll, _ = programs.eval(params, split.chunk(i), carry)
     nlls.append(nll)
   total = float(np.sum(np.asarray(parallel.to_host(nlls), np.float64)))
   n = split.rows.num_targets
-  return {"cross_entropy": total / n,
-          "perplexity": float(metrics_lib.perplexity(total, n)),
-          "num_targets": n}
+  out = {"cross_entropy": total / n,
+         "perplexity": float(metrics_lib.perplexity(total, n)),
+         "num_targets": n}
+  if stack_margin:
+    from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+    rows = np.asarray(parallel.to_host(margins[0]))
+    out["stack_margins"] = rows
+    out["stack_margin"] = float(np.min(rows))
+    out["stack_exact_fraction"] = float(np.mean(
+        rows > rns_stack.exact_margin(programs.dtype)))
+  return out
 
 
 def _progress(iterable, enabled: bool, desc: str):
@@ -339,6 +378,7 @@ def _train(state, config, programs, splits, manager, writer, main,
   """The epochs, then the best parameters' validation and test."""
   host = parallel.to_host
   bar = bool(config.progress_bar) and main
+  stack_margin = bool(config.get("valid_stack_margin", False))
   train_split = splits["train"]
   epochs_this_run = 0
   while not bool(host(state.stopped)):
@@ -359,7 +399,8 @@ def _train(state, config, programs, splits, manager, writer, main,
           "is kept")
     train_time = time.perf_counter() - start
     train_ce = float(nlls.sum()) / train_split.rows.num_targets
-    valid = evaluate(state.params, programs, splits["valid"], bar, "valid")
+    valid = evaluate(state.params, programs, splits["valid"], bar, "valid",
+                     stack_margin)
     lr_used = float(host(train.learning_rate(state)))
     state = programs.end_of_epoch(state, jnp.float32(valid["perplexity"]))
     after = host({"best_epoch": state.best_epoch,
@@ -379,6 +420,11 @@ def _train(state, config, programs, splits, manager, writer, main,
     if bound is not None:
       record["valid_ce_diff"] = valid["cross_entropy"] - bound["valid"]
       diff = f"  valid ce_diff {record['valid_ce_diff']:+.4f}"
+    if stack_margin:
+      record["valid_stack_margin"] = valid["stack_margin"]
+      record["valid_stack_exact_fraction"] = valid["stack_exact_fraction"]
+      diff += (f"  margin {valid['stack_margin']:.1f} "
+               f"({valid['stack_exact_fraction']:.0%} exact)")
     writer.write_scalars(epoch, record)
     # Logged before the save (see loop._train): a resume never finds a
     # checkpoint ahead of the log.
@@ -406,11 +452,13 @@ def _train(state, config, programs, splits, manager, writer, main,
             "to continue", file=sys.stderr, flush=True)
     return results
   for split in ("valid", "test"):
-    out = evaluate(state.best_params, programs, splits[split], bar, split)
-    results[f"best_{split}_perplexity" if split == "valid"
-            else "test_perplexity"] = out["perplexity"]
-    results[f"best_{split}_cross_entropy" if split == "valid"
-            else "test_cross_entropy"] = out["cross_entropy"]
+    out = evaluate(state.best_params, programs, splits[split], bar, split,
+                   stack_margin)
+    prefix = "best_valid" if split == "valid" else "test"
+    for key in ("perplexity", "cross_entropy", "stack_margin",
+                "stack_exact_fraction"):
+      if key in out:
+        results[f"{prefix}_{key}"] = out[key]
   if bound is not None:
     results["best_valid_ce_diff"] = (results["best_valid_cross_entropy"]
                                      - bound["valid"])

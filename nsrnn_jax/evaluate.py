@@ -289,9 +289,11 @@ def _encode_sentences(sentences, vocabulary) -> list[np.ndarray]:
 
 
 def _reevaluate_corpus(loaded: Loaded, out: str,
-                       corpus_dir: Optional[str] = None) -> dict:
+                       corpus_dir: Optional[str] = None,
+                       stack_margin: bool = False) -> dict:
   """Validation and test perplexity of a corpus run's best parameters, on
-  its corpus (`corpus_dir`: a moved copy of it, checked by its digest)."""
+  its corpus (`corpus_dir`: a moved copy of it, checked by its digest);
+  with `stack_margin` also each split's stack margin (its rows')."""
   from nsrnn_jax import corpus  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top
   config = loaded.config
@@ -312,9 +314,12 @@ def _reevaluate_corpus(loaded: Loaded, out: str,
   for split in ("valid", "test"):
     stream = corpus_train.SplitStream(data_.streams[split], rows,
                                       int(config.bptt_length), mesh)
-    result = corpus_train.evaluate(params, programs, stream)
-    summary[f"{split}_perplexity"] = result["perplexity"]
-    summary[f"{split}_cross_entropy"] = result["cross_entropy"]
+    result = corpus_train.evaluate(params, programs, stream,
+                                   stack_margin=stack_margin)
+    for key in ("perplexity", "cross_entropy", "stack_margin",
+                "stack_exact_fraction"):
+      if key in result:
+        summary[f"{split}_{key}"] = result[key]
   if parallel.is_main_process():
     os.makedirs(out, exist_ok=True)
     checkpointing.write_json(out, "corpus_eval.json", summary)
@@ -346,7 +351,10 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
       the summary gains ``test_stack_margin`` (the smallest, nats) and
       ``test_stack_exact_fraction`` (of strings whose margin is above
       `exact_margin`, where the table is exact up to rounding), and the
-      table both per length, as training with valid_stack_margin does.
+      table both per length, as training with valid_stack_margin does. A
+      corpus run: ``{valid,test}_stack_margin`` and
+      ``{valid,test}_stack_exact_fraction`` of the split's rows
+      (`corpus_train.evaluate`).
 
   Returns:
     {"table": per-length table, "summary": overall test metrics, "text"}.
@@ -355,15 +363,12 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
   checkpointing.read_config(workdir)  # A clear error before anything else.
   checkpointing.check_writable(out, what="output directory")
   loaded = load_model(workdir, model=model, stack_table=stack_table)
-  if _is_corpus(loaded.config):
-    if stack_margin:
-      raise ValueError("--stack_margin applies to formal-language runs; use "
-                       "evaluate.stack_margins on a corpus run's sentences")
-    return _reevaluate_corpus(loaded, out, corpus_dir)
-  if corpus_dir:
-    raise ValueError("--corpus_dir applies to corpus runs (task 'corpus')")
   if stack_margin:
     _margin_fn(loaded.model)  # A model without a margin: one line, now.
+  if _is_corpus(loaded.config):
+    return _reevaluate_corpus(loaded, out, corpus_dir, stack_margin)
+  if corpus_dir:
+    raise ValueError("--corpus_dir applies to corpus runs (task 'corpus')")
   if splits is None:
     splits = data.from_config(loaded.config, need_test=True)
   if not splits.test.batches:
@@ -409,6 +414,6 @@ if __name__ == "__main__":
                       "table instead of the run's own (e.g. 'log': cannot flush).")
   flags.DEFINE_bool("stack_margin", False, "Also report the share stack's "
                     "factor margin on the test strings (ns / rns / vrns, 'shares' "
-                    "table): the smallest, and the fraction of strings it "
-                    "proves exact.")
+                    "table): the smallest, and the fraction of strings (a "
+                    "corpus run: rows of the stream) it proves exact.")
   cli.run(main)

@@ -395,18 +395,32 @@ def share_margin(push, repl, pop, window, bottom=rns_stack.FIXED,
 
 @functools.partial(jax.jit, static_argnums=(4,))
 def _margin_steps(push, repl, pop, state, precision, num_updates):
-  def step(carry, acts):
-    g, head, a_prev = carry
-    col, a_hat, _, lo_j = rns_stack.update(
-        g, head, a_prev, *acts, precision, ring=True, margin=True)
-    head_next = (head + 1) % g.shape[2]
-    return (_ring_write(g, col, head_next), head_next, a_hat), lo_j
+  def one(st, acts):
+    st, _, _, lo_j = margin_step(st, *acts, precision=precision)
+    return st, lo_j
 
   xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
              for a in (push, repl, pop))
-  return margin_scan(step, (state.g, state.head, state.a_hat),
-                     jnp.full(push.shape[:1], jnp.inf, push.dtype), xs,
-                     num_updates)
+  return margin_scan(one, state, jnp.full(push.shape[:1], jnp.inf, push.dtype),
+                     xs, num_updates)
+
+
+def margin_step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
+                pop_BxQxSxQ, precision="highest"):
+  """`step` plus the update's factor margin [B] (`share_margin`), last.
+
+  Forward only (the plain update, no hand-written VJP): for evaluation,
+  e.g. a corpus stream's margin chunk by chunk (`coupled_parts(...,
+  margin=True)`).
+  """
+  g = state.g
+  col, a_hat, inc, lo_j = rns_stack.update(
+      g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
+      pop_BxQxSxQ, precision, ring=True, margin=True)
+  head = (state.head + 1) % g.shape[2]
+  log_mass = state.log_mass + inc
+  return (WindowState(_ring_write(g, col, head), a_hat, log_mass, head),
+          a_hat, log_mass, lo_j)
 
 
 def margin_scan(step, carry, lo0, xs_T, num_updates):
@@ -498,16 +512,24 @@ def run_parts(step_fn: Callable[..., Any], parts, params, init_carry, xs,
 def coupled_parts(batch: int, num_states: int, num_symbols: int,
                   window: int, bottom: str = rns_stack.FIXED,
                   reading: str = rns_stack.STATE, dtype=jnp.float32,
-                  precision: str = "highest"):
+                  precision: str = "highest", margin: bool = False):
   """The stack's side of `run_chunks` / `stream_chunk`: (update, read,
   state0) for B strings (``update`` returns (state, (α̂_j, log Σα_j))).
 
   With WINDOW_VJP = "custom" (as when this is called), ``update`` carries
   ``coupled_scan``: `stream_chunk` then runs a chunk's steps as
-  `_window_scan` (same values and gradients, O(L·D) memory).
+  `_window_scan` (same values and gradients, O(L·D) memory). With
+  `margin`, ``update`` is `margin_step` (forward only, same values) and
+  returns (state, (α̂_j, log Σα_j, update j's factor margin [B])).
   """
   state0 = initial_state(batch, window, num_states, num_symbols, bottom,
                          dtype)
+  read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
+  if margin:
+    def margin_update(st, acts):
+      st, a_hat, lm, lo_j = margin_step(st, *acts, precision=precision)
+      return st, (a_hat, lm, lo_j)
+    return margin_update, read, state0
 
   def update(st, acts):
     st, a_hat, lm = step(st, *acts, precision=precision)
@@ -516,7 +538,6 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
   if WINDOW_VJP == "custom":
     # stream_chunk's fast path: the chunk's scan with the reversible window.
     update.coupled_scan = coupled_scan_of(_window_scan, reading, precision)
-  read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
   return update, read, state0
 
 

@@ -401,29 +401,47 @@ def _margin_jit(push, repl, pop, log_vectors, state, precision, num_updates):
 
   xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
              for a in (push, repl, pop, log_vectors))
-  # The bottom vector's shares are factors too.
-  lo0 = rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
-  return limited_stack.margin_scan(step, lax.stop_gradient(state), lo0, xs,
+  state = lax.stop_gradient(state)
+  return limited_stack.margin_scan(step, state, initial_margin(state), xs,
                                    num_updates)
+
+
+def initial_margin(state: VectorShareState):
+  """The factor margin [B] of a share state's vector table (the bottom
+  vector's shares are factors too): where `share_margin`'s scan starts."""
+  return rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
 
 
 def coupled_parts(log_bottom_vector_BxM, num_states: int, num_symbols: int,
                   window: int, broadcast_bottom: bool = False,
-                  precision: str = "highest", log_space: bool = False):
+                  precision: str = "highest", log_space: bool = False,
+                  margin: bool = False):
   """The stack's side of `limited_stack.run_chunks` / `stream_chunk`:
   (update, read, (state0, ρ_0)). The loop carries (state, ρ_{j−1}): the
   reading the controller gets is the last update's output, so it is not
-  recomputed; ``update`` returns ((state, ρ_j), (ρ_j, log Σα_j))."""
+  recomputed; ``update`` returns ((state, ρ_j), (ρ_j, log Σα_j)), with
+  `margin` (shares with the run-consistent bottom only; forward only)
+  ((state, ρ_j), (ρ_j, log Σα_j, update j's factor margin [B]))."""
+  if margin and (broadcast_bottom or log_space):
+    raise ValueError("limited_vrns.coupled_parts: margin needs the share "
+                     "table with the run-consistent bottom")
   state0 = initial_state(log_bottom_vector_BxM, window, num_states,
                          num_symbols, broadcast_bottom, log_space)
   rho0 = initial_reading(log_bottom_vector_BxM, num_states, num_symbols,
                          broadcast_bottom)
+  read = lambda carried: reading(carried[1])
+  if margin:
+    def margin_update(carried, acts):
+      st, rho, lm, lo_j = _share_step(carried[0], *acts, precision=precision,
+                                      margin=True)
+      return (st, rho), (rho, lm, lo_j)
+    return margin_update, read, (state0, rho0)
 
   def update(carried, acts):
     st, rho, lm = step(carried[0], *acts, precision=precision)
     return (st, rho), (rho, lm)
 
-  return update, lambda carried: reading(carried[1]), (state0, rho0)
+  return update, read, (state0, rho0)
 
 
 def run_coupled(step_fn: Callable[..., Any], params, init_carry, xs,

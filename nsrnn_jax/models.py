@@ -1046,8 +1046,10 @@ class PDAStackLM(LanguageModel):
 
   # Streams (see LanguageModel.stream), for the windowed stacks: subclasses
   # with a `window` D >= 1 give `_controller(params)` -> (step_fn, its
-  # params, actions_fn) and `_window_parts(params, batch)` -> (update, read,
-  # state0) for `limited_stack.stream_chunk`.
+  # params, actions_fn), `_window_parts(params, batch, margin=False)` ->
+  # (update, read, state0) for `limited_stack.stream_chunk` (with `margin`
+  # the update's outputs end with its factor margin [B]) and
+  # `_start_margin(state0)` -> the start state's margin [B].
 
   def _stream_start(self, params, batch):
     if not getattr(self, 'window', 0):
@@ -1055,13 +1057,84 @@ class PDAStackLM(LanguageModel):
     zeros_BxH = jnp.zeros((batch, self.hidden_size), self.dtype)
     return ((zeros_BxH, zeros_BxH), self._window_parts(params, batch)[2])
 
-  def _stream(self, params, inputs_BxT, start, carried, first):
+  def _stream(self, params, inputs_BxT, start, carried, first, margin=False,
+              real_BxT=None):
+    """(h [B, T, H], state after the chunk), with `margin` also the
+    chunk's factor margin [B] (see ``stream_with_margin``; `real_BxT`: its
+    mask as bools, or None)."""
     step_fn, step_params, actions_fn = self._controller(params)
-    update, read, _ = self._window_parts(params, inputs_BxT.shape[0])
-    state, (outs_TxBxH, _) = limited_stack.stream_chunk(
+    update, read, _ = self._window_parts(params, inputs_BxT.shape[0],
+                                         margin=margin)
+    state, (outs_TxBxH, stack_out) = limited_stack.stream_chunk(
         step_fn, update, read, step_params, start, carried, first,
         jnp.swapaxes(inputs_BxT, 0, 1), actions_fn)
-    return jnp.swapaxes(outs_TxBxH, 0, 1), state
+    h_BxTxH = jnp.swapaxes(outs_TxBxH, 0, 1)
+    if not margin:
+      return h_BxTxH, state
+    real_TxB = (jnp.ones(inputs_BxT.shape[::-1], bool) if real_BxT is None
+                else jnp.swapaxes(real_BxT, 0, 1))
+    if actions_fn is None:
+      # The update from h_t is made after input t.
+      lo_B = jnp.min(jnp.where(real_TxB, stack_out[-1], jnp.inf), axis=0)
+    else:
+      # ICLR 2023 boundary: the update from h_t is made before input t + 1,
+      # so the previous chunk's last update is made here first (a stream's
+      # first chunk has none: its slot is a placeholder), and this chunk's
+      # last update is left to the next chunk.
+      boundary, inner = stack_out
+      lo_B = jnp.min(jnp.where(real_TxB[1:], inner[-1], jnp.inf), axis=0,
+                     initial=jnp.inf)
+      lo_B = jnp.minimum(lo_B, jnp.where(first | ~real_TxB[0], jnp.inf,
+                                         boundary[-1]))
+    lo_B = jnp.where(first,
+                     jnp.minimum(lo_B, self._start_margin(start[1])), lo_B)
+    return h_BxTxH, state, lo_B
+
+  def _start_margin(self, state0):
+    """The factor margin [B] of a stream's start state (+inf: none)."""
+    return jnp.full(jax.tree_util.tree_leaves(state0)[0].shape[:1], jnp.inf,
+                    self.dtype)
+
+  def stream_with_margin(self, inputs_BxT, carry, mask_BxT=None):
+    """``stream`` plus the share stack's factor margin of this chunk.
+
+    For corpus runs (`config.valid_stack_margin`): the chunks of a stream,
+    fed in order, give the logits and carries of ``stream`` and margins
+    whose minimum is ``stack_margin`` of the whole stream at once (the
+    updates it made: with the ICLR 2023 bottom a chunk's last update is
+    made by the next chunk). Above ``rns_stack.exact_margin(dtype)`` the
+    stream's values so far are exact up to rounding. Forward only.
+
+    Args:
+      inputs_BxT, carry: as for ``stream``.
+      mask_BxT: None, or which inputs are real (> 0), each row's real
+        inputs first (`corpus.make_rows`' padded rows): the margin then
+        counts only the updates that a stream of the real inputs alone
+        makes.
+
+    Returns:
+      (logits [B, T, V], next carry, margin [B]): margin[b] is the smallest
+      factor margin of the updates made in this chunk (and, in a stream's
+      first chunk, of its start state); +inf when there are none.
+
+    Raises:
+      ValueError: (one line) the model has no window or no share table.
+    """
+    inputs_BxT = _check_symbols(inputs_BxT, self.vocab_size)
+    self._margin_fn()
+    real_BxT = None
+    if mask_BxT is not None:
+      if jnp.shape(mask_BxT) != inputs_BxT.shape:
+        raise ValueError(f'mask_BxT must have the shape of the inputs '
+                         f'{inputs_BxT.shape}, got {jnp.shape(mask_BxT)}')
+      real_BxT = jnp.asarray(mask_BxT) > 0
+    params = self._params()
+    start = self._stream_start(params, inputs_BxT.shape[0])
+    h_BxTxH, state, lo_B = self._stream(
+        params, inputs_BxT, start, carry['state'], jnp.asarray(carry['first']),
+        margin=True, real_BxT=real_BxT)
+    logits_BxTxV = affine(params['output'], h_BxTxH, self.matmul_precision)
+    return logits_BxTxV, {'first': jnp.asarray(False), 'state': state}, lo_B
 
 
 def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
@@ -1305,7 +1378,7 @@ class RNSLM(PDAStackLM):
           self.normalize)
     return step_fn, step_params, actions_fn
 
-  def _window_parts(self, params, batch):
+  def _window_parts(self, params, batch, margin=False):
     del params
     if self.table == 'log':
       return limited_log_stack.coupled_parts(
@@ -1313,7 +1386,7 @@ class RNSLM(PDAStackLM):
           self.bottom, self.reading, self.dtype, self.matmul_precision)
     return limited_stack.coupled_parts(
         batch, self.num_states, self.num_stack_symbols, self.window,
-        self.bottom, self.reading, self.dtype, self.matmul_precision)
+        self.bottom, self.reading, self.dtype, self.matmul_precision, margin)
 
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]

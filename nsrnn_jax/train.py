@@ -120,14 +120,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   margin = config.get("valid_stack_margin", False)
   if not isinstance(margin, (bool, np.bool_)):
     fail("valid_stack_margin", f"must be True or False (got {margin!r})")
-  if margin and (is_corpus or model not in ("ns", "rns", "vrns")
-                 or table != "shares"
+  if margin and (model not in ("ns", "rns", "vrns") or table != "shares"
                  or (model == "vrns" and config.get("broadcast_bottom_vector",
                                                     False))):
     fail("valid_stack_margin", "applies to the 'shares' table of ns, rns "
-         "and vrns (the run-consistent VRNS bottom) on a formal-language "
-         f"task, not to model {model!r}, table {table!r}"
-         + (", task 'corpus'" if is_corpus else ""))
+         f"and vrns (the run-consistent VRNS bottom), not to model {model!r}"
+         f", table {table!r}")
   action_init = config.get("ns_action_init", "uniform")
   if action_init not in models.NS_ACTION_INITS:
     fail("ns_action_init", f"is {action_init!r}; expected one of "

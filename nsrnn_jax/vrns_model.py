@@ -174,13 +174,17 @@ class VRNSLM(models.PDAStackLM):
         num_symbols=self.num_stack_symbols, precision=self.matmul_precision)
     return step_fn, step_params, actions_fn
 
-  def _window_parts(self, params, batch):
+  def _window_parts(self, params, batch, margin=False):
     log_bottom_BxM = jnp.broadcast_to(self._log_bottom(params),
                                       (batch, self.stack_vector_size))
     return limited_vrns.coupled_parts(
         log_bottom_BxM, self.num_states, self.num_stack_symbols, self.window,
         self.broadcast_bottom_vector, self.matmul_precision,
-        self.table == 'log')
+        self.table == 'log', margin)
+
+  def _start_margin(self, state0):
+    # The bottom vector's shares are factors too (`limited_vrns.share_margin`).
+    return limited_vrns.initial_margin(state0[0])
 
   def _run(self, params, inputs_BxT):
     batch = inputs_BxT.shape[0]

@@ -81,6 +81,70 @@ def test_evaluated_perplexity_is_the_whole_rows_forward(corpus_dir):
                              np.exp(nll / got["num_targets"]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("model, opts", [
+    ("rns", dict(stack_window=3)),
+    ("rns", dict(stack_window=2, stack_bottom="frozen")),
+    ("vrns", dict(stack_window=3, num_stack_symbols=2))])
+def test_evaluated_stack_margin_is_each_whole_row_s(corpus_dir, model, opts):
+  """Each row's margin is `stack_margin` of the row's real tokens at once
+  (the last row is padded); perplexity is that of the evaluation without
+  margins."""
+  config = _config(corpus_dir, model=model, eval_batch_size=3,
+                   valid_stack_margin=True, **opts)
+  data = corpus.load(corpus_dir)
+  model = models.build(config, vocab_size=len(data.vocab))
+  state = corpus_train.create_train_state(config, model, jax.random.key(3))
+  params = jax.tree.map(lambda p: p * 4, state.params)  # the stack in use
+  mesh = parallel.make_mesh()
+  split = corpus_train.SplitStream(data.streams["valid"], 3, 7, mesh)
+  programs = corpus_train.Programs(model, mesh, params, 4, 3)
+  got = corpus_train.evaluate(params, programs, split, stack_margin=True)
+  plain = corpus_train.evaluate(params, programs, split)
+  assert got["cross_entropy"] == pytest.approx(plain["cross_entropy"],
+                                               rel=1e-6)
+  rows = split.rows
+  assert rows.mask[-1].sum() < rows.mask[0].sum()  # a padded row
+  margins = []
+  frozen = opts.get("stack_bottom") == "frozen"
+  for r in range(3):
+    n = int(rows.mask[r].sum())
+    # Frozen bottom: the update after the last real input is made too.
+    tokens = np.concatenate([rows.inputs[r, :n], rows.targets[r, n - 1:n]])
+    margins.append(float(model.apply({"params": params},
+                                     tokens[None, :n + 1 if frozen else n],
+                                     method="stack_margin")[0]))
+  np.testing.assert_allclose(got["stack_margins"], margins, rtol=1e-5)
+  assert got["stack_margin"] == min(got["stack_margins"])
+  assert got["stack_exact_fraction"] == 1.0  # all above ~-40 nats here
+  assert got["stack_margin"] < -1.0
+
+
+def test_a_run_records_the_stack_margin(corpus_dir, tmp_path, capsys):
+  config = _config(corpus_dir, model="rns", stack_window=3, max_epochs=1,
+                   valid_stack_margin=True)
+  results = train.train_and_evaluate(config, str(tmp_path / "run"))
+  (record,) = [json.loads(l) for l in open(tmp_path / "run" /
+                                           "metrics.jsonl")]
+  # One epoch: the best parameters are the epoch's.
+  assert results["best_valid_stack_margin"] == record["valid_stack_margin"]
+  assert (results["best_valid_stack_exact_fraction"]
+          == record["valid_stack_exact_fraction"] == 1.0)
+  assert -40 < results["test_stack_margin"] < 0
+  assert results["test_stack_exact_fraction"] == 1.0
+  assert (f"margin {record['valid_stack_margin']:.1f} (100% exact)"
+          in capsys.readouterr().err)
+  stored = json.load(open(tmp_path / "run" / "results.json"))
+  assert stored["test_stack_margin"] == results["test_stack_margin"]
+  # Re-evaluation gives the same margins.
+  again = evaluate.reevaluate(str(tmp_path / "run"), out=str(tmp_path / "ev"),
+                              stack_margin=True)["summary"]
+  for key in ("stack_margin", "stack_exact_fraction"):
+    assert again[f"test_{key}"] == pytest.approx(results[f"test_{key}"],
+                                                 rel=1e-6)
+    assert again[f"valid_{key}"] == pytest.approx(
+        results[f"best_valid_{key}"], rel=1e-6)
+
+
 def test_sgd_step_is_minus_lr_times_the_mean_token_gradient(corpus_dir):
   config = _config(corpus_dir, learning_rate=0.5, clip_norm=1e6,
                    init_scale=0.3)

@@ -183,3 +183,94 @@ def test_input_lookup_gives_the_one_hot_values_and_gradients(key, window):
 def test_input_lookup_is_refused_where_it_does_not_apply():
   with pytest.raises(ValueError, match="input_lookup applies to models"):
     models.get("jm", V, input_lookup=True)
+
+
+@pytest.mark.parametrize("key", ["rns_fixed", "rns_frozen_symbol", "vrns"])
+def test_stream_margins_are_the_stack_margin_of_each_prefix(key):
+  """Fed in order, the chunks give `stream`'s logits and carries, and the
+  minimum of the margins so far is `stack_margin` of the stream so far at
+  once: of the updates it made (with the fixed (ICLR 2023) bottom and the
+  VRNS-RNN's the last token's update is still pending, with the frozen one
+  it is made)."""
+  model = _model(key)
+  # Larger still, so the margin keeps falling after the first chunk.
+  params = jax.tree_util.tree_map(lambda p: p * 3 if p.ndim >= 1 else p,
+                                  _params(model))
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, V, (B, N)))
+  whole_margin = jax.jit(functools.partial(model.apply, method="stack_margin"))
+
+  def want(end):
+    made = tokens[:, :end]
+    if key == "rns_frozen_symbol":
+      made = jnp.concatenate([made, tokens[:, :1]], axis=1)
+    return whole_margin(params, made)
+
+  with_margin = jax.jit(functools.partial(model.apply,
+                                          method="stream_with_margin"))
+  stream = jax.jit(functools.partial(model.apply, method="stream"))
+  for chunk in (T, 1):
+    carry = model.apply(params, B, method="initial_stream_state")
+    plain = carry
+    so_far = []
+    for lo in range(0, N, chunk):
+      logits, carry, lo_B = with_margin(params, tokens[:, lo:lo + chunk],
+                                        carry)
+      want_logits, plain = stream(params, tokens[:, lo:lo + chunk], plain)
+      np.testing.assert_array_equal(logits, want_logits)
+      so_far.append(lo_B if not so_far else jnp.minimum(so_far[-1], lo_B))
+      if chunk == T:
+        np.testing.assert_allclose(so_far[-1], want(lo + chunk), rtol=1e-12)
+    for a, b in zip(jax.tree_util.tree_leaves(carry),
+                    jax.tree_util.tree_leaves(plain)):
+      np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(so_far[-1], want(N), rtol=1e-12)
+    if chunk == 1:
+      # Later chunks count: the margin so far goes down after the first.
+      assert bool(jnp.any(so_far[-1] < so_far[0] - 0.1))
+
+
+@pytest.mark.parametrize("key", ["rns_fixed", "rns_frozen_symbol", "vrns"])
+def test_stream_margin_leaves_out_a_row_s_padding(key):
+  """With a mask, a padded row's margin is that of its real inputs streamed
+  alone; the row ends inside a chunk and at a chunk's end."""
+  model = _model(key)
+  params = jax.tree_util.tree_map(lambda p: p * 3 if p.ndim >= 1 else p,
+                                  _params(model))
+  tokens = jnp.asarray(np.random.default_rng(6).integers(0, V, (B, N)))
+  with_margin = jax.jit(functools.partial(model.apply,
+                                          method="stream_with_margin"))
+
+  def streamed(inputs, mask):
+    carry = model.apply(params, inputs.shape[0],
+                        method="initial_stream_state")
+    lo = jnp.inf
+    for start in range(0, inputs.shape[1], T):
+      _, carry, lo_B = with_margin(
+          params, inputs[:, start:start + T], carry,
+          None if mask is None else mask[:, start:start + T])
+      lo = jnp.minimum(lo, lo_B)
+    return lo
+
+  for real in (6, 2 * T):
+    mask = jnp.asarray(np.arange(N)[None] < np.array([[N], [real]]),
+                       jnp.float32)
+    got = streamed(tokens, mask)
+    np.testing.assert_allclose(got[0], streamed(tokens, None)[0], rtol=1e-12)
+    alone = streamed(tokens[1:, :real], None)[0]
+    np.testing.assert_allclose(got[1], alone, rtol=1e-12)
+    if key != "rns_frozen_symbol":  # Its margin (D = 2) settles early.
+      # The padding's updates would count otherwise.
+      assert float(streamed(tokens, None)[1]) < float(alone) - 1e-3
+
+
+@pytest.mark.parametrize("name, opts", [
+    ("rns", dict(stack_window=3, stack_table="log")),
+    ("vrns", dict(stack_window=3, broadcast_bottom_vector=True)),
+    ("ns", {})])
+def test_stream_margin_of_a_stack_without_one_is_a_clear_error(name, opts):
+  model = models.get(name, V, hidden_size=4, **opts)
+  params = model.init(jax.random.key(0), method="declare_params")
+  carry = {"first": jnp.asarray(True), "state": None}
+  with pytest.raises(ValueError, match=r"stack_margin applies|cannot carry"):
+    model.apply(params, jnp.zeros((B, T), jnp.int32), carry,
+                method="stream_with_margin")
