@@ -81,10 +81,10 @@ def test_evaluated_perplexity_is_the_whole_rows_forward(corpus_dir):
                              np.exp(nll / got["num_targets"]), rtol=1e-5)
 
 
+# The VRNS-RNN's stream margins: models_stream_test (the same path).
 @pytest.mark.parametrize("model, opts", [
     ("rns", dict(stack_window=3)),
-    ("rns", dict(stack_window=2, stack_bottom="frozen")),
-    ("vrns", dict(stack_window=3, num_stack_symbols=2))])
+    ("rns", dict(stack_window=2, stack_bottom="frozen"))])
 def test_evaluated_stack_margin_is_each_whole_row_s(corpus_dir, model, opts):
   """Each row's margin is `stack_margin` of the row's real tokens at once
   (the last row is padded); perplexity is that of the evaluation without
