@@ -424,7 +424,7 @@ def _train(state, config, programs, splits, manager, writer, main,
       record["valid_stack_margin"] = valid["stack_margin"]
       record["valid_stack_exact_fraction"] = valid["stack_exact_fraction"]
       diff += (f"  margin {valid['stack_margin']:.1f} "
-               f"({valid['stack_exact_fraction']:.0%} exact)")
+               f"({metrics_lib.percent(valid['stack_exact_fraction'])} exact)")
     writer.write_scalars(epoch, record)
     # Logged before the save (see loop._train): a resume never finds a
     # checkpoint ahead of the log.

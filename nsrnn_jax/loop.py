@@ -421,7 +421,8 @@ def _epoch_line(epochs: np.ndarray, records: dict, max_epochs: int,
     diff = r.get("valid_ce_diff")
     diff = f"  valid ce_diff {diff:+.4f}" if diff is not None else ""
     margin = r.get("valid_stack_margin")
-    margin = (f"  margin {margin:.1f} ({r['valid_stack_exact_fraction']:.0%}"
+    margin = (f"  margin {margin:.1f} "
+              f"({metrics_lib.percent(r['valid_stack_exact_fraction'])}"
               " exact)" if margin is not None else "")
     return (f"epoch {epoch:3d}/{max_epochs}  loss {r['train_loss']:.4f}{diff}"
             f"  ppl {r['valid_perplexity']:.4f}{margin}"

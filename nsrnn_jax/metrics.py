@@ -52,6 +52,23 @@ def perplexity(nll_sum, num_symbols):
     return math.inf
 
 
+def percent(fraction: float) -> str:
+  """A fraction as a percentage that is "100%" or "0%" only when exact.
+
+  For counts such as the strings a stack margin proves exact, where
+  "100%" must not hide one string: the fewest decimals (up to 3) that keep
+  a part away from 0 and 100 ("99.9%", "0.04%").
+  """
+  fraction = float(fraction)
+  if fraction >= 1 or fraction <= 0:
+    return f"{fraction:.0%}"
+  for digits in range(4):
+    text = f"{100 * fraction:.{digits}f}"
+    if 0 < float(text) < 100:
+      return f"{text}%"
+  return ">99.999%" if fraction > 0.5 else "<0.001%"
+
+
 def check_finite(value, what: str):
   """Raises FloatingPointError if `value` is NaN or infinite."""
   if not math.isfinite(float(value)):

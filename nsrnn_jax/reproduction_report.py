@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from nsrnn_jax import metrics as metrics_lib
 from nsrnn_jax import paper_figures
 from nsrnn_jax.run_records import BASE_SEED
 from nsrnn_jax.run_records import DEFAULT_RESULTS
@@ -369,7 +370,7 @@ def _ns_margin_summary(records) -> str:
           strings + sum(n), min([low] + list(test["stack_margin"])))
   if not per_task:
     return ""
-  parts = [f"{TASK_TITLES[t]} {proven / strings:.0%} of "
+  parts = [f"{TASK_TITLES[t]} {metrics_lib.percent(proven / strings)} of "
            f"{strings:,} ({runs} run{'s' if runs > 1 else ''}, smallest "
            f"{low:.1f} nats)"
            for t, (runs, proven, strings, low) in sorted(

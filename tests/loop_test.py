@@ -309,6 +309,10 @@ def test_epoch_lines_show_the_stack_margin_where_measured():
                 valid_stack_exact_fraction=0.875)
   one = loop._epoch_line(np.array([3]), {3: margin}, 10, 1, 2.0)  # pylint: disable=protected-access
   assert "ppl 2.0000  margin -41.2 (88% exact)  lr" in one
+  # One string of 1,000 not proven is not "100%".
+  almost = loop._epoch_line(np.array([3]), {3: dict(  # pylint: disable=protected-access
+      margin, valid_stack_exact_fraction=0.999)}, 10, 1, 2.0)
+  assert "(99.9% exact)" in almost
   several = loop._epoch_line(  # pylint: disable=protected-access
       np.array([3, 3]), {0: margin, 1: dict(margin, valid_stack_margin=-5.0)},
       10, 2, 2.0)

@@ -150,3 +150,11 @@ def test_test_table_json_and_csv(tmp_path):
                   ["41", "0.01", "100"], ["43", "-0.02", "100"]]
   lines = text.splitlines()
   assert len(lines) == 3 and "-0.0200" in lines[2]
+
+
+@pytest.mark.parametrize("fraction, text", [
+    (1.0, "100%"), (0.0, "0%"), (0.5, "50%"), (0.999, "99.9%"),
+    (0.9996, "99.96%"), (0.0004, "0.04%"), (1 - 1e-7, ">99.999%"),
+    (1e-7, "<0.001%"), (np.float32(0.25), "25%")])
+def test_percent_is_whole_only_when_exact(fraction, text):
+  assert metrics.percent(fraction) == text
