@@ -101,6 +101,8 @@ class Vocabulary:
 
   @classmethod
   def from_file(cls, path: str) -> "Vocabulary":
+    """The tokens of a file (`read_tokens`: with <eos>), in order of first
+    appearance."""
     seen = {}
     for _, tokens in read_tokens(path):
       for t in tokens:
@@ -145,9 +147,11 @@ class Rows:
 
   @property
   def num_targets(self) -> int:
+    """Targets over all rows (padding left out)."""
     return int(self.mask.sum())
 
   def num_chunks(self, chunk_length: int) -> int:
+    """Chunks of `chunk_length` tokens that cover a row (the last padded)."""
     return -(-self.inputs.shape[1] // chunk_length)
 
   def chunk(self, index: int, chunk_length: int) -> dict:
@@ -193,6 +197,7 @@ class Corpus:
   streams: dict
 
   def rows(self, split: str, num_rows: int) -> Rows:
+    """A split's stream in `num_rows` rows (`make_rows`)."""
     return make_rows(self.streams[split], num_rows)
 
 

@@ -396,6 +396,7 @@ def set_learning_rate(opt_state, lr):
 
 
 def schedule_from_config(config) -> Schedule:
+  """The plateau decay and early stopping of a config (`Schedule`)."""
   return Schedule(decay_factor=float(config.lr_decay_factor),
                   decay_patience=int(config.lr_decay_patience),
                   decay_threshold=float(config.lr_decay_threshold),
