@@ -251,14 +251,14 @@ def evaluate(params, programs: Programs, split: SplitStream,
   logits, are those of exact arithmetic up to rounding.
   """
   carry = programs.initial[split.num_rows](params)
-  nlls, margins = [], []
+  nlls, margin_B = [], None
   for i in _progress(range(split.num_chunks), progress, desc):
     if stack_margin:
-      carry, nll, _, margin_B = programs.eval_margin(params, split.chunk(i),
-                                                     carry)
-      # A running minimum per row: one [B] array, not one per chunk.
-      margins = [margin_B if not margins else jnp.minimum(margins[0],
-                                                          margin_B)]
+      carry, nll, _, chunk_B = programs.eval_margin(params, split.chunk(i),
+                                                    carry)
+      # A running minimum per row, on the device.
+      margin_B = (chunk_B if margin_B is None
+                  else jnp.minimum(margin_B, chunk_B))
     else:
       carry, nll, _ = programs.eval(params, split.chunk(i), carry)
     nlls.append(nll)
@@ -269,7 +269,7 @@ def evaluate(params, programs: Programs, split: SplitStream,
          "num_targets": n}
   if stack_margin:
     from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
-    rows = np.asarray(parallel.to_host(margins[0]))
+    rows = np.asarray(parallel.to_host(margin_B))
     out["stack_margins"] = rows
     out["stack_margin"] = float(np.min(rows))
     out["stack_exact_fraction"] = float(np.mean(
