@@ -236,7 +236,8 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
   Returns:
     Per model, one dict per batch: length, num_strings, model_nll, bound_nll
     (None when the batch has no true log-probs), num_tokens, num_correct;
-    with `stack_margin`, stack_margins (float64 [num_strings], nats).
+    with `stack_margin`, stack_margins (float64 [num_strings], nats) and
+    string_nlls (each string's −ln p, float64 [num_strings]).
   """
   num = {len(s) for s in splits_K}
   if len(num) != 1:
@@ -279,6 +280,7 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
           "num_correct": float(np.sum(s["num_correct"]))})
       if stack_margin:
         results[k][-1]["stack_margins"] = s["stack_margins"]
+        results[k][-1]["string_nlls"] = s["nll"]
   return results
 
 

@@ -231,6 +231,8 @@ def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
   assert summary["test_stack_margin"] == pytest.approx(margins.min(), rel=1e-6)
   assert evaluate.exact_margin(path) < margins.min() < 0
   assert summary["test_stack_exact_fraction"] == 1.0
+  assert summary["test_stack_unproven_strings"] == 0
+  assert summary["test_stack_unproven_max_error"] == 0.0
   by_length = {}
   for text, m in zip(strings, margins):
     by_length[len(text)] = min(m, by_length.get(len(text), np.inf))
@@ -271,6 +273,34 @@ def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
   assert np.abs(got - evaluate.score(loaded, strings)).max() > 0
   np.testing.assert_allclose(evaluate.score(sharp, strings, exact=True),
                              want_sharp, rtol=1e-12)
+  # The strings whose float32 margin does not prove them exact are scored
+  # again in float64: their count and the largest difference (an action
+  # layer 40 times sharper: margins ~ -38 at length 5, proven, and ~ -42 at
+  # length 7, not).
+  medium = evaluate.Loaded(loaded.model, dict(loaded.params, action={
+      k: v * 40.0 for k, v in loaded.params["action"].items()}), loaded.config)
+  split = _splits().test
+  results = loop.evaluate_split(
+      evaluate._stacked(medium.params), medium.model.apply, [split],  # pylint: disable=protected-access
+      medium.config, [None], parallel.make_mesh(), None, stack_margin=True)[0]
+  unproven = [w for w, m in zip(strings,
+                                evaluate.stack_margins(medium, strings))
+              if m <= evaluate.exact_margin(medium)]
+  assert 0 < len(unproven) < len(strings)
+  errors = evaluate.unproven_errors(medium, split, results)
+  assert errors["test_stack_unproven_strings"] == len(unproven)
+  assert errors["test_stack_unproven_max_error"] < 1e-5  # nothing lost here
+  # The run's ln p of one unproven string 0.25 off, and of a proven one 1.0
+  # off: only the first is checked, and found.
+  for r in results:
+    bad = np.flatnonzero(r["stack_margins"] <= evaluate.exact_margin(medium))
+    good = np.flatnonzero(r["stack_margins"] > evaluate.exact_margin(medium))
+    r["string_nlls"] = r["string_nlls"].copy()
+    r["string_nlls"][bad[:1]] += 0.25
+    r["string_nlls"][good[:1]] += 1.0
+  errors = evaluate.unproven_errors(medium, split, results)
+  assert errors["test_stack_unproven_max_error"] == pytest.approx(0.25,
+                                                                  abs=1e-5)
 
 
 def test_stack_margins_of_a_run_without_a_share_stack_is_a_clear_error(
