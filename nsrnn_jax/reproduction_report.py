@@ -379,7 +379,10 @@ def _ns_margin_summary(records) -> str:
   return ("NS-RNN test strings on which the share stack is proven exact "
           "(its factor margin above ½ ln of the float type's flush, −40.2 "
           "nats in float32; records that measured it, "
-          f"`config.valid_stack_margin`): {'; '.join(parts)}.")
+          f"`config.valid_stack_margin`): {'; '.join(parts)}. The margin is "
+          "conservative: `python -m nsrnn_jax.evaluate --workdir=RUN "
+          "--stack_margin` scores a run's unproven test strings again in "
+          "float64 and reports the largest difference in ln p.")
 
 
 def _hardware_summary(records) -> str:
