@@ -158,6 +158,12 @@ def test_corpus_model_notebook_scores_the_sentence(tmp_path):
   lines = re.findall(r"^\s*(\S+)  p = ([0-9.]+)$", text, re.M)
   assert [t for t, _ in lines] == ["(", "[", "]", ")", "<eos>"]
   assert all(0 < float(p) <= 1 for _, p in lines)
+  # The stack margin of the sentence read after <eos> (as scored), that of
+  # stack_margins.
+  margin = float(re.search(r"stack margin (-?[0-9.]+) nats \(proven exact\)",
+                           text).group(1))
+  assert margin == pytest.approx(
+      evaluate.stack_margins(workdir, ["( [ ] )"])[0], abs=0.051)
 
 
 def test_languages_notebook_enumerates_and_samples_dyck():
