@@ -1104,10 +1104,24 @@ def share_margin_text():
     return ""
   d = _load("share_margin.json") or _load("share_margin_window.json")
   r = d["rows"][0]
-  return ("\nThe share stack's factor margin (`benchmarks/share_margin.py`; "
+  text = ("\nThe share stack's factor margin (`benchmarks/share_margin.py`; "
           f"B = {r['B']}, n = {r['n']}, float32, N(0, 3²) log-weights, "
           f"{_device(d)}, {d['note']}), a forward sweep of its own: "
           + "; ".join(parts) + ".\n")
+  s = _load("stream_margin.json")
+  if s is not None:
+    r = s["rows"][0]
+    rows = ", ".join(f"{x['label']} {x['margin_ms']:.1f} ms vs "
+                     f"{x['eval_ms']:.1f} ms ({x['margin_over_eval']:.2f}×)"
+                     for x in s["rows"])
+    text += ("\nA corpus run's margin (`config.valid_stack_margin`, "
+             "`benchmarks/stream_margin.py`) is computed in the evaluation's "
+             "own stream, one pass: `corpus_train.eval_chunk_margin` beside "
+             f"`eval_chunk` per chunk of B = {r['batch']} rows × T = "
+             f"{r['bptt']} tokens at PTB size (V = {r['vocab']:,}, H = "
+             f"{r['hidden']}, float32, {_device(s)}, {s['note']}): {rows} "
+             "(`stream_margin.json`).\n")
+  return text
 
 
 def _proven_error(row):

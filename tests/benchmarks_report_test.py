@@ -207,3 +207,27 @@ def test_share_margin_benchmark_times_the_margin_it_reports(load_benchmark,
   want = bench.functions(window)[1](*acts)
   assert row["min_margin"] == pytest.approx(float(np.min(want)))
   assert row["min_margin"] < -1
+
+
+@pytest.mark.usefixtures("fast_compile_test")
+def test_stream_margin_benchmark_reports_the_chunk_s_margin(load_benchmark):
+  # A small RNS row: the margin evaluation's NLL is the plain one's, and the
+  # smallest margin is stack_margin's on the chunk's rows (a stream's first
+  # chunk; the fixed bottom leaves the last token's update to the next).
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  bench = load_benchmark("stream_margin")
+  small = dict(batch_size=4, bptt_length=6, stack_window=3)
+  row = bench.row("rns", 50, 8, 1, small)
+  assert row["same_nll"] and row["eval_ms"] > 0 and row["margin_ms"] > 0
+  config = bench.CONFIGS["rns"].get_config()
+  config.hidden_size = 8
+  config.update(small)
+  model = models.build(config, vocab_size=50)
+  params = corpus_train.create_train_state(config, model,
+                                           jax.random.key(0)).params
+  inputs = np.random.default_rng(0).integers(0, 50, (4, 6)).astype(np.int32)
+  want = model.apply({"params": params}, inputs, method="stack_margin")
+  assert row["min_margin"] == pytest.approx(float(np.min(want)), rel=1e-5)
