@@ -77,8 +77,9 @@ def row(name: str, vocab: int, hidden: int, reps: int,
           "margin_ms": round(1e3 * med["margin"], 2),
           "margin_over_eval": round(med["margin"] / med["eval"], 2),
           # The margin evaluation's cross-entropy sum is the plain one's.
-          "same_nll": bool(np.isclose(float(outs["eval"][1]),
-                                      float(outs["margin"][1]), rtol=1e-5)),
+          "same_nll": bool(np.allclose(np.asarray(outs["eval"][1]),
+                                       np.asarray(outs["margin"][1]),
+                                       rtol=1e-5)),
           "min_margin": float(np.min(np.asarray(outs["margin"][3])))}
 
 

@@ -154,10 +154,21 @@ def train_chunk(state: train.TrainState, batch, carry):
   return state, carry, nll, count
 
 
+def _row_nlls(logits_BxTxV, batch):
+  """Each row's Σ token NLL [B] (float32, float64 for a float64 model)."""
+  logits = logits_BxTxV.astype(jnp.promote_types(logits_BxTxV.dtype,
+                                                 jnp.float32))
+  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                           batch["targets"])
+  return jnp.sum(ce_BxT * batch["mask"], axis=1)
+
+
 def eval_chunk(params, batch, carry, *, apply_fn):
-  """(carry, Σ NLL, number of targets) of one chunk, no update."""
-  nll, count, carry = _chunk_nll(params, apply_fn, batch, carry)
-  return carry, nll, count
+  """(carry, each row's Σ NLL [B], number of targets) of one chunk, no
+  update."""
+  logits_BxTxV, carry = apply_fn({"params": params}, batch["inputs"], carry,
+                                 method="stream")
+  return carry, _row_nlls(logits_BxTxV, batch), jnp.sum(batch["mask"])
 
 
 def eval_chunk_margin(params, batch, carry, *, apply_fn):
@@ -166,9 +177,7 @@ def eval_chunk_margin(params, batch, carry, *, apply_fn):
   logits_BxTxV, carry, margin_B = apply_fn(
       {"params": params}, batch["inputs"], carry, batch["mask"],
       method="stream_with_margin")
-  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BxTxV.astype(jnp.float32), batch["targets"])
-  return (carry, jnp.sum(ce_BxT * batch["mask"]), jnp.sum(batch["mask"]),
+  return (carry, _row_nlls(logits_BxTxV, batch), jnp.sum(batch["mask"]),
           margin_B)
 
 
@@ -242,7 +251,8 @@ def evaluate(params, programs: Programs, split: SplitStream,
              progress: bool = False, desc: str = "eval",
              stack_margin: bool = False) -> dict:
   """Perplexity of a split from a fresh carry: {"cross_entropy" (nats per
-  token), "perplexity", "num_targets"}.
+  token), "perplexity", "num_targets", "row_nlls" (each row's −ln p,
+  float64 [B])}.
 
   With `stack_margin` also "stack_margins", each row's factor margin of
   the share stack ([B] nats; the rows of `corpus.make_rows`),
@@ -254,19 +264,21 @@ def evaluate(params, programs: Programs, split: SplitStream,
   nlls, margin_B = [], None
   for i in _progress(range(split.num_chunks), progress, desc):
     if stack_margin:
-      carry, nll, _, chunk_B = programs.eval_margin(params, split.chunk(i),
-                                                    carry)
+      carry, nll_B, _, chunk_B = programs.eval_margin(params, split.chunk(i),
+                                                      carry)
       # A running minimum per row, on the device.
       margin_B = (chunk_B if margin_B is None
                   else jnp.minimum(margin_B, chunk_B))
     else:
-      carry, nll, _ = programs.eval(params, split.chunk(i), carry)
-    nlls.append(nll)
-  total = float(np.sum(np.asarray(parallel.to_host(nlls), np.float64)))
+      carry, nll_B, _ = programs.eval(params, split.chunk(i), carry)
+    nlls.append(nll_B)
+  # Each row's chunks summed in float64 on the host.
+  row_nlls = np.sum(np.asarray(parallel.to_host(nlls), np.float64), axis=0)
+  total = float(np.sum(row_nlls))
   n = split.rows.num_targets
   out = {"cross_entropy": total / n,
          "perplexity": float(metrics_lib.perplexity(total, n)),
-         "num_targets": n}
+         "num_targets": n, "row_nlls": row_nlls}
   if stack_margin:
     from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
     rows = np.asarray(parallel.to_host(margin_B))

@@ -185,26 +185,32 @@ def score(workdir_or_loaded: Union[str, os.PathLike, Loaded],
   return _score(loaded, strings)
 
 
+def _float64_loaded(loaded: Loaded, stack_table: Optional[str] = None
+                    ) -> Loaded:
+  """The run's model in float64 with its parameters (call under
+  `jax.enable_x64`), on `stack_table` if given."""
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  config = ml_collections.ConfigDict(loaded.config.to_dict())
+  config.dtype = "float64"
+  if stack_table is not None:
+    config.stack_table = stack_table
+  params = jax.tree.map(lambda a: np.asarray(a, np.float64), loaded.params)
+  return Loaded(models.build(config, vocab_size=config.get("vocab_size")),
+                params, config)
+
+
 def _float64_scores(loaded: Loaded, strings) -> np.ndarray:
   """`score` in float64: a share-table stack where its margin proves it
   exact, else on the log table."""
   from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
   with jax.enable_x64(True):
-    config = ml_collections.ConfigDict(loaded.config.to_dict())
-    config.dtype = "float64"
-    params = jax.tree.map(lambda a: np.asarray(a, np.float64), loaded.params)
-    shares = Loaded(models.build(config, vocab_size=config.get("vocab_size")),
-                    params, config)
+    shares = _float64_loaded(loaded)
     scores = _score(shares, strings)
     if models.has_stack_margin(shares.model):
       redo = np.flatnonzero(stack_margins(shares, strings)
                             <= exact_margin(shares))
       if redo.size:
-        config = ml_collections.ConfigDict(config.to_dict())
-        config.stack_table = "log"
-        exact = Loaded(models.build(config,
-                                    vocab_size=config.get("vocab_size")),
-                       params, config)
+        exact = _float64_loaded(loaded, stack_table="log")
         scores[redo] = _score(exact, [strings[k] for k in redo])
   return scores
 
@@ -355,6 +361,8 @@ def _reevaluate_corpus(loaded: Loaded, out: str,
                 "stack_exact_fraction"):
       if key in result:
         summary[f"{split}_{key}"] = result[key]
+    if stack_margin:
+      summary.update(_unproven_rows(loaded, stream, result, split))
   if parallel.is_main_process():
     os.makedirs(out, exist_ok=True)
     checkpointing.write_json(out, "corpus_eval.json", summary)
@@ -362,6 +370,35 @@ def _reevaluate_corpus(loaded: Loaded, out: str,
           f"{summary['valid_perplexity']:.4f}, test perplexity "
           f"{summary['test_perplexity']:.4f} (best parameters)")
   return {"table": None, "summary": summary, "text": text}
+
+
+def _unproven_rows(loaded: Loaded, stream, result: dict, split: str) -> dict:
+  """`unproven_errors` for a corpus split (`corpus_train.SplitStream`): the
+  rows whose margin does not prove them exact, their −ln p again in
+  float64 (the float64 share window where its margin proves it, else the
+  float64 'log' table)."""
+  from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top
+  bad = np.flatnonzero(result["stack_margins"] <= exact_margin(loaded))
+  error = 0.0
+  if bad.size:
+    rows = stream.num_rows
+    with jax.enable_x64(True):
+      mesh = parallel.make_mesh()
+
+      def again(run, margin):
+        params = parallel.replicate(run.params, mesh)
+        return corpus_train.evaluate(
+            params, corpus_train.Programs(run.model, mesh, params, rows,
+                                          rows), stream, stack_margin=margin)
+
+      exact = _float64_loaded(loaded)
+      out = again(exact, True)
+      if np.any(out["stack_margins"][bad] <= exact_margin(exact)):
+        out = again(_float64_loaded(loaded, stack_table="log"), False)
+    error = float(np.max(np.abs(result["row_nlls"][bad]
+                                - out["row_nlls"][bad])))
+  return {f"{split}_stack_unproven_rows": int(bad.size),
+          f"{split}_stack_unproven_max_error": error}
 
 
 def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
@@ -389,9 +426,11 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
       table both per length, as training with valid_stack_margin does,
       and ``test_stack_unproven_strings`` and
       ``test_stack_unproven_max_error`` (`unproven_errors`: the strings
-      not proven exact scored again in float64). A corpus run: ``{valid,test}_stack_margin`` and
-      ``{valid,test}_stack_exact_fraction`` of the split's rows
-      (`corpus_train.evaluate`).
+      not proven exact scored again in float64). A corpus run:
+      ``{valid,test}_stack_margin``, ``{valid,test}_stack_exact_fraction``,
+      ``{valid,test}_stack_unproven_rows`` and
+      ``{valid,test}_stack_unproven_max_error`` of the split's rows
+      (`corpus_train.evaluate`; the unproven rows' −ln p again in float64).
 
   Returns:
     {"table": per-length table, "summary": overall test metrics, "text"}.

@@ -72,8 +72,10 @@ def test_evaluated_perplexity_is_the_whole_rows_forward(corpus_dir):
     n = int(rows.mask[r].sum())
     tokens = np.concatenate([rows.inputs[r, :n], rows.targets[r, n - 1:n]])
     logits = model.apply({"params": state.params}, tokens[None])[0, 1:]
-    nll += float(jnp.sum(optax.softmax_cross_entropy_with_integer_labels(
+    row_nll = float(jnp.sum(optax.softmax_cross_entropy_with_integer_labels(
         logits, jnp.asarray(tokens[1:]))))
+    np.testing.assert_allclose(got["row_nlls"][r], row_nll, rtol=1e-5)
+    nll += row_nll
   assert got["num_targets"] == len(data.streams["valid"]) - 1
   np.testing.assert_allclose(got["cross_entropy"], nll / got["num_targets"],
                              rtol=1e-5)
@@ -117,6 +119,19 @@ def test_evaluated_stack_margin_is_each_whole_row_s(corpus_dir, model, opts):
   assert got["stack_margin"] == min(got["stack_margins"])
   assert got["stack_exact_fraction"] == 1.0  # all above ~-40 nats here
   assert got["stack_margin"] < -1.0
+  # The rows a margin does not prove are evaluated again in float64: here
+  # rows 0 and 2 marked unproven, row 0's −ln p 0.25 off and proven row 1's
+  # 1.0 off: only the first is checked, and found.
+  config.vocab_size = len(data.vocab)  # as a run's config.json has it
+  loaded = evaluate.Loaded(model, params, config)
+  marked = dict(got, stack_margins=np.array([-100.0, 0.0, -100.0]))
+  clean = evaluate._unproven_rows(loaded, split, marked, "valid")  # pylint: disable=protected-access
+  assert clean == {"valid_stack_unproven_rows": 2,
+                   "valid_stack_unproven_max_error": pytest.approx(0, abs=1e-3)}
+  marked["row_nlls"] = got["row_nlls"] + np.array([0.25, 1.0, 0.0])
+  off = evaluate._unproven_rows(loaded, split, marked, "valid")  # pylint: disable=protected-access
+  assert off["valid_stack_unproven_max_error"] == pytest.approx(0.25,
+                                                                abs=1e-3)
 
 
 def test_a_run_records_the_stack_margin(corpus_dir, tmp_path, capsys):
@@ -143,6 +158,8 @@ def test_a_run_records_the_stack_margin(corpus_dir, tmp_path, capsys):
                                                  rel=1e-6)
     assert again[f"valid_{key}"] == pytest.approx(
         results[f"best_valid_{key}"], rel=1e-6)
+  assert again["test_stack_unproven_rows"] == 0  # all proven: none checked
+  assert again["test_stack_unproven_max_error"] == 0.0
 
 
 def test_sgd_step_is_minus_lr_times_the_mean_token_gradient(corpus_dir):
