@@ -70,7 +70,9 @@ def load_model(workdir: str, model: Any = None,
       same.
 
   Returns:
-    Loaded(model, params, config).
+    Loaded(model, params, config): the latest checkpoint's best parameters
+    (a run still training moves on between two calls: to compare tables
+    on the same parameters, load once and use `on_table`).
 
   Raises:
     ValueError: missing workdir/config, or no readable checkpoint.
@@ -95,6 +97,17 @@ def load_model(workdir: str, model: Any = None,
     raise ValueError(f"{ckpt_dir!r} holds no checkpoint")
   _, arrays, _ = restored
   return Loaded(model, arrays["best_params"], config)
+
+
+def on_table(loaded: Loaded, stack_table: str) -> Loaded:
+  """The same run and parameters with its stack on `stack_table` (e.g.
+  'log': no flush), as `load_model(..., stack_table=...)` without reading
+  the workdir again."""
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  config = ml_collections.ConfigDict(loaded.config.to_dict())
+  config.stack_table = stack_table
+  return Loaded(models.build(config, vocab_size=config.get("vocab_size")),
+                loaded.params, config)
 
 
 def _stacked(params):

@@ -217,6 +217,13 @@ def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
   result = evaluate.reevaluate(path, splits=_splits(),
                                out=str(tmp_path / "out"), stack_table="log")
   assert evaluate.load_model(path, stack_table="log").model.table == "log"
+  # The same without reading the workdir again: same parameters, same scores.
+  on_log = evaluate.on_table(evaluate.load_model(path), "log")
+  assert on_log.model.table == "log" and on_log.config.stack_table == "log"
+  np.testing.assert_allclose(
+      evaluate.score(on_log, ["01#10", "110#011"]),
+      evaluate.score(evaluate.load_model(path, stack_table="log"),
+                     ["01#10", "110#011"]), rtol=1e-6)
   np.testing.assert_allclose(result["table"]["ce_diff"], saved["ce_diff"],
                              rtol=1e-5, atol=1e-6)
   # The share table's margin on the test strings: every one proven exact
@@ -326,3 +333,6 @@ def test_a_table_the_run_cannot_use_is_a_clear_error(workdir):
   with pytest.raises(ValueError, match="stack_table 'log' applies to models "
                      "ns, rns and vrns only"):
     evaluate.load_model(workdir, stack_table="log")
+  with pytest.raises(ValueError, match="stack_table 'log' applies to models "
+                     "ns, rns and vrns only"):
+    evaluate.on_table(evaluate.load_model(workdir), "log")
