@@ -131,9 +131,8 @@ def _chunk_nll(params, apply_fn, batch, carry):
   """(Σ token NLL, number of targets, next carry) of one chunk."""
   logits_BxTxV, carry = apply_fn({"params": params}, batch["inputs"], carry,
                                  method="stream")
-  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BxTxV.astype(jnp.float32), batch["targets"])
-  return jnp.sum(ce_BxT * batch["mask"]), jnp.sum(batch["mask"]), carry
+  return (jnp.sum(_row_nlls(logits_BxTxV, batch)), jnp.sum(batch["mask"]),
+          carry)
 
 
 def train_chunk(state: train.TrainState, batch, carry):
@@ -172,7 +171,7 @@ def eval_chunk(params, batch, carry, *, apply_fn):
 
 
 def eval_chunk_margin(params, batch, carry, *, apply_fn):
-  """`eval_chunk` plus the stack's factor margin of the chunk, per row [B]
+  """`eval_chunk` plus the stack's product margin of the chunk, per row [B]
   (the model's ``stream_with_margin``: a row's padding left out)."""
   logits_BxTxV, carry, margin_B = apply_fn(
       {"params": params}, batch["inputs"], carry, batch["mask"],
@@ -254,7 +253,7 @@ def evaluate(params, programs: Programs, split: SplitStream,
   token), "perplexity", "num_targets", "row_nlls" (each row's −ln p,
   float64 [B])}.
 
-  With `stack_margin` also "stack_margins", each row's factor margin of
+  With `stack_margin` also "stack_margins", each row's product margin of
   the share stack ([B] nats; the rows of `corpus.make_rows`),
   "stack_margin", their minimum, and "stack_exact_fraction", the fraction
   of rows above `rns_stack.exact_margin`: their stack values, and so their

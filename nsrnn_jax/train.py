@@ -539,9 +539,12 @@ def end_of_epoch(state: TrainState, valid_metric: jax.Array) -> TrainState:
 
 
 def per_string_nll(logits_BxNxV, symbols_BxN, mask_BxN):
-  """-ln p_model(w) per string (float32 [B]): masked sum of token CE."""
+  """-ln p_model(w) per string [B]: masked sum of token CE, in float32
+  (float64 for a float64 model: its loss and `evaluate.score(...,
+  exact=True)`)."""
   ce_BxN = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BxNxV.astype(jnp.float32), symbols_BxN)
+      logits_BxNxV.astype(jnp.promote_types(logits_BxNxV.dtype,
+                                            jnp.float32)), symbols_BxN)
   return jnp.sum(ce_BxN * mask_BxN, axis=1)
 
 
