@@ -21,7 +21,7 @@ lengths 20, 40, 80 and 120 (`--strings` per length) and on uniformly random
 strings of the same lengths (off the language, where the weights are least
 tame): the largest difference in ln p(w) and in the stack readings, and
 the smallest entry of the exact log-share table (how far inside the share
-table's flush the model's runs stay), and the share sweep's factor margin
+table's flush the model's runs stay), and the share sweep's product margin
 (`model.stack_margin`): its smallest value and the fraction of strings it
 proves exact (margin above `rns_stack.exact_margin`, ~−40.2 nats); and
 each table's float32 ln p(w) against the same parameters in float64 on
@@ -248,6 +248,7 @@ def _trained(workdir, per_length, note, out_name):
   info = machine.machine_info()
   result = {**info, "device": machine.device_label(info), "dtype": "float32",
             "note": note, "workdir": os.path.abspath(workdir),
+            "margin_kind": rns_stack.MARGIN_KIND,
             "task": config.task, "model": config.model, "rows": rows,
             "timed_length": TIMED_LENGTH, "forward_s": timing}
   machine.save_result(os.path.join(_ROOT, "benchmarks", "results",

@@ -1084,7 +1084,7 @@ def _log_table_lines(d, title):
 
 
 def share_margin_text():
-  """The factor margin's cost beside the forward (share_margin*.json)."""
+  """The share margin's cost beside the forward (share_margin*.json)."""
   parts = []
   for name, what in (("share_margin.json", "`rns_stack.share_margin` beside "
                       "`rns_stack.run`"),
@@ -1104,7 +1104,8 @@ def share_margin_text():
     return ""
   d = _load("share_margin.json") or _load("share_margin_window.json")
   r = d["rows"][0]
-  text = ("\nThe share stack's factor margin (`benchmarks/share_margin.py`; "
+  text = (f"\nThe share stack's {_margin_kind(d)} margin "
+          "(`benchmarks/share_margin.py`; "
           f"B = {r['B']}, n = {r['n']}, float32, N(0, 3²) log-weights, "
           f"{_device(d)}, {d['note']}), a forward sweep of its own: "
           + "; ".join(parts) + ".\n")
@@ -1122,6 +1123,13 @@ def share_margin_text():
              f"{r['hidden']}, float32, {_device(s)}, {s['note']}): {rows} "
              "(`stream_margin.json`).\n")
   return text
+
+
+def _margin_kind(result):
+  """Which stack margin a result measured: "product", or "factor" (the
+  certificate before `rns_stack.MARGIN_KIND`, which results then did not
+  name)."""
+  return result.get("margin_kind", "factor")
 
 
 def _proven_error(row):
@@ -1158,7 +1166,7 @@ def log_stack_block():
              + ("; and the smallest log share of the exact table (the "
                 "shares table flushes a share below ~−87 nats, and a "
                 "product of two below −43)" if margin else "")
-             + ("; the share sweep's smallest factor margin "
+             + (f"; the share sweep's smallest {_margin_kind(t)} margin "
                 "(`model.stack_margin`) and the strings it proves exact "
                 "(margin above −40.2 nats)" if proof else "")
              + ("; and each float32 table's largest ln p(w) error against "

@@ -1,8 +1,9 @@
-"""Benchmark: what the share stack's factor margin costs beside its forward.
+"""Benchmark: what the share stack's product margin costs beside its forward.
 
 `rns_stack.share_margin` (and `limited_stack.share_margin` for a window)
 proves a share sweep flush-free per batch element by running the sweep
-again with a few column-sized reductions per update. For B = 10, n = 80,
+again with a few column-sized reductions per update (a window: also one
+over its D × D ring). For B = 10, n = 80,
 float32, unnormalised N(0, 3²) log-weights, Q = S = 2 and Q = S = 3 it
 times, interleaved in one process, the median of 5 calls after a warm-up:
 
@@ -92,7 +93,7 @@ def main():
           flush=True)
   info = machine.machine_info()
   result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "note": args.note, "rows": rows}
+            "note": args.note, "margin_kind": rns_stack.MARGIN_KIND, "rows": rows}
   name = ("share_margin_window.json" if args.window
           else "share_margin.json")
   machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),

@@ -2,7 +2,7 @@
 
 With `config.valid_stack_margin` a corpus run evaluates each chunk with
 `corpus_train.eval_chunk_margin` (`model.stream_with_margin`: the window's
-updates with their factor margins, forward only) instead of
+updates with their product margins, forward only) instead of
 `corpus_train.eval_chunk`. For the PTB configs' stack models
 (configs/ptb_rns.py, ptb_vrns.py: V = 10,000 words, H = 256, B = 32 rows,
 T = 35 tokens, window D = 35, input by lookup) it times both on one chunk
@@ -36,6 +36,7 @@ from configs import ptb_rns, ptb_vrns  # pylint: disable=g-import-not-at-top,wro
 from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 CONFIGS = {"rns": ptb_rns, "vrns": ptb_vrns}
 
@@ -108,7 +109,7 @@ def main():
           flush=True)
   info = machine.machine_info()
   result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "reps": args.reps,
+            "reps": args.reps, "margin_kind": rns_stack.MARGIN_KIND,
             "note": "one evaluation chunk, median of interleaved calls in one "
                     "process" + (f"; {args.note}" if args.note else ""),
             "rows": rows}

@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   # stack 4-23x slower, VRNS ~100x) or, NS only, "scaled" (float32 can flush).
   config.stack_table = "shares"
   # NS/RNS/VRNS on "shares": each epoch also records the validation strings'
-  # (corpus: stream rows') smallest factor margin (valid_stack_margin, nats)
+  # (corpus: stream rows') smallest product margin (valid_stack_margin, nats)
   # and the fraction proven exact (above ~-40 in float32:
   # rns_stack.share_margin), the final results and test table the best
   # parameters'; ~1 stack forward more per string.

@@ -73,7 +73,7 @@ RESUME_SAFE_FIELDS = frozenset({
     # How many strings the stack runs at once, and how far the time loop is
     # unrolled: the same values (a run may move to a GPU and back).
     "stack_batch_chunk", "scan_unroll",
-    # What validation also measures (the stack's factor margin), not what
+    # What validation also measures (the stack's product margin), not what
     # trains.
     "valid_stack_margin",
     # The controller's input by row lookup or one-hot product: same values.

@@ -241,7 +241,7 @@ def _score(loaded: Loaded, strings) -> np.ndarray:
 
 def stack_margins(workdir_or_loaded: Union[str, os.PathLike, Loaded],
                   strings: Sequence[Union[str, Sequence[str]]]) -> np.ndarray:
-  """The share stack's factor margin on each string (float64 [len], nats).
+  """The share stack's product margin on each string (float64 [len], nats).
 
   ``models.PDAStackLM.stack_margin`` on the strings as `score` feeds them:
   where a margin is above ``rns_stack.exact_margin`` of the model's float
@@ -505,7 +505,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("stack_table", None, "Run an NS / RNS / VRNS stack on this "
                       "table instead of the run's own (e.g. 'log': cannot flush).")
   flags.DEFINE_bool("stack_margin", False, "Also report the share stack's "
-                    "factor margin on the test strings (ns / rns / vrns, 'shares' "
+                    "product margin on the test strings (ns / rns / vrns, 'shares' "
                     "table): the smallest, and the fraction of strings (a "
                     "corpus run: rows of the stream) it proves exact; the "
                     "strings it does not prove are scored again in float64 "

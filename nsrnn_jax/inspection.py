@@ -826,7 +826,7 @@ class Inspection:
     baseline_readings_MxN: models 'jm' and 'gref': the vector readings
       r_0 (= 0) .. r_{N-1} the controller read (JM with K stacks: the K tops
       concatenated, K * M rows).
-    stack_margin: the share stack's factor margin on the string, nats
+    stack_margin: the share stack's product margin on the string, nats
       (`models.PDAStackLM.stack_margin`; NS-, RNS- and VRNS-RNN on the
       'shares' table, else None): above `exact_margin` the model's numbers
       are those of exact arithmetic up to rounding.

@@ -373,7 +373,7 @@ def _run_steps(step_fn, push, repl, pop, state, precision):
 
 def share_margin(push, repl, pop, window, bottom=rns_stack.FIXED,
                  precision="highest", num_updates=None):
-  """The factor margin of `run` on these log-weights: [B] nats (≤ 0).
+  """The product margin of `run` on these log-weights: [B] nats.
 
   `rns_stack.share_margin` for the window: above
   `rns_stack.exact_margin(dtype)` `run`'s values for that batch element
@@ -407,7 +407,7 @@ def _margin_steps(push, repl, pop, state, precision, num_updates):
 
 def margin_step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
                 pop_BxQxSxQ, precision="highest"):
-  """`step` plus the update's factor margin [B] (`share_margin`), last.
+  """`step` plus the update's product margin [B] (`share_margin`), last.
 
   Forward only (the plain update, no hand-written VJP): for evaluation,
   e.g. a corpus stream's margin chunk by chunk (`coupled_parts(...,
@@ -424,7 +424,7 @@ def margin_step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
 
 
 def margin_scan(step, carry, lo0, xs_T, num_updates):
-  """A window's factor margin: the minimum of lo0 and every update's.
+  """A window's product margin: the minimum of lo0 and every update's.
 
   Shared by this module's and `limited_vrns`'s share margins.
 
@@ -520,7 +520,7 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
   ``coupled_scan``: `stream_chunk` then runs a chunk's steps as
   `_window_scan` (same values and gradients, O(L·D) memory). With
   `margin`, ``update`` is `margin_step` (forward only, same values) and
-  returns (state, (α̂_j, log Σα_j, update j's factor margin [B])).
+  returns (state, (α̂_j, log Σα_j, update j's product margin [B])).
   """
   state0 = initial_state(batch, window, num_states, num_symbols, bottom,
                          dtype)

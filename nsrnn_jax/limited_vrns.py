@@ -212,7 +212,7 @@ def step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
 
 def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
                 pop_BxQxSxQ, log_vector_BxM, precision, margin=False):
-  """`step` on shares; with `margin` also the update's factor margin [B]
+  """`step` on shares; with `margin` also the update's product margin [B]
   (`rns_stack.update`'s), last."""
   # σ grows to cover the new vector; the vector table is rescaled only then
   # (never for the VRNS's sigmoid vectors).
@@ -224,6 +224,11 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
           :, None, None, None, None, :],
       lambda t: t, state.gv)
   vec = jnp.exp(log_vector_BxM - scale)
+  if margin:
+    # The rescale's products gv · e^(σ_old − σ) (none where σ stays).
+    shrink = jnp.where(grow, state.scale - scale, jnp.inf)
+    rescaled = 0.5 * (rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
+                      + jnp.min(shrink, axis=1))
   col, col_v, a_hat, inc, *lo = rns_stack.update(
       state.g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
       pop_BxQxSxQ, precision, ring=True, vectors=(gv, vec), margin=margin)
@@ -240,6 +245,8 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
     tables.append(lax.dynamic_update_index_in_dim(
         t, jnp.zeros(t.shape[:4] + t.shape[5:], t.dtype), head, axis=4))
   log_mass = state.log_mass + inc
+  if margin:
+    lo = [jnp.minimum(lo[0], rescaled)]
   return (VectorShareState(tables[0], tables[1], a_hat, log_mass, head,
                            scale), rho, log_mass, *lo)
 
@@ -368,7 +375,7 @@ def _run_jit(push, repl, pop, log_vectors, state, rho0, precision):
 
 def share_margin(push, repl, pop, log_vectors, log_bottom_vector, window,
                  precision="highest", num_updates=None):
-  """The factor margin of `run` (run-consistent bottom, shares): [B] nats.
+  """The product margin of `run` (run-consistent bottom, shares): [B] nats.
 
   `rns_stack.vector_share_margin` for the window: above
   `rns_stack.exact_margin(dtype)` `run`'s readings and log Σα for that
@@ -407,9 +414,10 @@ def _margin_jit(push, repl, pop, log_vectors, state, precision, num_updates):
 
 
 def initial_margin(state: VectorShareState):
-  """The factor margin [B] of a share state's vector table (the bottom
-  vector's shares are factors too): where `share_margin`'s scan starts."""
-  return rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
+  """The product margin [B] of a share state's vector table (the bottom
+  vector's shares are stored values, each its own product with 1): where
+  `share_margin`'s scan starts."""
+  return 0.5 * rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
 
 
 def coupled_parts(log_bottom_vector_BxM, num_states: int, num_symbols: int,
@@ -421,7 +429,7 @@ def coupled_parts(log_bottom_vector_BxM, num_states: int, num_symbols: int,
   reading the controller gets is the last update's output, so it is not
   recomputed; ``update`` returns ((state, ρ_j), (ρ_j, log Σα_j)), with
   `margin` (shares with the run-consistent bottom only; forward only)
-  ((state, ρ_j), (ρ_j, log Σα_j, update j's factor margin [B]))."""
+  ((state, ρ_j), (ρ_j, log Σα_j, update j's product margin [B]))."""
   if margin and (broadcast_bottom or log_space):
     raise ValueError("limited_vrns.coupled_parts: margin needs the share "
                      "table with the run-consistent bottom")

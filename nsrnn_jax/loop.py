@@ -355,6 +355,10 @@ def test_outputs(results: Sequence[dict], config) -> tuple[dict, dict]:
   if margins:
     summary.update({f"test_{k}": v
                     for k, v in margin_summary(results, dtype).items()})
+    # The certificate (records from before it name none: the factor
+    # margin, never above this one).
+    from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+    summary["test_stack_margin_kind"] = rns_stack.MARGIN_KIND
   lengths = np.asarray(table["lengths"])
   diffs = np.asarray(table["ce_diff"])
   inside = lengths <= config.train_max_length

@@ -964,7 +964,7 @@ class PDAStackLM(LanguageModel):
     return {'action': self.action()}
 
   def stack_margin(self, symbols_BxN, mask_BxN=None) -> jax.Array:
-    """The share sweep's factor margin on these strings: [B] nats (≤ 0).
+    """The share sweep's product margin on these strings: [B] nats.
 
     ``rns_stack.share_margin`` (with a window ``limited_stack``'s) of the
     action log-weights the stack saw:
@@ -1048,7 +1048,7 @@ class PDAStackLM(LanguageModel):
   # with a `window` D >= 1 give `_controller(params)` -> (step_fn, its
   # params, actions_fn), `_window_parts(params, batch, margin=False)` ->
   # (update, read, state0) for `limited_stack.stream_chunk` (with `margin`
-  # the update's outputs end with its factor margin [B]) and
+  # the update's outputs end with its product margin [B]) and
   # `_start_margin(state0)` -> the start state's margin [B].
 
   def _stream_start(self, params, batch):
@@ -1060,7 +1060,7 @@ class PDAStackLM(LanguageModel):
   def _stream(self, params, inputs_BxT, start, carried, first, margin=False,
               real_BxT=None):
     """(h [B, T, H], state after the chunk), with `margin` also the
-    chunk's factor margin [B] (see ``stream_with_margin``; `real_BxT`: its
+    chunk's product margin [B] (see ``stream_with_margin``; `real_BxT`: its
     mask as bools, or None)."""
     step_fn, step_params, actions_fn = self._controller(params)
     update, read, _ = self._window_parts(params, inputs_BxT.shape[0],
@@ -1091,12 +1091,12 @@ class PDAStackLM(LanguageModel):
     return h_BxTxH, state, lo_B
 
   def _start_margin(self, state0):
-    """The factor margin [B] of a stream's start state (+inf: none)."""
+    """The product margin [B] of a stream's start state (+inf: none)."""
     return jnp.full(jax.tree_util.tree_leaves(state0)[0].shape[:1], jnp.inf,
                     self.dtype)
 
   def stream_with_margin(self, inputs_BxT, carry, mask_BxT=None):
-    """``stream`` plus the share stack's factor margin of this chunk.
+    """``stream`` plus the share stack's product margin of this chunk.
 
     For corpus runs (`config.valid_stack_margin`): the chunks of a stream,
     fed in order, give the logits and carries of ``stream`` and margins
@@ -1114,7 +1114,7 @@ class PDAStackLM(LanguageModel):
 
     Returns:
       (logits [B, T, V], next carry, margin [B]): margin[b] is the smallest
-      factor margin of the updates made in this chunk (and, in a stream's
+      product margin of the updates made in this chunk (and, in a stream's
       first chunk, of its start state); +inf when there are none.
 
     Raises:

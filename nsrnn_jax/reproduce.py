@@ -234,7 +234,7 @@ def run_config(spec: RunSpec, overrides: Mapping[str, Any] = ()):
                              "--task/--models/--learning_rates/--stack_sizes/"
                              "--restarts")
       config[field] = value
-    # The NS-RNN's share stack also measures its factor margin on the
+    # The NS-RNN's share stack also measures its product margin on the
     # validation and test strings (one more stack sweep per string there;
     # training unchanged), so its records say on how many strings its
     # numbers are proven exact.

@@ -356,12 +356,13 @@ def _ns_table_summary(records) -> str:
 
 def _ns_margin_summary(records) -> str:
   """One sentence: on how many test strings the NS-RNN records that measured
-  the share stack's factor margin (`config.valid_stack_margin`) are proven
+  the share stack's margin (`config.valid_stack_margin`) are proven
   exact, per task ('' if none measured it)."""
-  per_task = {}
+  per_task, factor = {}, 0
   for r in records:
     test = r.get("test") or {}
     if r["model"] == "ns" and "stack_exact_fraction" in test:
+      factor += "stack_margin_kind" not in test
       runs, proven, strings, low = per_task.get(r["task"], (0, 0.0, 0, 0.0))
       n = test["num_strings"]
       per_task[r["task"]] = (
@@ -376,11 +377,14 @@ def _ns_margin_summary(records) -> str:
            for t, (runs, proven, strings, low) in sorted(
                per_task.items(), key=lambda kv: list(TASK_TITLES).index(
                    kv[0]))]
+  older = (f" ({factor} of these records "
+           "measured the factor margin of before 2026-12-06, never above the "
+           "product margin: a lower bound)" if factor else "")
   return ("NS-RNN test strings on which the share stack is proven exact "
-          "(its factor margin above ½ ln of the float type's flush, −40.2 "
+          "(its product margin above ½ ln of the float type's flush, −40.2 "
           "nats in float32; records that measured it, "
-          f"`config.valid_stack_margin`): {'; '.join(parts)}. The margin is "
-          "conservative: `python -m nsrnn_jax.evaluate --workdir=RUN "
+          f"`config.valid_stack_margin`): {'; '.join(parts)}{older}. The "
+          "margin is conservative: `python -m nsrnn_jax.evaluate --workdir=RUN "
           "--stack_margin` scores a run's unproven test strings again in "
           "float64 and reports the largest difference in ln p.")
 

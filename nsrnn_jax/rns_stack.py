@@ -155,7 +155,7 @@ __all__ = [
     "run", "run_coupled", "run_coupled_vectors", "run_log_space", "viterbi",
     "replay_run", "square_table",
     "validate_stack_config", "share_margin", "vector_share_margin",
-    "exact_margin", "check_num_updates",
+    "exact_margin", "MARGIN_KIND", "check_num_updates",
 ]
 
 FIXED, FROZEN = "fixed", "frozen"
@@ -474,9 +474,9 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       vector table in the cutoff basis (`update`'s ``vectors``) and the
       pushed vector; its column j but for the pop term (`_vector_local`)
       is then added as a last output.
-    margin: also return, last, the factor margin [b] of the kernels and M̃
-      (`share_margin`: the smallest log of a nonzero factor, or minus the
-      largest); the caller adds that of the new column (`_column_margin`).
+    margin: also return, last, the product margin [b] of this update's
+      column-sized contractions (`_local_margin`); the caller adds its
+      pop's (`_pop_margin`).
 
   Returns:
     (col_local [b,y,r,i,q,x] (replace rows + push row), mt [b,y,r,k,t]
@@ -571,30 +571,97 @@ def _local(prev, cs, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   if vectors is not None:
     out += (_vector_local(kern, *vectors, prec),)
   if margin:
-    # The factors of this update's products: the table's shares (each
-    # column checked when it was written: `_column_margin`), the kernels
-    # (by their exponents) and M̃. Column sums and W enter only through
-    # their logarithms.
-    out += (jnp.minimum(
-        _log_min_positive(mt),
-        jnp.min(jnp.where(ok, -jnp.abs(x), jnp.inf).reshape(b, -1),
-                axis=1)),)
+    out += (_local_margin(prev, prev_t, c_left, x, ok, nq, nx, vectors),)
   return out
 
 
 def _log_min_positive(v):
   """log of the smallest positive entry of each v[b] (inf if none)."""
-  v = v.reshape(v.shape[0], -1)
-  small = jnp.min(jnp.where(v > 0, v, jnp.inf), axis=1)
-  return jnp.where(jnp.isfinite(small),
-                   jnp.log(jnp.where(jnp.isfinite(small), small, 1)), jnp.inf)
+  return _log_min(v.reshape(v.shape[0], -1), 1)
 
 
-def _vector_margin(margin, col_v, vec):
-  """`margin` with the vector stack's factors: its new column (E, or the
-  window's vector shares) and the pushed vector, all positive."""
-  return jnp.minimum(margin, jnp.minimum(_log_min_positive(col_v),
-                                         _log_min_positive(vec)))
+def _log_or_inf(v):
+  """log v where v > 0, +inf elsewhere (a zero factor forms no product)."""
+  pos = v > 0
+  return jnp.where(pos, jnp.log(jnp.where(pos, v, 1)), jnp.inf)
+
+
+def _log_min(v, axis, where=True):
+  """log of the least positive entry of v over `axis` (+inf if none), of
+  the entries `where` allows: the minimum first, then one log per output
+  (a log per entry made the window's margin sweep ~7x slower)."""
+  return _log_or_inf(jnp.min(jnp.where((v > 0) & where, v, jnp.inf),
+                             axis=axis))
+
+
+def _half_least(*log_products):
+  """Half the least of some [b, ...] log-products, per batch element [b]."""
+  return 0.5 * functools.reduce(jnp.minimum, [
+      jnp.min(lp.reshape(lp.shape[0], -1), axis=1) for lp in log_products])
+
+
+def _local_margin(prev, prev_t, c_left, x, ok, nq, nx, vectors=None):
+  """Update j's product margin [b], but for its pop products (`_pop_margin`).
+
+  Each contraction Σ_k A[.., k] B[k, ..] forms the products A·B over every
+  k; the least nonzero one is min over k of (the least nonzero entry of A
+  at k + that of B at k), in logs, so one column-sized reduction per
+  operand bounds every product a contraction forms. This update's:
+  W = Σ_{k,t} c_k[t,y] H_{k,j−1}[t,y,s,z]; the replace rows
+  Σ_{s,z} K^R[y,r,z,s] H_{i,j−1}[q,x,s,z]; M̃ = Σ_{s,z} H_{k,j−1}[t,y,s,z]
+  K^P[y,s,z,r]; with `vectors` the vector table's replace rows and the
+  push row's (Σ_{q,x} K^U) v_j. Kernels count by their exponents x (their
+  exact logs, even where exp(x) underflows). A value stored as it is (the
+  push row K^U; the pushed vector) counts as its own product with 1, and
+  every kernel counts as exact_margin + (cap − x), above exact_margin
+  exactly when the kernel is not clamped (`_exp_share`).
+
+  Args:
+    prev: column j−1 [b, z, s, i, q, x], and as `_column_views`' prev_t
+      [b, y, (z, s), (k, t)] (its rows last: W's and M̃'s reductions run
+      along it, 1.3x faster than across prev); c_left: the column sums of the
+      columns k ≤ j−2 [b, y, k, t] (0 elsewhere); x, ok: the kernels'
+      exponents [b, r, y, F] and where they are nonzero (F: push (q, x),
+      replace and pop (s, z), Q·S each); nq, nx: Q, S.
+    vectors: None, or `_local`'s (prev_v [b, z, s, A, M], v [b, M]).
+  """
+  b, nr, ny = x.shape[:3]
+  dtype = prev.dtype
+  c_kt = c_left.reshape(b, ny, 1, -1)                         # b y 1 (k t)
+  xk = jnp.where(ok, x, jnp.inf).reshape(b, nr, ny, 3, nq, nx)
+  x_push = jnp.min(xk[:, :, :, 0].reshape(b, -1), axis=1)            # b
+  x_rep = jnp.min(xk[:, :, :, 1], axis=(1, 2))                     # b s z
+  x_pop = jnp.swapaxes(jnp.min(xk[:, :, :, 2], axis=1), 2, 3)    # b y z s
+  # W: c_k[t,y] by column j−1's row (k, t, y) least over (s, z).
+  w = _log_or_inf(c_kt[:, :, 0]) + _log_min(prev_t, 2)           # b y (k t)
+  rep = x_rep + jnp.swapaxes(_log_min(prev, (3, 4, 5)), 1, 2)
+  # M̃: its rows (k, t) where c_k[t,y] flushed are zeroed, not used.
+  pop = x_pop.reshape(b, ny, -1) + _log_min(prev_t, 3,
+                                            c_kt > _flush(dtype))  # b y (z s)
+  products = [w, rep, pop, x_push[:, None]]       # the push row: K^U · 1
+  cap = float(-np.log(_flush(dtype)) - 2.0)
+  x_max = jnp.max(jnp.where(ok, x, -jnp.inf).reshape(b, -1), axis=1)
+  headroom = exact_margin(dtype) + cap - x_max
+  if vectors is not None:
+    prev_v, vec = vectors
+    log_vec = _log_min_positive(vec)
+    products += [
+        x_rep + jnp.swapaxes(_log_min(prev_v, (3, 4)), 1, 2),
+        x_push + log_vec, log_vec]
+  return jnp.minimum(_half_least(*products), headroom)
+
+
+def _pop_margin(mt, row_min):
+  """The product margin [b] of a pop Σ_{k,t} M̃[y,r,k,t] G[y,k,t,...]:
+  M̃ [b, y, r, k, t] and row_min [b, y, k, t], the log of the least
+  nonzero entry of each table row (`_row_min`)."""
+  return _half_least(_log_min(mt, 2) + row_min)
+
+
+def _row_min(g):
+  """log of the least nonzero entry of each row (y, k, t) of a table
+  [b, y, k, t, ...] over its other axes: [b, y, k, t] (+inf if none)."""
+  return _log_min(g.reshape(g.shape[:4] + (-1,)), -1)
 
 
 def _optional_outputs(parts, residuals, vectors, margin):
@@ -612,18 +679,6 @@ def _counted(lo_j, j, num_updates):
   if num_updates is None:
     return lo_j
   return jnp.where(j <= num_updates, lo_j, jnp.inf)
-
-
-def _column_margin(local_margin, col):
-  """An update's factor margin: `_local`'s and its new column's shares.
-
-  Every share a later update multiplies was written as some update's new
-  column, so checking each column as it is written covers the table (the
-  initial column holds only the bottom entry, 1). Checking the new column
-  rather than column j−1 (a dynamic slice of the table) halved the window
-  margin's time.
-  """
-  return jnp.minimum(local_margin, _log_min_positive(col))
 
 
 def _vector_local(kern, prev_v, vec, prec):
@@ -841,7 +896,7 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       Its new column costs one more replace mix and pop matmul.
     residuals: also return what `_local_bwd` needs to differentiate the
       update by hand (`limited_stack`'s window VJP).
-    margin: also return, last, the update's factor margin [B]
+    margin: also return, last, the update's product margin [B]
       (`share_margin`; with `vectors` also over the vector column and the
       pushed vector: `vector_share_margin`; `limited_stack.share_margin`
       takes their minimum).
@@ -891,9 +946,9 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   if residuals:
     out += ((colsum, mt, res),)
   if margin:
-    lo = _column_margin(lo_local, col)
+    lo = jnp.minimum(lo_local, _pop_margin(mt, _row_min(g)))
     if vectors is not None:
-      lo = _vector_margin(lo, col_v, vec)
+      lo = jnp.minimum(lo, _pop_margin(mt, _row_min(gv)))
     out += (lo,)
   return out
 
@@ -961,8 +1016,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       vector stack (`run_coupled_vectors`: E_k[t,y] at [b, y, k+1, t, 0]);
       actions_fn is then called with E_{j−1} [b, y, r, 1, M] as a fifth
       argument and returns the pushed vector v_j [B, M] after the actions.
-    margin: also compute the factor margin [B] of every update (`_local`'s
-      ``margin``, with the vector stack's factors; on XLA) and return its
+    margin: also compute the product margin [B] of every update (`_local`'s
+      ``margin`` and the pop's, with the vector stack's products; on XLA) and return its
       minimum.
     num_updates: with `margin`, None or [B] ints: the minimum over element
       b's first num_updates[b] updates only (the rest are padding).
@@ -986,10 +1041,16 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
     # Imported on use: Pallas is needed only by this opt-in path.
     from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
   extra, ys_all, mts, a_hats, lms, res_all = extra0, [], [], [], [], []
-  # The running factor margin (a carry only when asked for).
+  # The running product margin and the least share of each table row
+  # [b, y, k, t] (carries only when asked for).
   lo = jnp.full(g.shape[:1], jnp.inf, g.dtype) if margin else ()
-  if margin and vec:                  # the bottom vector is a factor too
-    lo = jnp.minimum(lo, _log_min_positive(vectors0))
+  if margin and vec:           # the bottom vector's entries: stored values
+    lo = jnp.minimum(lo, 0.5 * _log_min_positive(vectors0))
+  if margin:
+    # The initial table holds at most one entry per row (the bottom's), so
+    # its row minima are the logs of its column sums (`_row_min(g)` on the
+    # constant table took XLA seconds of constant folding).
+    lo = (_log_or_inf(cs), lo)
   # T = 0: one empty block.
   blocks = _time_blocks(t, _table_bytes(g)) or [(1, 1)]
   # With the chunked layout (`TABLE_LAYOUT`) the table is kept in column
@@ -1007,6 +1068,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   frozen = []                   # chunked: the earlier blocks' chunks
   n = blocks[0][1] + 1
   g, cs = g[:, :, :n, :, :n], cs[:, :, :n]
+  if margin:
+    lo = (lo[0][:, :, :n], lo[1])
   # log α̂_{j−1} and log Σα_{j−1} are carried as they are and every
   # update's values leave the scan as outputs: reading and writing rows of
   # [B, T+1, ...] carries made XLA copy them at every update.
@@ -1029,6 +1092,10 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
     elif not chunked:
       g = _pad_to(g, n, (2, 4))
     cs = _pad_to(cs, n, (2,))
+    if margin:                             # rows not yet written: none
+      rows = lo[0]
+      lo = (jnp.pad(rows, [(0, 0)] * 2 + [(0, n - rows.shape[2]), (0, 0)],
+                    constant_values=jnp.inf), lo[1])
     if vec:
       vcarry = (_pad_to(vcarry[0], n, (2,)), vcarry[1])
 
@@ -1068,16 +1135,21 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
         col = col + _pop_matmul(g, mt, prec)
         g = lax.dynamic_update_index_in_dim(g, col, j + 1, axis=2)
       if margin:
-        lo_j = _column_margin(lo_local, col)
+        # The pop's products, by each table row's least share (`rows`,
+        # written with its column), then column j's rows.
+        rows, lo = lo
+        lo_j = jnp.minimum(lo_local, _pop_margin(mt, rows))
+        rows = lax.dynamic_update_index_in_dim(
+            rows, _row_min(col[:, :, None])[:, :, 0], j + 1, axis=2)
       if vec:
+        if margin:
+          lo_j = jnp.minimum(lo_j, _pop_margin(mt, _row_min(gv)))
         # E_j: a column-sized pop (M̃ with the vector table's columns).
         col_v = vec_local + _pop_matmul(gv, mt, prec)
         vcarry = (lax.dynamic_update_index_in_dim(gv, col_v, j + 1, axis=2),
                   col_v)
-        if margin:
-          lo_j = _vector_margin(lo_j, col_v, v_j)
       if margin:
-        lo = jnp.minimum(lo, _counted(lo_j, j, num_updates))
+        lo = (rows, jnp.minimum(lo, _counted(lo_j, j, num_updates)))
       lm_j = lm_prev + inc
       kept = (mt, res) if keep_mt else None
       return ((extra, g, cs, jnp.sum(col, axis=(3, 4, 5)), a_hat, lm_j,
@@ -1109,7 +1181,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
   gv = _pad_to(vcarry[0], num_pts, (2,)) if vec else None
   table = tuple(frozen) + (g,) if chunked else _pad_to(g, num_pts, (2, 4))
   return (table, _pad_to(cs, num_pts, (2,)), la, lm, extra, ys, mt, res, gv,
-          lo if margin else None)
+          lo[1] if margin else None)
 
 
 def _pad_to(x, n, axes):
@@ -1384,26 +1456,43 @@ def _run_jit(push, repl, pop, bottom, precision, unroll):
 
 
 # ---------------------------------------------------------------------------
-# The factor margin: when the shares are exact.
+# The product margin: when the shares are exact.
 # ---------------------------------------------------------------------------
 #
-# Every product the sweep forms has two non-negative factors: a share of
-# the table (each column checked as it is written), a kernel exp(x) (x:
-# α̂_{j−1} + action − α_j) or an entry of M̃. Column sums and W enter α_j
-# only through their logarithms. If every nonzero factor f of a run lies in
-# [e^m, e^−m] with m > exact_margin(dtype) = ½ ln(flush), every product
-# is at least the flush threshold, so no product underflows or is dropped
-# as flushed (a sum of non-negative terms only grows), no kernel is
-# clamped, and every entry, log α̂ and log Σα equal exact arithmetic up to
-# rounding — the values `log_stack` computes. Below it nothing is
-# promised (a run may or may not have lost mass): `log_stack` cannot flush,
-# and float64 moves the bound to about −350 nats.
-# The margin covers the forward values (readings, log Σα, the loss), not
-# the backward's cotangents.
+# Every product the sweep forms has two non-negative factors, a share of
+# the table and a kernel exp(x) (x: α̂_{j−1} + action − α_j), a column sum
+# or an entry of M̃; column sums and W enter α_j only through their
+# logarithms. The margin m is half the log of the least nonzero product
+# (computed in logs from its factors, so a product that underflowed still
+# counts), with each value stored as it is (a push-row share exp(x), a
+# pushed or bottom vector) counting as its own product with 1, and each
+# kernel as exact_margin + (cap − x), its headroom below the clamp of
+# `_exp_share`. With m > exact_margin(dtype) = ½ ln(flush) every product
+# is above the flush threshold, so none underflows, no sum of them (which
+# only grows) is dropped as flushed, no kernel is clamped, and every entry,
+# log α̂ and log Σα equal exact arithmetic up to rounding — the values
+# `log_stack` computes. Below it nothing is promised (a run may or may not
+# have lost mass): `log_stack` cannot flush, and float64 moves the bound to
+# about −350 nats. One reduction per operand bounds a whole contraction
+# (`_local_margin`); the pop's table-sized operand by each row's least
+# share, kept with the column sums. The margin covers the forward values
+# (readings, log Σα, the loss), not the backward's cotangents.
+#
+# It replaced a factor margin (every factor within [e^m, e^−m]), which the
+# product margin is never below and which failed trained hardest-CFL
+# NS-RNNs whose products all stayed far above the flush: a share e^−60
+# times a kernel near 1 is a product of e^−60, ½ ln = −30, where the factor
+# margin counted −60.
+
+
+# Which certificate `share_margin` computes, named where margins are
+# saved (run records, benchmark results): those that name none are of the
+# factor margin.
+MARGIN_KIND = "product"
 
 
 def exact_margin(dtype=jnp.float32) -> float:
-  """The factor margin above which the shares are exact (½ ln flush).
+  """The product margin above which the shares are exact (½ ln flush).
 
   About −40.2 nats in float32 and −350 in float64 (`share_margin`).
   """
@@ -1412,11 +1501,12 @@ def exact_margin(dtype=jnp.float32) -> float:
 
 def share_margin(push, repl, pop, bottom=FIXED, precision="highest",
                  num_updates=None):
-  """The factor margin of `run` on these log-weights: [B] nats (≤ 0).
+  """The product margin of `run` on these log-weights: [B] nats.
 
-  The smallest m such that every nonzero factor f of every product the
-  share sweep forms for batch element b satisfies e^m ≤ f ≤ e^−m (+inf
-  when there are none). Above `exact_margin(dtype)` `run`'s values are
+  Half the log of the least nonzero product the share sweep forms for
+  batch element b (a stored push-row share counting as its own product,
+  a kernel by its headroom below the clamp; the comment above
+  `exact_margin`), +inf when there is none. Above `exact_margin(dtype)` `run`'s values are
   exact up to rounding for that element; below it they may have lost runs
   that fell that far behind (module docstring), and `log_stack.run` gives
   the exact ones. Forward only, not differentiable; costs a few column
@@ -1441,8 +1531,9 @@ def vector_share_margin(push, repl, pop, vectors, bottom_vector,
 
   The stack's pushed and bottom vectors are positive, so its vector
   shares are too and every product of its sweep has two non-negative
-  factors: those of `share_margin` plus the vector table's entries and
-  the vectors. Above `exact_margin(dtype)` the readings ρ_j = α̂_j ⊗ E_j
+  factors: `share_margin`'s products plus the vector table's replace rows
+  and pop (its entries by kernels and M̃) and the push row's kernels by
+  the pushed vector, the vectors counting as stored values. Above `exact_margin(dtype)` the readings ρ_j = α̂_j ⊗ E_j
   of `run_coupled_vectors` on these actions are exact up to rounding.
   Forward only, not differentiable.
 

@@ -241,7 +241,7 @@ def read_json(path: str):
 
 
 # Per-epoch keys a record keeps where the run measured them: the share
-# stack's factor margin on the validation strings (config.valid_stack_margin).
+# stack's product margin on the validation strings (config.valid_stack_margin).
 MARGIN_KEYS = ("valid_stack_margin", "valid_stack_exact_fraction")
 
 
@@ -274,6 +274,8 @@ def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
                                   "lower_bound_perplexity", "num_strings",
                                   "stack_margin", "stack_exact_fraction")
             if k in table}
+    if "test_stack_margin_kind" in results:
+      test["stack_margin_kind"] = results["test_stack_margin_kind"]
   return {
       "format": RECORD_FORMAT,
       "task": spec.task, "model": spec.model, "setting": spec.setting,

@@ -183,7 +183,7 @@ class VRNSLM(models.PDAStackLM):
         self.table == 'log', margin)
 
   def _start_margin(self, state0):
-    # The bottom vector's shares are factors too (`limited_vrns.share_margin`).
+    # The bottom vector's shares are stored values (`limited_vrns.share_margin`).
     return limited_vrns.initial_margin(state0[0])
 
   def _run(self, params, inputs_BxT):

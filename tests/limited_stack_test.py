@@ -121,22 +121,46 @@ def _actions_of(q, s):
 
 
 @pytest.mark.parametrize("window", [3, 6])
-@pytest.mark.parametrize("big,exact", [(30.0, True), (100.0, False)])
+@pytest.mark.parametrize("big,exact", [(30.0, True), (78.0, True),
+                                       (83.0, False), (100.0, False)])
 def test_share_margin_flags_the_window_run_that_comes_back(window, big,
                                                            exact):
-  """The window's margin is −big on the run that falls e^−big behind:
-  it proves the 30-nat case and not the 100-nat one, which the window
-  loses as the unlimited table does (log Σα off by up to 100 nats)."""
+  """The window's margin is −big / 2 on the run that falls e^−big behind
+  (rns_stack_test's case): it proves 30 and 78 nats, which come back
+  exact, and not 83 or 100, which the window loses as the unlimited table
+  does (log Σα off by up to 100 nats)."""
   acts, _, _ = stack_helpers.run_that_comes_back(big, np.float32)
   margin = float(limited_stack.share_margin(*acts, window=window)[0])
-  assert margin == pytest.approx(-big, rel=1e-6)
-  assert (margin > rns_stack.exact_margin(np.float32)) == exact
+  exact_margin = rns_stack.exact_margin(np.float32)
+  # Where the run survives, the kernel e^big that brings it back counts
+  # by its headroom below the clamp (flushed, it is never formed).
+  headroom = exact_margin + (-2 * exact_margin - 2) - big
+  want = min(-big / 2, headroom) if exact else -big / 2
+  assert margin == pytest.approx(want, rel=1e-6)
+  assert (margin > exact_margin) == exact
   with jax.enable_x64(True):
     want = limited_stack.run(*(jnp.asarray(a, jnp.float64) for a in acts),
                              window=window)[1]
   got = limited_stack.run(*acts, window=window)[1]
   lost = np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want)))
   assert (lost < 1e-4) == exact, lost
+
+
+@pytest.mark.parametrize("bottom", ["fixed", "frozen"])
+def test_window_margin_covering_every_row_is_the_unlimited_one(bottom, x64):
+  """float64, D = T + 1 (no row ever leaves the window): the window's
+  product margin equals the unlimited table's (itself checked against
+  naive loops in rns_stack_test), Q = 2, S = 3, scales 0.5 to 20."""
+  del x64
+  rng = np.random.default_rng(4)
+  steps = 6
+  acts = [np.concatenate(a) for a in zip(*[
+      _actions(rng, 2, steps, 2, 3, scale) for scale in (0.5, 3, 20)])]
+  acts = [jnp.asarray(a, jnp.float64) for a in acts]
+  np.testing.assert_allclose(
+      np.asarray(limited_stack.share_margin(*acts, window=steps + 1,
+                                            bottom=bottom)),
+      np.asarray(rns_stack.share_margin(*acts, bottom=bottom)), rtol=1e-9)
 
 
 def test_window_share_margin_promises_only_exact_values():

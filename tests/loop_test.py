@@ -99,6 +99,7 @@ def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys):
                              [np.min(m) for m in test], rtol=1e-5)
   assert table["stack_exact_fraction"] == [np.mean(m > exact) for m in test]
   results = json.load(open(tmp_path / "results.json"))
+  assert results["test_stack_margin_kind"] == "product"
   assert results["test_stack_margin"] == pytest.approx(
       np.min(np.concatenate(test)), rel=1e-5)
 

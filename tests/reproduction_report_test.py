@@ -29,12 +29,13 @@ def test_report_says_which_stack_table_the_ns_runs_used():
 
 
 def test_report_says_on_how_many_test_strings_the_ns_stack_is_exact():
-  def measured(task, restart, fractions, margins):
+  def measured(task, restart, fractions, margins, kind="product"):
     rec = fake_record(task, "ns", 0.005, restart, 0.01, 0.01)
-    return dict(rec, test={"lengths": [40, 41], "num_strings": [100, 300],
-                           "ce_diff": [0.0, 0.0],
-                           "stack_exact_fraction": fractions,
-                           "stack_margin": margins})
+    test = {"lengths": [40, 41], "num_strings": [100, 300],
+            "ce_diff": [0.0, 0.0], "stack_exact_fraction": fractions,
+            "stack_margin": margins}
+    return dict(rec, test=dict(test, stack_margin_kind=kind) if kind
+                else test)
   records = [fake_record("dyck", "ns", 0.005, 0, 0.01, 0.01),  # before
              measured("dyck", 1, [1.0, 0.5], [-30.0, -50.5]),
              measured("dyck", 2, [1.0, 1.0], [-20.0, -25.0]),
@@ -44,7 +45,14 @@ def test_report_says_on_how_many_test_strings_the_ns_stack_is_exact():
   # Dyck: (100 + 150 + 100 + 300) of 800; marked: 25 of 400.
   assert ("`config.valid_stack_margin`): Marked reversal 6% of 400 (1 run, "
           "smallest -60.0 nats); Dyck 81% of 800 (2 runs, smallest -50.5 "
-          "nats).") in line, line
+          "nats). The margin") in line, line
+  # A record from before the product margin names no kind.
+  records[2] = measured("dyck", 2, [1.0, 1.0], [-20.0, -25.0], kind=None)
+  line = next(l for l in reproduction_report.render_report(
+      records).splitlines() if l.startswith("Records: "))
+  assert ("-50.5 nats) (1 of these records measured the factor margin of "
+          "before 2026-12-06, never above the product margin: a lower "
+          "bound). The margin") in line, line
   line = next(l for l in reproduction_report.render_report(
       records[:1]).splitlines() if l.startswith("Records: "))
   assert "proven exact" not in line

@@ -160,7 +160,8 @@ def test_a_record_keeps_the_stack_margins_its_run_measured(tmp_path):
   (run_dir / "metrics.jsonl").write_text(
       "".join(json.dumps(e) + "\n" for e in epochs))
   (run_dir / "results.json").write_text(json.dumps(
-      {"epochs": 2, "best_epoch": 2, "best_valid_ce_diff": 0.1}))
+      {"epochs": 2, "best_epoch": 2, "best_valid_ce_diff": 0.1,
+       "test_stack_margin_kind": "product"}))
   (run_dir / "config.json").write_text(json.dumps({"model": "ns"}))
   table = {"lengths": [40, 41], "ce_diff": [0.1, 0.2],
            "num_strings": [100, 100], "stack_margin": [-30.0, -41.0],
@@ -172,6 +173,7 @@ def test_a_record_keeps_the_stack_margins_its_run_measured(tmp_path):
   assert [e["valid_stack_margin"] for e in rec["epochs"]] == [-21.0, -22.0]
   assert rec["test"]["stack_margin"] == [-30.0, -41.0]
   assert rec["test"]["stack_exact_fraction"] == [1.0, 0.97]
+  assert rec["test"]["stack_margin_kind"] == "product"
   for e in epochs:
     del e["valid_stack_margin"], e["valid_stack_exact_fraction"]
   (run_dir / "metrics.jsonl").write_text(
@@ -179,6 +181,8 @@ def test_a_record_keeps_the_stack_margins_its_run_measured(tmp_path):
   for key in ("stack_margin", "stack_exact_fraction"):
     del table[key]
   (run_dir / "test_by_length.json").write_text(json.dumps(table))
+  (run_dir / "results.json").write_text(json.dumps(
+      {"epochs": 2, "best_epoch": 2, "best_valid_ce_diff": 0.1}))
   rec = run_records.make_record(spec, str(run_dir), {}, maker)
   assert all("valid_stack_margin" not in e for e in rec["epochs"])
   assert set(rec["test"]) == {"lengths", "ce_diff", "num_strings"}

@@ -173,7 +173,7 @@ def check_worked_example_window(run, dtype, atol, bottom, splits):
 
 
 def assert_margin_promise(margin, rho, want_rho, mass, want_mass):
-  """The factor margin's promise on a float32 batch: both sides of
+  """The product margin's promise on a float32 batch: both sides of
   `rns_stack.exact_margin` occur, and every element above it has the exact
   readings (to 2e-5) and log Σα (to 1e-5 relative, at least 1e-5).
 
@@ -195,3 +195,107 @@ def assert_margin_promise(margin, rho, want_rho, mass, want_mass):
   assert np.all(err_rho[promised] < 2e-5), (err_rho, margin)
   assert np.all(err_mass[promised] < 1e-5 * scale[promised]), (err_mass,
                                                                margin)
+
+
+def naive_product_margin(push, repl, pop, bottom):
+  """The product margin of one element's [T, ...] float64 log-weights by
+  the module docstring's recurrence in plain loops, every product formed
+  one by one (no min-reduction trick): half the least log of any nonzero
+  product of W, the replace rows, M̃ and the pop term, half the log of
+  each push-row share (stored as it is), and each kernel exp(x) by its
+  headroom exact_margin + cap − x (`rns_stack._local_margin`)."""
+  t, q, s = push.shape[:3]
+  flush = float(np.finfo(np.float64).tiny) * 1e3
+  exact = 0.5 * np.log(flush)
+  cap = -np.log(flush) - 2.0
+  logs = []                          # log-products, then ½ min
+  halves = []                        # values already in margin units
+  # h[(i, k)][q, x, t, y] = H_{i,k}; time −1 is the bottom row.
+  h = {(-1, 0): np.zeros((q, s, q, s))}
+  if bottom == "fixed":
+    h[(-1, 0)][0, 0, 0, 0] = 1.0
+  a = np.full((q, s), -np.inf)
+  a[0, 0] = 0.0
+
+  def col_sum(k):
+    return sum(h[(i, k)] for i in range(-1, k)).sum(axis=(0, 1))  # [t, y]
+
+  for j in range(1, t + 1):
+    pu, re, po = push[j - 1], repl[j - 1], pop[j - 1]
+    c = {k: col_sum(k) for k in range(0, j)}
+    w = np.zeros((s, q, s))                                  # [y, s, z]
+    for k in range(0, j - 1):
+      for tt, y, ss, z in np.ndindex(q, s, q, s):
+        f, g = c[k][tt, y], h[(k, j - 1)][tt, y, ss, z]
+        w[y, ss, z] += f * g
+        if f > 0 and g > 0:
+          logs.append(np.log(f) + np.log(g))
+    terms = np.full((q, s, 3 * q * s), -np.inf)             # [r, y, F]
+    for r, y, qq, x in np.ndindex(q, s, q, s):
+      f = qq * s + x
+      terms[r, y, f] = a[qq, x] + pu[qq, x, r, y]
+      if c[j - 1][qq, x] > flush:
+        terms[r, y, q * s + f] = a[qq, x] + np.log(c[j - 1][qq, x]) + re[
+            qq, x, r, y]
+      if w[y, qq, x] > flush:
+        terms[r, y, 2 * q * s + f] = a[qq, x] + np.log(w[y, qq, x]) + po[
+            qq, x, r]
+    peak = np.max(terms)
+    a_j = np.log(np.sum(np.exp(terms - peak), axis=2)) + peak   # [r, y]
+
+    def kernel(r, y, zs, family):
+      """exp(x) of a kernel whose term is nonzero (else None), headroom
+      counted."""
+      qq, x = divmod(zs, s)
+      if not np.isfinite(terms[r, y, family * q * s + zs]):
+        return None
+      act = (pu[qq, x, r, y], re[qq, x, r, y], po[qq, x, r])[family]
+      ex = a[qq, x] + act - a_j[r, y]
+      halves.append(exact + cap - ex)
+      return ex
+
+    new = {}
+    push_row = np.zeros((q, s, q, s))
+    for r, y, qq, x in np.ndindex(q, s, q, s):
+      ex = kernel(r, y, qq * s + x, 0)
+      if ex is not None:
+        push_row[qq, x, r, y] = np.exp(ex)
+        halves.append(0.5 * ex)
+    kr = np.zeros((q, s, q, s))                              # [s,z,r,y]
+    kp = np.zeros((s, q, s, q))                              # [y,s,z,r]
+    for r, y, ss, z in np.ndindex(q, s, q, s):
+      ex = kernel(r, y, ss * s + z, 1)
+      if ex is not None:
+        kr[ss, z, r, y] = np.exp(ex)
+      ex = kernel(r, y, ss * s + z, 2)
+      if ex is not None:
+        kp[y, ss, z, r] = np.exp(ex)
+    # M̃_k[t,y,r] for the columns whose sums are nonzero.
+    mt = {}
+    for k in range(0, j - 1):
+      mt[k] = np.zeros((q, s, q))
+      for tt, y, r, ss, z in np.ndindex(q, s, q, q, s):
+        if c[k][tt, y] <= flush:
+          continue
+        f, g = h[(k, j - 1)][tt, y, ss, z], kp[y, ss, z, r]
+        mt[k][tt, y, r] += f * g
+        if f > 0 and g > 0:
+          logs.append(np.log(f) + np.log(g))
+    for i in range(-1, j - 1):
+      col = np.zeros((q, s, q, s))
+      for qq, x, r, y, ss, z in np.ndindex(q, s, q, s, q, s):
+        f, g = h[(i, j - 1)][qq, x, ss, z], kr[ss, z, r, y]
+        col[qq, x, r, y] += f * g
+        if f > 0 and g > 0:
+          logs.append(np.log(f) + np.log(g))
+      for k in range(i + 1, j - 1):
+        for qq, x, r, y, tt in np.ndindex(q, s, q, s, q):
+          f, g = h[(i, k)][qq, x, tt, y], mt[k][tt, y, r]
+          col[qq, x, r, y] += f * g
+          if f > 0 and g > 0:
+            logs.append(np.log(f) + np.log(g))
+      new[(i, j)] = col
+    new[(j - 1, j)] = push_row
+    h.update(new)
+    a = a_j - (np.log(np.sum(np.exp(a_j - np.max(a_j)))) + np.max(a_j))
+  return min(([0.5 * min(logs)] if logs else []) + halves + [np.inf])
