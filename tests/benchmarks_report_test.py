@@ -209,6 +209,32 @@ def test_share_margin_benchmark_times_the_margin_it_reports(load_benchmark,
   assert row["min_margin"] < -1
 
 
+def test_margin_certificates_benchmark_counts_its_elements(load_benchmark,
+                                                           monkeypatch, x64):
+  # A small row at scale 8 (between all and none proven): the proven count
+  # is share_margin's on the row's inputs (same seed), a margin 100 nats
+  # lower proves none, nothing proven is inexact, and every element is
+  # exact here.
+  del x64
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  bench = load_benchmark("margin_certificates")
+  monkeypatch.setattr(bench, "B", 8)
+  monkeypatch.setattr(bench, "N", 8)
+  lower = lambda *a: rns_stack.share_margin(*a) - 100.0
+  row = bench.row(8, np.random.default_rng(5), lower)
+  acts = bench.actions(8, np.random.default_rng(5))
+  margins = np.asarray(rns_stack.share_margin(
+      *(np.asarray(a, np.float32) for a in acts)))
+  assert row["reference_not_proven"] == 0 and row["elements"] == 8
+  assert row["proven_product"] == np.sum(
+      margins > rns_stack.exact_margin(np.float32))
+  assert 0 < row["proven_product"] < 8, margins
+  assert row["proven_factor"] == 0
+  assert row["exact"] == 8
+  assert row["proven_not_exact_product"] == 0
+
+
 @pytest.mark.usefixtures("fast_compile_test")
 def test_stream_margin_benchmark_reports_the_chunk_s_margin(load_benchmark):
   # A small RNS row: the margin evaluation's NLL is the plain one's, and the
