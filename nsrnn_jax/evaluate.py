@@ -285,7 +285,7 @@ def unproven_errors(loaded: Loaded, split: data.Split,
   """How far the run's ln p is from exact on the strings its stack margin
   does not prove exact (at or below `exact_margin`).
 
-  The margin is conservative (a factor below the threshold need not flush
+  The margin is conservative (a product below the threshold need not flush
   anything that matters), so these strings are scored again in float64
   (`score(..., exact=True)`), and the summary says by how much the run's
   own ln p differs there.
