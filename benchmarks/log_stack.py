@@ -122,18 +122,21 @@ TIMED_LENGTH = 80
 SHARE_MARGINS = (-43.0, -87.0)
 
 
+def _trace_actions(trace_out, model):
+  """((push, repl, pop) log-weights, bottom) of a trace of `model`."""
+  if "action_log_weights" in trace_out:         # RNS: unnormalised weights
+    w = trace_out["action_log_weights"]
+    return (w["push"], w["repl"], w["pop"]), model.bottom
+  a = trace_out["actions"]                      # NS: probabilities
+  return tuple(jnp.log(a[k]) for k in ("push", "repl", "pop")), (
+      log_stack.FROZEN)
+
+
 def _log_shares(trace_out, model):
   """The exact log-share table's finite entries for a trace of `model`
   (log_stack's sweep on the trace's action log-weights): how far below
   the best runs the smallest shares of a trained model's runs fall."""
-  if "action_log_weights" in trace_out:         # RNS: unnormalised weights
-    w = trace_out["action_log_weights"]
-    acts = (w["push"], w["repl"], w["pop"])
-    bottom = model.bottom
-  else:                                         # NS: probabilities
-    a = trace_out["actions"]
-    acts = tuple(jnp.log(a[k]) for k in ("push", "repl", "pop"))
-    bottom = log_stack.FROZEN
+  acts, bottom = _trace_actions(trace_out, model)
   tables, _ = jax.jit(lambda *z: log_stack._sweep(  # pylint: disable=protected-access
       *z, bottom, "highest"))(*acts)
   table = np.asarray(tables[0])
@@ -165,8 +168,10 @@ def _trained_timing(shares_trace, log_model, params, language, count, rng):
   return out
 
 
-def _trained(workdir, per_length, note, out_name):
-  """Both tables on a trained run's best parameters (float32)."""
+def _trained(workdir, per_length, note, out_name, factor_revision=None):
+  """Both tables on a trained run's best parameters (float32); with
+  `factor_revision`, also the factor margin (`rns_stack.share_margin` as of
+  that revision) beside the product margin."""
   from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
@@ -184,6 +189,8 @@ def _trained(workdir, per_length, note, out_name):
            for name, m in (("shares", shares.model), ("log", log_model))}
   margin_fn = jax.jit(lambda p, x: shares.model.apply(
       {"params": p}, x, method="stack_margin"))
+  factor_margin = (machine.module_at_revision(
+      factor_revision, "rns_stack").share_margin if factor_revision else None)
   proven = rns_stack.exact_margin(np.float32)
   with jax.enable_x64(True):
     model64 = models.build(dict(config.to_dict(), dtype="float64"),
@@ -218,6 +225,11 @@ def _trained(workdir, per_length, note, out_name):
           for m in SHARE_MARGINS})
       rows[-1].update(min_stack_margin=float(margins.min()),
                       fraction_proven_exact=float((margins > proven).mean()))
+      if factor_margin is not None:     # the certificate it replaced
+        acts, bottom = _trace_actions(out["shares"], shares.model)
+        factor = np.asarray(factor_margin(*acts, bottom=bottom), np.float64)
+        rows[-1].update(min_factor_margin=float(factor.min()),
+                        fraction_proven_factor=float((factor > proven).mean()))
       with jax.enable_x64(True):
         x64 = jnp.asarray(x, jnp.int32)
         lp64 = np.asarray(models.sequence_log_prob(
@@ -240,7 +252,10 @@ def _trained(workdir, per_length, note, out_name):
             f"| {r['min_stack_margin']:.1f} | "
             f"{r['fraction_proven_exact']:.0%} | "
             f"{r['max_log_prob_error_shares']:.1e} | "
-            f"{r['max_log_prob_error_log']:.1e} |", flush=True)
+            f"{r['max_log_prob_error_log']:.1e} |"
+            + (f" factor margin {r['min_factor_margin']:.1f} "
+               f"({r['fraction_proven_factor']:.0%}) |"
+               if "min_factor_margin" in r else ""), flush=True)
   timing = _trained_timing(trace["shares"], log_model, shares.params,
                            language, per_length, rng)
   print(f"n = {TIMED_LENGTH}, {per_length} strings of the language, forward: "
@@ -264,6 +279,10 @@ def main():
   parser.add_argument("--baseline", default=None,
                       help="also time nsrnn_jax/log_stack.py as of this git "
                       "revision ('log_before'; a before/after in one run)")
+  parser.add_argument("--factor_baseline", default="4ee2779",
+                      help="with --workdir: also the factor margin, "
+                      "rns_stack.share_margin as of this revision (the last "
+                      "with it); '' for none")
   parser.add_argument("--window", type=int, default=0,
                       help="time the memory-limited stacks with this window "
                       "D instead (writes log_stack_window.json)")
@@ -273,7 +292,8 @@ def main():
           "difference | smallest log share | smallest margin | proven "
           "exact | shares error | log error |")
     print("|---|---|---|---|---|---|---|---|---|")
-    _trained(args.workdir, args.strings, args.note, args.out)
+    _trained(args.workdir, args.strings, args.note, args.out,
+             args.factor_baseline or None)
     return
   rng = np.random.default_rng(0)
   tables = window_tables(args.window) if args.window else dict(TABLES)

@@ -1186,6 +1186,7 @@ def log_stack_block():
     margin = "min_log_share" in t["rows"][0]
     proof = "min_stack_margin" in t["rows"][0]
     err = "max_log_prob_error_shares" in t["rows"][0]
+    factor = "min_factor_margin" in t["rows"][0]
     text += (f"\nA trained {t['model'].upper()}-RNN on both tables (`{name}`, "
              f"`log_stack.py --workdir`; {t['task']}, {t['note']}; float32, "
              f"{_device(t)}): largest differences per batch of strings"
@@ -1195,6 +1196,8 @@ def log_stack_block():
              + (f"; the share sweep's smallest {_margin_kind(t)} margin "
                 "(`model.stack_margin`) and the strings it proves exact "
                 "(margin above −40.2 nats)" if proof else "")
+             + ("; the same for the factor margin it replaced "
+                "(`rns_stack.share_margin` as of 4ee2779)" if factor else "")
              + ("; and each float32 table's largest ln p(w) error against "
                 "the same parameters in float64 (share table, proven exact "
                 "by its float64 margin; in brackets the shares' on the "
@@ -1203,15 +1206,18 @@ def log_stack_block():
              + ".\n\n| n | strings | ln p(w) | readings |"
              + (" smallest log share |" if margin else "")
              + (" smallest margin | proven exact |" if proof else "")
+             + (" factor margin | proven (factor) |" if factor else "")
              + (" shares error | log error |" if err else "")
              + "\n|---|---|---|---|"
-             + "---|" * (margin + 2 * proof + 2 * err) + "\n")
+             + "---|" * (margin + 2 * proof + 2 * factor + 2 * err) + "\n")
     text += "".join(f"| {r['n']} | {r['strings']} ({r['count']}) | "
                     f"{r['max_log_prob_difference']:.1e} | "
                     f"{r['max_reading_difference']:.1e} |"
                     + (f" {r['min_log_share']:.1f} |" if margin else "")
                     + (f" {r['min_stack_margin']:.1f} | "
                        f"{r['fraction_proven_exact']:.0%} |" if proof else "")
+                    + (f" {r['min_factor_margin']:.1f} | "
+                       f"{r['fraction_proven_factor']:.0%} |" if factor else "")
                     + (f" {r['max_log_prob_error_shares']:.1e}"
                        + _proven_error(r)
                        + f" | {r['max_log_prob_error_log']:.1e} |"
