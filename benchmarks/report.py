@@ -1142,7 +1142,8 @@ def certificates_text():
       "float64 sweep, itself proven by its float64 margin; elements where it "
       "is not are left out). No certificate may prove an inexact element.",
       "", "| scale | elements | exact | proven (product) | proven (factor) "
-      "| proven but not exact (product / factor) |", "|---|---|---|---|---|---|"]
+      "| proven but not exact (product / factor) |",
+      "|---|---|---|---|---|---|"]
   lines += [f"| {r['scale']} | {r['elements']} | {r['exact']} | "
             f"{r['proven_product']} | {r['proven_factor']} | "
             f"{r['proven_not_exact_product']} / "

@@ -93,7 +93,8 @@ def main():
           flush=True)
   info = machine.machine_info()
   result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "note": args.note, "margin_kind": rns_stack.MARGIN_KIND, "rows": rows}
+            "note": args.note, "margin_kind": rns_stack.MARGIN_KIND,
+            "rows": rows}
   name = ("share_margin_window.json" if args.window
           else "share_margin.json")
   machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),

@@ -619,9 +619,9 @@ def _local_margin(prev, prev_t, c_left, x, ok, nq, nx, vectors=None):
   Args:
     prev: column j−1 [b, z, s, i, q, x], and as `_column_views`' prev_t
       [b, y, (z, s), (k, t)] (its rows last: W's and M̃'s reductions run
-      along it, 1.3x faster than across prev); c_left: the column sums of the
-      columns k ≤ j−2 [b, y, k, t] (0 elsewhere); x, ok: the kernels'
-      exponents [b, r, y, F] and where they are nonzero (F: push (q, x),
+      along it, 1.3x faster than across prev); c_left: the column sums
+      of the columns k ≤ j−2 [b, y, k, t] (0 elsewhere); x, ok: the
+      kernels' exponents [b, r, y, F] and where they are nonzero (F: push (q, x),
       replace and pop (s, z), Q·S each); nq, nx: Q, S.
     vectors: None, or `_local`'s (prev_v [b, z, s, A, M], v [b, M]).
   """
@@ -1017,8 +1017,8 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
       actions_fn is then called with E_{j−1} [b, y, r, 1, M] as a fifth
       argument and returns the pushed vector v_j [B, M] after the actions.
     margin: also compute the product margin [B] of every update (`_local`'s
-      ``margin`` and the pop's, with the vector stack's products; on XLA) and return its
-      minimum.
+      ``margin`` and the pop's, with the vector stack's products; on XLA)
+      and return its minimum.
     num_updates: with `margin`, None or [B] ints: the minimum over element
       b's first num_updates[b] updates only (the rest are padding).
 
