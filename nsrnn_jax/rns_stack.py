@@ -1140,7 +1140,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
         rows, lo = lo
         lo_j = jnp.minimum(lo_local, _pop_margin(mt, rows))
         rows = lax.dynamic_update_index_in_dim(
-            rows, _row_min(col[:, :, None])[:, :, 0], j + 1, axis=2)
+            rows, _log_min(col, (3, 4, 5)), j + 1, axis=2)
       if vec:
         if margin:
           lo_j = jnp.minimum(lo_j, _pop_margin(mt, _row_min(gv)))
