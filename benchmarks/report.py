@@ -1083,6 +1083,16 @@ def _log_table_lines(d, title):
   return "\n".join(lines) + f"\n\n{_device(d)}, {d['note']}.\n"
 
 
+def _before_after(row, before, after):
+  """"; the margin at REV took N× as long" where a row timed a baseline
+  revision's margin beside it (--baseline), with whether they agree."""
+  if "baseline" not in row:
+    return ""
+  same = "same margins" if row["same_margins"] else "margins DIFFER"
+  return (f"; at {row['baseline']} the margin took "
+          f"{row[before] / row[after]:.2f}× as long, {same}")
+
+
 def share_margin_text():
   """The share margin's cost beside the forward (share_margin*.json)."""
   parts = []
@@ -1096,7 +1106,8 @@ def share_margin_text():
       continue
     window = d["rows"][0]["window"]
     rows = ", ".join(f"Q = S = {r['Q']} {_ms(r['margin_s'])} vs "
-                     f"{_ms(r['run_s'])} ({r['margin_over_run']:.2f}×)"
+                     f"{_ms(r['run_s'])} ({r['margin_over_run']:.2f}×"
+                     f"{_before_after(r, 'margin_before_s', 'margin_s')})"
                      for r in d["rows"])
     parts.append(f"{what}{f' (window D = {window})' if window else ''}: "
                  f"{rows} (`{name}`)")
@@ -1113,7 +1124,8 @@ def share_margin_text():
   if s is not None:
     r = s["rows"][0]
     rows = ", ".join(f"{x['label']} {x['margin_ms']:.1f} ms vs "
-                     f"{x['eval_ms']:.1f} ms ({x['margin_over_eval']:.2f}×)"
+                     f"{x['eval_ms']:.1f} ms ({x['margin_over_eval']:.2f}×"
+                     f"{_before_after(x, 'before_ms', 'margin_ms')})"
                      for x in s["rows"])
     text += ("\nA corpus run's margin (`config.valid_stack_margin`, "
              "`benchmarks/stream_margin.py`) is computed in the evaluation's "

@@ -11,10 +11,12 @@ times, interleaved in one process, the median of 5 calls after a warm-up:
   --window D), jitted;
 * `margin`: `share_margin` on the same inputs;
 
-and prints their ratio. Other work shares the CPU cores: compare the
-ratios of one run. Usage:
+and prints their ratio. With --baseline REV it also times `share_margin`
+as of git revision REV (`margin_before`, interleaved with the others: a
+before/after of a change to the margin in one run). Other work shares the
+CPU cores: compare the ratios of one run. Usage:
 
-  python benchmarks/share_margin.py [--window D] [--note "..."]
+  python benchmarks/share_margin.py [--window D] [--baseline REV] [--note "..."]
 
 Prints a table and writes benchmarks/results/share_margin.json
 (share_margin_window.json with --window).
@@ -43,21 +45,27 @@ SIZES = (2, 3)
 REPEATS = 5
 
 
-def functions(window):
-  """(run, margin) jitted on push, repl, pop, for the window D or none."""
-  if window:
-    run = functools.partial(limited_stack.run, window=window)
-    margin = functools.partial(limited_stack.share_margin, window=window)
-  else:
-    run, margin = rns_stack.run, rns_stack.share_margin
-  return jax.jit(lambda *a: run(*a)[:2]), jax.jit(margin)
+def functions(window, baseline=None):
+  """{run, margin[, margin_before]} jitted on push, repl, pop, for the
+  window D or none (`baseline`: a git revision whose margin is timed too)."""
+  name = "limited_stack" if window else "rns_stack"
+  mods = {"margin": limited_stack if window else rns_stack}
+  if baseline:
+    mods["margin_before"] = machine.module_at_revision(baseline, name)
+  run = (functools.partial(limited_stack.run, window=window) if window
+         else rns_stack.run)
+  fns = {"run": jax.jit(lambda *a: run(*a)[:2])}
+  for key, mod in mods.items():
+    fns[key] = jax.jit(functools.partial(mod.share_margin, window=window)
+                       if window else mod.share_margin)
+  return fns
 
 
-def row(q, window, rng):
+def row(q, window, rng, baseline=None):
   """Timings of one (Q = S = q) row."""
   shapes = [(B, N, q, q, q, q)] * 2 + [(B, N, q, q, q)]
   acts = [jnp.asarray(3 * rng.normal(size=sh), jnp.float32) for sh in shapes]
-  fns = dict(zip(("run", "margin"), functions(window)))
+  fns = functions(window, baseline)
   for fn in fns.values():                            # compilation
     jax.block_until_ready(fn(*acts))
   times = {name: [] for name in fns}
@@ -70,6 +78,14 @@ def row(q, window, rng):
     out[f"{name}_s"] = float(np.median(times[name]))
   out["margin_over_run"] = out["margin_s"] / out["run_s"]
   out["min_margin"] = float(np.min(np.asarray(fns["margin"](*acts))))
+  if baseline:
+    out["baseline"] = baseline
+    out["margin_before_over_run"] = out["margin_before_s"] / out["run_s"]
+    out["speedup"] = out["margin_before_s"] / out["margin_s"]
+    # The change must keep the values: same margins as the baseline's.
+    out["same_margins"] = bool(np.array_equal(
+        np.asarray(fns["margin"](*acts)),
+        np.asarray(fns["margin_before"](*acts))))
   return out
 
 
@@ -78,18 +94,24 @@ def main():
   parser.add_argument("--note", default="")
   parser.add_argument("--window", type=int, default=0,
                       help="time limited_stack's with this window D")
+  parser.add_argument("--baseline", default="",
+                      help="also time share_margin as of this git revision")
   args = parser.parse_args()
   if args.window < 0:
     raise SystemExit(f"error: --window must be >= 0, got {args.window}")
   rng = np.random.default_rng(0)
-  print("| Q = S | run | margin | margin / run | smallest margin |")
-  print("|---|---|---|---|---|")
+  before = (f" margin at {args.baseline} | before / after | same margins |"
+            if args.baseline else "")
+  print("| Q = S | run | margin | margin / run | smallest margin |" + before)
+  print("|---|---|---|---|---|" + "---|" * (3 if args.baseline else 0))
   rows = []
   for q in SIZES:
-    r = row(q, args.window, rng)
+    r = row(q, args.window, rng, args.baseline or None)
     rows.append(r)
+    extra = (f" {1e3 * r['margin_before_s']:.1f} ms | {r['speedup']:.2f} | "
+             f"{r['same_margins']} |" if args.baseline else "")
     print(f"| {q} | {1e3 * r['run_s']:.1f} ms | {1e3 * r['margin_s']:.1f} "
-          f"ms | {r['margin_over_run']:.2f} | {r['min_margin']:.1f} |",
+          f"ms | {r['margin_over_run']:.2f} | {r['min_margin']:.1f} |" + extra,
           flush=True)
   info = machine.machine_info()
   result = {**info, "device": machine.device_label(info), "dtype": "float32",

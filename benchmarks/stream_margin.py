@@ -8,16 +8,21 @@ updates with their product margins, forward only) instead of
 T = 35 tokens, window D = 35, input by lookup) it times both on one chunk
 of random ids, interleaved in one process (the median of --reps calls after
 a warm-up), float32, and prints their ratio and the chunk's smallest margin.
-Other work shares the CPU cores: compare the ratios of one run. Usage:
+With --baseline REV it also times `eval_chunk_margin` with the window
+stacks (limited_stack, limited_vrns) as of git revision REV (a before/after
+in one run). Other work shares the CPU cores: compare the ratios of one
+run. Usage:
 
   python benchmarks/stream_margin.py            # rns 2-3, vrns 1-5-20
   python benchmarks/stream_margin.py --quick    # V = 1,000, H = 64
+  python benchmarks/stream_margin.py --baseline 2c66e1e
 
 Prints a table and writes benchmarks/results/stream_margin.json
 (stream_margin_quick.json with --quick).
 """
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -37,14 +42,33 @@ from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-po
 from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
+from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 CONFIGS = {"rns": ptb_rns, "vrns": ptb_vrns}
 
 
+@contextlib.contextmanager
+def window_stacks_at(revision):
+  """The models use limited_stack and limited_vrns as of `revision` while
+  inside (a function jitted and first called here keeps them)."""
+  if not revision:
+    yield
+    return
+  saved = models.limited_stack, vrns_model.limited_vrns
+  models.limited_stack = machine.module_at_revision(revision, "limited_stack")
+  vrns_model.limited_vrns = machine.module_at_revision(revision,
+                                                       "limited_vrns")
+  try:
+    yield
+  finally:
+    models.limited_stack, vrns_model.limited_vrns = saved
+
+
 def row(name: str, vocab: int, hidden: int, reps: int,
-        overrides=None) -> dict:
+        overrides=None, baseline=None) -> dict:
   """Timings of one model: eval_chunk and eval_chunk_margin, interleaved
-  (`overrides`: config fields to change, e.g. for a small test)."""
+  (`overrides`: config fields to change, e.g. for a small test;
+  `baseline`: a git revision whose window stacks' margin is timed too)."""
   config = CONFIGS[name].get_config()
   config.hidden_size = hidden
   config.update(overrides or {})
@@ -62,6 +86,12 @@ def row(name: str, vocab: int, hidden: int, reps: int,
                          ("margin", corpus_train.eval_chunk_margin))}
   outs = {key: jax.block_until_ready(fn(params, batch, carry))  # compile
           for key, fn in fns.items()}
+  if baseline:
+    fns["before"] = jax.jit(functools.partial(corpus_train.eval_chunk_margin,
+                                              apply_fn=model.apply))
+    with window_stacks_at(baseline):   # traced (compiled) here, kept
+      outs["before"] = jax.block_until_ready(
+          fns["before"](params, batch, carry))
   times = {key: [] for key in fns}
   for _ in range(reps):
     for key, fn in fns.items():  # interleaved
@@ -72,7 +102,7 @@ def row(name: str, vocab: int, hidden: int, reps: int,
   label = f"{name.upper()} {config.num_states}-{config.num_stack_symbols}"
   if name == "vrns":
     label += f"-{config.stack_vector_size}"
-  return {"model": name, "label": f"{label}, D = {config.stack_window}",
+  out = {"model": name, "label": f"{label}, D = {config.stack_window}",
           "vocab": vocab, "hidden": hidden, "batch": b, "bptt": t,
           "eval_ms": round(1e3 * med["eval"], 2),
           "margin_ms": round(1e3 * med["margin"], 2),
@@ -82,12 +112,24 @@ def row(name: str, vocab: int, hidden: int, reps: int,
                                        np.asarray(outs["margin"][1]),
                                        rtol=1e-5)),
           "min_margin": float(np.min(np.asarray(outs["margin"][3])))}
+  if baseline:
+    out.update(
+        baseline=baseline, before_ms=round(1e3 * med["before"], 2),
+        before_over_eval=round(med["before"] / med["eval"], 2),
+        speedup=round(med["before"] / med["margin"], 2),
+        # The change must keep the values: the baseline's margins.
+        same_margins=bool(np.array_equal(np.asarray(outs["margin"][3]),
+                                         np.asarray(outs["before"][3]))))
+  return out
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--baseline", default="",
+                      help="also time the margin with the window stacks "
+                           "as of this git revision")
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")
   return parser
@@ -98,14 +140,19 @@ def main():
   if args.reps < 1:
     cli.fail(f"--reps must be >= 1, got {args.reps}")
   vocab, hidden = (1000, 64) if args.quick else (10000, 256)
-  print("| model | eval_chunk | eval_chunk_margin | ratio | smallest margin |")
-  print("|---|---|---|---|---|")
+  before = (f" margin at {args.baseline} | before / after | same margins |"
+            if args.baseline else "")
+  print("| model | eval_chunk | eval_chunk_margin | ratio | smallest margin |"
+        + before)
+  print("|---|---|---|---|---|" + "---|" * (3 if args.baseline else 0))
   rows = []
   for name in CONFIGS:
-    r = row(name, vocab, hidden, args.reps)
+    r = row(name, vocab, hidden, args.reps, baseline=args.baseline or None)
     rows.append(r)
+    extra = (f" {r['before_ms']:.1f} ms | {r['speedup']:.2f} | "
+             f"{r['same_margins']} |" if args.baseline else "")
     print(f"| {r['label']} | {r['eval_ms']:.1f} ms | {r['margin_ms']:.1f} ms "
-          f"| {r['margin_over_eval']:.2f} | {r['min_margin']:.1f} |",
+          f"| {r['margin_over_eval']:.2f} | {r['min_margin']:.1f} |" + extra,
           flush=True)
   info = machine.machine_info()
   result = {**info, "device": machine.device_label(info), "dtype": "float32",

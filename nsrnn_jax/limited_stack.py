@@ -54,7 +54,9 @@ Array = jax.Array
 
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
            "run_parts", "run_given", "run_chunks", "stream_chunk",
-           "chunk_start", "coupled_parts", "share_margin", "margin_scan"]
+           "chunk_start", "coupled_parts", "share_margin", "margin_scan",
+           "MarginState", "with_minima", "margin_step", "slot_minima",
+           "write_minima", "row_minima"]
 
 
 class WindowState(NamedTuple):
@@ -72,6 +74,49 @@ class WindowState(NamedTuple):
   a_hat: Array
   log_mass: Array
   head: Array
+
+
+class MarginState(NamedTuple):
+  """A window's state in a margin sweep: the state and, per share table
+  (g; the VRNS's g and gv), the least nonzero entry of each (column,
+  row-slot) block (`slot_minima`), so that an update's pop margin reads
+  these instead of reducing its whole ring (Q·S, or M, times less).
+
+  Attributes:
+    state: the window's state (`WindowState`, or
+      `limited_vrns.VectorShareState`).
+    lows: a tuple, one [B, Y, D (column), T, D (row slot)] array per
+      table, each kept equal to `slot_minima` of its table.
+  """
+  state: Any
+  lows: tuple
+
+
+def slot_minima(table):
+  """The least nonzero entry of each (column, row-slot) block of a ring
+  table [B, Y, D, T, D, ...] over its trailing axes: [B, Y, D, T, D],
+  +inf where a block is all zero."""
+  return _block_min(table, 5)
+
+
+def _block_min(x, first_axis):
+  """min of x's positive entries over the axes from `first_axis` on."""
+  return jnp.min(jnp.where(x > 0, x, jnp.inf),
+                 axis=tuple(range(first_axis, x.ndim)))
+
+
+def write_minima(lows, col, head):
+  """`slot_minima` after `_ring_write(table, col, head)`, from its value
+  before: column-sized work (col [B, Y, T, D, ...], the new column)."""
+  lows = lax.dynamic_update_index_in_dim(lows, _block_min(col, 4), head,
+                                         axis=2)
+  return lax.dynamic_update_index_in_dim(
+      lows, jnp.full(lows.shape[:4], jnp.inf, lows.dtype), head, axis=4)
+
+
+def row_minima(lows):
+  """`rns_stack._row_min` of a table from its `slot_minima`."""
+  return rns_stack._log_or_inf(jnp.min(lows, axis=4))  # pylint: disable=protected-access
 
 
 def check_window(window):
@@ -388,7 +433,7 @@ def share_margin(push, repl, pop, window, bottom=rns_stack.FIXED,
   check_window(window)
   push, repl, pop = (jnp.asarray(a) for a in (push, repl, pop))
   b, _, q, s = rns_stack._check_actions(push, repl, pop)  # pylint: disable=protected-access
-  state = initial_state(b, window, q, s, bottom, push.dtype)
+  state = with_minima(initial_state(b, window, q, s, bottom, push.dtype))
   return _margin_steps(push, repl, pop, state, check_precision(precision),
                        rns_stack.check_num_updates(num_updates, b))
 
@@ -405,22 +450,32 @@ def _margin_steps(push, repl, pop, state, precision, num_updates):
                      xs, num_updates)
 
 
-def margin_step(state: WindowState, push_BxQxSxQxS, repl_BxQxSxQxS,
+def with_minima(state: WindowState) -> MarginState:
+  """A window state as a margin sweep carries it (`MarginState`): one
+  table-sized reduction, made once per sweep or stream chunk."""
+  return MarginState(state, (slot_minima(state.g),))
+
+
+def margin_step(mstate: MarginState, push_BxQxSxQxS, repl_BxQxSxQxS,
                 pop_BxQxSxQ, precision="highest"):
-  """`step` plus the update's product margin [B] (`share_margin`), last.
+  """`step` plus the update's product margin [B] (`share_margin`), last,
+  on a `MarginState` (`with_minima`; its state is `step`'s).
 
   Forward only (the plain update, no hand-written VJP): for evaluation,
   e.g. a corpus stream's margin chunk by chunk (`coupled_parts(...,
   margin=True)`).
   """
+  state, (lows,) = mstate
   g = state.g
   col, a_hat, inc, lo_j = rns_stack.update(
       g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
-      pop_BxQxSxQ, precision, ring=True, margin=True)
+      pop_BxQxSxQ, precision, ring=True, margin=True,
+      row_mins=row_minima(lows))
   head = (state.head + 1) % g.shape[2]
   log_mass = state.log_mass + inc
-  return (WindowState(_ring_write(g, col, head), a_hat, log_mass, head),
-          a_hat, log_mass, lo_j)
+  state = WindowState(_ring_write(g, col, head), a_hat, log_mass, head)
+  return (MarginState(state, (write_minima(lows, col, head),)), a_hat,
+          log_mass, lo_j)
 
 
 def margin_scan(step, carry, lo0, xs_T, num_updates):
@@ -520,16 +575,23 @@ def coupled_parts(batch: int, num_states: int, num_symbols: int,
   ``coupled_scan``: `stream_chunk` then runs a chunk's steps as
   `_window_scan` (same values and gradients, O(L·D) memory). With
   `margin`, ``update`` is `margin_step` (forward only, same values) and
-  returns (state, (α̂_j, log Σα_j, update j's product margin [B])).
+  returns (state, (α̂_j, log Σα_j, update j's product margin [B])); its
+  state is a `MarginState`, which `stream_chunk` makes from the carried
+  state and takes apart again (``update.enter`` / ``update.leave``), so
+  the carry between chunks is the same as without `margin`.
   """
   state0 = initial_state(batch, window, num_states, num_symbols, bottom,
                          dtype)
-  read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
   if margin:
-    def margin_update(st, acts):
-      st, a_hat, lm, lo_j = margin_step(st, *acts, precision=precision)
-      return st, (a_hat, lm, lo_j)
+    def margin_update(mst, acts):
+      mst, a_hat, lm, lo_j = margin_step(mst, *acts, precision=precision)
+      return mst, (a_hat, lm, lo_j)
+    margin_update.enter = with_minima
+    margin_update.leave = lambda mst: mst.state
+    read = lambda mst: rns_stack.readout(mst.state.a_hat, reading)[0]
     return margin_update, read, state0
+
+  read = lambda st: rns_stack.readout(st.a_hat, reading)[0]
 
   def update(st, acts):
     st, a_hat, lm = step(st, *acts, precision=precision)
@@ -605,7 +667,7 @@ def run_chunks(step_fn: Callable[..., Any],
   else:
     # The last chunk's last update, made after the loop.
     (ctrl, st), _ = carried
-    _, out_f = update(st, actions_fn(params, ctrl))
+    _, out_f = update(_enter(update, st), actions_fn(params, ctrl))
     outs, (out_b, stack_out) = ys
 
     def times(boundary, inner, final):
@@ -621,6 +683,18 @@ def run_chunks(step_fn: Callable[..., Any],
       a.reshape((num_chunks * chunk,) + a.shape[2:])[:t], 0, 1)
   return (jax.tree_util.tree_map(batch_major, outs),
           jax.tree_util.tree_map(batch_major, stack_out))
+
+
+def _enter(update, state):
+  """The state `update` steps from a stream's carried state: an update may
+  carry more within a chunk (a margin sweep's `MarginState`, made at the
+  chunk's start by ``update.enter`` and dropped by ``update.leave``)."""
+  return getattr(update, "enter", lambda st: st)(state)
+
+
+def _leave(update, state):
+  """The stream's carried state from `update`'s (`_enter`'s inverse)."""
+  return getattr(update, "leave", lambda st: st)(state)
 
 
 def chunk_start(start, carried, first):
@@ -665,6 +739,8 @@ def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
   """
   ctrl, st = chunk_start(start, carried, first)
   coupled_scan = getattr(update, "coupled_scan", None)
+  st = _enter(update, st)
+  leave = lambda st: _leave(update, st)
 
   def one_step(carry, x):
     ctrl, st = carry
@@ -680,7 +756,8 @@ def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
     return lax.scan(one_step, carry, xs)
 
   if actions_fn is None:
-    return scan((ctrl, st), xs_chunk)
+    (ctrl, st), ys = scan((ctrl, st), xs_chunk)
+    return (ctrl, leave(st)), ys
   st_b, out_b = update(st, actions_fn(params, ctrl))
   # A stream's first chunk has no earlier update to make.
   st = jax.tree_util.tree_map(lambda old, new: jnp.where(first, old, new),
@@ -691,4 +768,4 @@ def stream_chunk(step_fn: Callable[..., Any], update: Callable[..., Any],
   ctrl, _, out = step_fn(params, ctrl, last, read(st))
   outs = jax.tree_util.tree_map(
       lambda a, o: jnp.concatenate([a, o[None]], axis=0), outs, out)
-  return (ctrl, st), (outs, (out_b, stack_out))
+  return (ctrl, leave(st)), (outs, (out_b, stack_out))

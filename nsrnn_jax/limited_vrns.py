@@ -83,7 +83,8 @@ from nsrnn_jax.ns_stack import safe_log as _safe_log
 Array = jax.Array
 
 __all__ = ["VectorShareState", "VectorWindowState", "initial_state", "step",
-           "reading", "run", "run_coupled", "coupled_parts", "share_margin"]
+           "reading", "run", "run_coupled", "coupled_parts", "share_margin",
+           "with_minima", "margin_step"]
 
 _lse = vrns_stack._lse  # pylint: disable=protected-access
 _check_window = limited_stack.check_window
@@ -211,27 +212,36 @@ def step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
 
 
 def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
-                pop_BxQxSxQ, log_vector_BxM, precision, margin=False):
-  """`step` on shares; with `margin` also the update's product margin [B]
-  (`rns_stack.update`'s), last."""
+                pop_BxQxSxQ, log_vector_BxM, precision, lows=None):
+  """`step` on shares. With `lows` (the tables' (g, gv) `slot_minima`,
+  a margin sweep's: `margin_step`) also the update's product margin [B]
+  (`rns_stack.update`'s) and the next state's minima, last."""
+  margin = lows is not None
   # σ grows to cover the new vector; the vector table is rescaled only then
   # (never for the VRNS's sigmoid vectors).
   scale = jnp.maximum(state.scale, lax.stop_gradient(log_vector_BxM))
   grow = scale > state.scale
-  gv = lax.cond(
-      jnp.any(grow),
-      lambda t: t * jnp.exp(state.scale - scale)[
-          :, None, None, None, None, :],
-      lambda t: t, state.gv)
-  vec = jnp.exp(log_vector_BxM - scale)
+  rescale = lambda t: t * jnp.exp(state.scale - scale)[
+      :, None, None, None, None, :]
   if margin:
-    # The rescale's products gv · e^(σ_old − σ) (none where σ stays).
+    # The rescale's products gv · e^(σ_old − σ) (none where σ stays); a
+    # rescaled table's minima are taken again (its rows scale unevenly).
     shrink = jnp.where(grow, state.scale - scale, jnp.inf)
-    rescaled = 0.5 * (rns_stack._log_min_positive(state.gv)  # pylint: disable=protected-access
+    rescaled = 0.5 * (limited_stack.row_minima(lows[1]).min(axis=(1, 2, 3))
                       + jnp.min(shrink, axis=1))
+    gv, low_v = lax.cond(
+        jnp.any(grow),
+        lambda t, l: (rescale(t), limited_stack.slot_minima(rescale(t))),
+        lambda t, l: (t, l), state.gv, lows[1])
+    lows = (lows[0], low_v)
+  else:
+    gv = lax.cond(jnp.any(grow), rescale, lambda t: t, state.gv)
+  vec = jnp.exp(log_vector_BxM - scale)
   col, col_v, a_hat, inc, *lo = rns_stack.update(
       state.g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
-      pop_BxQxSxQ, precision, ring=True, vectors=(gv, vec), margin=margin)
+      pop_BxQxSxQ, precision, ring=True, vectors=(gv, vec), margin=margin,
+      row_mins=(tuple(limited_stack.row_minima(l) for l in lows)
+                if margin else None))
   # ρ_j = α̂_j e^σ R_j^{j−D}: all of column j's rows, j−D..j−1 (time j−D
   # is the slot after the head, about to be reused for time j).
   d = state.g.shape[2]
@@ -245,10 +255,33 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
     tables.append(lax.dynamic_update_index_in_dim(
         t, jnp.zeros(t.shape[:4] + t.shape[5:], t.dtype), head, axis=4))
   log_mass = state.log_mass + inc
+  out = (VectorShareState(tables[0], tables[1], a_hat, log_mass, head,
+                          scale), rho, log_mass)
   if margin:
-    lo = [jnp.minimum(lo[0], rescaled)]
-  return (VectorShareState(tables[0], tables[1], a_hat, log_mass, head,
-                           scale), rho, log_mass, *lo)
+    out += (jnp.minimum(lo[0], rescaled),
+            tuple(limited_stack.write_minima(l, c, head)
+                  for l, c in zip(lows, (col, col_v))))
+  return out
+
+
+def with_minima(state: VectorShareState) -> limited_stack.MarginState:
+  """A share state as a margin sweep carries it
+  (`limited_stack.MarginState`, lows of g and gv)."""
+  return limited_stack.MarginState(
+      state, (limited_stack.slot_minima(state.g),
+              limited_stack.slot_minima(state.gv)))
+
+
+def margin_step(mstate: limited_stack.MarginState, push_BxQxSxQxS,
+                repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
+                precision="highest"):
+  """`step` on shares plus the update's product margin [B], on a
+  `limited_stack.MarginState` (`with_minima`): (next, ρ_j, log Σα_j,
+  margin). Forward only."""
+  st, rho, lm, lo_j, lows = _share_step(
+      mstate.state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ,
+      log_vector_BxM, precision, lows=mstate.lows)
+  return limited_stack.MarginState(st, lows), rho, lm, lo_j
 
 
 def _step_log_space(state: VectorWindowState, push_BxQxSxQxS,
@@ -402,15 +435,15 @@ def share_margin(push, repl, pop, log_vectors, log_bottom_vector, window,
 
 @functools.partial(jax.jit, static_argnums=(5,))
 def _margin_jit(push, repl, pop, log_vectors, state, precision, num_updates):
-  def step(st, acts):
-    st, _, _, lo_j = _share_step(st, *acts, precision=precision, margin=True)
-    return st, lo_j
+  def step(mst, acts):
+    mst, _, _, lo_j = margin_step(mst, *acts, precision=precision)
+    return mst, lo_j
 
   xs = tuple(lax.stop_gradient(jnp.swapaxes(a, 0, 1))
              for a in (push, repl, pop, log_vectors))
   state = lax.stop_gradient(state)
-  return limited_stack.margin_scan(step, state, initial_margin(state), xs,
-                                   num_updates)
+  return limited_stack.margin_scan(step, with_minima(state),
+                                   initial_margin(state), xs, num_updates)
 
 
 def initial_margin(state: VectorShareState):
@@ -440,9 +473,13 @@ def coupled_parts(log_bottom_vector_BxM, num_states: int, num_symbols: int,
   read = lambda carried: reading(carried[1])
   if margin:
     def margin_update(carried, acts):
-      st, rho, lm, lo_j = _share_step(carried[0], *acts, precision=precision,
-                                      margin=True)
-      return (st, rho), (rho, lm, lo_j)
+      mst, rho, lm, lo_j = margin_step(carried[0], *acts,
+                                       precision=precision)
+      return (mst, rho), (rho, lm, lo_j)
+    # Within a stream chunk the state carries its minima
+    # (`limited_stack.stream_chunk`).
+    margin_update.enter = lambda c: (with_minima(c[0]), c[1])
+    margin_update.leave = lambda c: (c[0].state, c[1])
     return margin_update, read, (state0, rho0)
 
   def update(carried, acts):

@@ -869,7 +869,7 @@ def square_table(table, num_points):
 
 def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
            pop_BxQxSxQ, precision="highest", ring=False, vectors=None,
-           residuals=False, margin=False):
+           residuals=False, margin=False, row_mins=None):
   """One update j on a share table.
 
   Args:
@@ -900,6 +900,10 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
       (`share_margin`; with `vectors` also over the vector column and the
       pushed vector: `vector_share_margin`; `limited_stack.share_margin`
       takes their minimum).
+    row_mins: with `margin`, None or what `_row_min` gives of the table
+      (with `vectors`, a pair: of g and of gv), e.g. carried by a window
+      (`limited_stack.MarginState`) so that the update need not reduce its
+      whole table; None: reduced here.
 
   Returns:
     (col_BxYxRxNxQxX, a_hat_BxQxS, inc_B): column j on the same row axis
@@ -946,9 +950,12 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
   if residuals:
     out += ((colsum, mt, res),)
   if margin:
-    lo = jnp.minimum(lo_local, _pop_margin(mt, _row_min(g)))
-    if vectors is not None:
-      lo = jnp.minimum(lo, _pop_margin(mt, _row_min(gv)))
+    if row_mins is None:
+      row_mins = (_row_min(g) if vectors is None
+                  else (_row_min(g), _row_min(gv)))
+    lo = lo_local
+    for rows in (row_mins if vectors is not None else (row_mins,)):
+      lo = jnp.minimum(lo, _pop_margin(mt, rows))
     out += (lo,)
   return out
 

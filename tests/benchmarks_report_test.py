@@ -197,14 +197,19 @@ def test_share_margin_benchmark_times_the_margin_it_reports(load_benchmark,
   monkeypatch.setattr(bench, "B", 2)
   monkeypatch.setattr(bench, "N", 5)
   monkeypatch.setattr(bench, "REPEATS", 1)
-  row = bench.row(2, window, np.random.default_rng(4))
+  # The window's row also times the margin as of HEAD (a before/after).
+  baseline = "HEAD" if window else None
+  row = bench.row(2, window, np.random.default_rng(4), baseline)
   assert row["run_s"] > 0 and row["margin_s"] > 0
+  if window:
+    assert row["same_margins"] and row["speedup"] == pytest.approx(
+        row["margin_before_s"] / row["margin_s"])
   assert row["margin_over_run"] == pytest.approx(row["margin_s"]
                                                  / row["run_s"])
   rng = np.random.default_rng(4)
   shapes = [(2, 5, 2, 2, 2, 2)] * 2 + [(2, 5, 2, 2, 2)]
   acts = [np.asarray(3 * rng.normal(size=sh), np.float32) for sh in shapes]
-  want = bench.functions(window)[1](*acts)
+  want = bench.functions(window)["margin"](*acts)
   assert row["min_margin"] == pytest.approx(float(np.min(want)))
   assert row["min_margin"] < -1
 

@@ -370,6 +370,38 @@ def test_window_vector_margin_adds_the_vector_factors_to_the_scalar_one():
       np.isclose(vector, scalar, rtol=1e-6))
 
 
+def test_margin_sweep_carries_both_tables_block_minima(x64):
+  """D = 3 over 7 updates, pushed vectors above 1 at some updates (the
+  vector table is rescaled there): the minima the margin sweep carries
+  equal `slot_minima` of g and gv after every update, and each update's
+  margin equals the one reduced from the whole rings."""
+  del x64
+  rng = np.random.default_rng(6)
+  q, s, m, steps = 2, 2, 3, 7
+  push, repl, pop, log_v, log_bottom = _margin_inputs(
+      rng, 2, steps, q, s, m, (2.0,))
+  log_v[:, 2] += 1.5         # some entries above 0: σ grows
+  log_v[1, 5] += 3.0
+  acts = [jnp.asarray(a) for a in (push, repl, pop, log_v)]
+  state = limited_vrns.initial_state(jnp.asarray(log_bottom), 3, q, s)
+  mst = limited_vrns.with_minima(state)
+  grew = 0
+  for j in range(steps):
+    act = [a[:, j] for a in acts]
+    whole = limited_vrns._share_step(  # pylint: disable=protected-access
+        mst.state, *act, "highest",
+        lows=tuple(map(limited_stack.slot_minima,
+                       (mst.state.g, mst.state.gv))))[3]
+    scale = mst.state.scale
+    mst, _, _, lo_j = limited_vrns.margin_step(mst, *act)
+    grew += int(np.any(np.asarray(mst.state.scale) > np.asarray(scale)))
+    np.testing.assert_array_equal(np.asarray(lo_j), np.asarray(whole))
+    for low, table in zip(mst.lows, (mst.state.g, mst.state.gv)):
+      np.testing.assert_array_equal(np.asarray(low),
+                                    limited_stack.slot_minima(table))
+  assert grew == 2
+
+
 def test_window_share_margin_promises_only_exact_readings():
   """D = 3, float32, scales 1 to 30: the elements the margin proves have
   the float64 window's readings (proven by its own margin); both sides
