@@ -55,8 +55,8 @@ Array = jax.Array
 __all__ = ["WindowState", "initial_state", "step", "run", "run_coupled",
            "run_parts", "run_given", "run_chunks", "stream_chunk",
            "chunk_start", "coupled_parts", "share_margin", "margin_scan",
-           "MarginState", "with_minima", "margin_step", "slot_minima",
-           "write_minima", "row_minima"]
+           "MarginState", "with_minima", "margin_step", "suffix_minima",
+           "read_minima", "write_minima", "log_minima"]
 
 
 class WindowState(NamedTuple):
@@ -78,45 +78,84 @@ class WindowState(NamedTuple):
 
 class MarginState(NamedTuple):
   """A window's state in a margin sweep: the state and, per share table
-  (g; the VRNS's g and gv), the least nonzero entry of each (column,
-  row-slot) block (`slot_minima`), so that an update's pop margin reads
-  these instead of reducing its whole ring (Q·S, or M, times less).
+  (g; the VRNS's g and gv), each column's suffix minima (`suffix_minima`),
+  so that an update's pop margin reads one slot of them (`read_minima`)
+  instead of reducing its whole ring.
 
   Attributes:
     state: the window's state (`WindowState`, or
       `limited_vrns.VectorShareState`).
     lows: a tuple, one [B, Y, D (column), T, D (row slot)] array per
-      table, each kept equal to `slot_minima` of its table.
+      table.
   """
   state: Any
   lows: tuple
 
 
-def slot_minima(table):
-  """The least nonzero entry of each (column, row-slot) block of a ring
-  table [B, Y, D, T, D, ...] over its trailing axes: [B, Y, D, T, D],
-  +inf where a block is all zero."""
-  return _block_min(table, 5)
+# Why suffix minima: before update j every column holds rows of times
+# j−D..j−1 only, and its entries never change but for rows leaving (the
+# oldest first). So the least entry of column k now is the least over its
+# rows of time ≥ j−D, a suffix in time order, which the column can store
+# for every cutoff when it is written: update j reads one slot per column
+# (the cutoff j−D) and writes the new column's D cutoffs, column-sized work
+# where reducing the ring each update was table-sized.
 
 
 def _block_min(x, first_axis):
-  """min of x's positive entries over the axes from `first_axis` on."""
+  """min of x's positive entries over the axes from `first_axis` on (+inf
+  where none)."""
   return jnp.min(jnp.where(x > 0, x, jnp.inf),
                  axis=tuple(range(first_axis, x.ndim)))
 
 
-def write_minima(lows, col, head):
-  """`slot_minima` after `_ring_write(table, col, head)`, from its value
-  before: column-sized work (col [B, Y, T, D, ...], the new column)."""
-  lows = lax.dynamic_update_index_in_dim(lows, _block_min(col, 4), head,
-                                         axis=2)
+def _suffix_min(m, oldest):
+  """m [..., D] over ring slots, the oldest time at slot `oldest`: the
+  minimum over each slot and the later times' slots."""
+  rolled = jnp.roll(m, -oldest, axis=-1)             # time order, oldest first
+  return jnp.roll(lax.cummin(rolled, axis=m.ndim - 1, reverse=True), oldest,
+                  axis=-1)
+
+
+def suffix_minima(table, head):
+  """Each column's suffix minima of a ring table [B, Y, D, T, D, ...] whose
+  newest time is at slot `head` (a state's head): [B, Y, D, T, D], at
+  [b, y, k, t, s] the least nonzero entry of column (k, t, y) over its rows
+  of the time at slot s and later (+inf where none). One table-sized
+  reduction, made once per sweep or stream chunk."""
+  # The table is often a constant (a sweep's initial state, jitted): the
+  # barrier keeps XLA from folding this reduction while compiling (2.5 s
+  # for B = 10, D = 35, Q = S = 3; 0.1 s with it).
+  m = _block_min(lax.optimization_barrier(table), 5)
+  return _suffix_min(m, (head + 1) % table.shape[2])
+
+
+def read_minima(lows, head):
+  """The least nonzero entry of each table row (y, k, t) of a state whose
+  newest time is at slot `head`, [B, Y, D, T] (+inf where none): slot
+  head + 1 (the oldest time) of each column's suffix minima."""
+  return lax.dynamic_index_in_dim(lows, (head + 1) % lows.shape[4], axis=4,
+                                  keepdims=False)
+
+
+def write_minima(lows, col, head, read):
+  """The suffix minima after `_ring_write(table, col, head)` (column j at
+  the new head, its row slot `head` cleared), from those before: the new
+  column's only (col [B, Y, T, D, ...]). `read` is this update's
+  `read_minima` of `lows`: the new column's minima are made to depend on
+  it, which lets XLA overwrite `lows` in place (without that order it
+  copied the whole array each update: 2x the margin sweep's time)."""
+  d = lows.shape[4]
+  m = _block_min(col, 4)
+  m = jnp.where(jnp.arange(d) == head, jnp.inf, m)      # the cleared row
+  # Never true (minima are positive or +inf): only the dependence counts.
+  m = jnp.where(jnp.any(read < 0), jnp.inf, m)
   return lax.dynamic_update_index_in_dim(
-      lows, jnp.full(lows.shape[:4], jnp.inf, lows.dtype), head, axis=4)
+      lows, _suffix_min(m, (head + 1) % d), head, axis=2)
 
 
-def row_minima(lows):
-  """`rns_stack._row_min` of a table from its `slot_minima`."""
-  return rns_stack._log_or_inf(jnp.min(lows, axis=4))  # pylint: disable=protected-access
+def log_minima(read):
+  """`rns_stack._row_min` of a table from its `read_minima`."""
+  return rns_stack._log_or_inf(read)  # pylint: disable=protected-access
 
 
 def check_window(window):
@@ -451,9 +490,8 @@ def _margin_steps(push, repl, pop, state, precision, num_updates):
 
 
 def with_minima(state: WindowState) -> MarginState:
-  """A window state as a margin sweep carries it (`MarginState`): one
-  table-sized reduction, made once per sweep or stream chunk."""
-  return MarginState(state, (slot_minima(state.g),))
+  """A window state as a margin sweep carries it (`MarginState`)."""
+  return MarginState(state, (suffix_minima(state.g, state.head),))
 
 
 def margin_step(mstate: MarginState, push_BxQxSxQxS, repl_BxQxSxQxS,
@@ -467,14 +505,15 @@ def margin_step(mstate: MarginState, push_BxQxSxQxS, repl_BxQxSxQxS,
   """
   state, (lows,) = mstate
   g = state.g
+  read = read_minima(lows, state.head)
   col, a_hat, inc, lo_j = rns_stack.update(
       g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
       pop_BxQxSxQ, precision, ring=True, margin=True,
-      row_mins=row_minima(lows))
+      row_mins=log_minima(read))
   head = (state.head + 1) % g.shape[2]
   log_mass = state.log_mass + inc
   state = WindowState(_ring_write(g, col, head), a_hat, log_mass, head)
-  return (MarginState(state, (write_minima(lows, col, head),)), a_hat,
+  return (MarginState(state, (write_minima(lows, col, head, read),)), a_hat,
           log_mass, lo_j)
 
 

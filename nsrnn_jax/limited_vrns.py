@@ -213,9 +213,10 @@ def step(state, push_BxQxSxQxS, repl_BxQxSxQxS, pop_BxQxSxQ, log_vector_BxM,
 
 def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
                 pop_BxQxSxQ, log_vector_BxM, precision, lows=None):
-  """`step` on shares. With `lows` (the tables' (g, gv) `slot_minima`,
-  a margin sweep's: `margin_step`) also the update's product margin [B]
-  (`rns_stack.update`'s) and the next state's minima, last."""
+  """`step` on shares. With `lows` (the tables' (g, gv)
+  `limited_stack.suffix_minima`, a margin sweep's: `margin_step`) also the
+  update's product margin [B] (`rns_stack.update`'s) and the next state's
+  minima, last."""
   margin = lows is not None
   # σ grows to cover the new vector; the vector table is rescaled only then
   # (never for the VRNS's sigmoid vectors).
@@ -227,20 +228,23 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
     # The rescale's products gv · e^(σ_old − σ) (none where σ stays); a
     # rescaled table's minima are taken again (its rows scale unevenly).
     shrink = jnp.where(grow, state.scale - scale, jnp.inf)
-    rescaled = 0.5 * (limited_stack.row_minima(lows[1]).min(axis=(1, 2, 3))
+    read_v = limited_stack.read_minima(lows[1], state.head)
+    rescaled = 0.5 * (limited_stack.log_minima(read_v).min(axis=(1, 2, 3))
                       + jnp.min(shrink, axis=1))
-    gv, low_v = lax.cond(
+    gv, low_v, read_v = lax.cond(
         jnp.any(grow),
-        lambda t, l: (rescale(t), limited_stack.slot_minima(rescale(t))),
-        lambda t, l: (t, l), state.gv, lows[1])
+        lambda t, l: _rescaled_minima(rescale(t), state.head),
+        lambda t, l: (t, l, read_v),
+        state.gv, lows[1])
     lows = (lows[0], low_v)
+    reads = (limited_stack.read_minima(lows[0], state.head), read_v)
   else:
     gv = lax.cond(jnp.any(grow), rescale, lambda t: t, state.gv)
   vec = jnp.exp(log_vector_BxM - scale)
   col, col_v, a_hat, inc, *lo = rns_stack.update(
       state.g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
       pop_BxQxSxQ, precision, ring=True, vectors=(gv, vec), margin=margin,
-      row_mins=(tuple(limited_stack.row_minima(l) for l in lows)
+      row_mins=(tuple(map(limited_stack.log_minima, reads))
                 if margin else None))
   # ρ_j = α̂_j e^σ R_j^{j−D}: all of column j's rows, j−D..j−1 (time j−D
   # is the slot after the head, about to be reused for time j).
@@ -259,17 +263,24 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
                           scale), rho, log_mass)
   if margin:
     out += (jnp.minimum(lo[0], rescaled),
-            tuple(limited_stack.write_minima(l, c, head)
-                  for l, c in zip(lows, (col, col_v))))
+            tuple(limited_stack.write_minima(l, c, head, r)
+                  for l, c, r in zip(lows, (col, col_v), reads)))
   return out
+
+
+def _rescaled_minima(gv, head):
+  """(gv, its suffix minima, their read) for a rescaled vector table (its
+  rows scale unevenly over M: the minima are taken again)."""
+  lows = limited_stack.suffix_minima(gv, head)
+  return gv, lows, limited_stack.read_minima(lows, head)
 
 
 def with_minima(state: VectorShareState) -> limited_stack.MarginState:
   """A share state as a margin sweep carries it
-  (`limited_stack.MarginState`, lows of g and gv)."""
+  (`limited_stack.MarginState`, the suffix minima of g and gv)."""
   return limited_stack.MarginState(
-      state, (limited_stack.slot_minima(state.g),
-              limited_stack.slot_minima(state.gv)))
+      state, (limited_stack.suffix_minima(state.g, state.head),
+              limited_stack.suffix_minima(state.gv, state.head)))
 
 
 def margin_step(mstate: limited_stack.MarginState, push_BxQxSxQxS,

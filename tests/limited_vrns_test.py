@@ -370,11 +370,12 @@ def test_window_vector_margin_adds_the_vector_factors_to_the_scalar_one():
       np.isclose(vector, scalar, rtol=1e-6))
 
 
-def test_margin_sweep_carries_both_tables_block_minima(x64):
+def test_margin_sweep_reads_both_tables_row_minima(x64):
   """D = 3 over 7 updates, pushed vectors above 1 at some updates (the
-  vector table is rescaled there): the minima the margin sweep carries
-  equal `slot_minima` of g and gv after every update, and each update's
-  margin equals the one reduced from the whole rings."""
+  vector table is rescaled there): what the margin sweep reads of its
+  carried minima is each row's least entry of g and of gv (as a sweep
+  that takes them again reads), and each update's margin equals that of
+  a step from freshly taken minima."""
   del x64
   rng = np.random.default_rng(6)
   q, s, m, steps = 2, 2, 3, 7
@@ -388,17 +389,19 @@ def test_margin_sweep_carries_both_tables_block_minima(x64):
   grew = 0
   for j in range(steps):
     act = [a[:, j] for a in acts]
-    whole = limited_vrns._share_step(  # pylint: disable=protected-access
-        mst.state, *act, "highest",
-        lows=tuple(map(limited_stack.slot_minima,
-                       (mst.state.g, mst.state.gv))))[3]
-    scale = mst.state.scale
+    st = mst.state
+    fresh = limited_vrns.with_minima(st)
+    for low, low_fresh, table in zip(mst.lows, fresh.lows, (st.g, st.gv)):
+      read = np.asarray(limited_stack.read_minima(low, st.head))
+      np.testing.assert_array_equal(
+          read, np.asarray(limited_stack.read_minima(low_fresh, st.head)))
+      flat = np.asarray(table).reshape(table.shape[:4] + (-1,))
+      np.testing.assert_array_equal(
+          read, np.min(np.where(flat > 0, flat, np.inf), axis=-1))
+    whole = limited_vrns.margin_step(fresh, *act)[3]
     mst, _, _, lo_j = limited_vrns.margin_step(mst, *act)
-    grew += int(np.any(np.asarray(mst.state.scale) > np.asarray(scale)))
+    grew += int(np.any(np.asarray(mst.state.scale) > np.asarray(st.scale)))
     np.testing.assert_array_equal(np.asarray(lo_j), np.asarray(whole))
-    for low, table in zip(mst.lows, (mst.state.g, mst.state.gv)):
-      np.testing.assert_array_equal(np.asarray(low),
-                                    limited_stack.slot_minima(table))
   assert grew == 2
 
 
