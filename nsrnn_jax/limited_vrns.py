@@ -227,15 +227,24 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
   if margin:
     # The rescale's products gv · e^(σ_old − σ) (none where σ stays); a
     # rescaled table's minima are taken again (its rows scale unevenly).
-    shrink = jnp.where(grow, state.scale - scale, jnp.inf)
-    read_v = limited_stack.read_minima(lows[1], state.head)
-    rescaled = 0.5 * (limited_stack.log_minima(read_v).min(axis=(1, 2, 3))
-                      + jnp.min(shrink, axis=1))
-    gv, low_v, read_v = lax.cond(
-        jnp.any(grow),
-        lambda t, l: _rescaled_minima(rescale(t), state.head),
-        lambda t, l: (t, l, read_v),
-        state.gv, lows[1])
+    # Every read of the carried gv and its minima is made inside the cond
+    # (a read outside made XLA copy both each update).
+    shrink = jnp.min(jnp.where(grow, state.scale - scale, jnp.inf), axis=1)
+    head = state.head
+
+    def grown(t, low):
+      least = limited_stack.log_minima(limited_stack.read_minima(low, head))
+      t = rescale(t)
+      low = limited_stack.suffix_minima(t, head)
+      return (t, low, limited_stack.read_minima(low, head),
+              0.5 * (least.min(axis=(1, 2, 3)) + shrink))
+
+    def kept(t, low):
+      return (t, low, limited_stack.read_minima(low, head),
+              jnp.full_like(shrink, jnp.inf))
+
+    gv, low_v, read_v, rescaled = lax.cond(jnp.any(grow), grown, kept,
+                                           state.gv, lows[1])
     lows = (lows[0], low_v)
     reads = (limited_stack.read_minima(lows[0], state.head), read_v)
   else:
@@ -253,6 +262,10 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
   sums = jnp.swapaxes(lax.dynamic_index_in_dim(col_v, head, axis=3,
                                                keepdims=False), 1, 2)
   rho = jnp.exp(a_hat[..., None] + _safe_log(sums) + scale[:, None, None])
+  if margin:
+    lo = jnp.minimum(lo[0], rescaled)
+    # The margin's reads of the tables first (`limited_stack.after`).
+    col, col_v = (limited_stack.after(c, lo) for c in (col, col_v))
   tables = []
   for t, c in ((state.g, col), (gv, col_v)):
     t = lax.dynamic_update_index_in_dim(t, c, head, axis=2)
@@ -262,17 +275,9 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
   out = (VectorShareState(tables[0], tables[1], a_hat, log_mass, head,
                           scale), rho, log_mass)
   if margin:
-    out += (jnp.minimum(lo[0], rescaled),
-            tuple(limited_stack.write_minima(l, c, head, r)
-                  for l, c, r in zip(lows, (col, col_v), reads)))
+    out += (lo, tuple(limited_stack.write_minima(l, c, head)
+                      for l, c in zip(lows, (col, col_v))))
   return out
-
-
-def _rescaled_minima(gv, head):
-  """(gv, its suffix minima, their read) for a rescaled vector table (its
-  rows scale unevenly over M: the minima are taken again)."""
-  lows = limited_stack.suffix_minima(gv, head)
-  return gv, lows, limited_stack.read_minima(lows, head)
 
 
 def with_minima(state: VectorShareState) -> limited_stack.MarginState:
