@@ -86,17 +86,21 @@ def row(name: str, vocab: int, hidden: int, reps: int,
                          ("margin", corpus_train.eval_chunk_margin))}
   outs = {key: jax.block_until_ready(fn(params, batch, carry))  # compile
           for key, fn in fns.items()}
+  carries = {key: carry for key in fns}
   if baseline:
     fns["before"] = jax.jit(functools.partial(corpus_train.eval_chunk_margin,
                                               apply_fn=model.apply))
     with window_stacks_at(baseline):   # traced (compiled) here, kept
+      # The revision's own state types (NamedTuples of its modules).
+      carries["before"] = model.apply({"params": params}, b,
+                                      method="initial_stream_state")
       outs["before"] = jax.block_until_ready(
-          fns["before"](params, batch, carry))
+          fns["before"](params, batch, carries["before"]))
   times = {key: [] for key in fns}
   for _ in range(reps):
     for key, fn in fns.items():  # interleaved
       start = time.perf_counter()
-      jax.block_until_ready(fn(params, batch, carry))
+      jax.block_until_ready(fn(params, batch, carries[key]))
       times[key].append(time.perf_counter() - start)
   med = {key: float(np.median(v)) for key, v in times.items()}
   label = f"{name.upper()} {config.num_states}-{config.num_stack_symbols}"
