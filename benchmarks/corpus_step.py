@@ -162,16 +162,11 @@ def main():
     if "log_space" in fns:
       print(f"{'':>24}  log-space window {row['log_space_ms']:9.1f} ms: "
             f"shares {row['shares_speedup']:.2f}x faster", flush=True)
-  info = machine.machine_info()
-  result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "reps": args.reps,
-            "note": "train step of one chunk, median of interleaved calls "
-                    "in one process" + (f"; {args.note}" if args.note
-                                        else ""),
-            "rows": rows}
-  name = "corpus_step_quick.json" if args.quick else "corpus_step.json"
-  machine.save_result(args.out or os.path.join(_ROOT, "benchmarks",
-                                               "results", name), result)
+  machine.save_rows(
+      "corpus_step_quick.json" if args.quick else "corpus_step.json", rows,
+      machine.with_note("train step of one chunk, median of interleaved "
+                        "calls in one process", args.note),
+      out=args.out, reps=args.reps)
 
 
 if __name__ == "__main__":

@@ -130,17 +130,14 @@ def main():
           f"{row['huge_pages_ms']:9.1f} ms  {row['speedup']:.2f}x  faults "
           f"{row['plain_faults_per_step']:.0f} -> "
           f"{row['huge_pages_faults_per_step']:.0f} per step", flush=True)
-  info = machine.machine_info()
   with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
     thp = f.read().strip()
-  result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "pairs": args.pairs, "steps": args.steps, "thp_enabled": thp,
-            "note": "each figure the median over child processes of the "
-                    "median step; children with and without the tunable "
-                    "alternate" + (f"; {args.note}" if args.note else ""),
-            "rows": rows}
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results",
-                                   "huge_pages.json"), result)
+  machine.save_rows(
+      "huge_pages.json", rows,
+      machine.with_note("each figure the median over child processes of "
+                        "the median step; children with and without the "
+                        "tunable alternate", args.note),
+      pairs=args.pairs, steps=args.steps, thp_enabled=thp)
 
 
 if __name__ == "__main__":

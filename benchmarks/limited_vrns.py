@@ -113,16 +113,11 @@ def main():
   for r in rows:
     print(f"| {r['variant']} | {r['n']} | {r['pass']} | {r['median_ms']} ms "
           f"| {r['per_update_ms']} ms |")
-  info = machine.machine_info()
-  result = {**info, "device": machine.device_label(info), "dtype": "float32", "batch": args.batch, "Q": Q, "S": S, "m": M,
-            "reps": args.reps,
-            "note": "calls interleaved per length in one process; compare "
-                    "ratios within this run" + (f"; {args.note}"
-                                                if args.note else ""),
-            "rows": rows}
-  name = "limited_vrns_quick.json" if args.quick else "limited_vrns.json"
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
-                      result)
+  machine.save_rows(
+      "limited_vrns_quick.json" if args.quick else "limited_vrns.json", rows,
+      machine.with_note("calls interleaved per length in one process; "
+                        "compare ratios within this run", args.note),
+      batch=args.batch, Q=Q, S=S, m=M, reps=args.reps)
 
 
 if __name__ == "__main__":

@@ -260,14 +260,10 @@ def _trained(workdir, per_length, note, out_name, factor_revision=None):
                            language, per_length, rng)
   print(f"n = {TIMED_LENGTH}, {per_length} strings of the language, forward: "
         + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in timing.items()))
-  info = machine.machine_info()
-  result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "note": note, "workdir": os.path.abspath(workdir),
-            "margin_kind": rns_stack.MARGIN_KIND,
-            "task": config.task, "model": config.model, "rows": rows,
-            "timed_length": TIMED_LENGTH, "forward_s": timing}
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results",
-                                   out_name), result)
+  machine.save_rows(out_name, rows, note, workdir=os.path.abspath(workdir),
+                    margin_kind=rns_stack.MARGIN_KIND, task=config.task,
+                    model=config.model, timed_length=TIMED_LENGTH,
+                    forward_s=timing)
 
 
 def main():
@@ -314,13 +310,9 @@ def main():
       print(f"| {r['Q']} | {name} | {1e3 * r[name + '_fwd_s']:.1f} ms | "
             f"{1e3 * r[name + '_fwd_bwd_s']:.1f} ms | "
             f"{r[name + '_grad_temp_mib']:.1f} MiB | {ratio} |")
-  info = machine.machine_info()
-  out = {**info, "device": machine.device_label(info), "dtype": "float32",
-         "note": args.note, "baseline": args.baseline,
-         "window": args.window, "rows": rows}
-  name = "log_stack_window.json" if args.window else "log_stack.json"
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
-                      out)
+  machine.save_rows(
+      "log_stack_window.json" if args.window else "log_stack.json", rows,
+      args.note, baseline=args.baseline, window=args.window)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 `machine_info()` names the JAX backend and devices, the host CPU model, the
 load average (other jobs on shared cores skew timings) and the XLA flags;
 `matmul_gflops()` measures this machine's jitted float32 matmul throughput
-(1024³, full precision), the yardstick of the FLOP-limit ratios.
+(1024³, full precision), the yardstick of the FLOP-limit ratios;
+`save_rows()` writes a benchmark's rows with all of that to
+benchmarks/results/.
 """
 
 import os
@@ -278,3 +280,27 @@ def save_result(path, result):
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
   print(f"saved {path}")
+
+
+# Where benchmarks write their results (benchmarks/results/).
+RESULTS_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "benchmarks", "results")
+
+
+def with_note(base, extra=""):
+  """A result's note: `base`, then "; extra" where the run added one
+  (e.g. --note "background paused")."""
+  return base + (f"; {extra}" if base and extra else extra)
+
+
+def save_rows(name, rows, note="", out=None, **fields):
+  """Saves a benchmark's rows with what `machine_info` says of the machine:
+  {machine_info..., device, dtype (float32 unless given), note, fields...,
+  rows} to benchmarks/results/<name> (or to `out` where given). Returns
+  the result."""
+  info = machine_info()
+  result = {**info, "device": device_label(info), "dtype": "float32",
+            "note": note, **fields, "rows": rows}
+  save_result(out or os.path.join(RESULTS_DIR, name), result)
+  return result

@@ -108,12 +108,9 @@ def main():
           f"{r['proven_product']} | {r['proven_factor']} | "
           f"{r['proven_not_exact_product']} / "
           f"{r['proven_not_exact_factor']} |", flush=True)
-  info = machine.machine_info()
-  result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "baseline": args.baseline, "margin_kind": rns_stack.MARGIN_KIND,
-            "note": args.note, "rows": rows}
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results",
-                                   "margin_certificates.json"), result)
+  machine.save_rows("margin_certificates.json", rows, args.note,
+                    baseline=args.baseline,
+                    margin_kind=rns_stack.MARGIN_KIND)
 
 
 if __name__ == "__main__":

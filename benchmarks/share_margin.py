@@ -113,14 +113,9 @@ def main():
     print(f"| {q} | {1e3 * r['run_s']:.1f} ms | {1e3 * r['margin_s']:.1f} "
           f"ms | {r['margin_over_run']:.2f} | {r['min_margin']:.1f} |" + extra,
           flush=True)
-  info = machine.machine_info()
-  result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "note": args.note, "margin_kind": rns_stack.MARGIN_KIND,
-            "rows": rows}
-  name = ("share_margin_window.json" if args.window
-          else "share_margin.json")
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
-                      result)
+  machine.save_rows(
+      "share_margin_window.json" if args.window else "share_margin.json",
+      rows, args.note, margin_kind=rns_stack.MARGIN_KIND)
 
 
 if __name__ == "__main__":

@@ -158,15 +158,11 @@ def main():
     print(f"| {r['label']} | {r['eval_ms']:.1f} ms | {r['margin_ms']:.1f} ms "
           f"| {r['margin_over_eval']:.2f} | {r['min_margin']:.1f} |" + extra,
           flush=True)
-  info = machine.machine_info()
-  result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "reps": args.reps, "margin_kind": rns_stack.MARGIN_KIND,
-            "note": "one evaluation chunk, median of interleaved calls in one "
-                    "process" + (f"; {args.note}" if args.note else ""),
-            "rows": rows}
-  name = "stream_margin_quick.json" if args.quick else "stream_margin.json"
-  machine.save_result(os.path.join(_ROOT, "benchmarks", "results", name),
-                      result)
+  machine.save_rows(
+      "stream_margin_quick.json" if args.quick else "stream_margin.json",
+      rows, machine.with_note("one evaluation chunk, median of interleaved "
+                              "calls in one process", args.note),
+      reps=args.reps, margin_kind=rns_stack.MARGIN_KIND)
 
 
 if __name__ == "__main__":

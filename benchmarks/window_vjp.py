@@ -137,18 +137,14 @@ def main():
     print(f"| {r['label']} | {r['custom_ms']:.1f} ms | "
           f"{r['autodiff_ms']:.1f} ms | {r['speedup']:.2f}x | "
           f"{r['custom_temp_mib']} / {r['autodiff_temp_mib']} MiB |")
-  info = machine.machine_info()
   tunables = os.environ.get("GLIBC_TUNABLES", "")
-  result = {**info, "device": machine.device_label(info), "dtype": "float32",
-            "reps": args.reps, "glibc_tunables": tunables,
-            "note": "median of interleaved calls in one process"
-                    + ("; huge pages (GLIBC_TUNABLES="
-                       f"{tunables})" if tunables else "; no huge pages")
-                    + (f"; {args.note}" if args.note else ""),
-            "rows": rows}
-  name = "window_vjp_huge_pages.json" if tunables else "window_vjp.json"
-  machine.save_result(
-      args.out or os.path.join(_ROOT, "benchmarks", "results", name), result)
+  machine.save_rows(
+      "window_vjp_huge_pages.json" if tunables else "window_vjp.json", rows,
+      machine.with_note(
+          "median of interleaved calls in one process"
+          + (f"; huge pages (GLIBC_TUNABLES={tunables})" if tunables
+             else "; no huge pages"), args.note),
+      out=args.out, reps=args.reps, glibc_tunables=tunables)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""benchmarks/machine.py's op count: the ops a compiled program runs.
+"""benchmarks/machine.py: the op count (the ops a compiled program runs)
+and `save_rows`, the result JSON every benchmark writes.
 
 Oracles: a hand-written HLO module whose count follows from its text (a
 while loop, a call and a conditional nested in it), and real compiled scans
@@ -100,3 +101,24 @@ def test_a_data_dependent_loop_has_no_count(load_benchmark):
                                            lambda v: v * 2.0, x))
   with pytest.raises(ValueError, match="known trip count"):
     machine.sequential_ops(f.lower(jnp.ones(3)).compile().as_text())
+
+
+def test_save_rows_writes_the_machine_note_fields_and_rows(load_benchmark,
+                                                            tmp_path):
+  # What every benchmark's JSON holds: the machine's description, the
+  # device label, float32 unless given, the note (with the run's own note
+  # appended), the benchmark's fields and its rows, at `out` when given.
+  import json  # pylint: disable=g-import-not-at-top
+  machine = load_benchmark("machine")
+  out = tmp_path / "sub" / "x.json"
+  note = machine.with_note("interleaved", "background paused")
+  assert note == "interleaved; background paused"
+  assert machine.with_note("interleaved") == "interleaved"
+  assert machine.with_note("", "paused") == "paused"
+  got = machine.save_rows("ignored.json", [{"a": 1}], note, out=str(out),
+                          reps=3, dtype="float64")
+  assert json.loads(out.read_text()) == got
+  assert got["rows"] == [{"a": 1}] and got["reps"] == 3
+  assert got["note"] == note and got["dtype"] == "float64"
+  assert got["backend"] == jax.default_backend()
+  assert got["device"] == machine.device_label(got)
