@@ -224,31 +224,27 @@ def _share_step(state: VectorShareState, push_BxQxSxQxS, repl_BxQxSxQxS,
   grow = scale > state.scale
   rescale = lambda t: t * jnp.exp(state.scale - scale)[
       :, None, None, None, None, :]
+  any_grow = jnp.any(grow)
+  gv = lax.cond(any_grow, rescale, lambda t: t, state.gv)
   if margin:
     # The rescale's products gv · e^(σ_old − σ) (none where σ stays); a
     # rescaled table's minima are taken again (its rows scale unevenly).
-    # Every read of the carried gv and its minima is made inside the cond
-    # (a read outside made XLA copy both each update).
+    # Read inside the cond: a read outside made XLA copy both gv and its
+    # minima each update (the minima still are: 1/M of gv's size).
     shrink = jnp.min(jnp.where(grow, state.scale - scale, jnp.inf), axis=1)
-    head = state.head
+    start = state.head
 
-    def grown(t, low):
-      least = limited_stack.log_minima(limited_stack.read_minima(low, head))
-      t = rescale(t)
-      low = limited_stack.suffix_minima(t, head)
-      return (t, low, limited_stack.read_minima(low, head),
-              0.5 * (least.min(axis=(1, 2, 3)) + shrink))
+    def grown(low):
+      least = limited_stack.log_minima(
+          limited_stack.read_minima(low, start)).min(axis=(1, 2, 3))
+      return (limited_stack.suffix_minima(gv, start),
+              0.5 * (least + shrink))
 
-    def kept(t, low):
-      return (t, low, limited_stack.read_minima(low, head),
-              jnp.full_like(shrink, jnp.inf))
-
-    gv, low_v, read_v, rescaled = lax.cond(jnp.any(grow), grown, kept,
-                                           state.gv, lows[1])
+    low_v, rescaled = lax.cond(
+        any_grow, grown, lambda l: (l, jnp.full_like(shrink, jnp.inf)),
+        lows[1])
     lows = (lows[0], low_v)
-    reads = (limited_stack.read_minima(lows[0], state.head), read_v)
-  else:
-    gv = lax.cond(jnp.any(grow), rescale, lambda t: t, state.gv)
+    reads = tuple(limited_stack.read_minima(l, start) for l in lows)
   vec = jnp.exp(log_vector_BxM - scale)
   col, col_v, a_hat, inc, *lo = rns_stack.update(
       state.g, state.head, state.a_hat, push_BxQxSxQxS, repl_BxQxSxQxS,
