@@ -279,8 +279,9 @@ _window_update.defvjp(_window_update_fwd, _window_update_bwd)
 # the gradient's time, most of it zeroing the fresh residual buffer;
 # benchmarks/window_vjp.py has the before/after). An update changes the
 # window only in one column slot and one row slot, so the backward can
-# rebuild the window before update j from the one after it and the two
-# slices the update overwrote: `_window_scan` saves those (L·D) and
+# rebuild the window before update j from the one after it and the row
+# slice the update overwrote (the column it overwrites is always empty):
+# `_window_scan` saves those rows (L·D) and
 # sweeps the chunk in reverse with the window as a carry, differentiating
 # each update with `_window_update_bwd` and the controller with `jax.vjp`.
 
@@ -303,9 +304,10 @@ def _window_scan_forward(step_fn, reading, precision, params, ctrl0, state0,
     saved = None
     if keep:
       _, _, cs, mt, res, _ = resid
-      # What update j overwrote (the rest of the window is unchanged).
+      # What update j overwrote (the rest of the window is unchanged): the
+      # row of time j−D. The column it overwrites, time j−D's, is empty:
+      # its rows are times before j−D, all cleared by now.
       saved = (ctrl, a_prev, head,
-               lax.dynamic_index_in_dim(g, nxt, axis=2, keepdims=False),
                lax.dynamic_index_in_dim(g, nxt, axis=4, keepdims=False),
                cs, mt, res)
     return (ctrl_new, g_new, a_hat, lm, nxt), (out, a_hat, lm, saved)
@@ -336,13 +338,15 @@ def _window_scan_bwd(step_fn, reading, precision, resid, cts):
   def body(carry, inp):
     g, g_ct, ctrl_ct, a_ct, lm_ct, p_ct = carry
     x, out_ct, a_out_ct, lm_out_ct, a_hat, sv = inp
-    ctrl_prev, a_prev, head, old_col, old_row, cs, mt, res = sv
+    ctrl_prev, a_prev, head, old_row, cs, mt, res = sv
     a_ct = a_ct + a_out_ct
     lm_ct = lm_ct + lm_out_ct
-    # The window before update j: its overwritten row and column back.
+    # The window before update j: its overwritten row back, its
+    # overwritten column empty again (see `_window_scan_forward`).
     nxt = (head + 1) % g.shape[2]
     g = lax.dynamic_update_index_in_dim(g, old_row, nxt, axis=4)
-    g = lax.dynamic_update_index_in_dim(g, old_col, nxt, axis=2)
+    g = lax.dynamic_update_index_in_dim(
+        g, jnp.zeros(g.shape[:2] + g.shape[3:], g.dtype), nxt, axis=2)
     g_ct, _, d_a, *d_acts = _window_update_bwd(
         precision, (g, head, cs, mt, res, a_hat), (g_ct, a_ct, lm_ct))
     xf, merge = rns_stack.float_inputs(x)
