@@ -63,7 +63,8 @@ def _tracing_as_before(log_space, sliced):
     limited_vrns.coupled_parts, models.split_input_matrix = originals
 
 
-def _step(name, vocab, hidden, lookup, log_space=False, sliced=False):
+def _step(name, vocab, hidden, lookup, log_space=False, sliced=False,
+          baseline=None):
   config = CONFIGS[name].get_config()
   config.hidden_size = hidden
   config.input_lookup = lookup
@@ -74,7 +75,8 @@ def _step(name, vocab, hidden, lookup, log_space=False, sliced=False):
   batch = {"inputs": rng.integers(0, vocab, (b, t)).astype(np.int32),
            "targets": rng.integers(0, vocab, (b, t)).astype(np.int32),
            "mask": np.ones((b, t), np.float32)}
-  with _tracing_as_before(log_space, sliced):
+  with _tracing_as_before(log_space, sliced), \
+      machine.window_stacks_at(baseline):
     carry = model.apply({"params": state.params}, b,
                         method="initial_stream_state")
     compiled = jax.jit(corpus_train.train_chunk).lower(
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"comma-separated subset of {','.join(CONFIGS)}")
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")
+  parser.add_argument("--baseline", default="",
+                      help="also time the stack models' step with the "
+                      "window stacks as of this git revision")
   parser.add_argument("--out", default="",
                       help="output JSON (default: benchmarks/results/"
                       "corpus_step[_quick].json)")
@@ -117,11 +122,14 @@ def main():
   for name in names:
     fns = {}
     variants = ([False, True] + (["sliced"] if name != "lstm" else [])
-                + (["log_space"] if name == "vrns" else []))
+                + (["log_space"] if name == "vrns" else [])
+                + (["baseline"] if name != "lstm" and args.baseline
+                   else []))
     for variant in variants:
       label, fn, config, temp_mib = _step(
           name, vocab, hidden, bool(variant), variant == "log_space",
-          variant == "sliced")
+          variant == "sliced",
+          args.baseline if variant == "baseline" else None)
       start = time.perf_counter()
       jax.block_until_ready(fn())
       fns[variant] = (fn, time.perf_counter() - start, temp_mib)
@@ -152,6 +160,12 @@ def main():
       row["shares_speedup"] = round(med["log_space"] / med[True], 2)
       row["first_call_s"]["log_space"] = round(fns["log_space"][1], 2)
       row["temp_mib"]["log_space"] = fns["log_space"][2]
+    if "baseline" in fns:
+      row["baseline"] = args.baseline
+      row["baseline_ms"] = round(1e3 * med["baseline"], 2)
+      row["baseline_speedup"] = round(med["baseline"] / med[True], 2)
+      row["first_call_s"]["baseline"] = round(fns["baseline"][1], 2)
+      row["temp_mib"]["baseline"] = fns["baseline"][2]
     rows.append(row)
     print(f"{label:>24}  one-hot {row['one_hot_ms']:9.1f} ms  lookup "
           f"{row['lookup_ms']:9.1f} ms  {row['speedup']:.2f}x", flush=True)
@@ -162,6 +176,10 @@ def main():
     if "log_space" in fns:
       print(f"{'':>24}  log-space window {row['log_space_ms']:9.1f} ms: "
             f"shares {row['shares_speedup']:.2f}x faster", flush=True)
+    if "baseline" in row:
+      print(f"{'':>24}  window stacks at {args.baseline} "
+            f"{row['baseline_ms']:9.1f} ms: now {row['baseline_speedup']:.2f}x"
+            " faster", flush=True)
   machine.save_rows(
       "corpus_step_quick.json" if args.quick else "corpus_step.json", rows,
       machine.with_note("train step of one chunk, median of interleaved "

@@ -8,6 +8,7 @@ load average (other jobs on shared cores skew timings) and the XLA flags;
 benchmarks/results/.
 """
 
+import contextlib
 import os
 import platform
 import re
@@ -304,3 +305,23 @@ def save_rows(name, rows, note="", out=None, **fields):
             "note": note, **fields, "rows": rows}
   save_result(out or os.path.join(RESULTS_DIR, name), result)
   return result
+
+
+@contextlib.contextmanager
+def window_stacks_at(revision):
+  """The models use limited_stack and limited_vrns as of git `revision`
+  while inside (a function jitted and first called here keeps them): a
+  before/after of a change to the window stacks in one process. None: as
+  they are."""
+  from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
+  if not revision:
+    yield
+    return
+  saved = models.limited_stack, vrns_model.limited_vrns
+  models.limited_stack = module_at_revision(revision, "limited_stack")
+  vrns_model.limited_vrns = module_at_revision(revision, "limited_vrns")
+  try:
+    yield
+  finally:
+    models.limited_stack, vrns_model.limited_vrns = saved

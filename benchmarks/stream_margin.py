@@ -22,7 +22,6 @@ Prints a table and writes benchmarks/results/stream_margin.json
 """
 
 import argparse
-import contextlib
 import functools
 import os
 import sys
@@ -42,26 +41,8 @@ from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-po
 from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top,wrong-import-position
-from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 CONFIGS = {"rns": ptb_rns, "vrns": ptb_vrns}
-
-
-@contextlib.contextmanager
-def window_stacks_at(revision):
-  """The models use limited_stack and limited_vrns as of `revision` while
-  inside (a function jitted and first called here keeps them)."""
-  if not revision:
-    yield
-    return
-  saved = models.limited_stack, vrns_model.limited_vrns
-  models.limited_stack = machine.module_at_revision(revision, "limited_stack")
-  vrns_model.limited_vrns = machine.module_at_revision(revision,
-                                                       "limited_vrns")
-  try:
-    yield
-  finally:
-    models.limited_stack, vrns_model.limited_vrns = saved
 
 
 def row(name: str, vocab: int, hidden: int, reps: int,
@@ -90,7 +71,7 @@ def row(name: str, vocab: int, hidden: int, reps: int,
   if baseline:
     fns["before"] = jax.jit(functools.partial(corpus_train.eval_chunk_margin,
                                               apply_fn=model.apply))
-    with window_stacks_at(baseline):   # traced (compiled) here, kept
+    with machine.window_stacks_at(baseline):   # traced (compiled) here, kept
       # The revision's own state types (NamedTuples of its modules).
       carries["before"] = model.apply({"params": params}, b,
                                       method="initial_stream_state")
