@@ -304,12 +304,11 @@ def _window_scan_forward(step_fn, reading, precision, params, ctrl0, state0,
     saved = None
     if keep:
       _, _, cs, mt, res, _ = resid
-      # Column j as written (its row j−D cleared): the reverse sweep takes
-      # the rows updates overwrite from these (`_overwritten_row`). Saving
-      # those rows of the window here instead read the carried window
-      # outside the update, and XLA:CPU then copied it every update.
+      # What update j overwrote (the rest of the window is unchanged): the
+      # row of time j−D. The column it overwrites, time j−D's, is empty:
+      # its rows are times before j−D, all cleared by now.
       saved = (ctrl, a_prev, head,
-               lax.dynamic_index_in_dim(g_new, nxt, axis=2, keepdims=False),
+               lax.dynamic_index_in_dim(g, nxt, axis=4, keepdims=False),
                cs, mt, res)
     return (ctrl_new, g_new, a_hat, lm, nxt), (out, a_hat, lm, saved)
 
@@ -329,45 +328,17 @@ def _window_scan_fwd(step_fn, reading, precision, params, ctrl0, state0,
   (ctrl, g, a, lm, head), (outs, a_hats, lms, saved) = _window_scan_forward(
       step_fn, reading, precision, params, ctrl0, state0, xs_T, True)
   out = (ctrl, WindowState(g, a, lm, head), outs, a_hats, lms)
-  return out, (params, xs_T, g, a_hats, saved, state0.g)
-
-
-def _overwritten_row(cols, g0, u, head):
-  """The row update u of a chunk overwrites (0-based in the chunk; its
-  window's newest time at slot `head`): [B, Y, D (column), T, Q, X].
-
-  That row (time j−D for update j) holds, in each column slot, the entry
-  the column had when written: the chunk's own columns `cols` [L, B, Y, T,
-  D, Q, X] (column j as `_window_scan_forward` saved it) for the columns
-  written in the chunk, the chunk's first window `g0` for older ones.
-  The column slot the update overwrites is empty (its rows are older).
-  """
-  d = g0.shape[2]
-  nxt = (head + 1) % d
-  slot = jnp.arange(d)
-  # Column slot c holds time (j − 1) − age, written by chunk update u − age
-  # (when that is ≥ 0; else it was in the chunk's first window).
-  age = (head - slot) % d
-  written = u - age
-  from_cols = jnp.take(cols, jnp.maximum(written, 0), axis=0)  # c B Y T D Q X
-  from_cols = jnp.moveaxis(
-      lax.dynamic_index_in_dim(from_cols, nxt, axis=4, keepdims=False), 0,
-      2)                                                       # B Y c T Q X
-  from_g0 = lax.dynamic_index_in_dim(g0, nxt, axis=4, keepdims=False)
-  row = jnp.where((written >= 0)[:, None, None, None], from_cols, from_g0)
-  return jnp.where((slot != nxt)[:, None, None, None], row, 0)
+  return out, (params, xs_T, g, a_hats, saved)
 
 
 def _window_scan_bwd(step_fn, reading, precision, resid, cts):
-  params, xs_T, g_last, a_hats, saved, g0 = resid
+  params, xs_T, g_last, a_hats, saved = resid
   ctrl_ct, state_ct, outs_ct, a_hats_ct, lms_ct = cts
-  cols = saved[3]
 
   def body(carry, inp):
     g, g_ct, ctrl_ct, a_ct, lm_ct, p_ct = carry
-    u, x, out_ct, a_out_ct, lm_out_ct, a_hat, sv = inp
-    ctrl_prev, a_prev, head, _, cs, mt, res = sv
-    old_row = _overwritten_row(cols, g0, u, head)
+    x, out_ct, a_out_ct, lm_out_ct, a_hat, sv = inp
+    ctrl_prev, a_prev, head, old_row, cs, mt, res = sv
     a_ct = a_ct + a_out_ct
     lm_ct = lm_ct + lm_out_ct
     # The window before update j: its overwritten row back, its
@@ -390,9 +361,8 @@ def _window_scan_bwd(step_fn, reading, precision, resid, cts):
 
   init = (g_last, state_ct.g, ctrl_ct, state_ct.a_hat, state_ct.log_mass,
           jax.tree_util.tree_map(jnp.zeros_like, params))
-  steps = jnp.arange(jax.tree_util.tree_leaves(xs_T)[0].shape[0])
   (_, g_ct, ctrl_ct, a_ct, lm_ct, p_ct), dxf_T = lax.scan(
-      body, init, (steps, xs_T, outs_ct, a_hats_ct, lms_ct, a_hats, saved),
+      body, init, (xs_T, outs_ct, a_hats_ct, lms_ct, a_hats, saved),
       reverse=True)
   xs_ct = rns_stack.inputs_cotangent(xs_T, dxf_T)
   state0_ct = WindowState(g_ct, a_ct, lm_ct, np.zeros((), jax.dtypes.float0))
