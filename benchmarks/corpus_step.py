@@ -24,7 +24,7 @@ benchmarks/gpu_session.sh corpus).
 
 import argparse
 import contextlib
-import functools
+import inspect
 import os
 import sys
 import time
@@ -53,8 +53,15 @@ def _tracing_as_before(log_space, sliced):
   the input matrix sliced in the loop (`split_input_matrix` a no-op)."""
   originals = (limited_vrns.coupled_parts, models.split_input_matrix)
   if log_space:
-    limited_vrns.coupled_parts = functools.partial(originals[0],
-                                                   log_space=True)
+    signature = inspect.signature(originals[0])
+
+    def in_log_space(*args, **kwargs):
+      # log_space=True however the model passes it (by position or name).
+      bound = signature.bind(*args, **kwargs)
+      bound.arguments["log_space"] = True
+      return originals[0](*bound.args, **bound.kwargs)
+
+    limited_vrns.coupled_parts = in_log_space
   if sliced:
     models.split_input_matrix = lambda params, vocab_size: params
   try:
