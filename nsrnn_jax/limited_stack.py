@@ -30,8 +30,8 @@ computations the boundary's gradient reaches follows the authors' two tags
 * None (ICLR 2022): a chunk's last update is made at its end and then
   detached: the actions of each chunk's last hidden state get no gradient.
 Within a chunk the gradient is hand-written (`WINDOW_VJP`, "custom" by
-default): the forward keeps the column and the row each update overwrites
-and the backward rebuilds the windows in reverse, O(B·L·D·Q²·S²) memory for
+default): the forward keeps the row each update overwrites (the column it
+overwrites is always empty) and the backward rebuilds the windows in reverse, O(B·L·D·Q²·S²) memory for
 chunk length L (autodiff of the scan, "autodiff", keeps every window:
 O(B·L·D²·Q²·S²)).
 
