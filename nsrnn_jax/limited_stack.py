@@ -31,9 +31,9 @@ computations the boundary's gradient reaches follows the authors' two tags
   detached: the actions of each chunk's last hidden state get no gradient.
 Within a chunk the gradient is hand-written (`WINDOW_VJP`, "custom" by
 default): the forward keeps the row each update overwrites (the column it
-overwrites is always empty) and the backward rebuilds the windows in reverse, O(B·L·D·Q²·S²) memory for
-chunk length L (autodiff of the scan, "autodiff", keeps every window:
-O(B·L·D²·Q²·S²)).
+overwrites is always empty) and the backward rebuilds the windows in
+reverse, O(B·L·D·Q²·S²) memory for chunk length L (autodiff of the scan,
+"autodiff", keeps every window: O(B·L·D²·Q²·S²)).
 
 Shape legend: B batch, T updates, D window, Q states, S stack symbols,
 Y/X symbols in roles, L chunk length, C chunks.
