@@ -77,15 +77,15 @@ def row(q, window, rng, baseline=None):
   for name in fns:
     out[f"{name}_s"] = float(np.median(times[name]))
   out["margin_over_run"] = out["margin_s"] / out["run_s"]
-  out["min_margin"] = float(np.min(np.asarray(fns["margin"](*acts))))
+  margins = np.asarray(fns["margin"](*acts))
+  out["min_margin"] = float(np.min(margins))
   if baseline:
     out["baseline"] = baseline
     out["margin_before_over_run"] = out["margin_before_s"] / out["run_s"]
     out["speedup"] = out["margin_before_s"] / out["margin_s"]
     # The change must keep the values: same margins as the baseline's.
     out["same_margins"] = bool(np.array_equal(
-        np.asarray(fns["margin"](*acts)),
-        np.asarray(fns["margin_before"](*acts))))
+        margins, np.asarray(fns["margin_before"](*acts))))
   return out
 
 
