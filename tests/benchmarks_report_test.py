@@ -240,7 +240,6 @@ def test_margin_certificates_benchmark_counts_its_elements(load_benchmark,
   assert row["proven_not_exact_product"] == 0
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 def test_stream_margin_benchmark_reports_the_chunk_s_margin(load_benchmark):
   # A small RNS row: the margin evaluation's NLL is the plain one's, and the
   # smallest margin is stack_margin's on the chunk's rows (a stream's first

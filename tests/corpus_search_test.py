@@ -18,8 +18,6 @@ from configs import quick_corpus
 from nsrnn_jax import corpus
 from nsrnn_jax import corpus_search
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def test_draws_are_log_uniform_and_a_function_of_seed_and_index():
   n = 4000

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import conftest
@@ -27,6 +28,8 @@ def test_float32_tests_pass_under_xla_default_codegen():
   env = dict(os.environ, XLA_FLAGS=" ".join(
       f for f in flags.split() if f != conftest.TEST_CODEGEN_FLAG))
   env[conftest.DEFAULT_CODEGEN_ENV] = "1"
+  # And with XLA's full optimisations, as the library compiles.
+  env.pop(conftest.FAST_COMPILE_ENV, None)
   env[conftest.FLOAT32_ONLY_ENV] = "1"
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -86,3 +89,25 @@ def test_float32_tests_run_once_on_the_default_codegen(monkeypatch):
   assert _collected(monkeypatch, ids, "") == ids
   # The rerun's subprocess: the float32 tests only.
   assert _collected(monkeypatch, ids, "", float32_only=True) == f32
+
+
+def test_the_session_compiles_without_most_optimizations():
+  # On the CPU (the test codegen's terms) the session, its workers and
+  # subprocesses compile without XLA's most expensive optimisations.
+  if conftest.TEST_CODEGEN_FLAG not in os.environ.get("XLA_FLAGS",
+                                                      "").split():
+    pytest.skip("this session compiles as the library does")
+  assert jax.config.values["jax_disable_most_optimizations"]
+  assert os.environ[conftest.FAST_COMPILE_ENV] == "true"
+  out = subprocess.run(
+      [sys.executable, "-c", "import jax; "
+       "print(jax.config.values['jax_disable_most_optimizations'])"],
+      env=os.environ, capture_output=True, text=True, timeout=300,
+      check=True).stdout
+  assert out.split() == ["True"]
+
+
+
+@pytest.mark.optimized
+def test_an_optimized_test_compiles_as_the_library():
+  assert not jax.config.values["jax_disable_most_optimizations"]

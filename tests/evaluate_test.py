@@ -21,8 +21,6 @@ from nsrnn_jax import models
 from nsrnn_jax import parallel
 from nsrnn_jax import train
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -26,9 +26,6 @@ from nsrnn_jax import models
 from nsrnn_jax import pcfg
 from nsrnn_jax import rns_stack
 
-# Compile time dominates these tiny models; XLA's optimisations do not pay.
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 # ---------------------------------------------------------------------------
 # Helpers (oracles)
 # ---------------------------------------------------------------------------

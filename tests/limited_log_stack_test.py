@@ -21,8 +21,6 @@ from nsrnn_jax import limited_stack
 from nsrnn_jax import log_stack
 from nsrnn_jax import rns_stack
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 _actions = stack_helpers.three_kinds_of_actions
 

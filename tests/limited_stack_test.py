@@ -22,10 +22,6 @@ from nsrnn_jax import limited_stack
 from nsrnn_jax import rns_stack
 
 
-# These tests compile many tiny programs; XLA's optimisations do not pay
-# (conftest.py's fixture, restored after the module; `x64` is conftest's).
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def _actions(rng, batch, steps, q, s, scale=3.0, neginf=0.0):
   shapes = [(batch, steps, q, s, q, s)] * 2 + [(batch, steps, q, s, q)]
@@ -220,6 +216,7 @@ def _carried_copies(fn, *args):
           if (m := shape.search(line)) and m.group(1).count(",") >= 4]
 
 
+@pytest.mark.optimized
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's program")
 def test_window_margin_sweep_does_not_copy_its_ring_each_update():
   """The margin's reads of the carried ring and minima come before the
@@ -267,7 +264,7 @@ def test_window_share_margin_promises_only_exact_values():
 
 
 @pytest.mark.parametrize("boundary", ["iclr2022", "iclr2023"])
-def test_truncated_bptt(x64, fast_compile_test, boundary):
+def test_truncated_bptt(x64, boundary):
   q, s, b, t, window = 2, 2, 2, 5, 2
   rng = np.random.default_rng(3)
   step_fn = _controller(q, s)

@@ -22,8 +22,6 @@ from nsrnn_jax import models
 from nsrnn_jax import rns_stack
 from nsrnn_jax import vrns_stack
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def _inputs(rng, u, q, s, m, scale=1.0, neginf=0.0):
   """Unnormalised log-weights (−inf with probability `neginf`), log vectors

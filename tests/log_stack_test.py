@@ -17,8 +17,6 @@ import stack_helpers
 from nsrnn_jax import log_stack
 from nsrnn_jax import rns_stack
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 _actions = stack_helpers.three_kinds_of_actions
 

@@ -19,8 +19,6 @@ from nsrnn_jax import parallel
 from nsrnn_jax import train
 from train_test import NaNLM, TinyLM, TINY, restore_arrays, tiny_config, tiny_splits  # pylint: disable=g-multiple-import
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def test_best_epoch_parameters_are_tested_when_the_last_epoch_is_worse(
     tmp_path):

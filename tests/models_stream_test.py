@@ -17,7 +17,7 @@ import pytest
 
 from nsrnn_jax import models
 
-pytestmark = pytest.mark.usefixtures("fast_compile", "x64")
+pytestmark = pytest.mark.usefixtures("x64")
 
 V, B, N, T = 5, 2, 11, 4  # 11 tokens in chunks of 4, 4, 3.
 

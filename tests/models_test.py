@@ -773,7 +773,6 @@ def test_ns_tables_agree_in_value_and_gradient_float64():
     assert max(np.abs(np.asarray(g)).max() for g in jax.tree.leaves(g1)) > 0
 
 
-@pytest.mark.usefixtures('fast_compile_test')
 @pytest.mark.parametrize('variant', [
     {},
     # The memory-limited stack (limited_log_stack against limited_stack)
@@ -818,7 +817,6 @@ def test_ns_unknown_stack_table_is_a_clear_error():
     models.get('ns', _VOCAB, stack_table='fast')
 
 
-@pytest.mark.usefixtures('fast_compile_test')
 @pytest.mark.parametrize('table', models.NS_TABLES)
 def test_ns_batch_chunks_give_the_same_values_and_gradients(table):
   # The stack run on chunks of 1 or 2 strings (lax.map) against the whole
@@ -853,7 +851,6 @@ def _assert_same_loss_and_gradient_float64(variants, symbols, name,
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.usefixtures('fast_compile_test')
 @pytest.mark.parametrize('name,extra', [
     ('lstm', {}), ('jm', {}), ('gref', {}),
     ('ns', dict(stack_table='shares')), ('ns', dict(stack_table='scaled')),
@@ -1092,7 +1089,7 @@ def test_build_from_config_dict_takes_vocab_from_task():
   assert models.build(config).vocab_size == 9
 
 
-def test_vmap_over_model_axis_equals_separate_models(fast_compile_test):
+def test_vmap_over_model_axis_equals_separate_models():
   """Training vmaps a stacked K axis of parameters through the stack DP."""
   model = models.get('ns', _VOCAB, hidden_size=3)
   symbols = jnp.asarray(_SYMBOLS[:, :5])

@@ -23,9 +23,6 @@ from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import inspection  # pylint: disable=g-import-not-at-top
 from nsrnn_jax import train  # pylint: disable=g-import-not-at-top
 
-# Compile time dominates these tiny models; XLA's optimisations do not pay.
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(REPO_ROOT, "notebooks")
 

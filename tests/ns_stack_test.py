@@ -211,7 +211,6 @@ def _assert_gradients_match_reference(rng, push, repl, pop, rtol, atol):
     (2, 2, 50, "neginf"), (3, 2, 30, "unnorm"), (2, 3, 12, "norm"),
     (3, 3, 7, "neginf"), (2, 2, 72, "neginf"), (1, 2, 96, "unnorm"),
 ])
-@pytest.mark.usefixtures("fast_compile_test")
 def test_custom_vjp_equals_autodiff_of_naive_scan(x64, q, s, steps, kind):
   # steps = 50, 72 and 96 use two, three and four static time blocks (see
   # ns_stack._time_blocks and the test below).
@@ -342,7 +341,6 @@ def test_alpha_linear_and_log_space_paths_agree_with_the_definition(x64):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 def test_gradient_exact_where_alpha_rows_cross_the_linear_spread(x64):
   # Sharp actions spread the α rows beyond the linear path's 40 nats after a
   # few updates: the forward and the custom backward switch path mid-run
@@ -404,7 +402,6 @@ def _plain_coupled(step_fn, params, h0, xs, q, s):
   return outs.swapaxes(0, 1), readings, log_mass
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 @pytest.mark.parametrize("q,s,steps", [(2, 2, 50), (3, 2, 9)])
 def test_run_coupled_gradients_equal_plain_autodiff(x64, q, s, steps):
   rng = np.random.default_rng(11 * q + s)
@@ -711,7 +708,6 @@ def test_bad_precision_is_a_one_line_value_error():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 @pytest.mark.parametrize("unroll", [3])
 def test_unrolled_run_equals_unroll_1(x64, unroll):
   rng = np.random.default_rng(21)
@@ -732,7 +728,6 @@ def test_unrolled_run_equals_unroll_1(x64, unroll):
     np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 def test_unrolled_run_coupled_equals_unroll_1(x64):
   rng = np.random.default_rng(5)
   q, s, b, t = 2, 2, 2, 30
@@ -762,6 +757,7 @@ def test_bad_unroll_is_a_value_error(unroll):
     ns_stack.run(push, repl, pop, unroll=unroll)
 
 
+@pytest.mark.optimized
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU codegen")
 def test_full_precision_compiles_to_the_same_cpu_program():
   # Full float32 costs nothing on CPUs: XLA:CPU emits the same program, the

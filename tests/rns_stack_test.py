@@ -25,10 +25,6 @@ from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
 
 
-# These tests compile many tiny programs; XLA's optimisations do not pay
-# (conftest.py's fixture, restored after the module; `x64` is conftest's).
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def _actions(rng, batch, steps, q, s, kind):
   """'norm' (row log-softmax), 'unnorm' (N(0,1)·3), 'huge' (N(0,1)·10 + 50),

@@ -21,8 +21,6 @@ from nsrnn_jax import models
 from nsrnn_jax import rns_stack
 from nsrnn_jax import stack_kernels
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 def _actions(rng, batch, steps, q, s, kind):
   """'unnorm' (N(0,1)·3), 'huge' (N(0,1)·10 + 50) or 'neginf' (with −inf

@@ -22,8 +22,6 @@ from nsrnn_jax import checkpointing
 from nsrnn_jax import data
 from nsrnn_jax import train
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 # ---------------------------------------------------------------------------
 # Stand-ins.
@@ -107,13 +105,12 @@ def restore_arrays(workdir, model, config):
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, fast_compile):
+def reference_run(tmp_path_factory):
   """One uninterrupted 4-epoch run on `tiny_splits()`: (result, workdir).
 
   The resume tests compare their interrupted-and-resumed runs against it;
   they only read its workdir.
   """
-  del fast_compile  # Requested so the run compiles as the tests' runs do.
   workdir = str(tmp_path_factory.mktemp("reference") / "full")
   result = train.train_and_evaluate(tiny_config(max_epochs=4), workdir,
                                     splits=tiny_splits(), model=TINY)

@@ -79,7 +79,6 @@ def test_initial_reading_holds_the_bottom_vector(broadcast):
   np.testing.assert_array_equal(out['readings'], 0.0)
 
 
-@pytest.mark.usefixtures('fast_compile_test')
 @pytest.mark.parametrize('variant', [
     {}, dict(stack_window=3, truncation_length=3)])
 def test_log_table_agrees_in_value_and_gradient_float64(variant):

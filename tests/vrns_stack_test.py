@@ -203,7 +203,6 @@ def test_log_space_keeps_a_run_the_shares_flush(big):
         assert err > 0.1, (window, err)
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 def test_share_sweep_equals_log_space_values_and_gradients(x64):
   # The default (rns_stack.run_coupled_vectors) against this module's
   # log-space tables: unnormalised weights spread over tens of nats, −inf
@@ -267,7 +266,6 @@ def _loss(fn, weights, broadcast):
   return f
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 @pytest.mark.parametrize("broadcast,blocks", [(False, None), (True, 3)])
 def test_gradients_equal_autodiff_and_finite_differences(x64, broadcast,
                                                           blocks):
@@ -331,7 +329,6 @@ def _coupled_autodiff(params, carry, xs, log_bottom):
   return jnp.swapaxes(outs, 0, 1), rho, log_mass
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 @pytest.mark.parametrize("blocks", [None, 2])
 def test_run_coupled_equals_plain_autodiff(x64, blocks):
   rng = np.random.default_rng(7)
@@ -376,6 +373,7 @@ def _grad_temp_bytes(fn, t):
   return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.optimized
 def test_gradient_memory_is_quadratic():
   # XLA's temporary buffers of the compiled gradient (no run needed).
   # A fixed number of time blocks, so that only the length changes; two
@@ -437,7 +435,6 @@ def test_time_blocks_cover_every_update_once():
       vrns_stack.time_blocks_of(10, bad)
 
 
-@pytest.mark.usefixtures("fast_compile_test")
 def test_share_sweep_under_pallas_update_kernels(monkeypatch):
   # With rns_stack.UPDATE_KERNELS = "pallas" (interpreted on CPU) the
   # forward's vector column stays on XLA ops and the backward's table part
