@@ -111,12 +111,17 @@ FAST_COMPILE_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 _FAST_COMPILE_FLAG = "jax_disable_most_optimizations"
 
 
+def fast_compile_asked() -> bool:
+  """Whether FAST_COMPILE_ENV holds a true value (as JAX reads it)."""
+  return os.environ.get(FAST_COMPILE_ENV, "").lower() in (
+      "y", "yes", "t", "true", "on", "1")
+
+
 def _use_fast_compile():
   """Compiles this process, its workers and subprocesses without XLA's most
   expensive optimisations; a value of FAST_COMPILE_ENV the user set wins."""
   os.environ.setdefault(FAST_COMPILE_ENV, "true")
-  jax.config.update(_FAST_COMPILE_FLAG, os.environ[FAST_COMPILE_ENV].lower()
-                    in ("y", "yes", "t", "true", "on", "1"))
+  jax.config.update(_FAST_COMPILE_FLAG, fast_compile_asked())
 
 
 def pytest_configure(config):
