@@ -108,7 +108,7 @@ def _use_test_codegen():
 # XLA's most expensive optimisations off (module docstring): the variable
 # reaches the workers and subprocesses, which read it when they import jax.
 FAST_COMPILE_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
-_FAST_COMPILE_FLAG = "jax_disable_most_optimizations"
+FAST_COMPILE_FLAG = "jax_disable_most_optimizations"
 
 
 def fast_compile_asked() -> bool:
@@ -121,7 +121,7 @@ def _use_fast_compile():
   """Compiles this process, its workers and subprocesses without XLA's most
   expensive optimisations; a value of FAST_COMPILE_ENV the user set wins."""
   os.environ.setdefault(FAST_COMPILE_ENV, "true")
-  jax.config.update(_FAST_COMPILE_FLAG, fast_compile_asked())
+  jax.config.update(FAST_COMPILE_FLAG, fast_compile_asked())
 
 
 def pytest_configure(config):
@@ -264,12 +264,12 @@ def _library_optimizations(request):
   """XLA's full optimisations, as the library compiles, for a float32-
   accuracy test and a test marked `optimized` (module docstring)."""
   node = request.node
-  if not jax.config.values[_FAST_COMPILE_FLAG] or not (
+  if not jax.config.values[FAST_COMPILE_FLAG] or not (
       is_float32_test(node) or node.get_closest_marker("optimized")):
     yield
     return
-  jax.config.update(_FAST_COMPILE_FLAG, False)
+  jax.config.update(FAST_COMPILE_FLAG, False)
   try:
     yield
   finally:
-    jax.config.update(_FAST_COMPILE_FLAG, True)
+    jax.config.update(FAST_COMPILE_FLAG, True)

@@ -100,10 +100,10 @@ def test_the_session_compiles_without_most_optimizations():
   assert conftest.FAST_COMPILE_ENV in os.environ
   if not conftest.fast_compile_asked():
     pytest.skip(f"the user set {conftest.FAST_COMPILE_ENV} false")
-  assert jax.config.values["jax_disable_most_optimizations"]
+  assert jax.config.values[conftest.FAST_COMPILE_FLAG]
   out = subprocess.run(
       [sys.executable, "-c", "import jax; "
-       "print(jax.config.values['jax_disable_most_optimizations'])"],
+       f"print(jax.config.values['{conftest.FAST_COMPILE_FLAG}'])"],
       env=os.environ, capture_output=True, text=True, timeout=300,
       check=True).stdout
   assert out.split() == ["True"]
@@ -111,4 +111,4 @@ def test_the_session_compiles_without_most_optimizations():
 
 @pytest.mark.optimized
 def test_an_optimized_test_compiles_as_the_library():
-  assert not jax.config.values["jax_disable_most_optimizations"]
+  assert not jax.config.values[conftest.FAST_COMPILE_FLAG]

@@ -22,7 +22,6 @@ from nsrnn_jax import limited_stack
 from nsrnn_jax import rns_stack
 
 
-
 def _actions(rng, batch, steps, q, s, scale=3.0, neginf=0.0):
   shapes = [(batch, steps, q, s, q, s)] * 2 + [(batch, steps, q, s, q)]
   out = [scale * rng.normal(size=sh) for sh in shapes]

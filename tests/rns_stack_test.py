@@ -25,7 +25,6 @@ from nsrnn_jax import ns_stack
 from nsrnn_jax import rns_stack
 
 
-
 def _actions(rng, batch, steps, q, s, kind):
   """'norm' (row log-softmax), 'unnorm' (N(0,1)·3), 'huge' (N(0,1)·10 + 50),
   'neginf' (unnormalised with −inf entries)."""
