@@ -325,21 +325,26 @@ def write_json(directory: str, name: str, value: Any) -> None:
 # ---------------------------------------------------------------------------
 
 
-def make_manager(directory: str, keep: int = 2, async_save: bool = True,
+def make_manager(directory: str, keep: int = 2,
                  read_only: bool = False) -> ocp.CheckpointManager:
   """Creates (or opens) a checkpoint directory.
+
+  Saves are synchronous: `save` returns once the checkpoint is final, so a
+  background write would overlap nothing. Orbax's asynchronous save also
+  hands its steps between threads with a 300 s wall-clock timeout, and a
+  process paused mid-save for longer (a laptop suspended, a job stopped
+  with SIGSTOP) failed that save and ended the run on resuming; the
+  synchronous save waits on nothing (tests/checkpointing_test.py).
 
   Args:
     directory: absolute or relative path; created if missing (unless
       read_only).
     keep: number of most recent checkpoints kept (>= 2 recommended).
-    async_save: write in a background thread (waited for before the next
-      save and in `close`).
     read_only: never create, save or delete anything (reading commands).
   """
   options = ocp.CheckpointManagerOptions(
       preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
-      enable_async_checkpointing=async_save and not read_only,
+      enable_async_checkpointing=False,
       create=not read_only, read_only=read_only,
       # Read-only managers never save; Orbax warns when this is left > 0.
       save_interval_steps=0 if read_only else 1)

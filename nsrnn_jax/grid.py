@@ -252,7 +252,7 @@ def _split_stacked_checkpoint(workdir: str, grid_members: Sequence[Member],
     for k, m in enumerate(grid_members):
       epoch = int(np.asarray(arrays["epoch"])[k])
       member = checkpointing.make_manager(checkpointing.checkpoint_dir(
-          os.path.join(workdir, m.subdir)), async_save=False)
+          os.path.join(workdir, m.subdir)))
       checkpointing.save(member, epoch, jax.tree.map(
           lambda x: np.asarray(x)[k], arrays),  # pylint: disable=cell-var-from-loop
                          {"shuffle_rng": host["shuffle_rngs"][k],

@@ -502,6 +502,30 @@ def test_an_interrupt_during_a_save_lets_the_save_finish(tmp_path,
   assert step == 4 and float(state["params"]["w"][0, 0]) == 4.0
 
 
+def test_a_save_survives_a_wall_clock_jump(tmp_path, monkeypatch):
+  # A machine suspended (or a process stopped) mid-save resumes with the
+  # wall clock far ahead. Orbax's asynchronous save timed out its own steps
+  # then ("ChainedFuture completed 1/4 futures but timed out after 4000 s")
+  # and the run ended; here every reading of the clock jumps 1000 s.
+  _save_steps(str(tmp_path), [1])
+  manager = checkpointing.make_manager(str(tmp_path), keep=2)
+  real, jumps = time.time, []
+
+  def jumping_clock():
+    jumps.append(1000.0)
+    return real() + sum(jumps)
+
+  monkeypatch.setattr(time, "time", jumping_clock)
+  for s in (2, 3):
+    checkpointing.save(manager, s, _state(float(s)), {"epoch": s,
+                                                      "order": [s]})
+  monkeypatch.undo()
+  checkpointing.close(manager)
+  assert jumps   # The save read the clock.
+  step, state, _ = _restore(str(tmp_path))
+  assert step == 3 and float(state["params"]["w"][0, 0]) == 3.0
+
+
 def test_read_config_refuses_what_is_not_a_config(tmp_path):
   path = tmp_path / "config.json"
   for text, message in [("[1, 2]", "is not a config"),
