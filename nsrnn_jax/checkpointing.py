@@ -507,10 +507,11 @@ def _without_closed_loop_tracebacks():
 def interrupts_deferred():
   """Holds back Ctrl-C (SIGINT) until the block ends, then raises it.
 
-  An interrupt inside Orbax's wait for a save left its finalising thread
-  running into interpreter shutdown (a traceback, exit status 1) and the
-  save unfinished; deferred, the save completes (seconds) first. Only the
-  main thread can take signals; elsewhere this does nothing.
+  An interrupt inside a save leaves it unfinished (with Orbax's background
+  save, which this module used before, also its finalising thread running
+  into interpreter shutdown: a traceback, exit status 1); deferred, the
+  save completes (seconds) first. Only the main thread can take signals;
+  elsewhere this does nothing.
   """
   if threading.current_thread() is not threading.main_thread():
     yield
