@@ -79,6 +79,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -707,12 +708,30 @@ def _worker_argv(spec: RunSpec, restarts: int, workdir: str, results_dir: str,
   return argv + list(extra)
 
 
-def _last_line(path: str) -> str:
+_ERROR_LINE = re.compile(r"error: ")
+# "ValueError: ...", "jax.errors.JaxRuntimeError: ...", "KeyboardInterrupt".
+_EXCEPTION_LINE = re.compile(
+    r"([\w.]+\.)?\w*(Error|Exception|Interrupt)(:|$)")
+
+
+def failure_line(path: str) -> str:
+  """The line of a failed worker's log that says why ('' if none).
+
+  The worker's own one-line error (`error: ...`) where it printed one, else
+  its last exception line (`SomethingError: ...`), else its last line. Not
+  simply the last line: threads and warnings still write after the error
+  (a failed checkpoint save ended its log with "RuntimeWarning: Enable
+  tracemalloc to get the object allocation traceback").
+  """
   try:
     with open(path, errors="replace") as f:
       lines = [l.strip() for l in f.read().splitlines() if l.strip()]
   except OSError:
     return ""
+  for pattern in (_ERROR_LINE, _EXCEPTION_LINE):
+    found = [l for l in lines if pattern.match(l)]
+    if found:
+      return found[-1]
   return lines[-1] if lines else ""
 
 
@@ -798,7 +817,7 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
           failed.append((spec, code, path))
           # Said now: the error itself waits for the running workers.
           print(f"failed {label(spec)} (exit code {code}): "
-                f"{_last_line(path) or 'no output'}; no new run starts, "
+                f"{failure_line(path) or 'no output'}; no new run starts, "
                 f"{len(running)} still running", file=out, flush=True)
         else:
           print(f"finished {label(spec)}", file=out, flush=True)
@@ -814,7 +833,7 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
     spec, code, path = failed[0]
     more = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
     raise ReproduceError(f"run {label(spec)} failed in its worker (exit code "
-                         f"{code}): {_last_line(path) or 'no output'}; its "
+                         f"{code}): {failure_line(path) or 'no output'}; its "
                          f"log: {path}{more}")
   return stopped or bool(queue)
 

@@ -761,6 +761,35 @@ def test_a_failed_worker_is_one_error_naming_its_run_and_log(tmp_path):
   assert record["setting"] == "lr_0.005"
 
 
+def test_a_failed_worker_is_named_by_its_error_line_not_its_last(tmp_path):
+  # The end of the log of a run whose checkpoint save failed (Orbax's
+  # threads and a warning wrote after the worker's one-line error).
+  log = tmp_path / "worker.log"
+  log.write_text(
+      "epoch  51/200  loss 30.0481  valid ce_diff +0.1709\n"
+      "ERROR:absl:[process=0] Failed to run 4 Handler Commit operations\n"
+      "Traceback (most recent call last):\n"
+      "    raise TimeoutError(\n"
+      "TimeoutError: ChainedFuture completed 2/4 futures\n"
+      "error: ChainedFuture completed 2/4 futures but timed out\n"
+      "ERROR:absl:_SignalingThread.run() raised an exception\n"
+      "RuntimeError: cannot schedule new futures after interpreter shutdown\n"
+      "RuntimeWarning: Enable tracemalloc to get the object allocation "
+      "traceback\n\n")
+  assert reproduce.failure_line(str(log)) == (
+      "error: ChainedFuture completed 2/4 futures but timed out")
+  # Without the worker's own line (a crash): the last exception's line.
+  lines = log.read_text().splitlines()
+  log.write_text("\n".join(l for l in lines if not l.startswith("error:")))
+  assert reproduce.failure_line(str(log)) == (
+      "RuntimeError: cannot schedule new futures after interpreter shutdown")
+  log.write_text("Killed\n")
+  assert reproduce.failure_line(str(log)) == "Killed"
+  log.write_text("")
+  assert reproduce.failure_line(str(log)) == ""
+  assert reproduce.failure_line(str(tmp_path / "missing.log")) == ""
+
+
 @pytest.mark.parametrize("workers,execution,message", [
     (0, "sequential", "--workers must be an integer >= 1"),
     (2, "model_axis", "--workers=2 needs the sequential execution"),
