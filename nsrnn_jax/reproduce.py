@@ -714,20 +714,23 @@ _EXCEPTION_LINE = re.compile(
     r"([\w.]+\.)?\w*(Error|Exception|Interrupt)(:|$)")
 
 
-def failure_line(path: str) -> str:
+def failure_line(path: str, start: int = 0) -> str:
   """The line of a failed worker's log that says why ('' if none).
 
   The worker's own one-line error (`error: ...`) where it printed one, else
   its last exception line (`SomethingError: ...`), else its last line. Not
   simply the last line: threads and warnings still write after the error
   (a failed checkpoint save ended its log with "RuntimeWarning: Enable
-  tracemalloc to get the object allocation traceback").
+  tracemalloc to get the object allocation traceback"). Reads from byte
+  `start`, where this attempt's output begins (a rerun appends to the log).
   """
   try:
-    with open(path, errors="replace") as f:
-      lines = [l.strip() for l in f.read().splitlines() if l.strip()]
+    with open(path, "rb") as f:
+      f.seek(start)
+      text = f.read().decode(errors="replace")
   except OSError:
     return ""
+  lines = [l.strip() for l in text.splitlines() if l.strip()]
   for pattern in (_ERROR_LINE, _EXCEPTION_LINE):
     found = [l for l in lines if pattern.match(l)]
     if found:
@@ -794,16 +797,17 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
         if cores is not None:
           argv.append(f"--cpu_cores={parallel.format_cores(cores)}")
         log = open(path, "a")  # pylint: disable=consider-using-with
+        start = os.path.getsize(path)   # This attempt's output from here.
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                 env=env, stdin=subprocess.DEVNULL)
-        running[spec] = (proc, log, path, cores)
+        running[spec] = (proc, log, (path, start), cores)
         launched = True
       if launched:
         progress.show(list(running))
       if not running:
         break
       time.sleep(WORKER_POLL_SECONDS)
-      for spec, (proc, log, path, cores) in list(running.items()):
+      for spec, (proc, log, (path, start), cores) in list(running.items()):
         code = proc.poll()
         if code is None:
           continue
@@ -814,11 +818,12 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
         if code == 3:
           stopped = True
         elif code != 0:
-          failed.append((spec, code, path))
+          failed.append((spec, code, path, start))
           # Said now: the error itself waits for the running workers.
           print(f"failed {label(spec)} (exit code {code}): "
-                f"{failure_line(path) or 'no output'}; no new run starts, "
-                f"{len(running)} still running", file=out, flush=True)
+                f"{failure_line(path, start) or 'no output'}; no new run "
+                f"starts, {len(running)} still running", file=out,
+                flush=True)
         else:
           print(f"finished {label(spec)}", file=out, flush=True)
   except BaseException:
@@ -830,11 +835,11 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
       log.close()
     raise
   if failed:
-    spec, code, path = failed[0]
+    spec, code, path, start = failed[0]
     more = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
+    reason = failure_line(path, start) or "no output"
     raise ReproduceError(f"run {label(spec)} failed in its worker (exit code "
-                         f"{code}): {failure_line(path) or 'no output'}; its "
-                         f"log: {path}{more}")
+                         f"{code}): {reason}; its log: {path}{more}")
   return stopped or bool(queue)
 
 

@@ -785,6 +785,11 @@ def test_a_failed_worker_is_named_by_its_error_line_not_its_last(tmp_path):
       "RuntimeError: cannot schedule new futures after interpreter shutdown")
   log.write_text("Killed\n")
   assert reproduce.failure_line(str(log)) == "Killed"
+  # A rerun appends to its log: only this attempt's output counts.
+  earlier = "error: an earlier attempt's reason\n"
+  log.write_text(earlier + "Killed\n")
+  assert reproduce.failure_line(str(log), len(earlier)) == "Killed"
+  assert reproduce.failure_line(str(log)) == earlier.strip()
   log.write_text("")
   assert reproduce.failure_line(str(log)) == ""
   assert reproduce.failure_line(str(tmp_path / "missing.log")) == ""
