@@ -708,7 +708,6 @@ def _worker_argv(spec: RunSpec, restarts: int, workdir: str, results_dir: str,
   return argv + list(extra)
 
 
-_ERROR_LINE = re.compile(r"error: ")
 # "ValueError: ...", "jax.errors.JaxRuntimeError: ...", "KeyboardInterrupt".
 _EXCEPTION_LINE = re.compile(
     r"([\w.]+\.)?\w*(Error|Exception|Interrupt)(:|$)")
@@ -731,8 +730,8 @@ def failure_line(path: str, start: int = 0) -> str:
   except OSError:
     return ""
   lines = [l.strip() for l in text.splitlines() if l.strip()]
-  for pattern in (_ERROR_LINE, _EXCEPTION_LINE):
-    found = [l for l in lines if pattern.match(l)]
+  for says_why in (lambda l: l.startswith("error: "), _EXCEPTION_LINE.match):
+    found = [l for l in lines if says_why(l)]
     if found:
       return found[-1]
   return lines[-1] if lines else ""
