@@ -1057,7 +1057,23 @@ def window_vjp_block():
           f"{r['custom_temp_mib']:.1f} / {r['autodiff_temp_mib']:.1f} MiB |")
   notes = "; ".join(f"`{n}`: {_device(_load(n))}, {_load(n)['note']}"
                     for n in files)
-  return "\n".join(lines) + f"\n\n{notes}.\n"
+  text = "\n".join(lines) + f"\n\n{notes}.\n"
+  d = _load("window_vjp_before_after.json")
+  if d is not None:
+    ref = d["baseline_ref"]
+    rows = ["", f"The hand-written gradient before and after a change "
+            f"(`window_vjp_before_after.json`, `--baseline_ref={ref}`; "
+            f"{_device(d)}; {d['note']}; median of {d['reps']}):", "",
+            f"| case | before (`{ref}`) | after | speed-up (median / best) "
+            "| temporary memory, before / after |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+      rows.append(
+          f"| {r['label']} | {_ms(r['before_ms'] / 1e3)} | "
+          f"{_ms(r['after_ms'] / 1e3)} | {r['speedup']:.2f}× / "
+          f"{r['speedup_best']:.2f}× | {r['before_temp_mib']:.1f} / "
+          f"{r['after_temp_mib']:.1f} MiB |")
+    text += "\n".join(rows) + "\n"
+  return text
 
 
 def _log_table_lines(d, title):

@@ -17,8 +17,15 @@ interleaved in one process:
   10,000, H = 256, B = 32, T = D = 35, input by lookup), forward, backward
   and SGD update of one BPTT chunk.
 
+With `--baseline_ref=REF`, instead: the `chunk` gradient's hand-written
+VJP with `limited_stack` as of git REF ("before") against the working
+tree's ("after"), interleaved in one process, at windows 10, 35 and 100:
+a change to the window's gradient measured before and after in one run
+(`window_vjp_before_after.json`).
+
 Usage:
   python benchmarks/window_vjp.py [--reps=7] [--note=...] [--out=...]
+      [--baseline_ref=REF]
 Prints a table and writes benchmarks/results/window_vjp.json, or
 window_vjp_huge_pages.json when run as corpus training runs, with huge pages
 (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, `cli.reexec_with_huge_pages`).
@@ -97,11 +104,44 @@ def _timed(builders, reps):
   return {m: (float(np.median(times[m])), temp[m]) for m in MODES}
 
 
+def _before_after(ref, reps):
+  """Rows of the chunk gradient with limited_stack at `ref` and now."""
+  before = machine.module_at_revision(ref, "limited_stack")
+  rows = []
+  for window in (10, 35, 100):
+    fns, temp = {}, {}
+    for name, stack in (("before", before), ("after", limited_stack)):
+      fns[name], analysis = _chunk_gradient(window, stack=stack)
+      temp[name] = round(analysis.temp_size_in_bytes / 2**20, 1)
+      jax.block_until_ready(fns[name]())
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+      for name, fn in fns.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times[name].append(time.perf_counter() - start)
+    med = {name: float(np.median(t)) for name, t in times.items()}
+    best = {name: min(t) for name, t in times.items()}
+    rows.append({"case": "chunk", "window": window, "batch": 10,
+                 "length": 80, "label": f"chunk gradient, D = {window}",
+                 "before_ms": round(1e3 * med["before"], 2),
+                 "after_ms": round(1e3 * med["after"], 2),
+                 "speedup": round(med["before"] / med["after"], 2),
+                 "speedup_best": round(best["before"] / best["after"], 2),
+                 "before_temp_mib": temp["before"],
+                 "after_temp_mib": temp["after"]})
+  return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")
+  parser.add_argument("--baseline_ref", default=None,
+                      help="time the chunk gradient with limited_stack as "
+                      "of this git revision against the working tree "
+                      "instead (window_vjp_before_after.json)")
   parser.add_argument("--out", default=None,
                       help="output JSON (default: benchmarks/results/"
                       "window_vjp[_huge_pages].json)")
@@ -110,6 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main():
   args = build_parser().parse_args()
+  if args.baseline_ref:
+    rows = _before_after(args.baseline_ref, args.reps)
+    print(f"| case | before ({args.baseline_ref}) | after | speed-up "
+          "(median / best) | temporary memory, before / after |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+      print(f"| {r['label']} | {r['before_ms']:.1f} ms | {r['after_ms']:.1f} "
+            f"ms | {r['speedup']:.2f}x / {r['speedup_best']:.2f}x | "
+            f"{r['before_temp_mib']} / {r['after_temp_mib']} MiB |")
+    machine.save_rows(
+        "window_vjp_before_after.json", rows,
+        machine.with_note("median of interleaved calls in one process",
+                          args.note),
+        out=args.out, reps=args.reps, baseline_ref=args.baseline_ref)
+    return
   rows = []
 
   def mib(analysis):

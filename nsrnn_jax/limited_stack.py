@@ -331,24 +331,48 @@ def _window_scan_fwd(step_fn, reading, precision, params, ctrl0, state0,
   return out, (params, xs_T, g, a_hats, saved)
 
 
+def _flat_window(g):
+  """The window [B, Y, D, T, D, Q, X] as [B·Y, D·T, D·Q·X] (a reshape): a
+  column slot is D·T's slice [slot·T, (slot + 1)·T), a row slot D·Q·X's
+  slice [slot·Q·X, (slot + 1)·Q·X)."""
+  b, ny, d, nr = g.shape[:4]
+  return g.reshape(b * ny, d * nr, -1)
+
+
+def _rebuild_flat(flat, old_row, nxt, shape):
+  """The flat window before update j from the one after it: slot nxt's row
+  back (old_row, [B, Y, D, T, Q, X]) and its column empty again."""
+  b, ny, d, nr, _, q, nx = shape
+  flat = lax.dynamic_update_slice_in_dim(
+      flat, old_row.reshape(b * ny, d * nr, q * nx), nxt * q * nx, axis=2)
+  return lax.dynamic_update_slice_in_dim(
+      flat, jnp.zeros((b * ny, nr, d * q * nx), flat.dtype), nxt * nr,
+      axis=1)
+
+
 def _window_scan_bwd(step_fn, reading, precision, resid, cts):
   params, xs_T, g_last, a_hats, saved = resid
   ctrl_ct, state_ct, outs_ct, a_hats_ct, lms_ct = cts
+  shape = g_last.shape
 
   def body(carry, inp):
-    g, g_ct, ctrl_ct, a_ct, lm_ct, p_ct = carry
+    # The window is carried flat (`_flat_window`), the layout of the
+    # backward's table-sized product. Carried as [B, Y, D, T, D, Q, X],
+    # XLA:CPU made the rebuilt window twice (once for the carry, once in
+    # the product's flat layout) and copied it four times per update: the
+    # chunk gradient ran 1.35x slower at D = 35 and 1.5x at D = 100, same
+    # values (window_vjp_before_after.json).
+    flat, g_ct, ctrl_ct, a_ct, lm_ct, p_ct = carry
     x, out_ct, a_out_ct, lm_out_ct, a_hat, sv = inp
     ctrl_prev, a_prev, head, old_row, cs, mt, res = sv
     a_ct = a_ct + a_out_ct
     lm_ct = lm_ct + lm_out_ct
     # The window before update j: its overwritten row back, its
     # overwritten column empty again (see `_window_scan_forward`).
-    nxt = (head + 1) % g.shape[2]
-    g = lax.dynamic_update_index_in_dim(g, old_row, nxt, axis=4)
-    g = lax.dynamic_update_index_in_dim(
-        g, jnp.zeros(g.shape[:2] + g.shape[3:], g.dtype), nxt, axis=2)
+    flat = _rebuild_flat(flat, old_row, (head + 1) % shape[2], shape)
     g_ct, _, d_a, *d_acts = _window_update_bwd(
-        precision, (g, head, cs, mt, res, a_hat), (g_ct, a_ct, lm_ct))
+        precision, (flat.reshape(shape), head, cs, mt, res, a_hat),
+        (g_ct, a_ct, lm_ct))
     xf, merge = rns_stack.float_inputs(x)
 
     def ctrl(p, c, ap, xf):
@@ -357,10 +381,10 @@ def _window_scan_bwd(step_fn, reading, precision, resid, cts):
     _, vjp = jax.vjp(ctrl, params, ctrl_prev, a_prev, xf)
     dp, dc, d_a_ctrl, dxf = vjp((ctrl_ct, tuple(d_acts), out_ct))
     p_ct = jax.tree_util.tree_map(jnp.add, p_ct, dp)
-    return (g, g_ct, dc, d_a + d_a_ctrl, lm_ct, p_ct), dxf
+    return (flat, g_ct, dc, d_a + d_a_ctrl, lm_ct, p_ct), dxf
 
-  init = (g_last, state_ct.g, ctrl_ct, state_ct.a_hat, state_ct.log_mass,
-          jax.tree_util.tree_map(jnp.zeros_like, params))
+  init = (_flat_window(g_last), state_ct.g, ctrl_ct, state_ct.a_hat,
+          state_ct.log_mass, jax.tree_util.tree_map(jnp.zeros_like, params))
   (_, g_ct, ctrl_ct, a_ct, lm_ct, p_ct), dxf_T = lax.scan(
       body, init, (xs_T, outs_ct, a_hats_ct, lms_ct, a_hats, saved),
       reverse=True)
