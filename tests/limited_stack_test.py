@@ -239,11 +239,12 @@ def test_window_margin_sweep_does_not_copy_its_ring_each_update():
 @pytest.mark.optimized
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's program")
 def test_window_gradient_copies_the_window_four_times_not_eight():
-  """The chunk gradient's compiled program (XLA:CPU) copies arrays of the
-  window's size 4 times: the forward's 2 per update, the backward's 1 and
-  the initial window. With the reverse sweep's window carried as
-  [B, Y, D, T, D, Q, X] instead of flat it copied 8 (4 more per update,
-  1.35x the time at D = 35: window_vjp_before_after.json)."""
+  """The chunk gradient's compiled program (XLA:CPU) has 4 copy
+  instructions of the window's size: 2 in the forward loop's body, 1 in
+  the backward's and 1 of the initial window. With the reverse sweep's
+  window carried as [B, Y, D, T, D, Q, X] instead of flat it had 8 (4
+  more in the backward's body, each run once per update: 1.35x the time
+  at D = 35, window_vjp_before_after.json)."""
   q, s, b, t, window = 2, 2, 2, 6, 4
   rng = np.random.default_rng(0)
   params = _controller_params(rng, q, s, np.float32)
