@@ -17,11 +17,12 @@ interleaved in one process:
   10,000, H = 256, B = 32, T = D = 35, input by lookup), forward, backward
   and SGD update of one BPTT chunk.
 
-With `--baseline_ref=REF`, instead: the `chunk` gradient's hand-written
-VJP with `limited_stack` as of git REF ("before") against the working
-tree's ("after"), interleaved in one process, at windows 10, 35 and 100:
-a change to the window's gradient measured before and after in one run
-(`window_vjp_before_after.json`).
+With `--baseline_ref=REF`, instead: the `chunk` and `log chunk`
+gradients' hand-written VJPs with their stack module (`limited_stack`,
+`limited_log_stack`) as of git REF ("before") against the working tree's
+("after"), interleaved in one process, at windows 10, 35 and 100 (the log
+window at 10 and 35): a change to a window's gradient measured before and
+after in one run (`window_vjp_before_after.json`).
 
 Usage:
   python benchmarks/window_vjp.py [--reps=7] [--note=...] [--out=...]
@@ -104,33 +105,44 @@ def _timed(builders, reps):
   return {m: (float(np.median(times[m])), temp[m]) for m in MODES}
 
 
+BEFORE_AFTER = (("chunk", limited_stack, (10, 35, 100)),
+                ("log chunk", limited_log_stack, (10, 35)))
+
+
 def _before_after(ref, reps):
-  """Rows of the chunk gradient with limited_stack at `ref` and now."""
-  before = machine.module_at_revision(ref, "limited_stack")
+  """Rows of the chunk gradients (`BEFORE_AFTER`: the share window's and
+  the log window's) with their stack module at `ref` and now."""
   rows = []
-  for window in (10, 35, 100):
-    fns, temp = {}, {}
-    for name, stack in (("before", before), ("after", limited_stack)):
-      fns[name], analysis = _chunk_gradient(window, stack=stack)
-      temp[name] = round(analysis.temp_size_in_bytes / 2**20, 1)
-      jax.block_until_ready(fns[name]())
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-      for name, fn in fns.items():
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times[name].append(time.perf_counter() - start)
-    med = {name: float(np.median(t)) for name, t in times.items()}
-    best = {name: min(t) for name, t in times.items()}
-    rows.append({"case": "chunk", "window": window, "batch": 10,
-                 "length": 80, "label": f"chunk gradient, D = {window}",
-                 "before_ms": round(1e3 * med["before"], 2),
-                 "after_ms": round(1e3 * med["after"], 2),
-                 "speedup": round(med["before"] / med["after"], 2),
-                 "speedup_best": round(best["before"] / best["after"], 2),
-                 "before_temp_mib": temp["before"],
-                 "after_temp_mib": temp["after"]})
+  for case, module, windows in BEFORE_AFTER:
+    before = machine.module_at_revision(ref, module.__name__.split(".")[-1])
+    rows += [_before_after_row(case, before, module, window, reps)
+             for window in windows]
   return rows
+
+
+def _before_after_row(case, before, after, window, reps):
+  """One row of `_before_after`: `case` at `window`, timed interleaved."""
+  fns, temp = {}, {}
+  for name, stack in (("before", before), ("after", after)):
+    fns[name], analysis = _chunk_gradient(window, stack=stack)
+    temp[name] = round(analysis.temp_size_in_bytes / 2**20, 1)
+    jax.block_until_ready(fns[name]())
+  times = {name: [] for name in fns}
+  for _ in range(reps):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  med = {name: float(np.median(t)) for name, t in times.items()}
+  best = {name: min(t) for name, t in times.items()}
+  return {"case": case, "window": window, "batch": 10, "length": 80,
+          "label": f"{case} gradient, D = {window}",
+          "before_ms": round(1e3 * med["before"], 2),
+          "after_ms": round(1e3 * med["after"], 2),
+          "speedup": round(med["before"] / med["after"], 2),
+          "speedup_best": round(best["before"] / best["after"], 2),
+          "before_temp_mib": temp["before"],
+          "after_temp_mib": temp["after"]}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -360,7 +360,7 @@ def _window_scan_bwd(step_fn, reading, precision, resid, cts):
     # backward's table-sized product. Carried as [B, Y, D, T, D, Q, X],
     # XLA:CPU made the rebuilt window twice (once for the carry, once in
     # the product's flat layout) and copied it four times per update: the
-    # chunk gradient ran 1.35x slower at D = 35 and 1.5x at D = 100, same
+    # chunk gradient ran 1.3x slower at D = 35 and 1.5x at D = 100, same
     # values (window_vjp_before_after.json).
     flat, g_ct, ctrl_ct, a_ct, lm_ct, p_ct = carry
     x, out_ct, a_out_ct, lm_out_ct, a_hat, sv = inp

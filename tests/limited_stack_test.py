@@ -243,7 +243,7 @@ def test_window_gradient_copies_the_window_four_times_not_eight():
   instructions of the window's size: 2 in the forward loop's body, 1 in
   the backward's and 1 of the initial window. With the reverse sweep's
   window carried as [B, Y, D, T, D, Q, X] instead of flat it had 8 (4
-  more in the backward's body, each run once per update: 1.35x the time
+  more in the backward's body, each run once per update: 1.3x the time
   at D = 35, window_vjp_before_after.json)."""
   q, s, b, t, window = 2, 2, 2, 6, 4
   rng = np.random.default_rng(0)
