@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsrnn_jax import cli
 from nsrnn_jax import parallel
 
 
@@ -40,10 +41,20 @@ def source_revision():
 
 def module_at_revision(revision, name):
   """nsrnn_jax/<name>.py as of git `revision`, as a fresh module (a
-  before/after of a change timed in one process)."""
+  before/after of a change timed in one process). A revision git cannot
+  show it at ends the benchmark with a one-line error (exit 2)."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  source = subprocess.check_output(
-      ["git", "-C", repo, "show", f"{revision}:nsrnn_jax/{name}.py"])
+  try:
+    shown = subprocess.run(
+        ["git", "-C", repo, "show", f"{revision}:nsrnn_jax/{name}.py"],
+        capture_output=True, check=False)
+    reason = shown.stderr.decode(errors="replace").strip().splitlines()
+  except OSError as e:             # no git on this machine
+    shown, reason = None, [str(e)]
+  if shown is None or shown.returncode != 0:
+    cli.fail(f"no nsrnn_jax/{name}.py at git revision {revision!r}"
+             + (f" ({reason[-1]})" if reason else ""))
+  source = shown.stdout
   module = types.ModuleType(f"{name}_at_{revision}")
   module.__file__ = f"{revision}:nsrnn_jax/{name}.py"
   exec(compile(source, module.__file__, "exec"), module.__dict__)  # pylint: disable=exec-used

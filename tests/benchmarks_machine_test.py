@@ -122,3 +122,19 @@ def test_save_rows_writes_the_machine_note_fields_and_rows(load_benchmark,
   assert got["note"] == note and got["dtype"] == "float64"
   assert got["backend"] == jax.default_backend()
   assert got["device"] == machine.device_label(got)
+
+
+def test_a_revision_without_the_module_is_one_line_exit_2(load_benchmark,
+                                                          capsys):
+  machine = load_benchmark("machine")
+  if machine.source_revision() is not None:   # a git checkout
+    # A revision that exists loads its module (a timing's before side).
+    old = machine.module_at_revision("HEAD", "limited_stack")
+    assert callable(old.run_coupled)
+  with pytest.raises(SystemExit) as exit_info:
+    machine.module_at_revision("no-such-revision-x", "limited_stack")
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith(
+      "error: no nsrnn_jax/limited_stack.py at git revision "
+      "'no-such-revision-x'"), err
