@@ -178,8 +178,13 @@ def against_revision(revision, record, batches, epochs, tmp):
   """The gradient at initialisation under `revision` and under this code,
   and whether `revision` retrains the record's first epochs exactly."""
   tree = os.path.join(tmp, "against")
-  subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q",
-                  tree, revision], check=True)
+  added = subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach",
+                          "-q", tree, revision], capture_output=True,
+                         text=True, check=False)
+  if added.returncode:
+    reason = added.stderr.strip().splitlines()
+    cli.fail(f"--against {revision!r}: git cannot check it out"
+             + (f" ({reason[-1]})" if reason else ""))
   try:
     then = init_gradients(tree, record, os.path.join(tmp, "then.npz"),
                           batches)
@@ -196,6 +201,17 @@ def against_revision(revision, record, batches, epochs, tmp):
           "retrained_epochs": epochs, "retrained": retrained,
           "recorded": recorded, "retrained_equals_record":
               retrained == recorded}
+
+
+def _is_revision(revision):
+  """Whether git names a commit `revision` in this repository."""
+  try:
+    return not subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "-q", "--verify",
+         f"{revision}^{{commit}}"], capture_output=True, check=False
+    ).returncode
+  except OSError:            # no git
+    return False
 
 
 def main():
@@ -239,6 +255,9 @@ def main():
   args = parser.parse_args()
   if args.restarts < 1 or args.epochs < 1 or args.workers < 1:
     cli.fail("--restarts, --epochs and --workers must be >= 1")
+  if args.against and not _is_revision(args.against):
+    # Checked before the reruns, which take long.
+    cli.fail(f"--against {args.against!r}: no such git revision")
   out = args.out or os.path.join(
       RESULTS, f"rerun_records_{args.task}_{args.model}.json")
   info = machine.machine_info()

@@ -1,5 +1,7 @@
 """benchmarks/rerun_records.py's comparison and README's table of it."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -129,3 +131,28 @@ def test_readme_block_names_the_codes(load_benchmark, rerun, monkeypatch):
           "first 3 batches, it and the rerun's code give parameters equal, "
           "batches **differ**, loss max relative difference 0.0e+00, "
           "gradient 2.5e-07.") in text
+
+
+def test_a_revision_git_does_not_know_is_refused_before_the_reruns(
+    rerun, monkeypatch, capsys):
+  # Refused at once: the reruns, which take long, would come first.
+  monkeypatch.setattr(rerun.subprocess, "run", _no_rerun(rerun.subprocess.run))
+  monkeypatch.setattr(sys, "argv", ["rerun_records.py",
+                                    "--against=no-such-revision-x"])
+  with pytest.raises(SystemExit) as exit_info:
+    rerun.main()
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == (
+      "error: --against 'no-such-revision-x': no such git revision\n")
+  if rerun.machine.source_revision() is not None:   # a git checkout
+    assert rerun._is_revision("HEAD")  # pylint: disable=protected-access
+
+
+def _no_rerun(run):
+  """subprocess.run that lets git through and fails on anything else."""
+
+  def checked(argv, *args, **kwargs):
+    assert argv[0] == "git", argv
+    return run(argv, *args, **kwargs)
+
+  return checked
