@@ -74,8 +74,8 @@ def captured_triton_ir():
     from jax._src.pallas.triton import pallas_call_registration as reg
     build = reg.lowering.lower_jaxpr_to_triton_module
   except (ImportError, AttributeError) as e:
-    raise SystemExit("error: this JAX's Pallas Triton lowering has no "
-                     f"lower_jaxpr_to_triton_module to capture ({e})") from e
+    cli.fail("this JAX's Pallas Triton lowering has no "
+             f"lower_jaxpr_to_triton_module to capture ({e})")
   modules = []
 
   def capture(*args, **kwargs):

@@ -175,11 +175,18 @@ def _trained(workdir, per_length, note, out_name, factor_revision=None):
   from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import languages  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
-  shares = evaluate.load_model(workdir)
+  try:
+    shares = evaluate.load_model(workdir)
+  except (OSError, ValueError) as e:   # no run there, or not a readable one
+    cli.fail(f"--workdir: {e}")
   config = shares.config
   if config.model not in ("ns", "rns") or config.get("stack_window", 0):
-    raise SystemExit(f"error: {workdir} is a {config.model!r} run; "
-                     "--workdir takes an NS or RNS run without a window")
+    cli.fail(f"{workdir} is a {config.model!r} run; "
+             "--workdir takes an NS or RNS run without a window")
+  print("| n | strings | largest ln p difference | largest reading "
+        "difference | smallest log share | smallest margin | proven "
+        "exact | shares error | log error |")
+  print("|---|---|---|---|---|---|---|---|---|")
   exact = dict(config.to_dict(), stack_table="log")
   log_model = models.build(exact, vocab_size=config.get("vocab_size"))
   language = languages.get(config.task)
@@ -236,8 +243,8 @@ def _trained(workdir, per_length, note, out_name, factor_revision=None):
             logits64(params64, x64), x64), np.float64)
         m64 = np.asarray(margin64(params64, x64))
       if not np.all(m64 > rns_stack.exact_margin(np.float64)):
-        raise SystemExit("error: the float64 reference is not proven exact "
-                         f"(margin {m64.min():.1f})")
+        cli.fail("the float64 reference is not proven exact "
+                 f"(margin {m64.min():.1f})")
       rows[-1].update(**{
           f"max_log_prob_error_{k}": float(np.abs(lp[k] - lp64).max())
           for k in ("shares", "log")})
@@ -284,10 +291,6 @@ def main():
                       "D instead (writes log_stack_window.json)")
   args = parser.parse_args()
   if args.workdir:
-    print("| n | strings | largest ln p difference | largest reading "
-          "difference | smallest log share | smallest margin | proven "
-          "exact | shares error | log error |")
-    print("|---|---|---|---|---|---|---|---|---|")
     _trained(args.workdir, args.strings, args.note, args.out,
              args.factor_baseline or None)
     return
@@ -295,8 +298,8 @@ def main():
   tables = window_tables(args.window) if args.window else dict(TABLES)
   if args.baseline:
     if args.window:
-      raise SystemExit("error: --baseline times the unlimited log_stack; "
-                       "leave out --window")
+      cli.fail("--baseline times the unlimited log_stack; "
+               "leave out --window")
     tables["log_before"] = machine.module_at_revision(args.baseline,
                                                       "log_stack").run
   rows = [_row(q, rng, tables) for q in SIZES]

@@ -283,6 +283,10 @@ def main():
                       help="with --baseline: limited_stack at these windows "
                       "D (comma-separated) against the baseline revision")
   args = parser.parse_args()
+  if args.baseline and not (args.windows or args.vs_ns):
+    # The plain run has no baseline: it would time without it and write
+    # rns_stack.json.
+    parser.error("--baseline needs --vs-ns or --windows")
   if args.windows:
     if not args.baseline:
       parser.error("--windows needs --baseline REV")

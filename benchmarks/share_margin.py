@@ -98,7 +98,7 @@ def main():
                       help="also time share_margin as of this git revision")
   args = parser.parse_args()
   if args.window < 0:
-    raise SystemExit(f"error: --window must be >= 0, got {args.window}")
+    cli.fail(f"--window must be >= 0, got {args.window}")
   rng = np.random.default_rng(0)
   before = (f" margin at {args.baseline} | before / after | same margins |"
             if args.baseline else "")

@@ -202,7 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main():
-  args = build_parser().parse_args()
+  parser = build_parser()
+  args = parser.parse_args()
+  if args.before and not args.compare:
+    # The plain run has no before side: it would time without it.
+    parser.error("--before needs --compare")
   if args.compare:
     compare(args)
     return

@@ -1,0 +1,34 @@
+"""Benchmarks' bad flags: one line on stderr, exit 2, before any timing
+(and before any results file is written)."""
+
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("rns_stack", ["--baseline=HEAD"],
+     "error: --baseline needs --vs-ns or --windows"),
+    ("vrns_stack", ["--before=HEAD"], "error: --before needs --compare"),
+    ("log_stack", ["--workdir=/nonexistent/run"],
+     "error: --workdir: workdir '/nonexistent/run' does not exist"),
+    ("log_stack", ["--window=3", "--baseline=HEAD"],
+     "error: --baseline times the unlimited log_stack; leave out --window"),
+    ("share_margin", ["--window=-1"], "error: --window must be >= 0, got -1"),
+    ("window_vjp", ["--baseline_ref=no-such-revision-x"],
+     "error: no nsrnn_jax/limited_stack.py at git revision "
+     "'no-such-revision-x'"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2(load_benchmark, monkeypatch,
+                                           capsys, script, argv, message):
+  module = load_benchmark(script)
+  saved = []
+  monkeypatch.setattr(module.machine, "save_result",
+                      lambda *a, **k: saved.append(a))
+  monkeypatch.setattr(sys, "argv", [f"{script}.py"] + argv)
+  with pytest.raises(SystemExit) as exit_info:
+    module.main()
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(message) and err.count("\n") == 1, err
+  assert not saved
