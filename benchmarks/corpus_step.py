@@ -103,7 +103,7 @@ def _step(name, vocab, hidden, lookup, log_space=False, sliced=False,
 def build_parser() -> argparse.ArgumentParser:
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--reps", type=cli.positive_int, default=5)
   parser.add_argument("--models", default="lstm,rns,vrns",
                       help=f"comma-separated subset of {','.join(CONFIGS)}")
   parser.add_argument("--note", default="",

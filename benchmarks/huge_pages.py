@@ -95,7 +95,7 @@ def main():
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workloads", default=",".join(WORKLOADS))
   parser.add_argument("--pairs", type=int, default=2)
-  parser.add_argument("--steps", type=int, default=8)
+  parser.add_argument("--steps", type=cli.positive_int, default=8)
   parser.add_argument("--child", default="", help=argparse.SUPPRESS)
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")

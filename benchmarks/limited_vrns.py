@@ -78,7 +78,7 @@ def main():
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--batch", type=int, default=10)
-  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--reps", type=cli.positive_int, default=3)
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")
   args = parser.parse_args()

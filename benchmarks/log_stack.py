@@ -277,7 +277,7 @@ def main():
   parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--note", default="")
   parser.add_argument("--workdir", default=None)
-  parser.add_argument("--strings", type=int, default=20)
+  parser.add_argument("--strings", type=cli.positive_int, default=20)
   parser.add_argument("--out", default="log_stack_trained.json")
   parser.add_argument("--baseline", default=None,
                       help="also time nsrnn_jax/log_stack.py as of this git "

@@ -194,7 +194,7 @@ def main():
   parser.add_argument("--s", type=int, default=2)
   parser.add_argument("--n", type=int, default=80)
   parser.add_argument("--batch", type=int, default=10)
-  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--reps", type=cli.positive_int, default=5)
   parser.add_argument("--out", default=None,
                       help="JSON path (default results/ns_stack.json, or "
                            "results/ns_stack_quick.json with --quick)")

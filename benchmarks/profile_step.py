@@ -304,7 +304,7 @@ def build_parser():
   parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="ns22,ns33",
                       help=f"of {','.join(train_step.SETTINGS)}")
-  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--steps", type=cli.positive_int, default=3)
   parser.add_argument("--top", type=int, default=12)
   parser.add_argument("--out", default=None)
   parser.add_argument("--contractions", default="dot",

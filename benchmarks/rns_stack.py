@@ -277,7 +277,7 @@ def main():
                       help="with --vs-ns: string lengths n")
   parser.add_argument("--sizes", default="2x2,3x3",
                       help="with --vs-ns: comma-separated QxS pairs")
-  parser.add_argument("--repeats", type=int, default=5,
+  parser.add_argument("--repeats", type=cli.positive_int, default=5,
                       help="with --vs-ns: timed calls per function")
   parser.add_argument("--windows", default=None,
                       help="with --baseline: limited_stack at these windows "

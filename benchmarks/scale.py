@@ -178,8 +178,8 @@ def build_parser():
   parser.add_argument("--lengths", default=None,
                       help="comma-separated lengths the models draw from "
                            "(default: length/2, 3*length/4, length)")
-  parser.add_argument("--steps", type=int, default=4)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--steps", type=cli.positive_int, default=4)
+  parser.add_argument("--repeats", type=cli.positive_int, default=3)
   parser.add_argument("--ks", default="1,5,20")
   parser.add_argument("--devices_child", action="store_true")
   parser.add_argument("--skip_devices", action="store_true")

@@ -111,7 +111,7 @@ def row(name: str, vocab: int, hidden: int, reps: int,
 def build_parser() -> argparse.ArgumentParser:
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--reps", type=cli.positive_int, default=5)
   parser.add_argument("--baseline", default="",
                       help="also time the margin with the window stacks "
                            "as of this git revision")

@@ -642,15 +642,16 @@ def build_parser():
   parser.add_argument("--models",
                       default="ns22,ns33,ns22_scaled,ns33_scaled,jm,gref,lstm")
   parser.add_argument("--length", type=int, default=80)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=cli.positive_int, default=5)
   parser.add_argument("--precision", default="highest",
                       choices=ns_stack.MATMUL_PRECISIONS)
-  parser.add_argument("--unroll", default="1",
-                      help="comma-separated scan unroll factors (config.scan_unroll)")
+  parser.add_argument("--unroll", default=[1], type=cli.int_list,
+                      help="comma-separated scan unroll factors "
+                      "(config.scan_unroll)")
   parser.add_argument("--baseline_ref", default=None,
                       help="git ref of an ns_stack.py to compare against")
   parser.add_argument("--cpu_devices", type=int, default=1)
-  parser.add_argument("--batch_chunk", default="",
+  parser.add_argument("--batch_chunk", default=[], type=cli.int_list,
                       help="comma-separated config.stack_batch_chunk values "
                       "(NS models; the plain row is automatic)")
   parser.add_argument("--gref_cumsum", action="store_true",
@@ -734,7 +735,7 @@ def main():
     parser.error(f"--kernel_tiles: {e}")
   if kernel_tiles and not args.pallas_kernels:
     parser.error("--kernel_tiles needs --pallas_kernels")
-  unrolls = [int(u) for u in args.unroll.split(",") if u]
+  unrolls = args.unroll
   baseline = None
   if args.baseline_ref:
     baseline = Baseline(
@@ -768,7 +769,7 @@ def main():
       rows = bench_model(
           name, args.length, args.repeats, args.precision, unrolls, baseline,
           args.cpu_devices,
-          [int(c) for c in args.batch_chunk.split(",") if c],
+          args.batch_chunk,
           args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
           kernel_tiles, args.lstm_two_products, args.other_residuals,
           args.table_matmul_cost, args.table_layouts, args.dispatch_floor)

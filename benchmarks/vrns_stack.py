@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--batch", type=int, default=10)
-  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--reps", type=cli.positive_int, default=3)
   parser.add_argument("--compare", action="store_true",
                       help="before/after + RNS + NS at one size")
   parser.add_argument("--before", default=None,

@@ -147,7 +147,7 @@ def _before_after_row(case, before, after, window, reps):
 
 def build_parser() -> argparse.ArgumentParser:
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--reps", type=int, default=7)
+  parser.add_argument("--reps", type=cli.positive_int, default=7)
   parser.add_argument("--note", default="",
                       help="appended to the result's note (e.g. the load)")
   parser.add_argument("--baseline_ref", default=None,

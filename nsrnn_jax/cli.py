@@ -155,6 +155,27 @@ def fail(error, quiet_after: bool = False) -> NoReturn:
   sys.exit(2)
 
 
+def positive_int(text):
+  """argparse type of a count (--reps, --steps, ...): an int >= 1, or the
+  flag's one-line error (a count of 0 would time nothing and save NaN)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"want an integer >= 1, got {text!r}")
+  return value
+
+
+def int_list(text):
+  """argparse type of a comma-separated list of integers >= 0 ("" = [])."""
+  items = [t for t in text.split(",") if t]
+  if not all(t.isdigit() for t in items):
+    raise argparse.ArgumentTypeError(
+        f"want comma-separated integers >= 0, got {text!r}")
+  return [int(t) for t in items]
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
   """argparse for the package's argparse commands: a flag that does not parse
   is one line, not argparse's usage block.

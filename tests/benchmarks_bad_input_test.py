@@ -15,6 +15,13 @@ import pytest
     ("log_stack", ["--window=3", "--baseline=HEAD"],
      "error: --baseline times the unlimited log_stack; leave out --window"),
     ("share_margin", ["--window=-1"], "error: --window must be >= 0, got -1"),
+    ("window_vjp", ["--reps=0"],
+     "error: argument --reps: want an integer >= 1, got '0'"),
+    ("corpus_step", ["--reps=0"],
+     "error: argument --reps: want an integer >= 1, got '0'"),
+    ("train_step", ["--unroll=2,x"],
+     "error: argument --unroll: want comma-separated integers >= 0, got "
+     "'2,x'"),
     ("window_vjp", ["--baseline_ref=no-such-revision-x"],
      "error: no nsrnn_jax/limited_stack.py at git revision "
      "'no-such-revision-x'"),

@@ -1,5 +1,6 @@
 """Tests of nsrnn_jax.cli's shared command-line settings."""
 
+import argparse
 import os
 import re
 import subprocess
@@ -216,3 +217,14 @@ def test_benchmark_scripts_fail_in_one_line_with_exit_2():
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-500:]
     assert proc.stderr.count("\n") == 1 and message in proc.stderr
+
+
+def test_count_and_list_flag_types():
+  assert cli.positive_int("3") == 3
+  for bad in ("0", "-2", "x", "1.5"):
+    with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+      cli.positive_int(bad)
+  assert cli.int_list("1,8,") == [1, 8] and cli.int_list("") == []
+  for bad in ("x", "1,-2", "2.5"):
+    with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+      cli.int_list(bad)
