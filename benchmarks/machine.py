@@ -41,8 +41,9 @@ def source_revision():
 
 def module_at_revision(revision, name):
   """nsrnn_jax/<name>.py as of git `revision`, as a fresh module (a
-  before/after of a change timed in one process). A revision git cannot
-  show it at ends the benchmark with a one-line error (exit 2)."""
+  before/after of a change timed in one process). Where git cannot show
+  the file at `revision`, the benchmark ends with a one-line error (exit
+  2)."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     shown = subprocess.run(
