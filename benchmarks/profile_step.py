@@ -327,10 +327,10 @@ def main():
   args = parser.parse_args()
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in train_step.SETTINGS]
-  if unknown or args.steps < 1 or args.top < 1 or args.cpu_devices < 1:
+  if unknown or args.top < 1 or args.cpu_devices < 1:
     parser.error(f"unknown model(s) {', '.join(unknown)} (known: "
                  f"{', '.join(train_step.SETTINGS)})" if unknown
-                 else "--steps, --top and --cpu_devices must be >= 1")
+                 else "--top and --cpu_devices must be >= 1")
   if args.cpu_devices > 1:
     # Before JAX starts its backend; only the CPU backend is split.
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)

@@ -221,10 +221,10 @@ def main():
   parser.add_argument("--learning_rates", default="0.01,0.005")
   parser.add_argument("--stack_size", type=int, default=2,
                       help="m of JM/Gref (ignored by lstm/ns)")
-  parser.add_argument("--restarts", type=int, default=10,
+  parser.add_argument("--restarts", type=cli.positive_int, default=10,
                       help="restarts 0..R-1; those with committed records "
                       "are compared, the others counted")
-  parser.add_argument("--epochs", type=int, default=9)
+  parser.add_argument("--epochs", type=cli.positive_int, default=9)
   parser.add_argument("--threshold", type=float, default=0.05,
                       help="validation CE difference (nats/symbol) below "
                       "which a run has learned the task")
@@ -232,7 +232,8 @@ def main():
                       metavar="FIELD=VALUE",
                       help="a config override for the reruns (e.g. "
                       "dtype=float64, with JAX_ENABLE_X64=1 set)")
-  parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+  parser.add_argument("--workers", type=cli.positive_int,
+                      default=os.cpu_count() or 1)
   parser.add_argument("--workdir", default=None,
                       help="keep the runs here (a rerun of the command "
                       "resumes them); default a temporary directory")
@@ -253,8 +254,6 @@ def main():
                       help="how the run was made (recorded in the JSON)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
-  if args.restarts < 1 or args.epochs < 1 or args.workers < 1:
-    cli.fail("--restarts, --epochs and --workers must be >= 1")
   if args.against and not _is_revision(args.against):
     # Checked before the reruns, which take long.
     cli.fail(f"--against {args.against!r}: no such git revision")

@@ -122,8 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main():
   args = build_parser().parse_args()
-  if args.reps < 1:
-    cli.fail(f"--reps must be >= 1, got {args.reps}")
   vocab, hidden = (1000, 64) if args.quick else (10000, 256)
   before = (f" margin at {args.baseline} | before / after | same margins |"
             if args.baseline else "")

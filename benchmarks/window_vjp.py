@@ -86,6 +86,20 @@ def _ptb_step():
   return fn, temp_mib
 
 
+def _interleaved(fns, reps):
+  """{name: [seconds of each call]}: each compiled fn called once to warm
+  up, then `reps` rounds of one call each, in turn."""
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  times = {name: [] for name in fns}
+  for _ in range(reps):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
 def _timed(builders, reps):
   """{mode: (median s, temp MiB)} with the calls interleaved."""
   fns, temp = {}, {}
@@ -95,13 +109,7 @@ def _timed(builders, reps):
       fns[mode], temp[mode] = builders()
     finally:
       limited_stack.WINDOW_VJP = "custom"
-    jax.block_until_ready(fns[mode]())
-  times = {m: [] for m in MODES}
-  for _ in range(reps):
-    for mode in MODES:
-      start = time.perf_counter()
-      jax.block_until_ready(fns[mode]())
-      times[mode].append(time.perf_counter() - start)
+  times = _interleaved(fns, reps)
   return {m: (float(np.median(times[m])), temp[m]) for m in MODES}
 
 
@@ -126,13 +134,7 @@ def _before_after_row(case, before, after, window, reps):
   for name, stack in (("before", before), ("after", after)):
     fns[name], analysis = _chunk_gradient(window, stack=stack)
     temp[name] = round(analysis.temp_size_in_bytes / 2**20, 1)
-    jax.block_until_ready(fns[name]())
-  times = {name: [] for name in fns}
-  for _ in range(reps):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
+  times = _interleaved(fns, reps)
   med = {name: float(np.median(t)) for name, t in times.items()}
   best = {name: min(t) for name, t in times.items()}
   return {"case": case, "window": window, "batch": 10, "length": 80,
