@@ -23,15 +23,17 @@ import numpy as np
 from nsrnn_jax import cli
 from nsrnn_jax import parallel
 
+# The checkout: benchmarks/ sits in it.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def source_revision():
   """The checkout's short commit, with "+changes" if tracked files differ
   from it; None without git (e.g. a copied tree on a device machine)."""
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
-    head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"],
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True)
-    dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain",
+    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
                             "--untracked-files=no"],
                            capture_output=True, text=True, check=True)
   except (OSError, subprocess.CalledProcessError):
@@ -39,25 +41,42 @@ def source_revision():
   return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
-def module_at_revision(revision, name):
-  """nsrnn_jax/<name>.py as of git `revision`, as a fresh module (a
-  before/after of a change timed in one process). Where git cannot show
-  the file at `revision`, the benchmark ends with a one-line error (exit
-  2)."""
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def file_at_revision(revision, path):
+  """(text, reason): the repository's `path` as of git `revision`, or
+  (None, why not).
+
+  Where the checkout has no git history (a copied working tree, e.g. on a
+  device machine), `.baselines/<revision>/<path>` is read instead: write it
+  beforehand with `git show <revision>:<path>` (benchmarks/gpu_session.sh).
+  """
   try:
-    shown = subprocess.run(
-        ["git", "-C", repo, "show", f"{revision}:nsrnn_jax/{name}.py"],
-        capture_output=True, check=False)
-    reason = shown.stderr.decode(errors="replace").strip().splitlines()
+    shown = subprocess.run(["git", "-C", REPO, "show", f"{revision}:{path}"],
+                           capture_output=True, check=False)
+    if not shown.returncode:
+      return shown.stdout.decode(), None
+    lines = shown.stderr.decode(errors="replace").strip().splitlines()
+    reason = lines[-1] if lines else None
   except OSError as e:             # no git on this machine
-    shown, reason = None, [str(e)]
-  if shown is None or shown.returncode != 0:
-    cli.fail(f"no nsrnn_jax/{name}.py at git revision {revision!r}"
-             + (f" ({reason[-1]})" if reason else ""))
-  source = shown.stdout
+    reason = str(e)
+  copy = os.path.join(REPO, ".baselines", revision, path)
+  if os.path.exists(copy):
+    with open(copy) as f:
+      return f.read(), None
+  return None, reason
+
+
+def module_at_revision(revision, name):
+  """nsrnn_jax/<name>.py as of git `revision` (or `.baselines/`, as
+  `file_at_revision`), as a fresh module (a before/after of a change timed
+  in one process). Where neither has the file, the benchmark ends with a
+  one-line error (exit 2)."""
+  path = f"nsrnn_jax/{name}.py"
+  source, reason = file_at_revision(revision, path)
+  if source is None:
+    cli.fail(f"no {path} at git revision {revision!r}"
+             + (f" ({reason})" if reason else ""))
   module = types.ModuleType(f"{name}_at_{revision}")
-  module.__file__ = f"{revision}:nsrnn_jax/{name}.py"
+  module.__file__ = f"{revision}:{path}"
   exec(compile(source, module.__file__, "exec"), module.__dict__)  # pylint: disable=exec-used
   return module
 

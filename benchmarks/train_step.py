@@ -183,24 +183,9 @@ class Baseline(typing.NamedTuple):
 
 
 def _file_at(ref, path):
-  """The text of the repository's `path` as of git `ref` (None if absent).
-
-  Where the checkout has no git history (a copied working tree, e.g. on a
-  device machine), `.baselines/<ref>/<path>` is read instead: write it
-  beforehand with `git show <ref>:<path>` (benchmarks/gpu_session.sh).
-  """
-  try:
-    shown = subprocess.run(["git", "-C", REPO, "show", f"{ref}:{path}"],
-                           capture_output=True, text=True, check=False)
-    if not shown.returncode:
-      return shown.stdout
-  except OSError:           # no git
-    pass
-  copy = os.path.join(REPO, ".baselines", ref, path)
-  if os.path.exists(copy):
-    with open(copy) as f:
-      return f.read()
-  return None
+  """The text of the repository's `path` as of git `ref` (None if absent;
+  `.baselines/<ref>/<path>` without git: `machine.file_at_revision`)."""
+  return machine.file_at_revision(ref, path)[0]
 
 
 def load_baseline(ref, stack="ns_stack"):

@@ -138,3 +138,20 @@ def test_a_revision_without_the_module_is_one_line_exit_2(load_benchmark,
   assert err.count("\n") == 1 and err.startswith(
       "error: no nsrnn_jax/limited_stack.py at git revision "
       "'no-such-revision-x'"), err
+
+
+def test_a_revision_git_lacks_is_read_from_baselines(load_benchmark,
+                                                     tmp_path, monkeypatch):
+  # A device machine gets a copied tree without git history: the before side
+  # of a timing comes from .baselines/<rev>/ (benchmarks/gpu_session.sh).
+  machine = load_benchmark("machine")
+  monkeypatch.setattr(machine, "REPO", str(tmp_path))
+  copy = tmp_path / ".baselines" / "abc1234" / "nsrnn_jax"
+  copy.mkdir(parents=True)
+  (copy / "toy.py").write_text("VALUE = 41 + 1\n")
+  module = machine.module_at_revision("abc1234", "toy")
+  assert module.VALUE == 42 and module.__file__ == "abc1234:nsrnn_jax/toy.py"
+  assert machine.file_at_revision("abc1234", "nsrnn_jax/toy.py") == (
+      "VALUE = 41 + 1\n", None)
+  text, reason = machine.file_at_revision("abc1234", "nsrnn_jax/other.py")
+  assert text is None and reason   # git's (or the OS's) own words
