@@ -329,6 +329,31 @@ def cpu_comparison_table():
           "|---|---|---|---|---|---|---|---|"] + rows
 
 
+CPU_SUITE = "cpu_suite.json"
+
+
+def cpu_suite_line(modules=5, tests=3):
+  """The test suite's time on the CPU (cpu_suite.json), one paragraph:
+  its counts and wall time, and where the time went (the `modules` most
+  expensive test modules and the `tests` slowest tests)."""
+  d = _load(CPU_SUITE)
+  if not d:
+    return []
+  spent = ", ".join(f"`{path.split('/')[-1]}` {m['seconds']:.0f} s "
+                    f"({m['tests']} tests)"
+                    for path, m in list(d["modules"].items())[:modules])
+  slowest = ", ".join(f"`{node.split('::')[-1]}` {t:.0f} s"
+                      for node, t in d["slowest_tests"][:tests])
+  slowest = f"; the slowest tests: {slowest}" if slowest else ""
+  return [f"Test suite on the CPU (`{CPU_SUITE}`, {d['device']}, jax "
+          f"{d['packages']['jax']}, commit {d['commit']}, {d['date']}; "
+          f"`{d['command']}`): {d['passed']} passed, {d['failed']} failed, "
+          f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
+          f"{d['wall_s']:.0f} s ({d['wall_s'] / 60:.0f} minutes), "
+          f"{d['test_s']:.0f} s of test time over the workers; most in "
+          f"{spent}{slowest}."]
+
+
 def gpu_suite_line():
   """The test suite's result on a GPU (gpu_suite_*.json), one paragraph."""
   lines = []
@@ -673,6 +698,7 @@ def benchmarks_block():
   for part in (train_step_table(EARLIER_CPU_RUN), cpu_comparison_table(),
                dispatch_floor_table(), profile_table(),
                kernel_resources_table(),
+               cpu_suite_line(),
                gpu_suite_line(),
                gpu_variants_table(),
                gpu_budget_table(), stack_table(),
@@ -1381,7 +1407,16 @@ def rerun_records_block():
   return "\n".join(lines).rstrip() + "\n"
 
 
+def suite_block():
+  """README's line on the test suite's time (cpu_suite.json)."""
+  line = cpu_suite_line(modules=3, tests=0)
+  if not line:
+    return f"No `{CPU_SUITE}` yet: run benchmarks/suite_record.py.\n"
+  return line[0] + " (docs/benchmarks.md names the slowest tests.)\n"
+
+
 BLOCKS = {"headline": headline_block, "compile": compile_block,
+          "suite": suite_block,
           "reproduce_workers": reproduce_workers_block,
           "concurrent_steps": concurrent_steps_block,
           "concurrent_chunks": concurrent_chunks_block,

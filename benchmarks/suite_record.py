@@ -6,7 +6,10 @@ so the record behind docs/benchmarks.md's "Test suite on a GPU" lines
 the device machine ready to commit instead of being copied from a log by
 hand. Counts, failed and skipped tests, the device, the packages and the
 code's revision are filled in; what only a person can say (the cause of
-failures, the commits that fix them) is left for them to write.
+failures, the commits that fix them) is left for them to write. Each
+record also says where the suite's time went (per test module, and the
+slowest tests): `--out cpu_suite.json` from a CPU run of the README's test
+command is the record behind README's and docs/benchmarks.md's suite time.
 
   python benchmarks/suite_record.py REPORT.xml [MORE.xml ...] \
       --out gpu_suite_h100.json [--command "python -m pytest ..."] \
@@ -49,7 +52,8 @@ def _node_id(case, root):
 
 
 def _outcomes(xml_path, root):
-  """({node id: (outcome, skip message)}, wall seconds) of one report."""
+  """({node id: (outcome, skip message, seconds)}, wall seconds) of one
+  report (a test's seconds: its setup, call and teardown)."""
   tree = ElementTree.parse(xml_path)
   suites = ([tree.getroot()] if tree.getroot().tag == "testsuite"
             else list(tree.getroot().iter("testsuite")))
@@ -69,7 +73,8 @@ def _outcomes(xml_path, root):
     else:
       outcome = "passed"
     outcomes[_node_id(case, root)] = (
-        outcome, skipped.get("message", "") if skipped is not None else "")
+        outcome, skipped.get("message", "") if skipped is not None else "",
+        float(case.get("time", 0)))
   return outcomes, sum(float(s.get("time", 0)) for s in suites)
 
 
@@ -86,11 +91,23 @@ def _as_list(xml_paths):
           else list(xml_paths))
 
 
+# How many of the slowest tests a record names (where the suite's time goes,
+# for whoever shortens it next).
+SLOWEST = 15
+
+
 def parse(xml_paths, root="."):
   """{passed, failed, errors, skipped, xfailed, wall_s, failed_tests,
-  skipped_tests} of pytest JUnit XML reports: one path, or the parts of one
-  suite in order (an interrupted run's report, then the report of the run
-  that finished it; a test in two parts counts once, as the later says)."""
+  skipped_tests, test_s, modules, slowest_tests} of pytest JUnit XML
+  reports: one path, or the parts of one suite in order (an interrupted
+  run's report, then the report of the run that finished it; a test in two
+  parts counts once, as the later says).
+
+  test_s is the tests' own seconds summed (over all workers: about the
+  workers times wall_s), modules {path: {"tests", "seconds"}} the same per
+  test module, slowest first, and slowest_tests the SLOWEST slowest
+  [node id, seconds].
+  """
   outcomes, wall = {}, 0.0
   for path in _as_list(xml_paths):
     part, part_wall = _outcomes(path, root)
@@ -98,12 +115,24 @@ def parse(xml_paths, root="."):
     wall += part_wall
   out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0,
          "wall_s": wall, "failed_tests": [], "skipped_tests": []}
-  for node, (outcome, message) in outcomes.items():
+  modules = {}
+  for node, (outcome, message, seconds) in outcomes.items():
+    module = modules.setdefault(node.split("::")[0],
+                                {"tests": 0, "seconds": 0.0})
+    module["tests"] += 1
+    module["seconds"] += seconds
     out[outcome] += 1
     if outcome in ("failed", "errors"):
       out["failed_tests"].append(node)
     elif outcome == "skipped":
       out["skipped_tests"].append(f"{node} ({message})")
+  times = sorted(((n, o[2]) for n, o in outcomes.items()),
+                 key=lambda item: -item[1])
+  out["test_s"] = round(sum(t for _, t in times), 2)
+  out["modules"] = {
+      path: {"tests": m["tests"], "seconds": round(m["seconds"], 2)}
+      for path, m in sorted(modules.items(), key=lambda i: -i[1]["seconds"])}
+  out["slowest_tests"] = [[n, round(t, 2)] for n, t in times[:SLOWEST]]
   return out
 
 

@@ -156,6 +156,57 @@ def test_suite_stopped_at_its_time_limit_gives_a_partial_record(
                                  exit_code=1)["interrupted"]
 
 
+def test_record_says_where_the_suite_s_time_went(suite_record, load_benchmark,
+                                                 tmp_path):
+  # Oracle: sleeps of known length. The record sums each module's tests
+  # and names the slowest; report.py renders it (cpu_suite.json).
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "sub" / "a_test.py").write_text(textwrap.dedent("""
+      import time
+
+      def test_sleeps():
+        time.sleep(1.0)
+
+      def test_quick():
+        pass
+  """))
+  (tmp_path / "sub" / "b_test.py").write_text(textwrap.dedent("""
+      import time
+
+      def test_naps():
+        time.sleep(0.3)
+  """))
+  xml = tmp_path / "report.xml"
+  subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
+                  "no:cacheprovider", "-p", "no:xdist", f"--junitxml={xml}",
+                  "sub"], cwd=tmp_path, capture_output=True, check=False)
+  got = suite_record.parse(str(xml), str(tmp_path))
+  assert list(got["modules"]) == ["sub/a_test.py", "sub/b_test.py"]
+  a, b = got["modules"].values()
+  assert a["tests"] == 2 and 1.0 <= a["seconds"] < 3.0
+  assert b["tests"] == 1 and 0.3 <= b["seconds"] < 1.0
+  assert [n for n, _ in got["slowest_tests"]] == [
+      "sub/a_test.py::test_sleeps", "sub/b_test.py::test_naps",
+      "sub/a_test.py::test_quick"]
+  assert got["test_s"] == pytest.approx(a["seconds"] + b["seconds"],
+                                        abs=0.02)
+  assert got["test_s"] <= got["wall_s"] + 0.01   # one worker
+  out = tmp_path / "cpu_suite.json"
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
+       str(xml), "--out", str(out), "--root", str(tmp_path),
+       "--command", "pytest sub"], capture_output=True, text=True,
+      check=False)
+  assert run.returncode == 0, run.stderr
+  report = load_benchmark("report")
+  report.RESULTS = str(tmp_path)
+  line = report.cpu_suite_line(modules=1, tests=1)
+  assert len(line) == 1 and "3 passed, 0 failed" in line[0]
+  assert "most in `a_test.py` 1 s (2 tests); the slowest tests: " \
+      "`test_sleeps` 1 s." in line[0]
+  assert report.suite_block().startswith(line[0].split("; the slowest")[0])
+
+
 def _run_part(tmp_path, name, keyword):
   xml = tmp_path / name
   subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
