@@ -347,7 +347,9 @@ def cpu_suite_line(modules=5, tests=3):
   slowest = f"; the slowest tests: {slowest}" if slowest else ""
   return [f"Test suite on the CPU (`{CPU_SUITE}`, {d['device']}, jax "
           f"{d['packages']['jax']}, commit {d['commit']}, {d['date']}; "
-          f"`{d['command']}`): {d['passed']} passed, {d['failed']} failed, "
+          f"`{d['command']}`"
+          + (f"; {d['environment']}" if d.get("environment") else "")
+          + f"): {d['passed']} passed, {d['failed']} failed, "
           f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
           f"{d['wall_s']:.0f} s ({d['wall_s'] / 60:.0f} minutes), "
           f"{d['test_s']:.0f} s of test time over the workers; most in "
