@@ -350,7 +350,8 @@ def cpu_suite_line(modules=5, tests=3):
           f"`{d['command']}`"
           + (f"; {d['environment']}" if d.get("environment") else "")
           + f"): {d['passed']} passed, {d['failed']} failed, "
-          f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
+          + (f"{d['errors']} errors, " if d.get("errors") else "")
+          + f"{d['skipped']} skipped, {d['xfailed']} xfailed in "
           f"{d['wall_s']:.0f} s ({d['wall_s'] / 60:.0f} minutes), "
           f"{d['test_s']:.0f} s of test time over the workers; most in "
           f"{spent}{slowest}."]
