@@ -305,7 +305,7 @@ def build_parser():
   parser.add_argument("--models", default="ns22,ns33",
                       help=f"of {','.join(train_step.SETTINGS)}")
   parser.add_argument("--steps", type=cli.positive_int, default=3)
-  parser.add_argument("--top", type=int, default=12)
+  parser.add_argument("--top", type=cli.positive_int, default=12)
   parser.add_argument("--out", default=None)
   parser.add_argument("--contractions", default="dot",
                       choices=("dot", "reduce", "reduce_all"),
@@ -313,7 +313,7 @@ def build_parser():
   parser.add_argument("--update_kernels", default="xla",
                       choices=rns_stack.UPDATE_KERNEL_MODES,
                       help="the stack's updates as XLA ops or Pallas kernels")
-  parser.add_argument("--cpu_devices", type=int, default=1,
+  parser.add_argument("--cpu_devices", type=cli.positive_int, default=1,
                       help="profile the data-parallel step with the batch "
                       "split over this many CPU devices")
   parser.add_argument("--command_buffers", action="store_true",
@@ -327,10 +327,9 @@ def main():
   args = parser.parse_args()
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in train_step.SETTINGS]
-  if unknown or args.top < 1 or args.cpu_devices < 1:
+  if unknown:
     parser.error(f"unknown model(s) {', '.join(unknown)} (known: "
-                 f"{', '.join(train_step.SETTINGS)})" if unknown
-                 else "--top and --cpu_devices must be >= 1")
+                 f"{', '.join(train_step.SETTINGS)})")
   if args.cpu_devices > 1:
     # Before JAX starts its backend; only the CPU backend is split.
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
