@@ -34,7 +34,6 @@ time points, all updates in one block.
 
 import contextlib
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -178,21 +177,10 @@ def settings_of(kernels):
 
 
 def load_kernels_at(ref):
-  """nsrnn_jax/stack_kernels.py as of git `ref`, imported as a module of
-  its own (None if the file is not there); its imports of the package
-  resolve to the current code."""
-  # pylint: disable-next=protected-access
-  source = train_step._file_at(ref, "nsrnn_jax/stack_kernels.py")
-  if source is None:
-    return None
-  path = os.path.join(tempfile.mkdtemp(), "stack_kernels_baseline.py")
-  with open(path, "w") as f:
-    f.write(source)
-  spec = importlib.util.spec_from_file_location("stack_kernels_baseline",
-                                                path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """nsrnn_jax/stack_kernels.py as of git `ref`, as a module of its own
+  (None if the file is not there); its imports of the package resolve to
+  the current code."""
+  return machine.module_at_revision(ref, "stack_kernels", missing_ok=True)
 
 
 def main():

@@ -65,20 +65,37 @@ def file_at_revision(revision, path):
   return None, reason
 
 
-def module_at_revision(revision, name):
+def module_at_revision(revision, name, missing_ok=False):
   """nsrnn_jax/<name>.py as of git `revision` (or `.baselines/`, as
   `file_at_revision`), as a fresh module (a before/after of a change timed
-  in one process). Where neither has the file, the benchmark ends with a
-  one-line error (exit 2)."""
+  in one process); its own imports of the package resolve to the current
+  code. Where neither has the file: None with `missing_ok`, else the
+  benchmark ends with a one-line error (exit 2)."""
   path = f"nsrnn_jax/{name}.py"
   source, reason = file_at_revision(revision, path)
   if source is None:
+    if missing_ok:
+      return None
     cli.fail(f"no {path} at git revision {revision!r}"
              + (f" ({reason})" if reason else ""))
   module = types.ModuleType(f"{name}_at_{revision}")
+  # The code's file name says where it came from (tracebacks, and the
+  # source info JAX and Pallas record read only this name, not the file).
   module.__file__ = f"{revision}:{path}"
   exec(compile(source, module.__file__, "exec"), module.__dict__)  # pylint: disable=exec-used
   return module
+
+
+def is_revision(revision):
+  """Whether git names a commit `revision` in this repository (False
+  without git)."""
+  try:
+    return not subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "-q", "--verify",
+         f"{revision}^{{commit}}"], capture_output=True, check=False
+    ).returncode
+  except OSError:            # no git
+    return False
 
 
 def machine_info():

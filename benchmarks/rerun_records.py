@@ -203,17 +203,6 @@ def against_revision(revision, record, batches, epochs, tmp):
               retrained == recorded}
 
 
-def _is_revision(revision):
-  """Whether git names a commit `revision` in this repository."""
-  try:
-    return not subprocess.run(
-        ["git", "-C", REPO, "rev-parse", "-q", "--verify",
-         f"{revision}^{{commit}}"], capture_output=True, check=False
-    ).returncode
-  except OSError:            # no git
-    return False
-
-
 def main():
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--task", default="marked_reversal")
@@ -254,7 +243,7 @@ def main():
                       help="how the run was made (recorded in the JSON)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
-  if args.against and not _is_revision(args.against):
+  if args.against and not machine.is_revision(args.against):
     # Checked before the reruns, which take long.
     cli.fail(f"--against {args.against!r}: no such git revision")
   out = args.out or os.path.join(

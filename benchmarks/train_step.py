@@ -89,14 +89,12 @@ in results/reference_pytorch.json, never here.
 """
 
 import contextlib
-import importlib.util
 import inspect
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
 import typing
@@ -189,20 +187,13 @@ def _file_at(ref, path):
 
 
 def load_baseline(ref, stack="ns_stack"):
-  """`run_coupled` of nsrnn_jax/<stack>.py as of git `ref` (None if absent).
-
-  The file is imported from a temp file; its own imports of the package
-  (rns_stack's helpers from ns_stack) resolve to the current code.
+  """`run_coupled` of nsrnn_jax/<stack>.py as of git `ref` (None if absent;
+  `machine.module_at_revision`): its own imports of the package (rns_stack's
+  helpers from ns_stack) resolve to the current code.
   """
-  source = _file_at(ref, f"nsrnn_jax/{stack}.py")
-  if source is None:
+  module = machine.module_at_revision(ref, stack, missing_ok=True)
+  if module is None:
     return None
-  path = os.path.join(tempfile.mkdtemp(), f"{stack}_baseline.py")
-  with open(path, "w") as f:
-    f.write(source)
-  spec = importlib.util.spec_from_file_location(f"{stack}_baseline", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   params = inspect.signature(module.run_coupled).parameters
 
   def run_coupled(*args, **kwargs):

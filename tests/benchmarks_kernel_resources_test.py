@@ -8,6 +8,8 @@ for a GPU and used all 255 registers). Compiling for a GPU needs the
 `triton` package, which CI does not install; that test skips without it.
 """
 
+import os
+
 import jax
 import pytest
 
@@ -64,3 +66,27 @@ def test_kernel_tile_flags(load_benchmark):
     with pytest.raises(ValueError, match="ROWSxCHUNKxWARPS"):
       train_step.parse_kernel_tiles(bad)
   assert train_step.tiles_label((64, 16, 4, True)) == "64/16/4 grid"
+
+
+def test_kernels_of_another_revision_lower_as_the_current(
+    kernel_resources, ir_by_length, tmp_path, monkeypatch):
+  # --baseline_ref loads stack_kernels.py from git or .baselines/ into a
+  # module that has no file on disk (machine.module_at_revision): Pallas
+  # must lower it all the same. Oracle: the same source gives the same IR.
+  machine = kernel_resources.machine
+  with open(os.path.join(machine.REPO, "nsrnn_jax",
+                         "stack_kernels.py")) as f:
+    source = f.read()
+  monkeypatch.setattr(machine, "REPO", str(tmp_path))   # no git here
+  copy = tmp_path / ".baselines" / "abc1234" / "nsrnn_jax"
+  copy.mkdir(parents=True)
+  (copy / "stack_kernels.py").write_text(source)
+  old = kernel_resources.load_kernels_at("abc1234")
+  assert old.__file__ == "abc1234:nsrnn_jax/stack_kernels.py"
+  assert kernel_resources.settings_of(old) == kernel_resources.settings_of(
+      kernel_resources.stack_kernels)
+  calls = kernel_resources.kernel_calls(2, 2, 6, 2, kernels=old)
+  for name, (fn, shapes) in calls.items():
+    ir = kernel_resources.triton_ir(fn, shapes)
+    assert ir == ir_by_length[6][name], name
+  assert kernel_resources.load_kernels_at("def5678") is None

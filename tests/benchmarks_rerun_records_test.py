@@ -145,7 +145,7 @@ def test_a_revision_git_does_not_know_is_refused_before_the_reruns(
   assert capsys.readouterr().err == (
       "error: --against 'no-such-revision-x': no such git revision\n")
   if rerun.machine.source_revision() is not None:   # a git checkout
-    assert rerun._is_revision("HEAD")  # pylint: disable=protected-access
+    assert rerun.machine.is_revision("HEAD")
 
 
 def _no_rerun(run):
