@@ -1,7 +1,7 @@
 """Benchmark: where one training step's time goes, op by op.
 
 Traces a few full train steps (the same program as `benchmarks/train_step.py`:
-batch 10, length 80, full float32) with `jax.profiler`, reads the trace back
+batch 10, length 80 unless --length says otherwise, full float32) with `jax.profiler`, reads the trace back
 (`jax.profiler.ProfileData`) and charges every traced XLA op its exclusive
 time (its own span minus the spans of the ops it contains, e.g. a while loop
 minus its body's ops), matched to the compiled HLO by instruction name. It
@@ -25,6 +25,7 @@ shares of the busy total are the figure to read. The tracer adds its own
 overhead; the untraced step time is printed beside it.
 
   python benchmarks/profile_step.py [--models=ns22,ns33] [--steps=3]
+      [--length=80]
       [--top=12] [--command_buffers] [--contractions=dot|reduce|reduce_all]
       [--update_kernels=xla|pallas] [--cpu_devices=N]
       [--out=benchmarks/results/profile_step_<backend>.json]
@@ -224,14 +225,14 @@ def contraction_patches(mode, update_kernels="xla"):
 
 
 def profile_model(name, steps, top, trace_root, contractions="dot",
-                  num_devices=None, update_kernels="xla"):
+                  num_devices=None, update_kernels="xla", length=80):
   """Step time untraced and traced, and the per-op / per-kind breakdown.
 
   num_devices: None profiles the plain jitted step on one device; N, the
   data-parallel step with the batch split over N devices (loop.py's, what
   `main --cpu_devices=N` runs); its trace sums the devices' threads.
   """
-  v = train_step.Variant(name, "current", 80, "highest",
+  v = train_step.Variant(name, "current", length, "highest",
                          patches=contraction_patches(contractions,
                                                      update_kernels),
                          num_devices=num_devices)
@@ -306,6 +307,8 @@ def build_parser():
                       help=f"of {','.join(train_step.SETTINGS)}")
   parser.add_argument("--steps", type=cli.positive_int, default=3)
   parser.add_argument("--top", type=cli.positive_int, default=12)
+  parser.add_argument("--length", type=cli.positive_int, default=80,
+                      help="string length n of the batch")
   parser.add_argument("--out", default=None)
   parser.add_argument("--contractions", default="dot",
                       choices=("dot", "reduce", "reduce_all"),
@@ -340,14 +343,14 @@ def main():
                                + os.environ.get("XLA_FLAGS", ""))
   info = machine.machine_info()
   print(f"profile of one train step on {machine.device_label(info)} "
-        f"(batch {train_step.BATCH}, length 80, full float32)")
+        f"(batch {train_step.BATCH}, length {args.length}, full float32)")
   results = []
   with tempfile.TemporaryDirectory() as trace_root:
     for name in names:
       r = profile_model(name, args.steps, args.top, trace_root,
                         args.contractions,
                         args.cpu_devices if args.cpu_devices > 1 else None,
-                        args.update_kernels)
+                        args.update_kernels, args.length)
       print_result(r)
       results.append(r)
   out = args.out or os.path.join(
@@ -357,7 +360,7 @@ def main():
     json.dump({"benchmark": "profile_step", "machine": info,
                "device": machine.device_label(info),
                "date": time.strftime("%Y-%m-%d"), "batch": train_step.BATCH,
-               "length": 80, "table_elements": TABLE_ELEMENTS,
+               "length": args.length, "table_elements": TABLE_ELEMENTS,
                "command_buffers": bool(args.command_buffers),
                "contractions": args.contractions,
                "update_kernels": args.update_kernels,
