@@ -301,20 +301,26 @@ def cpu_comparison_table():
   for path in paths:
     name = os.path.basename(path)
     d = _load(name)
-    plain = _steps(d)
-    for key in ("ns22", "ns33"):
-      if key in plain and key + "_scaled" in plain:
-        rows.append(_comparison_row(
-            name, d, key, "scaled table (ns_stack) vs the default shares "
-            "table", plain[key + "_scaled"], plain[key], "both at"))
-    for r in d.get("steps", []):
-      if r.get("variant", "current") == "current":
-        continue
-      label = r["variant"]
-      if label.startswith("baseline") and "baseline_ref" in d:
-        label = f"before ({d['baseline_ref'][:7]})"
-      rows.append(_comparison_row(name, d, _model_key(r), label, r,
-                                  plain[_model_key(r)], "plain at"))
+    # A run over several lengths (--length=41,60,80) compares each variant
+    # with the plain step at its own length, and says which.
+    lengths = {r.get("length") for r in d.get("steps", [])}
+    for length in sorted(lengths, key=lambda n: n or 0):
+      steps = [r for r in d["steps"] if r.get("length") == length]
+      plain = _steps({"steps": steps})
+      at_n = f" at n = {length}" if len(lengths) > 1 else ""
+      for key in ("ns22", "ns33"):
+        if key in plain and key + "_scaled" in plain:
+          rows.append(_comparison_row(
+              name, d, key, "scaled table (ns_stack) vs the default shares "
+              "table" + at_n, plain[key + "_scaled"], plain[key], "both at"))
+      for r in steps:
+        if r.get("variant", "current") == "current":
+          continue
+        label = r["variant"]
+        if label.startswith("baseline") and "baseline_ref" in d:
+          label = f"before ({d['baseline_ref'][:7]})"
+        rows.append(_comparison_row(name, d, _model_key(r), label + at_n, r,
+                                    plain[_model_key(r)], "plain at"))
   if not rows:
     return []
   return ["Later CPU runs (cpu: AMD EPYC (2 cores)), each in one process "

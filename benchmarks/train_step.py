@@ -84,7 +84,8 @@ JSON into the tables of README and docs/benchmarks.md. Figures from elsewhere (t
 in results/reference_pytorch.json, never here.
 
   python benchmarks/train_step.py [--models=ns22,ns33,jm,gref,lstm]
-      [--length=80] [--repeats=5] [--unroll=1] [--baseline_ref=HEAD~3]
+      [--length=80 (or 41,60,80)] [--repeats=5] [--unroll=1]
+      [--baseline_ref=HEAD~3]
       [--cpu_devices=2] [--compile_study --study_model=ns22,jm]
 """
 
@@ -617,7 +618,9 @@ def build_parser():
   parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models",
                       default="ns22,ns33,ns22_scaled,ns33_scaled,jm,gref,lstm")
-  parser.add_argument("--length", type=int, default=80)
+  parser.add_argument("--length", default=[80], type=cli.int_list,
+                      help="comma-separated string lengths n; every model "
+                      "and variant is measured at each")
   parser.add_argument("--repeats", type=cli.positive_int, default=5)
   parser.add_argument("--precision", default="highest",
                       choices=ns_stack.MATMUL_PRECISIONS)
@@ -705,6 +708,8 @@ def main():
   out["env"] = {k: os.environ[k] for k in
                 ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION") if k in os.environ}
   names = [n for n in args.models.split(",") if n]
+  if not args.length or min(args.length) < 1:
+    parser.error("--length: want comma-separated string lengths >= 1")
   try:
     kernel_tiles = parse_kernel_tiles(args.kernel_tiles)
   except ValueError as e:
@@ -741,20 +746,21 @@ def main():
 
   if names:
     out["steps"] = []
-    for name in names:
-      rows = bench_model(
-          name, args.length, args.repeats, args.precision, unrolls, baseline,
-          args.cpu_devices,
-          args.batch_chunk,
-          args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
-          kernel_tiles, args.lstm_two_products, args.other_residuals,
-          args.table_matmul_cost, args.table_layouts, args.dispatch_floor)
-      # Variants that did not compile are kept apart from the timed rows.
-      out["steps"] += [r for r in rows if "error" not in r]
-      failed = [r for r in rows if "error" in r]
-      if failed:
-        out.setdefault("failed_variants", []).extend(failed)
-      save()
+    for length in args.length:
+      for name in names:
+        rows = bench_model(
+            name, length, args.repeats, args.precision, unrolls, baseline,
+            args.cpu_devices,
+            args.batch_chunk,
+            args.gref_cumsum, args.contractions_by_sum, args.pallas_kernels,
+            kernel_tiles, args.lstm_two_products, args.other_residuals,
+            args.table_matmul_cost, args.table_layouts, args.dispatch_floor)
+        # Variants that did not compile are kept apart from the timed rows.
+        out["steps"] += [r for r in rows if "error" not in r]
+        failed = [r for r in rows if "error" in r]
+        if failed:
+          out.setdefault("failed_variants", []).extend(failed)
+        save()
   if args.compile_study:
     out["compile_study"] = []
     for name in args.study_model.split(","):

@@ -83,7 +83,7 @@ the unlimited sweep (`vrns_stack`'s default), `limited_vrns` beside the
 window.
 
 Blocking (ns_stack's technique): the updates are split into up to 4 static
-time blocks (on CPU up to 6 for tables of ≥ 8 MiB: `LARGE_TABLE_BYTES`);
+time blocks (on CPU up to 6 of ≥ 12 updates: `CPU_BLOCK_UPDATES`);
 block [j0, j1) is one `lax.scan` over the time points ≤ j1, the only ones
 it reads or writes, so the padded table is not swept in full at every
 step. The sweeps keep the table in column chunks, one per block: the
@@ -965,29 +965,27 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
 # ---------------------------------------------------------------------------
 
 
-# On CPU, tables at least this large are swept in more, shorter time
-# blocks (up to LARGE_TABLE_BLOCKS, each of ≥ 12 updates): each update then
-# reads less of the padded table, for longer compiles. Train step, n = 80,
-# 2 AMD EPYC cores (L3 16 MiB): Q = S = 3 on chunks of 5 strings (a 10.9 MB
-# table) 1.17x faster with 6 blocks than with 3; Q = S = 2 on 10 strings
-# (4.3 MB) no faster, so smaller tables keep ns_stack's blocking. Not
-# measured on accelerators, which keep it too.
-LARGE_TABLE_BYTES = 8 * 2**20
-LARGE_TABLE_BLOCKS = 6
+# On CPU the sweeps run in more, shorter time blocks than ns_stack's (which
+# takes one block below T = 48): up to CPU_MAX_BLOCKS blocks of at least
+# CPU_BLOCK_UPDATES updates, so that each update reads less of the padded
+# table, for longer compiles (one scan per block). Train step, batch 10, one
+# AMD EPYC core (AVX2), the paper's training lengths 41-80, one run
+# (`train_step_cpu_time_blocks.json`): 1.2-2.2x faster at Q = S = 3 and
+# Q = S = 2, most below T = 48, where one block swept the whole square table
+# at every update. (It had been for tables of >= 8 MiB only, measured at
+# n = 80 alone.) Accelerators keep ns_stack's blocking (not measured there).
+CPU_BLOCK_UPDATES = 12
+CPU_MAX_BLOCKS = 6
 
 
-def _time_blocks(num_steps, table_bytes=0):
-  """Static time blocks [j0, j1) of the sweeps over a table of this size."""
+def _time_blocks(num_steps):
+  """Static time blocks [j0, j1) of the sweeps over T = num_steps updates."""
   blocks = _default_time_blocks(num_steps)
-  if table_bytes >= LARGE_TABLE_BYTES and jax.default_backend() == "cpu":
-    nb = min(LARGE_TABLE_BLOCKS, num_steps // 12)
+  if jax.default_backend() == "cpu":
+    nb = min(CPU_MAX_BLOCKS, num_steps // CPU_BLOCK_UPDATES)
     if nb > len(blocks):
       blocks = _default_time_blocks(num_steps, nb)
   return blocks
-
-
-def _table_bytes(g):
-  return int(np.prod(g.shape)) * jnp.dtype(g.dtype).itemsize
 
 
 def _initial(b, t, q, s, bottom, dtype):
@@ -1059,7 +1057,7 @@ def _forward_blocks(t, init, xs_T, actions_fn, extra0, prec, keep_mt,
     # constant table took XLA seconds of constant folding).
     lo = (_log_or_inf(cs), lo)
   # T = 0: one empty block.
-  blocks = _time_blocks(t, _table_bytes(g)) or [(1, 1)]
+  blocks = _time_blocks(t) or [(1, 1)]
   # With the chunked layout (`TABLE_LAYOUT`) the table is kept in column
   # chunks, one per block: block [j0, j1) writes columns j0+1..j1 (axis
   # indices), which hold rows ≤ j1 only, so its chunk has those rows and
@@ -1240,10 +1238,6 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
   # npt: the row axis of the column cotangents (the chunks' longest).
   bsz, ny, _, nr, npt, nq, nx = (g[-1] if chunked else g).shape
   dtype = mt_all.dtype
-  # The forward's blocks: those of its square table of N points.
-  num_pts = mt_all.shape[4]
-  table_bytes = _table_bytes(jax.ShapeDtypeStruct(
-      (bsz, ny, num_pts, nr, num_pts, nq, nx), dtype))
   fused = _update_kernels()
   if fused:
     from nsrnn_jax import stack_kernels  # pylint: disable=g-import-not-at-top
@@ -1265,7 +1259,7 @@ def _backward_blocks(g, cs, la, mt_all, res_T, xs_T, la_ct, inc_ct,
   la_ct_T, inc_ct_T, la_T = (jnp.swapaxes(a, 0, 1)
                              for a in (la_ct, inc_ct, la))
   ys_all = []
-  blocks = _time_blocks(num_steps, table_bytes)
+  blocks = _time_blocks(num_steps)   # the forward's blocks
   for bi in reversed(range(len(blocks))):
     j0, j1 = blocks[bi]
     n = j1 + 1

@@ -19,6 +19,8 @@ import pytest
      "error: argument --reps: want an integer >= 1, got '0'"),
     ("corpus_step", ["--reps=0"],
      "error: argument --reps: want an integer >= 1, got '0'"),
+    ("train_step", ["--length=41,0"],
+     "error: --length: want comma-separated string lengths >= 1"),
     ("train_step", ["--unroll=2,x"],
      "error: argument --unroll: want comma-separated integers >= 0, got "
      "'2,x'"),

@@ -139,6 +139,32 @@ def test_gpu_budget_table_arithmetic(report, monkeypatch):
   assert [l for l in mixed if l.startswith("| NS")] == rows
 
 
+def test_a_run_over_several_lengths_compares_each_length_with_its_own(
+    report, monkeypatch, tmp_path):
+  # `train_step.py --length=41,80 --baseline_ref=…`: each before row is
+  # divided by the plain row of its own length, never by another length's.
+  def row(n, variant, best, cpu):
+    return {"model": "ns33", "stack_table": "shares", "length": n,
+            "variant": variant, "min_step_s": best, "cpu_step_s": cpu}
+  d = {"baseline_ref": "abcdef0123", "machine": {"source_revision": "1234567"},
+       "steps": [row(41, "current", 0.1, 0.1), row(41, "baseline x", 0.2, 0.3),
+                 row(80, "current", 0.4, 0.5), row(80, "baseline x", 0.5, 0.5)]}
+  (tmp_path / "train_step_cpu_two_lengths.json").write_text(json.dumps(d))
+  monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+  rows = [l for l in report.cpu_comparison_table() if l.startswith("| `")]
+  assert [r.split(" | ")[2] for r in rows] == [
+      "before (abcdef0) at n = 41, plain at 1234567",
+      "before (abcdef0) at n = 80, plain at 1234567"]
+  assert [r.split(" | ")[6] for r in rows] == ["2.00× / 3.00×",
+                                              "1.25× / 1.00×"]
+  # A run at one length names none (the committed single-length files).
+  d["steps"] = d["steps"][2:]
+  (tmp_path / "train_step_cpu_two_lengths.json").write_text(json.dumps(d))
+  rows = [l for l in report.cpu_comparison_table() if l.startswith("| `")]
+  assert [r.split(" | ")[2] for r in rows] == [
+      "before (abcdef0), plain at 1234567"]
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity")
                     or len(os.sched_getaffinity(0)) < 2,
                     reason="pins 2 processes to a core each")

@@ -622,32 +622,32 @@ def test_no_updates():
   assert [g.shape for g in grads] == [a.shape for a in acts]
 
 
-def _uneven_blocks(num_steps, table_bytes=0):
+def _uneven_blocks(num_steps):
   """Several uneven time blocks even for tiny T (the library uses one block
-  below T = 48)."""
-  del table_bytes
+  below T = 24)."""
   edges = sorted({1, 2, 4, 5, num_steps + 1} & set(range(1, num_steps + 2)))
   return list(zip(edges[:-1], edges[1:]))
 
 
-def test_large_tables_get_more_time_blocks(monkeypatch):
-  # Blocks partition updates 1..T in order; on CPU tables of >=
-  # LARGE_TABLE_BYTES get up to LARGE_TABLE_BLOCKS blocks of >= 12
-  # updates, others keep ns_stack's blocking (whose equivalence the test
-  # below checks for any blocking), as do accelerators.
-  big = rns_stack.LARGE_TABLE_BYTES
+def test_cpu_sweeps_get_more_time_blocks(monkeypatch):
+  # Blocks partition updates 1..T in order; on CPU into up to
+  # CPU_MAX_BLOCKS blocks of >= CPU_BLOCK_UPDATES updates where ns_stack's
+  # blocking has fewer (one below T = 48); accelerators keep ns_stack's
+  # (whose equivalence the test below checks for any blocking).
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert rns_stack._time_blocks(80, big) == ns_stack.time_blocks(80)
+  for t in (10, 41, 80):
+    assert rns_stack._time_blocks(t) == ns_stack.time_blocks(t)
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  for t, table_bytes, want in [(80, 0, 3), (80, big - 1, 3), (80, big, 6),
-                               (30, big, 2), (10, big, 1), (200, big, 6)]:
-    blocks = rns_stack._time_blocks(t, table_bytes)
-    assert len(blocks) == want, (t, table_bytes, blocks)
+  for t, want in [(10, 1), (23, 1), (24, 2), (41, 3), (47, 3), (50, 4),
+                  (65, 5), (80, 6), (200, 6)]:
+    blocks = rns_stack._time_blocks(t)
+    assert len(blocks) == want, (t, blocks)
     assert blocks[0][0] == 1 and blocks[-1][1] == t + 1
     assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
-    if table_bytes >= big and want > 1:
-      assert min(j1 - j0 for j0, j1 in blocks) >= 12
-  assert rns_stack._time_blocks(80, 0) == ns_stack.time_blocks(80)
+    if want > 1:
+      assert min(j1 - j0 for j0, j1 in blocks) >= rns_stack.CPU_BLOCK_UPDATES
+  # Never fewer than ns_stack's (4 of >= 24 updates from T = 96 on).
+  assert rns_stack._time_blocks(500) == ns_stack.time_blocks(500, 6)
 
 
 @pytest.mark.parametrize("layout", ["chunks", "square"])

@@ -287,7 +287,7 @@ def test_gradients_through_the_kernels_equal_the_xla_sweeps(x64, layout,
 
   del layout                        # set by its fixture
   monkeypatch.setattr(rns_stack, "_time_blocks",
-                      lambda t, table_bytes=0: [(1, 4), (4, 7), (7, t + 1)])
+                      lambda t: [(1, 4), (4, 7), (7, t + 1)])
   # (The grid's atomic column sums may add in another order: 1e-12.)
   _assert_kernels_give_the_same(
       lambda: jax.value_and_grad(loss, argnums=(0, 1, 2))(push, repl, pop),
