@@ -970,10 +970,11 @@ def update(g_BxYxNxTxNxQxX, p, a_prev_BxQxS, push_BxQxSxQxS, repl_BxQxSxQxS,
 # CPU_BLOCK_UPDATES updates, so that each update reads less of the padded
 # table, for longer compiles (one scan per block). Train step, batch 10, one
 # AMD EPYC core (AVX2), the paper's training lengths 41-80, one run
-# (`train_step_cpu_time_blocks.json`): 1.2-2.2x faster at Q = S = 3 and
-# Q = S = 2, most below T = 48, where one block swept the whole square table
-# at every update. (It had been for tables of >= 8 MiB only, measured at
-# n = 80 alone.) Accelerators keep ns_stack's blocking (not measured there).
+# (`train_step_cpu_time_blocks.json`): up to 2.05x faster at Q = S = 3 and
+# 1.58x at Q = S = 2, most below T = 48, where one block swept the whole
+# square table at every update; the same where a table of >= 8 MiB had these
+# blocks already (the rule before, measured at n = 80 alone). Accelerators
+# keep ns_stack's blocking (not measured there).
 CPU_BLOCK_UPDATES = 12
 CPU_MAX_BLOCKS = 6
 
