@@ -63,6 +63,7 @@ from nsrnn_jax import limited_log_stack
 from nsrnn_jax import limited_stack
 from nsrnn_jax import log_stack
 from nsrnn_jax import ns_stack
+from nsrnn_jax import parallel
 from nsrnn_jax import rns_stack
 
 MODEL_NAMES = ('lstm', 'jm', 'gref', 'ns', 'rns', 'vrns')  # vrns: vrns_model.py
@@ -1207,12 +1208,32 @@ def run_ns_stack(step_fn: Callable[..., Any], params, init_carry, xs,
 # 10 MiB (was 6) since the sweeps keep the table in column chunks: Q = 3,
 # S = 2 (padded reversal) then ran fastest on its whole batch (9.7 MB) on one
 # core, and Q = S = 3 still at 2 strings (train_step_cpu_table_budget.json).
+# That machine's L3 held 16 MiB: the budget is that share of the host's L3
+# (`cpu_table_budget_bytes`), and this where its size cannot be read. On an
+# 8 MiB L3 (2 AMD EPYC cores, the other running a second NS-RNN, as two
+# reproduce workers do; time blocks of >= 12 updates) the 10 MiB budget's
+# chunks ran slower than smaller ones: Q = S = 3 1.12-1.35x slower than 2
+# strings at n = 41-74 (its 5 or 10), Q = 3, S = 2 1.37x at n = 80 (its
+# 10), while Q = S = 2 ran fastest on its whole batch at n = 47 and 80
+# (train_step_cpu_chunks_l3_8mib_*.json).
 CPU_TABLE_BUDGET_BYTES = 10 * 2**20
+CPU_TABLE_BUDGET_L3_SHARE = CPU_TABLE_BUDGET_BYTES / (16 * 2**20)
 # ... except that a chunk of one string is taken only when the next divisor
 # of the batch would exceed this many budgets: on two CPU devices (5 strings
 # each) Q = S = 3 at n = 80 ran faster in chunks of 5 (11 MB) than of 1, on
 # the column-chunked table (train_step_cpu_chunk_of_five.json).
 CPU_SINGLE_STRING_LIMIT = 4
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_table_budget_bytes() -> int:
+  """The automatic chunk's table budget on this host's CPU: a share of its
+  L3 cache (CPU_TABLE_BUDGET_L3_SHARE), or CPU_TABLE_BUDGET_BYTES where the
+  cache size cannot be read."""
+  l3 = parallel.host_l3_cache_bytes()
+  if not l3:
+    return CPU_TABLE_BUDGET_BYTES
+  return int(CPU_TABLE_BUDGET_L3_SHARE * l3)
 
 
 def stack_batch_chunk(requested: int, batch: int, steps: int,
@@ -1222,8 +1243,9 @@ def stack_batch_chunk(requested: int, batch: int, steps: int,
 
   requested: 0 = automatic: on CPU the largest divisor of the batch whose
     table, B·(T+2)²·Q²·S² entries of `itemsize` bytes (4 float32, 8
-    float64), fits CPU_TABLE_BUDGET_BYTES, but not 1 where the next divisor
-    fits CPU_SINGLE_STRING_LIMIT budgets; on accelerators the whole batch.
+    float64), fits the budget (`cpu_table_budget_bytes`: 10 MiB on a 16 MiB
+    L3), but not 1 where the next divisor fits CPU_SINGLE_STRING_LIMIT
+    budgets; on accelerators the whole batch.
     N >= 1: the largest divisor of the batch <= N
     (``config.stack_batch_chunk``).
   """
@@ -1233,13 +1255,14 @@ def stack_batch_chunk(requested: int, batch: int, steps: int,
   if jax.default_backend() != 'cpu':
     return batch
   per_string = itemsize * (steps + 2)**2 * (num_states * num_symbols)**2
-  limit = max(1, CPU_TABLE_BUDGET_BYTES // per_string)
+  budget = cpu_table_budget_bytes()
+  limit = max(1, budget // per_string)
   chunk = max(d for d in divisors if d <= limit)
   if chunk == 1 and batch > 1:
     # One string per run is slower per string than a few over the budget:
     # the next divisor, unless its table is far beyond the cache.
     bigger = divisors[1]
-    if bigger * per_string <= CPU_SINGLE_STRING_LIMIT * CPU_TABLE_BUDGET_BYTES:
+    if bigger * per_string <= CPU_SINGLE_STRING_LIMIT * budget:
       chunk = bigger
   return chunk
 

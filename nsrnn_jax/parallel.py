@@ -517,6 +517,34 @@ def host_cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
   return next((name for flag, name in _VECTOR_ISAS if flag in flags), None)
 
 
+def host_l3_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache"
+                        ) -> Optional[int]:
+  """The size of the last-level (L3) cache CPU 0 sees, in bytes (Linux
+  sysfs: index<i>/level 3, its size "8192K"); None where it cannot be read.
+  """
+  try:
+    entries = sorted(os.listdir(sysfs))
+  except OSError:
+    return None
+  for entry in entries:
+    try:
+      with open(os.path.join(sysfs, entry, "level")) as f:
+        if f.read().strip() != "3":
+          continue
+      with open(os.path.join(sysfs, entry, "size")) as f:
+        size = f.read().strip()
+    except OSError:
+      continue
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+      if size[-1:].upper() in units:
+        return int(size[:-1]) * units[size[-1].upper()]
+      return int(size)
+    except ValueError:
+      return None
+  return None
+
+
 def usable_cores() -> Optional[list[int]]:
   """The CPU cores this process may run on (None where the OS cannot say)."""
   if not hasattr(os, "sched_getaffinity"):

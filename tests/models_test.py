@@ -919,8 +919,37 @@ def test_ns_stack_chunk_is_sized_by_the_model_float_type(monkeypatch, dtype,
   assert seen and {a[-1] for a in seen} == {itemsize}
 
 
+def _with_l3(monkeypatch, l3_bytes):
+  """models' CPU table budget as on a host whose L3 holds `l3_bytes`."""
+  monkeypatch.setattr(models.parallel, 'host_l3_cache_bytes', lambda: l3_bytes)
+  models.cpu_table_budget_bytes.cache_clear()
+
+
+def test_cpu_table_budget_is_a_share_of_the_l3(monkeypatch):
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'cpu')
+  try:
+    for l3, budget in [(None, 10 * 2**20), (16 * 2**20, 10 * 2**20),
+                       (8 * 2**20, 5 * 2**20), (32 * 2**20, 20 * 2**20)]:
+      _with_l3(monkeypatch, l3)
+      assert models.cpu_table_budget_bytes() == budget, l3
+    # On an 8 MiB L3 (5 MiB): Q = S = 3 at T = 47 is 0.78 MB a string (6
+    # fit: 5 of 10), at T = 60 1.25 MB (4: 2); Q = 3, S = 2 at T = 80
+    # 0.97 MB (5); Q = S = 2 at T = 80 0.43 MB (12: all 10).
+    _with_l3(monkeypatch, 8 * 2**20)
+    assert models.stack_batch_chunk(0, 10, 47, 3, 3) == 5
+    assert models.stack_batch_chunk(0, 10, 60, 3, 3) == 2
+    assert models.stack_batch_chunk(0, 10, 80, 3, 2) == 5
+    assert models.stack_batch_chunk(0, 10, 80, 2, 2) == 10
+    # A device's 5 strings at T = 80 (11 MB) still run at once (within 4
+    # budgets), not one by one.
+    assert models.stack_batch_chunk(0, 5, 80, 3, 3) == 5
+  finally:
+    models.cpu_table_budget_bytes.cache_clear()
+
+
 def test_stack_batch_chunk_choice(monkeypatch):
   monkeypatch.setattr(jax, 'default_backend', lambda: 'cpu')
+  _with_l3(monkeypatch, None)      # the budget where the L3 is unknown
   # Automatic on CPU: the largest divisor of the batch whose float32 table,
   # B·(T+2)²·Q²·S²·4 bytes, fits 10 MiB: Q = S = 3 at T = 80 is 2.2 MB a
   # string (4, so 2 of 10), Q = 3, S = 2 0.97 MB (all 10), Q = S = 2
@@ -944,6 +973,7 @@ def test_stack_batch_chunk_choice(monkeypatch):
   assert models.stack_batch_chunk(20, 10, 80, 3, 3) == 10
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   assert models.stack_batch_chunk(0, 10, 80, 3, 3) == 10
+  models.cpu_table_budget_bytes.cache_clear()
   for bad in (-1, 1.5, True, '2'):
     with pytest.raises(ValueError, match='stack_batch_chunk must be 0 '
                        r'\(automatic\) or a positive integer'):

@@ -296,3 +296,21 @@ def test_describe_runtime_names_the_cpu_vector_extension():
   isa = parallel.host_cpu_vector_isa()
   line = parallel.describe_runtime("highest")
   assert (f", {isa}, " in line) == (isa is not None)
+
+
+def test_host_l3_cache_bytes_reads_the_level_3_entry(tmp_path):
+  # sysfs as Linux lays it out: index0-2 are L1d, L1i, L2; index3 the L3.
+  for i, (level, size) in enumerate([("1", "32K"), ("1", "32K"),
+                                     ("2", "512K"), ("3", "8192K")]):
+    d = tmp_path / f"index{i}"
+    d.mkdir()
+    (d / "level").write_text(level + "\n")
+    (d / "size").write_text(size + "\n")
+  assert parallel.host_l3_cache_bytes(str(tmp_path)) == 8 * 2**20
+  (tmp_path / "index3" / "size").write_text("32M\n")
+  assert parallel.host_l3_cache_bytes(str(tmp_path)) == 32 * 2**20
+  (tmp_path / "index3" / "size").write_text("lots\n")
+  assert parallel.host_l3_cache_bytes(str(tmp_path)) is None
+  (tmp_path / "index3" / "level").write_text("2\n")   # no L3 at all
+  assert parallel.host_l3_cache_bytes(str(tmp_path)) is None
+  assert parallel.host_l3_cache_bytes(str(tmp_path / "missing")) is None
