@@ -218,7 +218,9 @@ def jitted_margins(mesh):
 def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
                    num_lengths_K: Sequence[Optional[int]], mesh,
                    eos: Optional[int] = None,
-                   stack_margin: bool = False) -> list[list[dict]]:
+                   stack_margin: bool = False,
+                   guard: Optional["ProgramGuard"] = None
+                   ) -> list[list[dict]]:
   """Model and lower-bound sums per batch and model (float64, on the host).
 
   Args:
@@ -232,6 +234,7 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
       |w| + 1 tokens (the bound is still -ln p(w|l) [+ ln N_L] per string).
     stack_margin: also each string's stack margin (`jitted_margins`; the
       model must have one: `models.has_stack_margin`).
+    guard: a `ProgramGuard` told of each batch's programs before they run.
 
   Returns:
     Per model, one dict per batch: length, num_strings, model_nll, bound_nll
@@ -250,6 +253,8 @@ def evaluate_split(params_K, apply_fn, splits_K: Sequence[data.Split], config,
   for j in range(num):
     symbols = [s[j].symbols for s in splits_K]
     longest = max(x.shape[1] for x in symbols)
+    if guard is not None:
+      guard.before(("eval", stack_margin, longest), pending)
     batch = parallel.put_model_batch(
         stack_batches(symbols, train.padded_length(longest, config), eos),
         mesh)
@@ -611,6 +616,7 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
   # (the devices' launches of different steps interleaved; jax 0.10.2).
   sync_steps = (jax.default_backend() == "cpu"
                 and len(mesh.local_devices) > 1)
+  guard = ProgramGuard()
   while True:
     stopped = np.asarray(host(state.stopped))
     if stopped.all():
@@ -622,6 +628,7 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
     for i in range(num_steps):
       symbols = [r.splits.train[o[i]].symbols for r, o in zip(runs, orders)]
       longest = max(x.shape[1] for x in symbols)
+      guard.before(("train", longest), (state, losses))
       batch = stack_batches(symbols, train.padded_length(longest, config),
                             eos)
       state, step_metrics = steps.train(
@@ -642,7 +649,8 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
     stack_margin = bool(config.get("valid_stack_margin", False))
     valid_results = evaluate_split(
         state.params, model.apply, [r.splits.valid for r in runs], config,
-        [r.splits.valid.num_lengths for r in runs], mesh, eos, stack_margin)
+        [r.splits.valid.num_lengths for r in runs], mesh, eos, stack_margin,
+        guard)
     valid = [summarize(r) for r in valid_results]
     if stack_margin:
       for v, r in zip(valid, valid_results):
@@ -761,6 +769,44 @@ def many_memory_mappings(fraction: Optional[float] = None) -> bool:
   except (OSError, ValueError):
     return False
   return count > fraction * limit
+
+
+# The share of vm.max_map_count past which a run, before it compiles a
+# program for a batch shape it has not run since, drops the programs it
+# holds (`ProgramGuard`): they come back from the persistent compilation
+# cache, or compile again, when next needed.
+LIVE_MAPPINGS_FRACTION = 0.75
+
+
+class ProgramGuard:
+  """Keeps a run's compiled programs within the kernel's memory mappings.
+
+  On the CPU every compiled program maps its kernels' code (three mappings
+  a kernel), and one process may hold 65,530 mappings: an NS-RNN at Q = S =
+  3 on hardest CFL (41 training lengths, as many validation programs, a
+  stack sweep in up to 6 time blocks) passed that within its first epoch
+  and died in LLVM ("Cannot allocate memory"). `before(key)` is called
+  before running a program for `key` (e.g. a batch length): the first time
+  since the last drop it reads the process's mapping count, and past
+  LIVE_MAPPINGS_FRACTION of the limit it waits for `pending` (work in
+  flight) and drops every compiled program first.
+  """
+
+  def __init__(self, fraction: Optional[float] = None):
+    self.fraction = LIVE_MAPPINGS_FRACTION if fraction is None else fraction
+    self.seen = set()
+    self.drops = 0
+
+  def before(self, key, pending=None) -> None:
+    if key in self.seen:
+      return
+    if self.seen and many_memory_mappings(self.fraction):
+      if pending is not None:
+        jax.block_until_ready(pending)
+      drop_compiled_programs()
+      self.seen.clear()
+      self.drops += 1
+    self.seen.add(key)
 
 
 def _finish(state, model, runs, mesh, results, writers, main):

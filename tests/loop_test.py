@@ -320,3 +320,49 @@ def test_epoch_lines_show_the_stack_margin_where_measured():
                            2.0)
   assert "margin" not in plain and "margin" not in loop._epoch_line(  # pylint: disable=protected-access
       np.array([3]), {3: record}, 10, 1, 2.0)
+
+
+def test_program_guard_drops_programs_before_a_new_shape_past_the_limit(
+    monkeypatch):
+  reads, drops = [], []
+  over = {"now": False}
+  monkeypatch.setattr(loop, "many_memory_mappings",
+                      lambda f: reads.append(f) or over["now"])
+  monkeypatch.setattr(loop, "drop_compiled_programs",
+                      lambda: drops.append(len(reads)))
+  guard = loop.ProgramGuard(0.5)
+  guard.before(5)            # the first program: nothing to drop
+  guard.before(7)
+  guard.before(5)            # already held: no read
+  assert reads == [0.5] and drops == [] and guard.seen == {5, 7}
+  over["now"] = True
+  guard.before(5)            # held: still no read, no drop
+  guard.before(9)            # new, past the limit: drop all, then hold 9
+  assert reads == [0.5, 0.5] and drops == [2] and guard.seen == {9}
+  assert guard.drops == 1
+
+
+def test_a_run_that_drops_its_programs_mid_epoch_trains_the_same(
+    tmp_path, monkeypatch):
+  # Past the mapping limit a run drops its compiled programs before a new
+  # batch shape (train or validation) and they come back when next needed:
+  # the same losses, epoch by epoch, as a run that keeps them.
+  config = tiny_config(max_epochs=2, run_test=False)
+  splits = tiny_splits(lengths=(5, 7))
+  train.train_and_evaluate(config, str(tmp_path / "kept"), splits=splits,
+                           model=TinyLM(hidden_size=4))
+  drops = []
+  drop = loop.drop_compiled_programs
+  monkeypatch.setattr(loop, "drop_compiled_programs",
+                      lambda: drops.append(1) or drop())
+  monkeypatch.setattr(loop, "many_memory_mappings", lambda f=None: True)
+  train.train_and_evaluate(config, str(tmp_path / "dropped"), splits=splits,
+                           model=TinyLM(hidden_size=4))
+  assert len(drops) >= 3     # train lengths, validation lengths, each epoch
+
+  def losses(name):
+    with open(tmp_path / name / "metrics.jsonl") as f:
+      rows = [json.loads(line) for line in f]
+    return [(r.get("train_loss"), r.get("valid_ce_diff")) for r in rows
+            if "train_loss" in r]
+  assert losses("kept") and losses("dropped") == losses("kept")
