@@ -181,12 +181,6 @@ class Baseline(typing.NamedTuple):
   chunks_batch: bool
 
 
-def _file_at(ref, path):
-  """The text of the repository's `path` as of git `ref` (None if absent;
-  `.baselines/<ref>/<path>` without git: `machine.file_at_revision`)."""
-  return machine.file_at_revision(ref, path)[0]
-
-
 def load_baseline(ref, stack="ns_stack"):
   """`run_coupled` of nsrnn_jax/<stack>.py as of git `ref` (None if absent;
   `machine.module_at_revision`): its own imports of the package (rns_stack's
@@ -722,8 +716,8 @@ def main():
     baseline = Baseline(
         args.baseline_ref, load_baseline(args.baseline_ref),
         load_baseline(args.baseline_ref, "rns_stack"),
-        "stack_batch_chunk" in (_file_at(args.baseline_ref,
-                                         "nsrnn_jax/models.py") or ""))
+        "stack_batch_chunk" in (machine.file_at_revision(
+            args.baseline_ref, "nsrnn_jax/models.py")[0] or ""))
     if baseline.ns_stack is None and baseline.rns_stack is None:
       parser.error(f"--baseline_ref {args.baseline_ref}: no stack module at "
                    "that ref (git, or .baselines/<ref>/)")

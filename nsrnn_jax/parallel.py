@@ -517,6 +517,9 @@ def host_cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
   return next((name for flag, name in _VECTOR_ISAS if flag in flags), None)
 
 
+_SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}   # sysfs cache sizes
+
+
 def host_l3_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache"
                         ) -> Optional[int]:
   """The size of the last-level (L3) cache CPU 0 sees, in bytes (Linux
@@ -535,10 +538,9 @@ def host_l3_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache"
         size = f.read().strip()
     except OSError:
       continue
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
     try:
-      if size[-1:].upper() in units:
-        return int(size[:-1]) * units[size[-1].upper()]
+      if size[-1:].upper() in _SIZE_UNITS:
+        return int(size[:-1]) * _SIZE_UNITS[size[-1].upper()]
       return int(size)
     except ValueError:
       return None
