@@ -722,7 +722,7 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
     console.print(f"stopped after {epochs_this_run} epochs, rerun the same "
                   "command to continue")
     return results
-  _finish(state, model, runs, mesh, results, writers, main)
+  _finish(state, model, runs, mesh, results, writers, main, guard)
   return results
 
 
@@ -798,25 +798,37 @@ class ProgramGuard:
     self.drops = 0
 
   def before(self, key, pending=None) -> None:
+    """Called before running a program for `key`; drops them all first if
+    `key` is new since the last drop and the process holds too many
+    mappings."""
     if key in self.seen:
       return
     if self.seen and many_memory_mappings(self.fraction):
-      if pending is not None:
-        jax.block_until_ready(pending)
-      drop_compiled_programs()
-      self.seen.clear()
-      self.drops += 1
+      self.drop(pending)
     self.seen.add(key)
 
+  def drop(self, pending=None) -> None:
+    """Waits for `pending`, then drops every compiled program (each key is
+    new again)."""
+    if pending is not None:
+      jax.block_until_ready(pending)
+    drop_compiled_programs()
+    self.seen.clear()
+    self.drops += 1
 
-def _finish(state, model, runs, mesh, results, writers, main):
-  """Best-parameter validation and test of every run; results.json files."""
+
+def _finish(state, model, runs, mesh, results, writers, main, guard):
+  """Best-parameter validation and test of every run; results.json files.
+
+  `guard` is the epochs' `ProgramGuard`: it keeps watching the mappings
+  through both evaluations (the test's lengths are new programs)."""
   config = runs[0].config
   eos = train.eos_id(config, model)
   stack_margin = bool(config.get("valid_stack_margin", False))
   best_valid = evaluate_split(
       state.best_params, model.apply, [r.splits.valid for r in runs], config,
-      [r.splits.valid.num_lengths for r in runs], mesh, eos, stack_margin)
+      [r.splits.valid.num_lengths for r in runs], mesh, eos, stack_margin,
+      guard)
   tests = None
   if config.run_test:
     # The train and validation programs are done with. On the CPU every
@@ -824,13 +836,14 @@ def _finish(state, model, runs, mesh, results, writers, main):
     # may have 65,530: an NS-RNN at Q = S = 3 on hardest CFL held 54,000
     # after its 41 training lengths, and its test's 61 more lengths died in
     # LLVM ("Cannot allocate memory"). Dropping the compiled programs here
-    # frees theirs; the test compiles its own either way.
+    # frees theirs; the test compiles its own either way. (The guard would
+    # drop them only past LIVE_MAPPINGS_FRACTION, part-way through.)
     if many_memory_mappings():
-      drop_compiled_programs()
+      guard.drop()  # best_valid is on the host already.
     tests = evaluate_split(
         state.best_params, model.apply, [r.splits.test for r in runs], config,
         [test_num_lengths(r.splits.test, config) for r in runs], mesh, eos,
-        stack_margin)
+        stack_margin, guard)
   for k, run in enumerate(runs):
     results[k].update({f"best_valid_{key}": v
                        for key, v in summarize(best_valid[k]).items()})

@@ -342,6 +342,40 @@ def test_program_guard_drops_programs_before_a_new_shape_past_the_limit(
   assert guard.drops == 1
 
 
+def test_the_test_phase_drops_programs_before_its_new_lengths(
+    tmp_path, monkeypatch):
+  # The epochs' guard also watches the final evaluations: a process past
+  # its live-mapping share only once training is over (the pre-test drop
+  # at MAPPINGS_FRACTION not taken) drops its programs before the test's
+  # new lengths, and the test's figures are those of a run that keeps them.
+  config = tiny_config(max_epochs=1)
+  splits = tiny_splits(lengths=(5, 7), test_lengths=(5, 7, 9))
+  train.train_and_evaluate(config, str(tmp_path / "kept"), splits=splits,
+                           model=TinyLM(hidden_size=4))
+  phase = {"testing": False}
+  drops = []
+  drop = loop.drop_compiled_programs
+  monkeypatch.setattr(loop, "drop_compiled_programs",
+                      lambda: drops.append(phase["testing"]) or drop())
+  test_num_lengths = loop.test_num_lengths
+  monkeypatch.setattr(loop, "test_num_lengths", lambda *a: phase.update(
+      testing=True) or test_num_lengths(*a))
+  # Past the guard's share whenever training is over; never past the
+  # pre-test drop's (called without a share).
+  monkeypatch.setattr(loop, "many_memory_mappings",
+                      lambda f=None: f is not None and phase["testing"])
+  train.train_and_evaluate(config, str(tmp_path / "dropped"), splits=splits,
+                           model=TinyLM(hidden_size=4))
+  # Once: before length 9, the one length training and validation never ran.
+  assert drops == [True]
+
+  def tested(name):
+    with open(tmp_path / name / "results.json") as f:
+      r = json.load(f)
+    return {k: v for k, v in r.items() if k.startswith("test_")}
+  assert tested("kept") and tested("dropped") == tested("kept")
+
+
 def test_a_run_that_drops_its_programs_mid_epoch_trains_the_same(
     tmp_path, monkeypatch):
   # Past the mapping limit a run drops its compiled programs before a new
