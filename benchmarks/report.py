@@ -363,6 +363,24 @@ def cpu_suite_line(modules=5, tests=3):
           f"{spent}{slowest}."]
 
 
+SUITE_COMPILE = "suite_compile.json"
+
+
+def suite_compile_line():
+  """How much of the suite's test time is JAX compiling (suite_compile.json,
+  benchmarks/suite_compile.py), one sentence."""
+  d = _load(SUITE_COMPILE)
+  if not d:
+    return []
+  stages = d["trace_s"] + d["lower_s"] + d["compile_s"]
+  return [f"Of its test time, {d['compiling_share']:.0%} is JAX compiling "
+          f"(`{SUITE_COMPILE}`, `benchmarks/suite_compile.py`, the same "
+          f"run): {stages:.0f} of {d['test_s']:.0f} s, {d['compiles']:,} XLA "
+          f"compilations ({d['compile_s']:.0f} s), tracing {d['trace_s']:.0f}"
+          f" s, lowering {d['lower_s']:.0f} s; the tests' own subprocesses "
+          "(the CLI tests, the float32 rerun) are not counted."]
+
+
 def gpu_suite_line():
   """The test suite's result on a GPU (gpu_suite_*.json), one paragraph."""
   lines = []
@@ -707,7 +725,7 @@ def benchmarks_block():
   for part in (train_step_table(EARLIER_CPU_RUN), cpu_comparison_table(),
                dispatch_floor_table(), profile_table(),
                kernel_resources_table(),
-               cpu_suite_line(),
+               cpu_suite_line(), suite_compile_line(),
                gpu_suite_line(),
                gpu_variants_table(),
                gpu_budget_table(), stack_table(),
@@ -1421,7 +1439,8 @@ def suite_block():
   line = cpu_suite_line(modules=3, tests=0)
   if not line:
     return f"No `{CPU_SUITE}` yet: run benchmarks/suite_record.py.\n"
-  return line[0] + " (docs/benchmarks.md names the slowest tests.)\n"
+  return " ".join(line + suite_compile_line()
+                  + ["(docs/benchmarks.md names the slowest tests.)\n"])
 
 
 BLOCKS = {"headline": headline_block, "compile": compile_block,
