@@ -464,11 +464,13 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
     raise ValueError("no test data to evaluate")
   eos = train.eos_id(loaded.config, loaded.model)
   # With stack_margin, a table without a margin ('log') fails as the first
-  # batch is traced, before the long evaluation.
+  # batch is traced, before the long evaluation. The guard keeps the
+  # compiled programs of many lengths within the process's memory mappings,
+  # as in training (`loop.ProgramGuard`).
   results = loop.evaluate_split(
       _stacked(loaded.params), loaded.model.apply, [splits.test],
       loaded.config, [loop.test_num_lengths(splits.test, loaded.config)],
-      parallel.make_mesh(), eos, stack_margin)[0]
+      parallel.make_mesh(), eos, stack_margin, loop.ProgramGuard())[0]
   table, summary = loop.test_outputs(results, loaded.config)
   if stack_margin:
     summary.update(unproven_errors(loaded, splits.test, results))

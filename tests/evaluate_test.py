@@ -144,6 +144,23 @@ def test_reevaluate_reproduces_test_table(workdir, tmp_path):
     evaluate.reevaluate(workdir, splits=_splits(), out=str(tmp_path / "file"))
 
 
+def test_reevaluation_past_the_mapping_limit_drops_programs_between_lengths(
+    workdir, tmp_path, monkeypatch):
+  # Many test lengths are many programs: past its mapping share the
+  # re-evaluation drops them before each new length, with the same table.
+  saved = json.load(open(os.path.join(workdir, "test_by_length.json")))
+  drops = []
+  drop = loop.drop_compiled_programs
+  monkeypatch.setattr(loop, "drop_compiled_programs",
+                      lambda: drops.append(1) or drop())
+  monkeypatch.setattr(loop, "many_memory_mappings", lambda f=None: True)
+  result = evaluate.reevaluate(workdir, splits=_splits(),
+                               out=str(tmp_path / "out"))
+  assert len(drops) == 1     # before the second of its two lengths
+  np.testing.assert_allclose(result["table"]["ce_diff"], saved["ce_diff"],
+                             rtol=1e-9)
+
+
 def test_missing_or_broken_workdir_errors(tmp_path):
   with pytest.raises(ValueError, match="does not exist"):
     evaluate.load_model(str(tmp_path / "nope"))
