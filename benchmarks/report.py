@@ -373,9 +373,11 @@ def suite_compile_line():
   if not d:
     return []
   stages = d["trace_s"] + d["lower_s"] + d["compile_s"]
+  commit = d.get("machine", {}).get("source_revision")
+  run = f"commit {commit}" if commit else "its own run"
   return [f"Of its test time, {d['compiling_share']:.0%} is JAX compiling "
-          f"(`{SUITE_COMPILE}`, `benchmarks/suite_compile.py`, the same "
-          f"run): {stages:.0f} of {d['test_s']:.0f} s, {d['compiles']:,} XLA "
+          f"(`{SUITE_COMPILE}`, `benchmarks/suite_compile.py`, {run}): "
+          f"{stages:.0f} of {d['test_s']:.0f} s, {d['compiles']:,} XLA "
           f"compilations ({d['compile_s']:.0f} s), tracing {d['trace_s']:.0f}"
           f" s, lowering {d['lower_s']:.0f} s; the tests' own subprocesses "
           "(the CLI tests, the float32 rerun) are not counted."]

@@ -174,8 +174,11 @@ def main(argv=None):
   if not per_test:
     cli.fail(f"pytest ran no test (exit code {proc.returncode})")
   record = summarize(per_test, wall_s, args.top)
+  sys.path.insert(0, HERE)
+  import machine  # pylint: disable=g-import-not-at-top
   record.update(command="python -m pytest " + " ".join(pytest_args),
-                exit_code=proc.returncode)
+                exit_code=proc.returncode, date=time.strftime("%Y-%m-%d"),
+                machine=machine.machine_info())
   print(table(record))
   with open(args.out, "w") as f:
     json.dump(record, f, indent=1)

@@ -65,6 +65,7 @@ def test_compiles_count_in_the_test_that_made_them_on_xdist_workers(
   assert jitted["compiles"] >= 1 and 0 < jitted["compile_s"] < jitted["wall_s"]
   assert plain["compiles"] == 0 and plain["compile_s"] == 0.0
   assert record["exit_code"] == 0 and record["compiles"] == jitted["compiles"]
+  assert record["date"] and "source_revision" in record["machine"]
 
 
 def test_a_run_with_no_test_is_one_line_and_exit_2(tmp_path):
