@@ -59,6 +59,7 @@ def _on_duration(event, duration, **kwargs):
 
 
 def pytest_configure(config):
+  """Listens to JAX's compile events in a run started by `main`."""
   del config
   if os.environ.get(OUT_DIR_ENV):
     import jax  # pylint: disable=g-import-not-at-top
@@ -73,6 +74,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_runtest_logfinish(nodeid, location):
+  """Closes the test's wall time; later events belong to no test."""
   del location
   sums = _per_test.get(nodeid)
   if sums is not None and "start" in sums:
@@ -81,6 +83,7 @@ def pytest_runtest_logfinish(nodeid, location):
 
 
 def pytest_unconfigure(config):
+  """Writes this process's per-test sums for `main` to gather."""
   del config
   out_dir = os.environ.get(OUT_DIR_ENV)
   if out_dir and _per_test:
@@ -146,6 +149,7 @@ def table(record: dict) -> str:
 
 
 def main(argv=None):
+  """Runs pytest with the plugin, prints the tables, saves the JSON."""
   argv = sys.argv[1:] if argv is None else argv
   pytest_args = ["tests"]
   if "--" in argv:
