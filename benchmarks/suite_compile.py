@@ -41,7 +41,7 @@ OUT_DIR_ENV = "NSRNN_SUITE_COMPILE_DIR"
 # --------------------------------------------------------------------------
 # The plugin (imported by pytest in each process as `-p suite_compile`).
 
-_current = {"test": None}
+_current = {"test": None, "start": 0.0}
 _per_test = collections.defaultdict(
     lambda: dict({s: 0.0 for s in STAGES}, compiles=0, wall_s=0.0))
 
@@ -69,16 +69,14 @@ def pytest_configure(config):
 def pytest_runtest_protocol(item, nextitem):
   """Marks `item` as the test whose compile events these are."""
   del nextitem
-  _current["test"] = item.nodeid
-  _per_test[item.nodeid]["start"] = time.perf_counter()
+  _current.update(test=item.nodeid, start=time.perf_counter())
 
 
 def pytest_runtest_logfinish(nodeid, location):
   """Closes the test's wall time; later events belong to no test."""
   del location
-  sums = _per_test.get(nodeid)
-  if sums is not None and "start" in sums:
-    sums["wall_s"] = time.perf_counter() - sums.pop("start")
+  if _current["test"] == nodeid:
+    _per_test[nodeid]["wall_s"] = time.perf_counter() - _current["start"]
   _current["test"] = None
 
 
@@ -178,7 +176,6 @@ def main(argv=None):
   if not per_test:
     cli.fail(f"pytest ran no test (exit code {proc.returncode})")
   record = summarize(per_test, wall_s, args.top)
-  sys.path.insert(0, HERE)
   import machine  # pylint: disable=g-import-not-at-top
   record.update(command="python -m pytest " + " ".join(pytest_args),
                 exit_code=proc.returncode, date=time.strftime("%Y-%m-%d"),
