@@ -736,8 +736,9 @@ def _save(managers, ks, arrays, epochs, rngs, orders) -> None:
 
 
 # The share of the kernel's per-process limit on memory mappings
-# (vm.max_map_count) past which a run drops its compiled programs before
-# its test phase.
+# (vm.max_map_count) past which a run drops the compiled programs of a
+# phase it is done with (`ProgramGuard.phase_done`: training and
+# validation, before the test).
 MAPPINGS_FRACTION = 0.3
 
 
@@ -785,11 +786,15 @@ class ProgramGuard:
   a kernel), and one process may hold 65,530 mappings: an NS-RNN at Q = S =
   3 on hardest CFL (41 training lengths, as many validation programs, a
   stack sweep in up to 6 time blocks) passed that within its first epoch
-  and died in LLVM ("Cannot allocate memory"). `before(key)` is called
-  before running a program for `key` (e.g. a batch length): the first time
-  since the last drop it reads the process's mapping count, and past
-  LIVE_MAPPINGS_FRACTION of the limit it waits for `pending` (work in
-  flight) and drops every compiled program first.
+  and died in LLVM ("Cannot allocate memory"). One rule, two shares:
+  `before(key)` is called before running a program for `key` (e.g. a batch
+  length): the first time since the last drop it reads the process's
+  mapping count, and past `fraction` (LIVE_MAPPINGS_FRACTION) of the limit
+  it waits for `pending` (work in flight) and drops every compiled program
+  first. `phase_done()` is called once the programs held are done with
+  (training and validation, before the test's lengths): then the lower
+  MAPPINGS_FRACTION is enough to drop them, since they would only be
+  dropped part-way through the next phase.
   """
 
   def __init__(self, fraction: Optional[float] = None):
@@ -806,6 +811,12 @@ class ProgramGuard:
     if self.seen and many_memory_mappings(self.fraction):
       self.drop(pending)
     self.seen.add(key)
+
+  def phase_done(self, pending=None) -> None:
+    """Called when the programs held are done with: drops them (as `drop`)
+    if the process holds more than MAPPINGS_FRACTION of its mappings."""
+    if many_memory_mappings(MAPPINGS_FRACTION):
+      self.drop(pending)
 
   def drop(self, pending=None) -> None:
     """Waits for `pending`, then drops every compiled program (each key is
@@ -831,15 +842,10 @@ def _finish(state, model, runs, mesh, results, writers, main, guard):
       guard)
   tests = None
   if config.run_test:
-    # The train and validation programs are done with. On the CPU every
-    # compiled program holds memory mappings of its code, and one process
-    # may have 65,530: an NS-RNN at Q = S = 3 on hardest CFL held 54,000
-    # after its 41 training lengths, and its test's 61 more lengths died in
-    # LLVM ("Cannot allocate memory"). Dropping the compiled programs here
-    # frees theirs; the test compiles its own either way. (The guard would
-    # drop them only past LIVE_MAPPINGS_FRACTION, part-way through.)
-    if many_memory_mappings():
-      guard.drop()  # best_valid is on the host already.
+    # The train and validation programs are done with (an NS-RNN at Q = S =
+    # 3 on hardest CFL held 54,000 mappings after its 41 training lengths,
+    # and its test has 61 more); best_valid is on the host already.
+    guard.phase_done()
     tests = evaluate_split(
         state.best_params, model.apply, [r.splits.test for r in runs], config,
         [test_num_lengths(r.splits.test, config) for r in runs], mesh, eos,

@@ -342,6 +342,31 @@ def test_program_guard_drops_programs_before_a_new_shape_past_the_limit(
   assert guard.drops == 1
 
 
+def test_program_guard_drops_a_finished_phase_past_its_lower_share(
+    monkeypatch):
+  # Programs that are done with go at MAPPINGS_FRACTION; live ones only at
+  # the guard's own, higher share.
+  reads, drops = [], []
+  held = {"share": 0.5}
+  monkeypatch.setattr(loop, "many_memory_mappings",
+                      lambda f: reads.append(f) or held["share"] > f)
+  monkeypatch.setattr(loop, "drop_compiled_programs",
+                      lambda: drops.append(1))
+  guard = loop.ProgramGuard()
+  guard.before(5)
+  guard.before(7)            # half the limit: under the live share
+  assert not drops
+  guard.phase_done()         # over the finished phase's
+  assert drops == [1] and not guard.seen
+  held["share"] = 0.2
+  guard.before(9)            # the first since the drop: no read
+  guard.phase_done()         # under both shares
+  assert drops == [1] and guard.seen == {9}
+  assert reads == [loop.LIVE_MAPPINGS_FRACTION, loop.MAPPINGS_FRACTION,
+                   loop.MAPPINGS_FRACTION]
+  assert loop.MAPPINGS_FRACTION < loop.LIVE_MAPPINGS_FRACTION
+
+
 def test_the_test_phase_drops_programs_before_its_new_lengths(
     tmp_path, monkeypatch):
   # The epochs' guard also watches the final evaluations: a process past
@@ -360,8 +385,8 @@ def test_the_test_phase_drops_programs_before_its_new_lengths(
   test_num_lengths = loop.test_num_lengths
   monkeypatch.setattr(loop, "test_num_lengths", lambda *a: phase.update(
       testing=True) or test_num_lengths(*a))
-  # Past the guard's share whenever training is over; never past the
-  # pre-test drop's (called without a share).
+  # Past the guard's share whenever the test phase has begun (its lengths
+  # are counted after the guard's `phase_done`, which so finds no excess).
   monkeypatch.setattr(loop, "many_memory_mappings",
                       lambda f=None: f is not None and phase["testing"])
   train.train_and_evaluate(config, str(tmp_path / "dropped"), splits=splits,
