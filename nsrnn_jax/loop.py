@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -757,19 +758,28 @@ def drop_compiled_programs() -> None:
   jax.clear_caches()
 
 
+def max_map_count() -> Optional[int]:
+  """The memory mappings Linux allows one process (vm.max_map_count); None
+  where /proc does not tell."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
 def many_memory_mappings(fraction: Optional[float] = None) -> bool:
   """Whether this process holds more than `fraction` (default
   MAPPINGS_FRACTION) of the memory mappings Linux allows it; False where
   /proc does not tell."""
   fraction = MAPPINGS_FRACTION if fraction is None else fraction
+  limit = max_map_count()
   try:
-    with open("/proc/sys/vm/max_map_count") as f:
-      limit = int(f.read())
     with open("/proc/self/maps") as f:
       count = sum(1 for _ in f)
-  except (OSError, ValueError):
+  except OSError:
     return False
-  return count > fraction * limit
+  return limit is not None and count > fraction * limit
 
 
 # The share of vm.max_map_count past which a run, before it compiles a
@@ -801,6 +811,8 @@ class ProgramGuard:
     self.fraction = LIVE_MAPPINGS_FRACTION if fraction is None else fraction
     self.seen = set()
     self.drops = 0
+    self.dropped = set()     # every key a drop has let go
+    self.warned = False
 
   def before(self, key, pending=None) -> None:
     """Called before running a program for `key`; drops them all first if
@@ -823,6 +835,20 @@ class ProgramGuard:
     new again)."""
     if pending is not None:
       jax.block_until_ready(pending)
+    if self.seen & self.dropped and not self.warned:
+      # A program dropped before came back and goes again: the run's
+      # programs do not fit, and it will reload them over and over (a
+      # hardest-CFL NS-RNN at Q = S = 3 needs ~64,000 mappings; its epochs
+      # took 250-330 s, and 73 s once the limit was raised).
+      self.warned = True
+      logging.warning(
+          "this run's compiled programs need more memory mappings than the "
+          "process may hold (vm.max_map_count = %s), so it drops and "
+          "reloads them over and over, which slows its epochs several "
+          "times; raise the limit (as root: sysctl -w "
+          "vm.max_map_count=262144) or set config.compile_strategy="
+          "'bucket'", max_map_count())
+    self.dropped |= self.seen
     drop_compiled_programs()
     self.seen.clear()
     self.drops += 1

@@ -342,6 +342,31 @@ def test_program_guard_drops_programs_before_a_new_shape_past_the_limit(
   assert guard.drops == 1
 
 
+def test_program_guard_warns_once_when_dropped_programs_keep_coming_back(
+    monkeypatch, caplog):
+  # A run whose programs do not fit drops and reloads them over and over
+  # (epochs several times slower): the second drop of a program that was
+  # dropped before says so, once, naming the limit and the remedies.
+  monkeypatch.setattr(loop, "many_memory_mappings", lambda f: True)
+  monkeypatch.setattr(loop, "drop_compiled_programs", lambda: None)
+  monkeypatch.setattr(loop, "max_map_count", lambda: 65530)
+  guard = loop.ProgramGuard()
+  with caplog.at_level("WARNING"):
+    guard.before(5)
+    guard.before(7)          # drops 5
+    guard.before(9)          # drops 7: new programs only, no warning
+    assert guard.drops == 2 and not caplog.records
+    guard.before(5)          # drops 9; 5 is back
+    guard.before(7)          # drops 5 a second time: warns
+    guard.before(9)
+    guard.before(5)
+  assert guard.drops == 6
+  warnings = [r.getMessage() for r in caplog.records]
+  assert len(warnings) == 1, warnings
+  assert "vm.max_map_count = 65530" in warnings[0]
+  assert "compile_strategy='bucket'" in warnings[0]
+
+
 def test_program_guard_drops_a_finished_phase_past_its_lower_share(
     monkeypatch):
   # Programs that are done with go at MAPPINGS_FRACTION; live ones only at
