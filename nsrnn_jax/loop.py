@@ -804,7 +804,10 @@ class ProgramGuard:
   first. `phase_done()` is called once the programs held are done with
   (training and validation, before the test's lengths): then the lower
   MAPPINGS_FRACTION is enough to drop them, since they would only be
-  dropped part-way through the next phase.
+  dropped part-way through the next phase. A drop that lets go of a
+  program an earlier drop let go of too (the run's programs do not fit the
+  limit, and it reloads them over and over) logs one warning with the
+  remedies.
   """
 
   def __init__(self, fraction: Optional[float] = None):
