@@ -844,13 +844,14 @@ class ProgramGuard:
       # hardest-CFL NS-RNN at Q = S = 3 needs ~64,000 mappings; its epochs
       # took 250-330 s, and 73 s once the limit was raised).
       self.warned = True
+      limit = max_map_count()
       logging.warning(
           "this run's compiled programs need more memory mappings than the "
           "process may hold (vm.max_map_count = %s), so it drops and "
           "reloads them over and over, which slows its epochs several "
           "times; raise the limit (as root: sysctl -w "
-          "vm.max_map_count=262144) or set config.compile_strategy="
-          "'bucket'", max_map_count())
+          "vm.max_map_count=%d) or set config.compile_strategy='bucket'",
+          limit, max(262144, 4 * (limit or 0)))
     self.dropped |= self.seen
     drop_compiled_programs()
     self.seen.clear()

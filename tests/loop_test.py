@@ -364,6 +364,7 @@ def test_program_guard_warns_once_when_dropped_programs_keep_coming_back(
   warnings = [r.getMessage() for r in caplog.records]
   assert len(warnings) == 1, warnings
   assert "vm.max_map_count = 65530" in warnings[0]
+  assert "sysctl -w vm.max_map_count=262144" in warnings[0]
   assert "compile_strategy='bucket'" in warnings[0]
 
 
