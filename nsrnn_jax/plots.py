@@ -71,6 +71,11 @@ TASK_TITLES = {
 }
 # One fixed colour per paper label so that every figure matches.
 _LABEL_COLORS = {"LSTM": "C0", "Gref": "C1", "JM": "C2", "Ours": "C3"}
+# Characters of legend labels that fit one row under a figure (the paper's
+# five entries, "LSTM" to "paper", take one row); longer or more labels
+# wrap onto more rows, and the figure grows to keep its axes' height.
+_LEGEND_ROW_CHARS = 60
+_LEGEND_ROW_INCHES = 0.22
 Y_LABEL = "Difference in Cross Entropy"
 
 
@@ -524,7 +529,8 @@ def _plot_bands(ax, series_list, x_key: str, reference=None) -> None:
     x = np.asarray(series[x_key])
     mean = np.asarray(series["mean"], dtype=np.float64)
     std = np.asarray(series["std"], dtype=np.float64)
-    color = _LABEL_COLORS.get(series["label"], f"C{(i + 4) % 10}")
+    color = _LABEL_COLORS.get(series["label"],
+                              _other_color(i, len(series_list)))
     colors[series["label"]] = color
     ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.25,
                     linewidth=0)
@@ -539,9 +545,33 @@ def _plot_bands(ax, series_list, x_key: str, reference=None) -> None:
             label="paper")
   ax.set_ylabel(Y_LABEL)
   ax.grid(True, alpha=0.3)
-  entries = len(series_list) + (1 if reference else 0)
+  labels = [s["label"] for s in series_list] + (["paper"] if reference
+                                                 else [])
+  columns = legend_columns(labels)
+  rows = math.ceil(len(labels) / columns) if labels else 1
+  if rows > 1:
+    width, height = ax.figure.get_size_inches()
+    ax.figure.set_size_inches(width, height + _LEGEND_ROW_INCHES * (rows - 1))
   ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18),
-            ncol=max(1, entries), frameon=False)
+            ncol=columns, frameon=False)
+
+
+def _other_color(i: int, count: int):
+  """Colour of series i of `count` whose label has no colour of its own:
+  the default cycle from its fifth colour (after the models'), or with
+  more than 6 series the 20 colours of "tab20", so that up to 20 differ."""
+  if count > 6:
+    return matplotlib.colormaps["tab20"](i % 20)
+  return f"C{(i + 4) % 10}"
+
+
+def legend_columns(labels: Sequence[str]) -> int:
+  """Legend entries per row for `labels` (at least 1): as many of the
+  longest label (with its line sample) as fit `_LEGEND_ROW_CHARS`."""
+  if not labels:
+    return 1
+  width = max(len(label) for label in labels) + 6
+  return max(1, min(len(labels), _LEGEND_ROW_CHARS // width))
 
 
 def _plot_figure(series_list, x_key: str, x_label: str,

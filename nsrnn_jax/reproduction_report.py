@@ -207,7 +207,7 @@ def summarize_cells(records: Sequence[Mapping[str, Any]],
 # ---------------------------------------------------------------------------
 
 
-def _compared(cells, task, models, which) -> list:
+def compared_stats(cells, task, models, which) -> list:
   """(mean, std) of each model, None where missing: test bin `which` (0 =
   lengths 40-80, 1 = 81-100) or 'last' (last-epoch validation)."""
   out = []
@@ -232,7 +232,7 @@ _VERDICTS = {
 
 def claim_verdict(cells, task, kind, models, which) -> Optional[bool]:
   """True / False, or None while a compared cell has no runs."""
-  values = _compared(cells, task, models, which)
+  values = compared_stats(cells, task, models, which)
   if any(v is None for v in values):
     return None
   return bool(_VERDICTS[kind]([mean for mean, _ in values]))
@@ -279,7 +279,7 @@ def _grid_column(cells, task, models) -> str:
 def _evidence(cells, task, models, which) -> str:
   """The compared numbers: 'Ours 0.0123 ± 0.0010, JM …'."""
   return ", ".join(f"{LABELS[m]} {_pm(v)}" for m, v in
-                   zip(models, _compared(cells, task, models, which)))
+                   zip(models, compared_stats(cells, task, models, which)))
 
 
 _NS_FIRST = ("ns", "jm", "gref", "lstm")
@@ -414,66 +414,95 @@ def _code_summary(records) -> str:
   return text + "."
 
 
-def figure_series(cell: Cell) -> Optional[dict]:
-  """Figure 3/4 series of a cell's selected restarts (plots.py's rules)."""
+def records_series(records: Sequence[Mapping[str, Any]], label: str
+                   ) -> Optional[dict]:
+  """Figure 3/4 series of any runs (plots.py's rules), labelled `label`.
+
+  Figure 3: each run's validation CE difference per epoch, a run that
+  stopped early padded with its last value, mean ± std (ddof=0) over the
+  runs; Figure 4 (``"test"``; None if no run has a test table): the test
+  CE difference by length, mean ± std over the runs that have the length.
+  None if there are no runs.
+  """
   from nsrnn_jax import plots  # pylint: disable=g-import-not-at-top
-  if not cell.runs:
+  if not records:
     return None
   curves = [np.asarray([e["valid_ce_diff"] for e in r["epochs"]])
-            for r in cell.runs]
+            for r in records]
   runs_RxE = plots.pad_with_last(curves)
-  out = {"label": LABELS[cell.model], "setting": cell.selected.name,
-         "restarts": [r["restart"] for r in cell.runs],
+  out = {"label": label, "restarts": [r["restart"] for r in records],
          "epochs": list(range(1, runs_RxE.shape[1] + 1)),
          "mean": runs_RxE.mean(axis=0).tolist(),
          "std": runs_RxE.std(axis=0).tolist(), "test": None}
-  tested = [r["test"] for r in cell.runs if r.get("test")]
+  tested = [r["test"] for r in records if r.get("test")]
   if tested:
     lengths_L, table_RxL = plots.align_by_length(
         [(t["lengths"], t["ce_diff"]) for t in tested])
-    out["test"] = {"label": LABELS[cell.model], "lengths": lengths_L.tolist(),
+    out["test"] = {"label": label, "lengths": lengths_L.tolist(),
                    "mean": np.nanmean(table_RxL, axis=0).tolist(),
                    "std": np.nanstd(table_RxL, axis=0).tolist()}
   return out
 
 
-def draw_figures(cells, task: str, out_dir: str,
-                 paper: Optional[Mapping[str, Any]] = None) -> list[str]:
-  """figure3.png / figure4.png / series.json of one task; returns the files.
+def figure_series(cell: Cell) -> Optional[dict]:
+  """Figure 3/4 series of a cell's selected restarts (`records_series`)."""
+  out = records_series(cell.runs, LABELS[cell.model])
+  if out is not None:
+    out["setting"] = cell.selected.name
+  return out
 
-  `paper`: the paper's figure data (`paper_figures.load`); its mean curves
-  of the models we plot are drawn dashed beside ours.
+
+def task_figures(cells, task: str,
+                 paper: Optional[Mapping[str, Any]] = None) -> dict:
+  """One task's Figures 3 and 4 from its selected runs (not saved).
+
+  Returns ``{"title", "series", "figure3", "figure4"}``: the series of
+  each model that has runs (report order), and matplotlib figures (None
+  where there is nothing to draw). `paper`: the paper's figure data
+  (`paper_figures.load`); its mean curves of the models drawn are dashed
+  beside ours.
   """
   from nsrnn_jax import plots  # pylint: disable=g-import-not-at-top
   drawn = {m: figure_series(cells[(task, m)]) for m in REPORT_ORDER}
   drawn = {m: s for m, s in drawn.items() if s is not None}
   series = list(drawn.values())
+  title = TASK_TITLES[task]
 
   def reference(kind):
     curves = [(m, paper_figures.curve(paper, kind, task, m)) for m in drawn]
     return [{"label": LABELS[m], "x": c["x"], "mean": c["mean"]}
             for m, c in curves if c is not None] or None
 
-  if not series:  # Nothing to draw: remove figures of earlier records.
+  out = {"title": title, "series": series, "figure3": None, "figure4": None}
+  if series:
+    out["figure3"] = plots.plot_train(series, title, reference("train"))
+  tests = [s["test"] for s in series if s["test"] is not None]
+  if tests:
+    out["figure4"] = plots.plot_test(tests, title, reference("test"))
+  return out
+
+
+def draw_figures(cells, task: str, out_dir: str,
+                 paper: Optional[Mapping[str, Any]] = None) -> list[str]:
+  """figure3.png / figure4.png / series.json of one task (`task_figures`);
+  returns the files."""
+  drawn = task_figures(cells, task, paper)
+  if not drawn["series"]:  # Nothing to draw: remove earlier figures.
     for name in ("figure3.png", "figure4.png", "series.json"):
       if os.path.isfile(os.path.join(out_dir, name)):
         os.remove(os.path.join(out_dir, name))
     return []
   os.makedirs(out_dir, exist_ok=True)
-  title = TASK_TITLES[task]
   files = []
   # No "Software" metadata: the PNG depends on the numbers only.
   png = {"Software": None}
-  fig = plots.plot_train(series, title, reference("train"))
-  files.append(os.path.join(out_dir, "figure3.png"))
-  fig.savefig(files[-1], dpi=120, metadata=png)
-  tests = [s["test"] for s in series if s["test"] is not None]
-  if tests:
-    fig = plots.plot_test(tests, title, reference("test"))
-    files.append(os.path.join(out_dir, "figure4.png"))
-    fig.savefig(files[-1], dpi=120, metadata=png)
+  for name in ("figure3", "figure4"):
+    if drawn[name] is not None:
+      files.append(os.path.join(out_dir, f"{name}.png"))
+      drawn[name].savefig(files[-1], dpi=120, metadata=png)
   files.append(os.path.join(out_dir, "series.json"))
-  write_json_atomic(files[-1], {"title": title, "series": series})
+  write_json_atomic(files[-1], {"title": drawn["title"],
+                                "series": drawn["series"]})
   return files
 
 

@@ -8,6 +8,7 @@ the model's log-probability from `evaluate.score`, and the plotted series
 against a by-hand recomputation from the metrics files.
 """
 
+import glob
 import json
 import os
 import re
@@ -184,3 +185,57 @@ def test_languages_notebook_enumerates_and_samples_dyck():
     assert 40 <= int(n) <= 80 and int(n) % 2 == 0
     assert float(bound) == pytest.approx(
         -float(g_w) + float(g_n) + np.log(21), abs=2e-3)
+
+
+def _selected_by_hand(results, task, model):
+  """(setting, its records) the paper's rule selects, read from the JSON
+  files directly: among the settings with the most finished restarts, the
+  lowest mean best-epoch validation difference (ties: std, then name)."""
+  settings = {}
+  for path in glob.glob(os.path.join(results, task, model, "*",
+                                     "restart_*.json")):
+    with open(path) as f:
+      record = json.load(f)
+    if record["protocol"] == "paper":
+      settings.setdefault(os.path.basename(os.path.dirname(path)),
+                          []).append(record)
+  most = max(len(r) for r in settings.values())
+  name = min((n for n, r in settings.items() if len(r) == most),
+             key=lambda n: (np.mean([r["best_valid_ce_diff"]
+                                     for r in settings[n]]),
+                            np.std([r["best_valid_ce_diff"]
+                                    for r in settings[n]]), n))
+  return name, sorted(settings[name], key=lambda r: r["restart"])
+
+
+def test_run_records_notebook_matches_the_record_files():
+  results = os.path.join(REPO_ROOT, "results")
+  notebook = _run_notebook("run_records.ipynb", {
+      "TASK": "dyck", "MODEL": "jm", "SELECTION": "mean", "RESULTS": results,
+      "PAPER": True})
+  text, images = _outputs(notebook)
+  # Figures 3 and 4, every setting of JM, the restarts of its selection.
+  assert images == 4
+  for model, label in (("lstm", "LSTM"), ("gref", "Gref"), ("jm", "JM"),
+                       ("ns", "Ours")):
+    name, records = _selected_by_hand(results, "dyck", model)
+    row = re.search(rf"^{label} +(\S+) +(\d+) +([-+][0-9.]+) ± ([0-9.]+)",
+                    text, re.M)
+    assert row.group(1) == name
+    assert int(row.group(2)) == len(records)
+    last = [r["last_valid_ce_diff"] for r in records]
+    assert float(row.group(3)) == pytest.approx(np.mean(last), abs=6e-5)
+    assert float(row.group(4)) == pytest.approx(np.std(last), abs=6e-5)
+  # JM's grid: its 12 settings, the selected one marked; then one line
+  # per restart of it with that record's epochs and best epoch.
+  name, records = _selected_by_hand(results, "dyck", "jm")
+  assert "JM on dyck: 12 setting(s)" in text
+  assert re.search(rf"^{re.escape(name)} .*<- selected$", text, re.M)
+  rows = re.findall(r"^ +(\d) +(\d+) +(\d+) +([-+][0-9.]+)", text, re.M)
+  assert [(int(r), int(e), int(b)) for r, e, b, _ in rows] == [
+      (r["restart"], r["num_epochs"], r["best_epoch"]) for r in records]
+  for (_, _, _, best), record in zip(rows, records):
+    assert float(best) == pytest.approx(record["best_valid_ce_diff"],
+                                        abs=6e-5)
+  # Dyck's two claims, each read restart by restart too.
+  assert text.count("holds in") == 2

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import matplotlib.colors
 import matplotlib.image
 import numpy as np
 import pytest
@@ -319,3 +320,30 @@ def test_one_string_is_one_pattern_label_and_format(runs, tmp_path):
       "figure3.png", "figure4.png", "series.json"]
   with pytest.raises(TypeError, match="RunGroups"):
     plots.make_figures(["x"], str(tmp_path / "out2"))
+
+
+def _series(labels):
+  return [{"label": label, "epochs": [1, 2, 3], "mean": [0.3, 0.2, 0.1],
+           "std": [0.0, 0.0, 0.0]} for label in labels]
+
+
+def test_many_or_long_legend_labels_wrap_and_keep_distinct_colours():
+  # The paper's four models and "paper": one row, the figure's own size.
+  paper = [{"label": m, "x": [1, 2], "mean": [0.2, 0.1]}
+           for m in ("LSTM", "Gref", "JM", "Ours")]
+  fig = plots.plot_train(_series(["LSTM", "Gref", "JM", "Ours"]),
+                         reference=paper)
+  assert plots.legend_columns(["LSTM", "Gref", "JM", "Ours", "paper"]) == 5
+  assert tuple(fig.get_size_inches()) == pytest.approx((5.0, 3.6))
+  # A JM grid: 12 settings of up to 14 characters wrap into rows of 3, the
+  # figure grows by a row's height per extra row, and no two share a colour.
+  names = [f"m_{m}-lr_{lr}" for m in (2, 20, 40)
+           for lr in (0.01, 0.005, 0.001, 0.0005)]
+  assert plots.legend_columns(names) == 3
+  fig = plots.plot_train(_series(names))
+  assert fig.get_size_inches()[1] == pytest.approx(3.6 + 3 * 0.22)
+  lines = fig.axes[0].get_lines()
+  assert [line.get_label() for line in lines] == names
+  colours = {tuple(matplotlib.colors.to_rgba(line.get_color()))
+             for line in lines}
+  assert len(colours) == 12
