@@ -5,7 +5,9 @@ restarts that stop at different epochs, one LSTM), injects their paths into
 each notebook's "parameters" cell and executes every cell. Besides "no cell
 raised", it checks numbers the notebooks print against independent sources:
 the model's log-probability from `evaluate.score`, and the plotted series
-against a by-hand recomputation from the metrics files.
+against a by-hand recomputation from the metrics files. The run-records
+notebook reads the committed records under results/ instead, and its
+printed selection is checked against the record files read by hand.
 """
 
 import glob
