@@ -21,9 +21,10 @@ Safety rules (README "Outputs"):
 * `check_workdir` compares a workdir's stored config.json with the requested
   config before anything is written: a difference that changes the run is a
   one-line error naming the fields.
-* `workdir_lock` keeps a second training process out of a run directory
-  that one is training in (two writers would interleave checkpoints and
-  metrics); a lock left by a process that died is taken over.
+* `workdir_lock` (`workdir_lock.hold`) keeps a second training process out
+  of a run directory that one is training in (two writers would interleave
+  checkpoints and metrics); a lock left by a process that died is taken
+  over.
 
 Keeping Orbax behind these functions means a move to its V1 API touches only
 this file.
@@ -37,7 +38,6 @@ import logging as logging_std
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -50,9 +50,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nsrnn_jax import workdir_lock as workdir_lock_lib
+
 PyTree = Any
 CONFIG_FILE = "config.json"
-LOCK_FILE = ".lock"
+LOCK_FILE = workdir_lock_lib.LOCK_FILE
 UNREADABLE_DIR = "checkpoints_unreadable"
 # Checkpoints newer than the run's metrics log (a directory put together
 # from copies of different times) are moved here on resume, not deleted.
@@ -213,94 +215,8 @@ def check_workdir(workdir: str, config_json: Mapping[str, Any]) -> None:
         " Use a new --workdir, or the stored values to resume")
 
 
-def _process_start(pid: int) -> Optional[str]:
-  """When process `pid` started (clock ticks since boot, /proc/<pid>/stat),
-  or None where /proc does not tell (no such process, not Linux)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      stat = f.read()
-  except OSError:
-    return None
-  # Fields after the command name (which may hold spaces) in parentheses;
-  # the start time is field 22, the 20th after it.
-  fields = stat[stat.rindex(")") + 2:].split()
-  return fields[19] if len(fields) > 19 else None
-
-
-def _process_alive(pid: int, start: Optional[str] = None) -> bool:
-  """Whether the process that wrote a lock is still running.
-
-  `start`: its start time as the lock recorded it (`_process_start`); the
-  pid is then that process only if it started then. Without it (a lock
-  written before the field), the pid must be a process, not a thread of
-  another: thread ids share the pid space, and a killed run's stale lock
-  was once taken for live because its pid had become a thread of the next
-  run's worker.
-  """
-  if start is not None and os.path.isdir("/proc/self"):
-    return _process_start(pid) == start
-  try:
-    with open(f"/proc/{pid}/status") as f:
-      for line in f:
-        if line.startswith("Tgid:"):
-          return int(line.split()[1]) == pid
-  except OSError:
-    pass
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True  # Alive, owned by another user.
-  return True
-
-
-@contextlib.contextmanager
-def workdir_lock(workdir: str):
-  """Holds `workdir/.lock` (pid and host) while a run trains there.
-
-  Raises:
-    ValueError (one line) if another live process holds it. A lock whose
-    process is gone (same host, no process of that pid and start time: a
-    crash or kill -9, also when the pid was reused since) is taken over; a
-    lock from another host cannot be checked and is refused.
-  """
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, LOCK_FILE)
-  me = {"pid": os.getpid(), "host": socket.gethostname(),
-        "start": _process_start(os.getpid())}
-  while True:
-    try:
-      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-      try:
-        with open(path) as f:
-          holder = json.load(f)
-        pid, host = int(holder["pid"]), str(holder["host"])
-        start = holder.get("start")
-      except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pid, host = None, None  # Unreadable (half-written): treat as stale.
-      if pid is not None and (host != me["host"]
-                              or _process_alive(pid, start)):
-        raise ValueError(
-            f"{workdir!r} is in use by process {pid} on {host} (a second "
-            "run would overwrite its checkpoints): wait for it to finish, or "
-            f"delete {path} if that process is gone") from None
-      try:
-        os.remove(path)  # Stale: its process died without releasing it.
-      except FileNotFoundError:
-        pass
-      continue
-    with os.fdopen(fd, "w") as f:
-      json.dump(me, f)
-    break
-  try:
-    yield
-  finally:
-    try:
-      os.remove(path)
-    except FileNotFoundError:
-      pass
+# The run directory's lock (`workdir_lock.hold`), under its older name.
+workdir_lock = workdir_lock_lib.hold
 
 
 def write_config(workdir: str, config_json: Mapping[str, Any]) -> None:

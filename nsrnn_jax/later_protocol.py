@@ -62,6 +62,7 @@ import numpy as np
 from nsrnn_jax import cli
 from nsrnn_jax import reproduce
 from nsrnn_jax import run_records
+from nsrnn_jax import workdir_lock
 
 # rns-vrns-reference.md §4.3.
 LEARNING_RATE_RANGE = (5e-4, 1e-2)
@@ -330,8 +331,19 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
     record_path = _record_path(workdir, t, m, k)
     name = f"{t}/{m}/run_{k} (lr {rates[k]:.6g})"
     if not os.path.isfile(record_path):
-      print(f"[{i}/{len(plan)}] {name}", file=out, flush=True)
-      results = train.train_and_evaluate(configs[(k, t, m)], run_dir)
+      # Held by another live process (another run of this command on the
+      # same workdir): left to it.
+      other = workdir_lock.holder(run_dir)
+      if other is None:
+        print(f"[{i}/{len(plan)}] {name}", file=out, flush=True)
+        try:
+          results = train.train_and_evaluate(configs[(k, t, m)], run_dir)
+        except workdir_lock.WorkdirInUse:
+          other = workdir_lock.holder(run_dir) or {"pid": "?", "host": "?"}
+      if other is not None:
+        print(f"[{i}/{len(plan)}] {name}: left to process {other['pid']} "
+              f"on {other['host']}, which trains it", file=out, flush=True)
+        continue
       if not results.get("finished"):
         print(f"stopped in {name}; rerun the command to continue", file=out)
         break

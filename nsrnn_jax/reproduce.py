@@ -87,6 +87,7 @@ from typing import (Any, Callable, Iterable, Mapping, Optional, Sequence,
                     Union)
 
 from nsrnn_jax import reproduction_report
+from nsrnn_jax import workdir_lock
 from nsrnn_jax.run_records import BASE_SEED
 from nsrnn_jax.run_records import DEFAULT_RESULTS
 from nsrnn_jax.run_records import estimate_seconds
@@ -426,21 +427,30 @@ def _layout(tasks: Sequence[str], workdir: str):
   return task_dirs, run_dir, label
 
 
-def status_lines(states: Sequence[tuple[str, str, str, str, int]]
+def status_lines(states: Sequence[tuple[str, str, str, str, int]],
+                 holders: Optional[Mapping[str, Mapping[str, Any]]] = None
                  ) -> list[str]:
   """`--status`'s table and started runs, from each run's (task, model,
   label, state, epochs logged), state "record", "started" or "not started":
   a row per (task, model) in the order first given, then a line per started
-  run. Shared by this module's and later_protocol's `status`."""
+  run, naming the live process that trains it where `holders` (label ->
+  `workdir_lock.holder`) has one. Shared by this module's and
+  later_protocol's `status`."""
+  holders = holders or {}
   lines = ["| task | model | runs | records | started | not started |",
            "|---|---|---|---|---|---|"]
   for t, m in dict.fromkeys((t, m) for t, m, *_ in states):
     mine = [state for t2, m2, _, state, _ in states if (t2, m2) == (t, m)]
     lines.append(f"| {t} | {m} | {len(mine)} | {mine.count('record')} | "
                  f"{mine.count('started')} | {mine.count('not started')} |")
-  return lines + [""] + [f"started: {label} (epoch {e} logged)"
-                         for _, _, label, state, e in states
-                         if state == "started"]
+  started = []
+  for _, _, label, state, e in states:
+    if state == "started":
+      other = holders.get(label)
+      now = ("" if other is None else f"; training now: process "
+             f"{other['pid']} on {other['host']}")
+      started.append(f"started: {label} (epoch {e} logged{now})")
+  return lines + [""] + started
 
 
 def status(task: Union[str, Sequence[str]], workdir: str, *,
@@ -453,10 +463,12 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
   """Where the grid `run_protocol` would run stands, as text; reads only.
 
   Per (task, model): runs with a record, runs started (epochs in their run
-  directory, no record yet) and runs not started; then the runs started and
-  their epochs, and `Progress`'s line (the time left at `workers` runs at a
-  time, the started runs counted as running). Starts nothing, claims
-  nothing and imports no JAX, so it can run beside the grid it describes.
+  directory, no record yet) and runs not started; then the runs started,
+  their epochs and the live process that trains each now, if one does
+  (`workdir_lock.holder`), and `Progress`'s line (the time left at
+  `workers` runs at a time, the started runs counted as running). Starts
+  nothing, claims nothing and imports no JAX, so it can run beside the grid
+  it describes.
   """
   tasks = parse_tasks(task)
   runs = plan_tasks(tasks, models, learning_rates, stack_sizes, restarts,
@@ -477,10 +489,19 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
   lines = [f"reproduce {', '.join(tasks)}: {len(runs)} runs, {len(done)} "
            f"with a record in {where}, {len(started)} started, "
            f"{len(runs) - len(done) - len(started)} not started", ""]
-  lines += status_lines(states)
-  # Started, not necessarily running: this process cannot tell.
+  holders = {label(s): workdir_lock.holder(run_dir(s)) for s in started}
+  lines += status_lines(states, {k: v for k, v in holders.items() if v})
+  # Started, training now or not (stopped, or killed): the lines above say.
   lines.append(progress.line(started, what="started"))
   return "\n".join(lines)
+
+
+def _left_to(other: Mapping[str, Any], name: str, out) -> None:
+  """Says that run `name` is left to `other`, the live process holding its
+  run directory (another `reproduce` over the same workdir, e.g. on another
+  machine sharing it): this one goes on with the next run."""
+  print(f"left to process {other['pid']} on {other['host']}, which trains "
+        f"it: {name}", file=out, flush=True)
 
 
 def _record_finished(spec, run_dir, results_dir, overrides, maker) -> bool:
@@ -540,9 +561,17 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       call).
     train_fn: `train.train_and_evaluate` (tests may wrap it).
 
+  A run whose directory another live process holds (another `reproduce`
+  over the same workdir: a second command on this machine, or one on
+  another machine sharing the directory) is left to it
+  (`workdir_lock.holder`): this one trains the next. So several commands
+  can share one grid; each writes the records of the runs it finished.
+
   Returns:
-    {"finished": bool, "done": [names], "pending": [names], "execution"};
-    with several tasks the names start with "<task>/".
+    {"finished": bool (every run has a record), "stopped": bool (the
+    budget stopped it), "done": [names], "pending": [names], "execution"};
+    with several tasks the names start with "<task>/". Pending without
+    "stopped": left to other processes.
   """
   out = out or sys.stdout
   tasks = parse_tasks(task)
@@ -604,7 +633,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
                                            task_dirs[spec.task], results_dir,
                                            overrides, minutes, worker_flags),
         lambda spec: os.path.join(task_dirs[spec.task], WORKER_LOGS),
-        label, groups)
+        label, run_dir, groups)
   elif mode == "sequential":
     trained = False
     for spec in pending():
@@ -614,6 +643,10 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
       if _record_finished(spec, run_dir(spec), results_dir, overrides,
                           maker):
         continue  # Finished earlier, record not yet written.
+      other = workdir_lock.holder(run_dir(spec))
+      if other is not None:
+        _left_to(other, label(spec), out)
+        continue
       if trained:
         # Every run compiles its own programs (its train state's static
         # fields, the model's apply function and the optimizer, are new
@@ -625,8 +658,15 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
         loop.drop_compiled_programs()
       trained = True
       progress.show([spec])
-      results = train_fn(configs[spec], run_dir(spec),
-                         should_stop=budget.expired)
+      try:
+        results = train_fn(configs[spec], run_dir(spec),
+                           should_stop=budget.expired)
+      except workdir_lock.WorkdirInUse:
+        # Taken since the check above, by a process that checked too.
+        other = workdir_lock.holder(run_dir(spec)) or {"pid": "?",
+                                                       "host": "?"}
+        _left_to(other, label(spec), out)
+        continue
       if not results.get("finished"):
         stopped = True
         break
@@ -645,7 +685,14 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
     print(f"all {len(runs)} runs of {', '.join(tasks)} done; records in "
           f"{results_dir}. Regenerate the report with: python -m "
           "nsrnn_jax.reproduce --report", file=out, flush=True)
-  return {"finished": not left, "execution": mode,
+  else:
+    print(f"{len(runs) - len(left)} of {len(runs)} runs done; the other "
+          f"{len(left)} are being trained by other processes (their run "
+          "directories are held). Rerun this command when they stop: it "
+          "writes the records of the runs they finished and trains any "
+          "they left.", file=out, flush=True)
+  return {"finished": not left, "stopped": bool(left and stopped),
+          "execution": mode,
           "done": [label(s) for s in runs if s not in left],
           "pending": [label(s) for s in left]}
 
@@ -756,7 +803,7 @@ def core_groups(workers: int, cores: Optional[Sequence[int]]
 
 
 def _run_workers(runs, workers, budget, progress, out, make_argv,
-                 log_dir_of, label, groups=None) -> bool:
+                 log_dir_of, label, run_dir_of, groups=None) -> bool:
   """Trains `runs` in up to `workers` processes at once; True if stopped.
 
   Each worker trains one run and writes its record. A worker stopped by the
@@ -764,7 +811,9 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
   others finish their runs, then a ReproduceError names it and its log. An
   interrupt of this process interrupts the workers (each keeps its last
   checkpoint) and waits for them. With `groups` (`core_groups`), each
-  worker runs on a share of the cores no other running worker has.
+  worker runs on a share of the cores no other running worker has. A run
+  whose directory (`run_dir_of`) another live process holds is left to it
+  (`workdir_lock.holder`), at launch or by its worker.
   """
   import signal  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import parallel  # pylint: disable=g-import-not-at-top
@@ -774,6 +823,7 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
   env["PYTHONPATH"] = os.pathsep.join(
       [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
   queue = list(runs)
+  is_done = lambda spec: spec in set(progress.done())
   # RunSpec -> (Popen, log file object, log path, its cores or None)
   running: dict = {}
   failed = []
@@ -787,6 +837,10 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
           stopped = True
           break
         spec = queue.pop(0)
+        other = workdir_lock.holder(run_dir_of(spec))
+        if other is not None:
+          _left_to(other, label(spec), out)
+          continue
         log_dir = log_dir_of(spec)
         os.makedirs(log_dir, exist_ok=True)
         path = os.path.join(log_dir, f"{spec.model}-{spec.setting}-restart_"
@@ -822,6 +876,12 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
           print(f"failed {label(spec)} (exit code {code}): "
                 f"{failure_line(path, start) or 'no output'}; no new run "
                 f"starts, {len(running)} still running", file=out,
+                flush=True)
+        elif not is_done(spec):
+          # It found the run held by another process (its own log says
+          # which) and left it.
+          print(f"left to another process: {label(spec)} (the worker "
+                f"found its run directory held; {path})", file=out,
                 flush=True)
         else:
           print(f"finished {label(spec)}", file=out, flush=True)
@@ -1013,7 +1073,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except KeyboardInterrupt:
     cli.interrupted("every run keeps its last checkpoint (one per epoch); "
                     "rerun the same command to continue")
-  return 0 if result["finished"] else 3
+  # 3: stopped at the budget (rerun to continue); 0 also when the runs
+  # not done are left to other processes that hold them.
+  return 3 if result["stopped"] else 0
 
 
 if __name__ == "__main__":

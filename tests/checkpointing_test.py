@@ -6,7 +6,6 @@ import json
 import logging as logging_std
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -413,58 +412,6 @@ def test_a_run_may_switch_the_ns_stack_table_on_resume():
   assert checkpointing.config_differences(
       {"learning_rate": 0.01, "scan_unroll": 1, "stack_batch_chunk": 5},
       {"learning_rate": 0.01, "scan_unroll": 8, "stack_batch_chunk": 2}) == []
-
-
-def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
-    tmp_path):
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  workdir = str(tmp_path / "run")
-  lock = os.path.join(workdir, checkpointing.LOCK_FILE)
-  with checkpointing.workdir_lock(workdir):
-    assert os.path.exists(lock)
-    # A second holder while this (live) process holds it: one-line error.
-    with pytest.raises(ValueError, match="in use by process") as info:
-      with checkpointing.workdir_lock(workdir):
-        pass
-    assert "\n" not in str(info.value)
-  assert not os.path.exists(lock)  # Released.
-  # A lock left by a process that has exited (kill -9, crash) is taken over.
-  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                        capture_output=True, text=True, check=True)
-  with open(lock, "w") as f:
-    json.dump({"pid": int(dead.stdout), "host": socket.gethostname()}, f)
-  with checkpointing.workdir_lock(workdir):
-    with open(lock) as f:
-      assert json.load(f)["pid"] == os.getpid()
-  # A stale lock whose pid is now a thread of a live process (thread ids
-  # share the pid space; seen after a session's runs were killed), or a
-  # process that started later (the pid reused), is taken over too.
-  if os.path.isdir("/proc/self/task"):
-    import threading  # pylint: disable=g-import-not-at-top
-    stop = threading.Event()
-    thread = threading.Thread(target=stop.wait)
-    thread.start()
-    try:
-      tid = thread.native_id
-      assert tid != os.getpid()
-      for holder in ({"pid": tid, "host": socket.gethostname()},
-                     {"pid": os.getpid(), "host": socket.gethostname(),
-                      "start": "0"}):
-        with open(lock, "w") as f:
-          json.dump(holder, f)
-        with checkpointing.workdir_lock(workdir):
-          with open(lock) as f:
-            assert json.load(f)["pid"] == os.getpid()
-    finally:
-      stop.set()
-      thread.join()
-  # Another host's lock cannot be checked: refused.
-  with open(lock, "w") as f:
-    json.dump({"pid": 1, "host": "elsewhere"}, f)
-  with pytest.raises(ValueError, match="on elsewhere"):
-    with checkpointing.workdir_lock(workdir):
-      pass
 
 
 def test_an_interrupt_is_held_back_to_the_end_of_the_block():

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from nsrnn_jax import later_protocol
 from nsrnn_jax import reproduce
 from nsrnn_jax import run_records
+from nsrnn_jax import workdir_lock
 
 TINY = ["--set=num_train_batches=6", "--set=num_valid_batches=2",
         "--set=train_min_length=5", "--set=train_max_length=9",
@@ -122,6 +124,26 @@ def test_runs_resume_and_keep_their_rates(tmp_path, capsys):
   # --report reads the same records.
   assert later_protocol.main([f"--workdir={workdir}", "--report"]) == 0
   assert "| marked_copy | lstm | 3 |" in capsys.readouterr().out
+
+
+def test_a_run_another_process_trains_is_left_to_it(tmp_path, capsys):
+  # Two commands on one workdir: the run whose directory a live process
+  # (here this one) holds is left to it; the next run trains.
+  workdir = str(tmp_path / "w")
+  args = ["--task=marked_copy", "--models=lstm", f"--workdir={workdir}",
+          "--runs=2"] + TINY
+  held = os.path.join(workdir, "marked_copy", "lstm", "run_0")
+  with workdir_lock.hold(held):
+    assert later_protocol.main(args) == 0
+  out = capsys.readouterr().out
+  rate = later_protocol.learning_rates(2)[0]
+  assert (f"[1/2] marked_copy/lstm/run_0 (lr {rate:.6g}): left to process "
+          f"{os.getpid()} on {socket.gethostname()}, which trains it") in out
+  records = os.path.join(workdir, "records", "marked_copy", "lstm")
+  assert sorted(os.listdir(records)) == ["restart_1.json"]
+  # Free again: a rerun trains it.
+  assert later_protocol.main(args) == 0
+  assert sorted(os.listdir(records)) == ["restart_0.json", "restart_1.json"]
 
 
 @pytest.mark.parametrize("args,message", [

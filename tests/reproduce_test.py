@@ -11,7 +11,9 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +26,7 @@ from nsrnn_jax import parallel
 from nsrnn_jax import reproduce
 from nsrnn_jax import run_records
 from nsrnn_jax import train
+from nsrnn_jax import workdir_lock
 # tests/fake_records.py (tests/ is on sys.path under pytest).
 from fake_records import fake_record
 
@@ -735,15 +738,14 @@ def test_core_groups_are_disjoint_shares_one_per_worker():
 
 
 def test_a_failed_worker_is_one_error_naming_its_run_and_log(tmp_path):
-  # Run lstm/lr_0.01/restart_0's directory is held by a live process (this
-  # one): its worker fails with one line; the other run still finishes.
+  # Run lstm/lr_0.01/restart_0's directory is a file: its worker fails with
+  # one line; the other run still finishes.
   workdir = tmp_path / "w"
   reproduce.check_workdir(str(workdir), "marked_reversal",
                           {**TINY, "max_epochs": 1})
-  held = workdir / "lstm" / "lr_0.01" / "restart_0"
-  held.mkdir(parents=True)
-  (held / ".lock").write_text(json.dumps(
-      {"pid": os.getpid(), "host": __import__("socket").gethostname()}))
+  broken = workdir / "lstm" / "lr_0.01" / "restart_0"
+  broken.parent.mkdir(parents=True)
+  broken.write_text("")
   with pytest.raises(reproduce.ReproduceError) as info:
     reproduce.run_protocol(
         "marked_reversal", str(workdir), models=("lstm",),
@@ -754,11 +756,76 @@ def test_a_failed_worker_is_one_error_naming_its_run_and_log(tmp_path):
   assert "\n" not in message
   assert message.startswith("run lstm/lr_0.01/restart_0 failed in its worker "
                             "(exit code 2): error: ")
-  assert "in use by process" in message
+  assert "is a file, not a directory" in message
   assert message.endswith(str(workdir / reproduce.WORKER_LOGS /
                               "lstm-lr_0.01-restart_0.log"))
   (record,) = run_records.load_records(str(tmp_path / "r"))
   assert record["setting"] == "lr_0.005"
+
+
+def test_runs_another_process_trains_are_left_to_it(tmp_path, capsys):
+  """Two commands can share one grid: a run whose directory a live process
+  holds is left to it, in this process and in workers; the command says
+  so, exits 0, and a rerun once it is free trains it."""
+  workdir = tmp_path / "w"
+  tiny = {**TINY, "max_epochs": 1}
+  args = ["--task=marked_reversal", f"--workdir={workdir}",
+          f"--results={tmp_path / 'r'}", "--models=lstm",
+          "--learning_rates=0.01,0.005,0.001", "--restarts=1",
+          "--execution=sequential"] + [f"--set={k}={v!r}"
+                                       for k, v in tiny.items()]
+  reproduce.check_workdir(str(workdir), "marked_reversal", tiny)
+  held = str(workdir / "lstm" / "lr_0.01" / "restart_0")
+  # A live holder: this process, as another command would hold it.
+  with workdir_lock.hold(held):
+    assert workdir_lock.holder(held)["pid"] == os.getpid()
+    assert reproduce.main(args + ["--learning_rates=0.01,0.005"]) == 0
+    out = capsys.readouterr().out
+    assert (f"left to process {os.getpid()} on {socket.gethostname()}, "
+            "which trains it: lstm/lr_0.01/restart_0") in out
+    assert "1 of 2 runs done; the other 1 are being trained by other " \
+        "processes" in out
+    # With workers, it is left at launch; the free run trains.
+    assert reproduce.main(args + ["--workers=2"]) == 0
+    out = capsys.readouterr().out
+    assert "which trains it: lstm/lr_0.01/restart_0" in out
+    assert "finished lstm/lr_0.001/restart_0" in out
+    assert "2 of 3 runs done" in out
+    # --status names the process training it (once it has logged an
+    # epoch: a finished run's log, copied in for the check).
+    log = os.path.join(held, "metrics.jsonl")
+    shutil.copy(workdir / "lstm" / "lr_0.005" / "restart_0" /
+                "metrics.jsonl", log)
+    assert reproduce.main(args + ["--status"]) == 0
+    assert ("started: lstm/lr_0.01/restart_0 (epoch 1 logged; training "
+            f"now: process {os.getpid()} on {socket.gethostname()})"
+            in capsys.readouterr().out)
+    os.remove(log)
+  assert workdir_lock.holder(held) is None
+  assert sorted(r["setting"] for r in run_records.load_records(
+      str(tmp_path / "r"))) == ["lr_0.001", "lr_0.005"]
+  # Free again: the rerun trains it and finishes the grid.
+  assert reproduce.main(args) == 0
+  assert "all 3 runs of marked_reversal done" in capsys.readouterr().out
+  assert len(run_records.load_records(str(tmp_path / "r"))) == 3
+
+
+def test_a_run_taken_between_the_check_and_its_start_is_left(tmp_path):
+  # Another command took the directory after this one found it free: the
+  # training's own lock refuses (WorkdirInUse), and the run is left to it.
+  def taken(config, run_dir, **kwargs):
+    if run_dir.endswith(os.path.join("lr_0.01", "restart_0")):
+      raise workdir_lock.WorkdirInUse(f"{run_dir!r} is in use")
+    return train.train_and_evaluate(config, run_dir, **kwargs)
+
+  out = io.StringIO()
+  result = _tiny_run(tmp_path, "w", learning_rates=(0.01, 0.005),
+                     overrides={**TINY, "max_epochs": 1}, train_fn=taken,
+                     out=out)
+  assert not result["finished"] and not result["stopped"]
+  assert result["pending"] == ["lstm/lr_0.01/restart_0"]
+  assert "left to process ? on ?, which trains it: lstm/lr_0.01/restart_0" \
+      in out.getvalue()
 
 
 def test_a_failed_worker_is_named_by_its_error_line_not_its_last(tmp_path):

@@ -1,0 +1,100 @@
+"""Tests of nsrnn_jax.workdir_lock: one training process per run directory.
+
+`hold` is what training takes; `holder` is what another process reads (the
+reproduction driver, `--status`) to tell whether a live process holds a run
+directory, without taking it. Each state is checked through both.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from nsrnn_jax import checkpointing
+from nsrnn_jax import workdir_lock
+
+
+def _write_lock(path, lock):
+  with open(path, "w") as f:
+    json.dump(lock, f)
+
+
+def _lock_pid(path):
+  with open(path) as f:
+    return json.load(f)["pid"]
+
+
+def test_a_live_holder_is_refused_and_reported_a_dead_one_taken_over(
+    tmp_path):
+  workdir = str(tmp_path / "run")
+  lock = os.path.join(workdir, workdir_lock.LOCK_FILE)
+  assert workdir_lock.holder(workdir) is None          # No directory yet.
+  with workdir_lock.hold(workdir):
+    assert os.path.exists(lock)
+    assert workdir_lock.holder(workdir) == {"pid": os.getpid(),
+                                            "host": socket.gethostname()}
+    # A second holder while this (live) process holds it: one-line error.
+    with pytest.raises(workdir_lock.WorkdirInUse,
+                       match="in use by process") as info:
+      with workdir_lock.hold(workdir):
+        pass
+    assert isinstance(info.value, ValueError)
+    assert "\n" not in str(info.value)
+  assert not os.path.exists(lock)  # Released.
+  assert workdir_lock.holder(workdir) is None
+  # A lock left by a process that has exited (kill -9, crash) is stale:
+  # reported as no one, and taken over.
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  _write_lock(lock, {"pid": int(dead.stdout), "host": socket.gethostname()})
+  assert workdir_lock.holder(workdir) is None
+  assert os.path.exists(lock)  # holder reads only.
+  with workdir_lock.hold(workdir):
+    assert _lock_pid(lock) == os.getpid()
+  # Half-written (unreadable) locks are stale too.
+  with open(lock, "w") as f:
+    f.write('{"pid": 12')
+  assert workdir_lock.holder(workdir) is None
+  with workdir_lock.hold(workdir):
+    assert _lock_pid(lock) == os.getpid()
+  # A stale lock whose pid is now a thread of a live process (thread ids
+  # share the pid space; seen after a session's runs were killed), or a
+  # process that started later (the pid reused), is taken over too.
+  if os.path.isdir("/proc/self/task"):
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+      tid = thread.native_id
+      assert tid != os.getpid()
+      for stale in ({"pid": tid, "host": socket.gethostname()},
+                    {"pid": os.getpid(), "host": socket.gethostname(),
+                     "start": "0"}):
+        _write_lock(lock, stale)
+        assert workdir_lock.holder(workdir) is None
+        with workdir_lock.hold(workdir):
+          assert _lock_pid(lock) == os.getpid()
+    finally:
+      stop.set()
+      thread.join()
+  # Another host's lock cannot be checked: reported, and refused.
+  _write_lock(lock, {"pid": 1, "host": "elsewhere"})
+  assert workdir_lock.holder(workdir) == {"pid": 1, "host": "elsewhere"}
+  with pytest.raises(workdir_lock.WorkdirInUse, match="on elsewhere"):
+    with workdir_lock.hold(workdir):
+      pass
+  # checkpointing's name for it is the same lock.
+  assert checkpointing.workdir_lock is workdir_lock.hold
+  assert checkpointing.LOCK_FILE == workdir_lock.LOCK_FILE
+
+
+def test_a_run_directory_that_is_a_file_has_no_holder(tmp_path):
+  # The reproduction driver asks before training; the run's own checks then
+  # say what is wrong with the path.
+  path = tmp_path / "restart_0"
+  path.write_text("")
+  assert workdir_lock.holder(str(path)) is None
