@@ -466,7 +466,8 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
   directory, no record yet) and runs not started; then the runs started,
   their epochs and the live process that trains each now, if one does
   (`workdir_lock.holder`), and `Progress`'s line (the time left at
-  `workers` runs at a time, the started runs counted as running). Starts
+  `workers` runs at a time, or as many as are training now if more, the
+  started runs counted as running). Starts
   nothing, claims nothing and imports no JAX, so it can run beside the grid
   it describes.
   """
@@ -478,7 +479,10 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
                       lanes=max(int(workers), 1))
   done = set(progress.done())
   epochs = {s: epochs_logged(run_dir(s)) for s in runs if s not in done}
-  started = [s for s, e in epochs.items() if e > 0]
+  # The live process training each run now (its first epoch too).
+  holders = {s: workdir_lock.holder(run_dir(s)) for s in epochs}
+  holders = {s: h for s, h in holders.items() if h}
+  started = [s for s, e in epochs.items() if e > 0 or s in holders]
   states = sorted(  # task by task, models in MODELS' order
       ((s.task, s.model, label(s),
         "record" if s in done else "started" if s in started
@@ -489,9 +493,11 @@ def status(task: Union[str, Sequence[str]], workdir: str, *,
   lines = [f"reproduce {', '.join(tasks)}: {len(runs)} runs, {len(done)} "
            f"with a record in {where}, {len(started)} started, "
            f"{len(runs) - len(done) - len(started)} not started", ""]
-  holders = {label(s): workdir_lock.holder(run_dir(s)) for s in started}
-  lines += status_lines(states, {k: v for k, v in holders.items() if v})
+  lines += status_lines(states, {label(s): h for s, h in holders.items()})
   # Started, training now or not (stopped, or killed): the lines above say.
+  # Runs trained at once: `workers`, or as many as are training now (several
+  # commands sharing the grid), whichever is more.
+  progress.lanes = max(progress.lanes, len(holders))
   lines.append(progress.line(started, what="started"))
   return "\n".join(lines)
 

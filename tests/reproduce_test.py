@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -532,6 +531,20 @@ def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
   assert text.rstrip().splitlines()[-1] == (
       "[2 done | started ns/lr_0.005/restart_1 | 4 pending] estimated time "
       "left " + reproduce.format_duration(33.0 + 4 * 55.0))
+  # Two commands share the grid: restart 1 and restart 2 (in its first
+  # epoch) are each held by a live process (here this one), so two runs go
+  # at once, each taking the next when it frees up: 33 + 55 + 55 and
+  # 55 + 55 s.
+  with workdir_lock.hold(str(workdir / started.run_subdir)), \
+      workdir_lock.hold(str(workdir / run_records.RunSpec(
+          "dyck", "ns", 0.005, None, 2).run_subdir)):
+    assert reproduce.main(args) == 0
+  text = capsys.readouterr().out
+  assert ", 2 started, 3 not started" in text
+  assert "started: ns/lr_0.005/restart_2 (epoch 0 logged; training now" in text
+  assert text.rstrip().endswith(
+      "estimated time left " + reproduce.format_duration(33.0 + 2 * 55.0)
+      + " (2 runs at a time)")
   # A workdir that does not exist yet: every run not started, none created.
   assert reproduce.main(args[:2] + [f"--workdir={tmp_path / 'new'}"]
                         + args[3:]) == 0
@@ -791,16 +804,13 @@ def test_runs_another_process_trains_are_left_to_it(tmp_path, capsys):
     assert "which trains it: lstm/lr_0.01/restart_0" in out
     assert "finished lstm/lr_0.001/restart_0" in out
     assert "2 of 3 runs done" in out
-    # --status names the process training it (once it has logged an
-    # epoch: a finished run's log, copied in for the check).
-    log = os.path.join(held, "metrics.jsonl")
-    shutil.copy(workdir / "lstm" / "lr_0.005" / "restart_0" /
-                "metrics.jsonl", log)
+    # --status counts it as started and names the process training it
+    # (in its first epoch: none logged yet).
     assert reproduce.main(args + ["--status"]) == 0
-    assert ("started: lstm/lr_0.01/restart_0 (epoch 1 logged; training "
-            f"now: process {os.getpid()} on {socket.gethostname()})"
-            in capsys.readouterr().out)
-    os.remove(log)
+    out = capsys.readouterr().out
+    assert "3 runs, 2 with a record in" in out and "1 started" in out
+    assert ("started: lstm/lr_0.01/restart_0 (epoch 0 logged; training "
+            f"now: process {os.getpid()} on {socket.gethostname()})" in out)
   assert workdir_lock.holder(held) is None
   assert sorted(r["setting"] for r in run_records.load_records(
       str(tmp_path / "r"))) == ["lr_0.001", "lr_0.005"]
