@@ -392,13 +392,21 @@ class Progress:
 
   def line(self, running: Sequence[RunSpec], what: str = "running") -> str:
     """One line: runs done, `running` (named, as `what`), pending, time
-    left."""
+    left.
+
+    A pending run that another live process trains now (several commands
+    sharing the grid, `workdir_lock.holder`) counts as running there, in a
+    lane of its own: the time left is that of the lanes together."""
     done = set(self.done())
     running = list(running)
     pending = [s for s in self.runs if s not in done and s not in running]
+    elsewhere = [s for s in pending
+                 if workdir_lock.holder(self.run_dir(s)) is not None]
+    pending = [s for s in pending if s not in elsewhere]
+    lanes = self.lanes + len(elsewhere)
     records = load_records(self.results_dir)
-    free_at = [0.0] * self.lanes  # When each lane finishes its runs so far.
-    for s in running + pending:
+    free_at = [0.0] * lanes  # When each lane finishes its runs so far.
+    for s in running + elsewhere + pending:
       done_epochs = epochs_logged(self.run_dir(s))
       est = estimate_seconds(s, records, done_epochs)
       if est is None:
@@ -406,8 +414,10 @@ class Progress:
         break
       free_at[free_at.index(min(free_at))] += est
     left = None if free_at is None else max(free_at)
-    at_once = f" ({self.lanes} runs at a time)" if self.lanes > 1 else ""
+    at_once = f" ({lanes} runs at a time)" if lanes > 1 else ""
     now = ", ".join(self.label(s) for s in running) or "-"
+    if elsewhere:
+      now += f" (+{len(elsewhere)} in other processes)"
     return (f"[{len(done)} done | {what} {now} | {len(pending)} pending] "
             f"estimated time left {format_duration(left)}{at_once}")
 

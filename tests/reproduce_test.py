@@ -499,6 +499,18 @@ def test_time_left_of_a_resumed_run_counts_its_logged_epochs(tmp_path):
                              run_dir=dir_of, lanes=3)
   assert three.line([probe]).endswith(reproduce.format_duration(77.5)
                                       + " (3 runs at a time)")
+  # One worker here, and a run another process trains now (another command
+  # sharing the grid): it runs there, in a lane of its own.
+  one = reproduce.Progress([probe] + fresh, str(results), run_dir=dir_of)
+  with workdir_lock.hold(dir_of(fresh[0])):
+    assert one.line([probe]) == (
+        "[0 done | running ns/lr_0.005/restart_1 (+1 in other processes) | "
+        "1 pending] estimated time left "
+        + reproduce.format_duration(77.5 / 5 * 3 + 77.5)
+        + " (2 runs at a time)")
+  assert one.line([probe]).endswith(
+      "| 2 pending] estimated time left "
+      + reproduce.format_duration(77.5 / 5 * 3 + 2 * 77.5))
 
 
 def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
