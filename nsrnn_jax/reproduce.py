@@ -289,7 +289,9 @@ SEVERAL_TASKS = "several (one subdirectory per task)"
 
 
 def _manifest(task, overrides) -> dict[str, Any]:
-  return {"task": task, "overrides": dict(overrides)}
+  # As JSON stores it (tuples become lists), to compare with the disk.
+  return {"task": task,
+          "overrides": json.loads(json.dumps(dict(overrides)))}
 
 
 def check_workdir(workdir: str, task: str, overrides: Mapping[str, Any]
@@ -323,7 +325,10 @@ def check_workdir(workdir: str, task: str, overrides: Mapping[str, Any]
           f"{dict(overrides)} (differs in: {', '.join(diff)}); use a new "
           "--workdir")
     return
-  entries = os.listdir(workdir) if os.path.isdir(workdir) else []
+  # Another command's claim being written at this moment (commands sharing
+  # a new workdir, e.g. a job array) is no foreign content.
+  entries = [e for e in (os.listdir(workdir) if os.path.isdir(workdir)
+                         else []) if not e.startswith(MANIFEST_FILE + ".")]
   # A parent of tasks' workdirs made one task at a time (<workdir>/<task>,
   # each checked on its own) can become one of several tasks.
   if entries and not (task == SEVERAL_TASKS and set(entries) <= set(TASKS)):
@@ -334,6 +339,9 @@ def check_workdir(workdir: str, task: str, overrides: Mapping[str, Any]
   except OSError as e:
     raise ReproduceError(f"cannot write to --workdir {workdir}: "
                          f"{e.strerror}") from e
+  # Claimed at the same moment by a command with other settings: the last
+  # rename won, and one of the two says so here.
+  check_workdir(workdir, task, overrides)
 
 
 def check_results_dir(results_dir: str, runs: Sequence[RunSpec],

@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import subprocess
+import threading
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -299,9 +300,15 @@ def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
 
 
 def write_json_atomic(path: str, obj) -> None:
-  """Writes JSON via a temporary file and a rename (never half a file)."""
+  """Writes JSON via a temporary file and a rename (never half a file).
+
+  The temporary file is this writer's own (`<path>.<pid>-<thread>.tmp`):
+  commands sharing a grid may write the same record or workdir manifest at
+  once, and with one shared name the second rename would find the file
+  gone (or move a file still being written). The last rename wins.
+  """
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  tmp = path + ".tmp"
+  tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
   try:
     with open(tmp, "w") as f:
       json.dump(obj, f, indent=1, sort_keys=True)

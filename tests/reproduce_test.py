@@ -448,6 +448,26 @@ def test_workdir_of_another_task_or_config_is_refused(tmp_path, capsys):
   assert afile.read_text() == "" and os.listdir(other) == ["x"]
 
 
+def test_commands_claiming_a_new_workdir_at_once(tmp_path, monkeypatch):
+  # Several commands started together on a new workdir (a job array): a
+  # claim that another is writing right now is no foreign content.
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / f"{reproduce.MANIFEST_FILE}.4242-1.tmp").write_text("{")
+  reproduce.check_workdir(str(workdir), "dyck", {"hidden_size": 7})
+  assert json.loads((workdir / reproduce.MANIFEST_FILE).read_text()) == {
+      "task": "dyck", "overrides": {"hidden_size": 7}}
+  # Another command's claim with other settings renamed into place just
+  # after ours: the last rename won, and this command says so.
+  def theirs_lands_after(path, obj):
+    run_records.write_json_atomic(path, obj)
+    run_records.write_json_atomic(path, {"task": "dyck", "overrides": {}})
+
+  monkeypatch.setattr(reproduce, "write_json_atomic", theirs_lands_after)
+  with pytest.raises(reproduce.ReproduceError, match="use a new --workdir"):
+    reproduce.check_workdir(str(tmp_path / "w2"), "dyck", {"hidden_size": 7})
+
+
 # ---------------------------------------------------------------------------
 # Selection and the report.
 # ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 
 import pytest
 
@@ -146,6 +147,34 @@ def test_a_failed_write_leaves_the_old_record_whole(tmp_path):
   assert os.listdir(tmp_path / "sub") == ["r.json"]   # no temporary left
   run_records.write_json_atomic(path, {"b": 2})
   assert json.load(open(path)) == {"b": 2}
+
+
+def test_writers_of_one_record_at_once_never_fail_or_leave_half_a_file(
+    tmp_path):
+  # Commands sharing a grid can write the same record (or manifest) at the
+  # same moment. With one shared temporary name, one writer's rename took
+  # the other's file away (FileNotFoundError) or moved it mid-write.
+  path = str(tmp_path / "r.json")
+  errors = []
+
+  def write(k):
+    try:
+      for i in range(40):
+        run_records.write_json_atomic(path, {"writer": k, "i": i,
+                                             "pad": "x" * 20000})
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=write, args=(k,)) for k in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == []
+  with open(path) as f:
+    last = json.load(f)
+  assert last["i"] == 39 and len(last["pad"]) == 20000
+  assert os.listdir(tmp_path) == ["r.json"]   # no temporary left
 
 
 def test_a_record_keeps_the_stack_margins_its_run_measured(tmp_path):
