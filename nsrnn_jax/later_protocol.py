@@ -337,7 +337,8 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
       if other is None:
         print(f"[{i}/{len(plan)}] {name}", file=out, flush=True)
         try:
-          results = train.train_and_evaluate(configs[(k, t, m)], run_dir)
+          with workdir_lock.hold(run_dir, workdir_lock.CLAIM_FILE):
+            results = train.train_and_evaluate(configs[(k, t, m)], run_dir)
         except workdir_lock.WorkdirInUse:
           other = workdir_lock.holder(run_dir) or {"pid": "?", "host": "?"}
       if other is not None:

@@ -668,27 +668,31 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
                           maker):
         continue  # Finished earlier, record not yet written.
       other = workdir_lock.holder(run_dir(spec))
+      if other is None:
+        try:
+          # Claimed before its data and programs are built, so that other
+          # commands sharing the grid pass it by at once.
+          with workdir_lock.hold(run_dir(spec), workdir_lock.CLAIM_FILE):
+            if trained:
+              # Every run compiles its own programs (its train state's
+              # static fields, the model's apply function and the
+              # optimizer, are new objects, so the jitted steps trace
+              # again) and JAX keeps them all: on the CPU each holds memory
+              # mappings (a tiny NS-RNN run adds ~2,100 and takes as long
+              # with the caches kept as cleared), and a third NS-RNN run in
+              # one process hit the kernel's limit (65,530) and died in
+              # LLVM ("Cannot allocate memory").
+              loop.drop_compiled_programs()
+            trained = True
+            progress.show([spec])
+            results = train_fn(configs[spec], run_dir(spec),
+                               should_stop=budget.expired)
+        except workdir_lock.WorkdirInUse:
+          # Claimed (or locked) since the check above, by a process that
+          # checked too.
+          other = workdir_lock.holder(run_dir(spec)) or {"pid": "?",
+                                                         "host": "?"}
       if other is not None:
-        _left_to(other, label(spec), out)
-        continue
-      if trained:
-        # Every run compiles its own programs (its train state's static
-        # fields, the model's apply function and the optimizer, are new
-        # objects, so the jitted steps trace again) and JAX keeps them all:
-        # on the CPU each holds memory mappings (a tiny NS-RNN run adds
-        # ~2,100 and takes as long with the caches kept as cleared), and a
-        # third NS-RNN run in one process hit the kernel's limit (65,530)
-        # and died in LLVM ("Cannot allocate memory").
-        loop.drop_compiled_programs()
-      trained = True
-      progress.show([spec])
-      try:
-        results = train_fn(configs[spec], run_dir(spec),
-                           should_stop=budget.expired)
-      except workdir_lock.WorkdirInUse:
-        # Taken since the check above, by a process that checked too.
-        other = workdir_lock.holder(run_dir(spec)) or {"pid": "?",
-                                                       "host": "?"}
         _left_to(other, label(spec), out)
         continue
       if not results.get("finished"):

@@ -7,6 +7,12 @@ there; `holder` tells another process, without taking anything, whether a
 live process holds it. A lock left by a process that died (a crash, kill -9)
 is stale: `hold` takes it over and `holder` reports no one.
 
+A command that picks runs from a grid shared with other commands
+(`reproduce`) claims a run's directory first (`hold(run_dir, CLAIM_FILE)`,
+the same kind of lock under another name), before it builds the run's data
+and compiles: the others then see it taken at once, not minutes later when
+the training takes `.lock`. `holder` reports either.
+
 Standard library only: `python -m nsrnn_jax.reproduce --status` reads locks
 without starting JAX.
 """
@@ -18,6 +24,8 @@ import socket
 from typing import Any, Optional
 
 LOCK_FILE = ".lock"
+# A run picked from a shared grid, from the moment it is picked.
+CLAIM_FILE = ".claim"
 
 
 class WorkdirInUse(ValueError):
@@ -86,27 +94,37 @@ def _live_holder(path: str) -> Optional[dict[str, Any]]:
 
 
 def holder(workdir: str) -> Optional[dict[str, Any]]:
-  """The live process that holds `workdir` ({"pid", "host"}), or None.
+  """The live process that holds `workdir` ({"pid", "host"}): its training
+  lock, or else its claim; None if neither is held.
 
   Reads only: a stale lock is left for `hold` to take over. A holder found
   here may finish a moment later, and a directory found free may be taken
   a moment later (`hold` is what decides).
   """
-  return _live_holder(os.path.join(workdir, LOCK_FILE))
+  for name in (LOCK_FILE, CLAIM_FILE):
+    found = _live_holder(os.path.join(workdir, name))
+    if found is not None:
+      return found
+  return None
 
 
 @contextlib.contextmanager
-def hold(workdir: str):
-  """Holds `workdir/.lock` (pid, start time and host) while a run trains.
+def hold(workdir: str, lock_file: str = LOCK_FILE):
+  """Holds `workdir/<lock_file>` (pid, start time and host) while a run
+  trains there (`LOCK_FILE`), or from the moment a command picks it
+  (`CLAIM_FILE`).
 
   Raises:
     WorkdirInUse (a ValueError; one line) if another live process holds
     it. A lock whose process is gone (same host, no process of that pid and
     start time: a crash or kill -9, also when the pid was reused since) is
     taken over; a lock from another host cannot be checked and is refused.
+    ValueError (one line) if `workdir` is a file.
   """
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"workdir {workdir!r} is a file, not a directory")
   os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, LOCK_FILE)
+  path = os.path.join(workdir, lock_file)
   me = {"pid": os.getpid(), "host": socket.gethostname(),
         "start": _process_start(os.getpid())}
   while True:

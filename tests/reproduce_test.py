@@ -856,6 +856,10 @@ def test_a_run_taken_between_the_check_and_its_start_is_left(tmp_path):
   # Another command took the directory after this one found it free: the
   # training's own lock refuses (WorkdirInUse), and the run is left to it.
   def taken(config, run_dir, **kwargs):
+    # The command claimed the run before training it (other commands pass
+    # it by from then on, before its data are built).
+    assert workdir_lock.holder(run_dir)["pid"] == os.getpid()
+    assert os.path.exists(os.path.join(run_dir, workdir_lock.CLAIM_FILE))
     if run_dir.endswith(os.path.join("lr_0.01", "restart_0")):
       raise workdir_lock.WorkdirInUse(f"{run_dir!r} is in use")
     return train.train_and_evaluate(config, run_dir, **kwargs)
@@ -868,6 +872,11 @@ def test_a_run_taken_between_the_check_and_its_start_is_left(tmp_path):
   assert result["pending"] == ["lstm/lr_0.01/restart_0"]
   assert "left to process ? on ?, which trains it: lstm/lr_0.01/restart_0" \
       in out.getvalue()
+  # Claims are released: no run directory is held any more.
+  for name in ("lr_0.01", "lr_0.005"):
+    run_dir = str(tmp_path / "w" / "lstm" / name / "restart_0")
+    assert workdir_lock.holder(run_dir) is None
+    assert not os.path.exists(os.path.join(run_dir, workdir_lock.CLAIM_FILE))
 
 
 def test_a_failed_worker_is_named_by_its_error_line_not_its_last(tmp_path):

@@ -92,9 +92,37 @@ def test_a_live_holder_is_refused_and_reported_a_dead_one_taken_over(
   assert checkpointing.LOCK_FILE == workdir_lock.LOCK_FILE
 
 
+def test_a_claim_is_reported_like_a_lock_and_lets_its_own_run_train(
+    tmp_path):
+  # A command sharing a grid claims a run's directory before it builds the
+  # run's data; the training then takes the lock beside the claim.
+  workdir = str(tmp_path / "run")
+  claim = os.path.join(workdir, workdir_lock.CLAIM_FILE)
+  with workdir_lock.hold(workdir, workdir_lock.CLAIM_FILE):
+    assert workdir_lock.holder(workdir) == {"pid": os.getpid(),
+                                            "host": socket.gethostname()}
+    with workdir_lock.hold(workdir):
+      assert os.path.exists(claim)
+      assert os.path.exists(os.path.join(workdir, workdir_lock.LOCK_FILE))
+    # A second claim is refused like a second lock.
+    with pytest.raises(workdir_lock.WorkdirInUse, match="in use by process"):
+      with workdir_lock.hold(workdir, workdir_lock.CLAIM_FILE):
+        pass
+  assert not os.path.exists(claim)
+  assert workdir_lock.holder(workdir) is None
+  # Another host's claim: reported (cannot be checked).
+  _write_lock(claim, {"pid": 7, "host": "elsewhere"})
+  assert workdir_lock.holder(workdir) == {"pid": 7, "host": "elsewhere"}
+
+
 def test_a_run_directory_that_is_a_file_has_no_holder(tmp_path):
-  # The reproduction driver asks before training; the run's own checks then
-  # say what is wrong with the path.
+  # The reproduction driver asks before it claims the run.
   path = tmp_path / "restart_0"
   path.write_text("")
   assert workdir_lock.holder(str(path)) is None
+  # Nor can it be held: one line naming it (not an OSError from makedirs).
+  for name in (workdir_lock.LOCK_FILE, workdir_lock.CLAIM_FILE):
+    with pytest.raises(ValueError, match="is a file, not a directory") as e:
+      with workdir_lock.hold(str(path), name):
+        pass
+    assert not isinstance(e.value, workdir_lock.WorkdirInUse)
