@@ -660,13 +660,14 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
         label, run_dir, groups)
   elif mode == "sequential":
     trained = False
-    for spec in pending():
-      if budget.expired():
-        stopped = True
-        break
+
+    def train_one(spec) -> str:
+      """Trains `spec` here: "done", "stopped" (the budget) or "left" (to
+      the live process that holds its directory)."""
+      nonlocal trained
       if _record_finished(spec, run_dir(spec), results_dir, overrides,
                           maker):
-        continue  # Finished earlier, record not yet written.
+        return "done"  # Finished earlier, record not yet written.
       other = workdir_lock.holder(run_dir(spec))
       if other is None:
         try:
@@ -694,12 +695,34 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
                                                          "host": "?"}
       if other is not None:
         _left_to(other, label(spec), out)
-        continue
+        return "left"
       if not results.get("finished"):
-        stopped = True
-        break
+        return "stopped"
       _record_finished(spec, run_dir(spec), results_dir, overrides,
                        maker)
+      return "done"
+
+    queue = pending()
+    retried = set()
+    while queue and not stopped:
+      left_to_others = []
+      for spec in queue:
+        if budget.expired():
+          stopped = True
+          break
+        outcome = train_one(spec)
+        if outcome == "stopped":
+          stopped = True
+          break
+        if outcome == "left":
+          left_to_others.append(spec)
+      # A run left to a process that has since stopped (or died) without
+      # finishing it is free again: one more round for those (once each: a
+      # run that keeps being taken is left to the next invocation).
+      not_done = set(pending())
+      queue = [s for s in left_to_others if s in not_done and s not in
+               retried and workdir_lock.holder(run_dir(s)) is None]
+      retried.update(queue)
   else:
     stopped = _run_model_axis(pending(), configs, task_dirs, run_dir,
                               results_dir, overrides, maker, budget,
@@ -852,12 +875,14 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
       [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
   queue = list(runs)
   is_done = lambda spec: spec in set(progress.done())
+  # Runs left to other processes, and those given a second round.
+  deferred, retried = [], set()
   # RunSpec -> (Popen, log file object, log path, its cores or None)
   running: dict = {}
   failed = []
   stopped = False
   try:
-    while queue or running:
+    while True:  # Ends when nothing runs and nothing is left to launch.
       launched = False
       while queue and len(running) < workers and not (stopped or failed):
         minutes = budget.minutes_left()
@@ -868,6 +893,7 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
         other = workdir_lock.holder(run_dir_of(spec))
         if other is not None:
           _left_to(other, label(spec), out)
+          deferred.append(spec)
           continue
         log_dir = log_dir_of(spec)
         os.makedirs(log_dir, exist_ok=True)
@@ -886,6 +912,15 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
       if launched:
         progress.show(list(running))
       if not running:
+        # A run left to a process that has since stopped (or died) without
+        # finishing it is free again: one more round for those (once each).
+        again = [s for s in deferred if s not in retried and not is_done(s)
+                 and workdir_lock.holder(run_dir_of(s)) is None]
+        if again and not (stopped or failed or queue):
+          retried.update(again)
+          deferred = [s for s in deferred if s not in again]
+          queue.extend(again)
+          continue
         break
       time.sleep(WORKER_POLL_SECONDS)
       for spec, (proc, log, (path, start), cores) in list(running.items()):
@@ -911,6 +946,7 @@ def _run_workers(runs, workers, budget, progress, out, make_argv,
           print(f"left to another process: {label(spec)} (the worker "
                 f"found its run directory held; {path})", file=out,
                 flush=True)
+          deferred.append(spec)
         else:
           print(f"finished {label(spec)}", file=out, flush=True)
   except BaseException:

@@ -7,6 +7,7 @@ paper's config), so each takes seconds; the protocol's arithmetic (grid size,
 seeds, selection) is checked on the full-size plan without training.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -877,6 +878,61 @@ def test_a_run_taken_between_the_check_and_its_start_is_left(tmp_path):
     run_dir = str(tmp_path / "w" / "lstm" / name / "restart_0")
     assert workdir_lock.holder(run_dir) is None
     assert not os.path.exists(os.path.join(run_dir, workdir_lock.CLAIM_FILE))
+
+
+def test_a_run_its_holder_gave_up_is_trained_in_a_second_round(tmp_path):
+  # lr_0.01's directory is held when this command reaches it; its holder
+  # stops (here: lets go while lr_0.005 trains) without finishing it. The
+  # command goes round once more for it and finishes the grid.
+  workdir = tmp_path / "w"
+  tiny = {**TINY, "max_epochs": 1}
+  reproduce.check_workdir(str(workdir), "marked_reversal", tiny)
+  held = contextlib.ExitStack()
+  held.enter_context(workdir_lock.hold(
+      str(workdir / "lstm" / "lr_0.01" / "restart_0")))
+  order = []
+
+  def let_go_then_train(config, run_dir, **kwargs):
+    order.append(os.path.basename(os.path.dirname(run_dir)))
+    held.close()
+    return train.train_and_evaluate(config, run_dir, **kwargs)
+
+  out = io.StringIO()
+  result = _tiny_run(tmp_path, "w", learning_rates=(0.01, 0.005),
+                     overrides=tiny, train_fn=let_go_then_train, out=out)
+  assert result["finished"] and not result["stopped"]
+  assert order == ["lr_0.005", "lr_0.01"]
+  assert out.getvalue().count("which trains it: lstm/lr_0.01/restart_0") == 1
+  assert "all 2 runs of marked_reversal done" in out.getvalue()
+
+
+def test_workers_give_a_run_its_holder_gave_up_a_second_round(tmp_path):
+  # Another process holds lr_0.01 for 2 s from before this command starts;
+  # the workers leave it, train lr_0.005 (longer than that), then go round
+  # once more for lr_0.01 and finish the grid.
+  workdir = tmp_path / "w"
+  tiny = {**TINY, "max_epochs": 1}
+  reproduce.check_workdir(str(workdir), "marked_reversal", tiny)
+  held = str(workdir / "lstm" / "lr_0.01" / "restart_0")
+  holder = subprocess.Popen(
+      [sys.executable, "-c",
+       "import sys, time\nfrom nsrnn_jax import workdir_lock\n"
+       "with workdir_lock.hold(sys.argv[1]):\n"
+       "  print('held', flush=True)\n  time.sleep(2)\n", held],
+      cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    out = io.StringIO()
+    result = _tiny_run(tmp_path, "w", learning_rates=(0.01, 0.005),
+                       overrides=tiny, workers=2, execution="sequential",
+                       out=out)
+  finally:
+    holder.wait()
+  text = out.getvalue()
+  assert f"left to process {holder.pid} on " in text
+  assert result["finished"]
+  assert text.index("finished lstm/lr_0.005/restart_0") < text.index(
+      "finished lstm/lr_0.01/restart_0")
 
 
 def test_a_failed_worker_is_named_by_its_error_line_not_its_last(tmp_path):
