@@ -9,7 +9,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
 SCRIPTS = ("local_multiprocess.sh", "slurm.sbatch", "tpu_pod.sh",
-           "reproduce_gpu.sh")
+           "reproduce_gpu.sh", "reproduce_array.sbatch")
 
 
 def _run(script, *args):
@@ -97,6 +97,38 @@ def test_slurm_refuses_to_run_outside_a_job():
   result = subprocess.run(["bash", os.path.join(LAUNCH, "slurm.sbatch")],
                           capture_output=True, text=True, env=env,
                           timeout=60, check=False)
+  assert result.returncode == 2
+  assert "not inside a SLURM job" in result.stderr
+
+
+def test_reproduce_array_dry_run_is_one_run_at_a_time():
+  result = _run("reproduce_array.sbatch", "--dry_run", "--venv", "/opt/venv",
+                "--python=python3.11", "--", "--task=all",
+                "--workdir=/shared/a b")
+  assert result.returncode == 0, result.stderr
+  assert _lines(result.stdout) == [
+      ["source", "/opt/venv/bin/activate"],
+      ["python3.11", "-m", "nsrnn_jax.reproduce", "--workers=1",
+       "--task=all", "--workdir=/shared/a b"]]
+  # Each task is one lane of the shared grid: no workers of its own.
+  result = _run("reproduce_array.sbatch", "--dry_run", "--", "--task=all",
+                "--workers=2")
+  assert result.returncode == 2 and "leave out --workers" in result.stderr
+
+
+def test_reproduce_array_header_stops_runs_at_a_checkpoint():
+  with open(os.path.join(LAUNCH, "reproduce_array.sbatch")) as f:
+    header = [l for l in f if l.startswith("#SBATCH")]
+  opts = dict(l.split()[1].lstrip("-").split("=", 1) for l in header)
+  # SIGINT to the batch shell, which execs Python: the run's own Ctrl-C
+  # handling (stop at the last epoch checkpoint) before the time limit.
+  assert opts["signal"].startswith("B:INT@")
+  assert opts["ntasks"] == "1"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+  result = subprocess.run(
+      ["bash", os.path.join(LAUNCH, "reproduce_array.sbatch"), "--",
+       "--task=dyck"], capture_output=True, text=True, env=env, timeout=60,
+      check=False)
   assert result.returncode == 2
   assert "not inside a SLURM job" in result.stderr
 

@@ -935,6 +935,31 @@ def test_workers_give_a_run_its_holder_gave_up_a_second_round(tmp_path):
       "finished lstm/lr_0.01/restart_0")
 
 
+def test_two_commands_started_together_share_a_new_grid(tmp_path):
+  # As a job array starts them (launch/reproduce_array.sbatch): the same
+  # command twice at once on a new workdir. Each run trains once, in one of
+  # the two, and every record is written.
+  args = ["--task=marked_reversal", f"--workdir={tmp_path / 'w'}",
+          f"--results={tmp_path / 'r'}", "--models=lstm",
+          "--learning_rates=0.01,0.005,0.001,0.0005", "--restarts=1",
+          "--execution=sequential", "--workers=1"] + [
+              f"--set={k}={v!r}" for k, v in {**TINY, "max_epochs": 1}.items()]
+  procs = [_cli(args) for _ in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-2000:]
+  trained = [set(re.findall(r"\| running (lstm/\S+)", out))
+             for out, _ in outs]
+  runs = {f"lstm/lr_{lr}/restart_0" for lr in ("0.01", "0.005", "0.001",
+                                               "0.0005")}
+  assert trained[0] | trained[1] == runs
+  assert not trained[0] & trained[1]
+  assert len(run_records.load_records(str(tmp_path / "r"))) == 4
+  for run in runs:   # One epoch each: no run was trained twice.
+    with open(tmp_path / "w" / run / "metrics.jsonl") as f:
+      assert [json.loads(l)["epoch"] for l in f if '"train_loss"' in l] == [1]
+
+
 def test_a_failed_worker_is_named_by_its_error_line_not_its_last(tmp_path):
   # The end of the log of a run whose checkpoint save failed (Orbax's
   # threads and a warning wrote after the worker's one-line error).
