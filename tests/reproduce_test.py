@@ -198,8 +198,9 @@ def _checkpoint_epochs(run_dir):
   return sorted(int(n) for n in os.listdir(ckpt) if n.isdigit())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT],
-                         ids=["kill_9", "interrupt"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM,
+                                 signal.SIGINT],
+                         ids=["kill_9", "kill", "interrupt"])
 def test_kill_9_loses_at_most_one_epoch(tmp_path, sig):
   workdir, results = tmp_path / "w", tmp_path / "r"
   flags = TINY_FLAGS + ["--set=max_epochs=8", "--task=marked_reversal",
