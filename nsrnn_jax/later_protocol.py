@@ -266,10 +266,11 @@ def status(tasks, models, workdir: str, num_runs: Optional[int] = None,
            seed: Optional[int] = None, protocol: str = PROTOCOL) -> str:
   """Where `run`'s plan stands, as text; reads only (no JAX, no claim).
 
-  Per (task, model): runs with a record, started (epochs logged, no record
-  yet) and not started; the started runs' epochs; and the time left, run
-  after run, from the records of finished runs like them
-  (`run_records.estimate_seconds`).
+  Per (task, model): runs with a record, started (epochs logged, or a live
+  process training it now; no record yet) and not started; the started
+  runs' epochs and the process training each now (`workdir_lock.holder`);
+  and the time left, run after run, from the records of finished runs like
+  them (`run_records.estimate_seconds`).
   """
   plan, rates, module = _plan(tasks, models, workdir, num_runs, seed,
                               protocol)
@@ -282,7 +283,12 @@ def status(tasks, models, workdir: str, num_runs: Optional[int] = None,
                                                          p[0]))}
   epochs = {p: reproduce.epochs_logged(_run_dir(workdir, p[1], p[2], p[0]))
             for p in plan if p not in done}
-  started = [p for p, e in epochs.items() if e > 0]
+  # The live process training each run now (another run of this command
+  # on the workdir; its first epoch too).
+  holders = {p: workdir_lock.holder(_run_dir(workdir, p[1], p[2], p[0]))
+             for p in epochs}
+  holders = {p: h for p, h in holders.items() if h}
+  started = [p for p, e in epochs.items() if e > 0 or p in holders]
   lines = [f"later_protocol ({protocol}): {len(plan)} runs, {len(done)} with "
            f"a record, {len(started)} started, "
            f"{len(plan) - len(done) - len(started)} not started", ""]
@@ -290,7 +296,8 @@ def status(tasks, models, workdir: str, num_runs: Optional[int] = None,
       [(t, m, f"{t}/{m}/run_{k}",
         "record" if (k, t, m) in done else
         "started" if (k, t, m) in started else "not started",
-        epochs.get((k, t, m), 0)) for k, t, m in plan])
+        epochs.get((k, t, m), 0)) for k, t, m in plan],
+      {f"{t}/{m}/run_{k}": h for (k, t, m), h in holders.items()})
   left = 0.0
   for k, t, m in (p for p in plan if p not in done):
     est = run_records.estimate_seconds(_spec(t, m, k, rates[k]), records,

@@ -352,6 +352,16 @@ def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
   # Like runs take 5 x 11 s: run 2 has 3 of 5 epochs left, run 3 all.
   assert text.rstrip().endswith(
       "one run after another: " + reproduce.format_duration(33.0 + 55.0))
+  # Run 3 in its first epoch in another run of the command (here this
+  # process holds it): started, and the process named.
+  with workdir_lock.hold(str(workdir / "marked_copy" / "lstm" / "run_3")):
+    assert later_protocol.main(["--status", "--task=marked_copy",
+                                "--models=lstm", f"--workdir={workdir}",
+                                "--runs=4"]) == 0
+  text = capsys.readouterr().out
+  assert "4 runs, 2 with a record, 2 started, 0 not started" in text
+  assert ("started: marked_copy/lstm/run_3 (epoch 0 logged; training now: "
+          f"process {os.getpid()} on {socket.gethostname()})") in text
   assert later_protocol.main(["--status", "--task=marked_copy",
                               f"--workdir={workdir}"]) == 2
 
