@@ -55,6 +55,14 @@ that continues. `--restart_ids` runs only some restarts, to split one
 task's protocol over processes or machines (each with its own --workdir;
 the records from all of them go into one results/).
 
+Sharing a grid. Several commands may run on one workdir at once (in other
+shells, or on machines that share the directory: a SLURM job array,
+`launch/reproduce_array.sbatch`): each claims a run before building its
+data (`workdir_lock.CLAIM_FILE`) and leaves any run another live process
+holds, going round once more at the end for those whose process stopped
+without finishing them; each writes the records of the runs it finished.
+`--status` names the process training each started run.
+
 Records (`--results`, default `results/` of the repository), one per
 finished run: `results/<task>/<model>/<setting>/restart_<r>.json` where
 setting is `lr_<lr>` or `m_<m>-lr_<lr>`; the format is documented in
