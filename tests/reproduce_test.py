@@ -586,6 +586,21 @@ def test_status_counts_records_started_runs_and_time_left(tmp_path, capsys):
   assert not (tmp_path / "new").exists()
 
 
+def test_status_starts_no_jax(tmp_path):
+  # --status runs beside the grid it describes (locks and records read
+  # with the standard library and NumPy only): no JAX, no Orbax.
+  code = ("import sys\nfrom nsrnn_jax import reproduce\n"
+          "assert reproduce.main(sys.argv[1:]) == 0\n"
+          "print(sorted(m for m in ('jax', 'orbax.checkpoint', 'flax')"
+          " if m in sys.modules))\n")
+  proc = subprocess.run(
+      [sys.executable, "-c", code, "--status", "--task=dyck",
+       f"--workdir={tmp_path / 'w'}", f"--results={tmp_path / 'r'}"],
+      cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps")
                     or jax.default_backend() != "cpu",
                     reason="counts the CPU backend's compiled code's memory "
