@@ -60,7 +60,8 @@ shells, or on machines that share the directory: a SLURM job array,
 `launch/reproduce_array.sbatch`): each claims a run before building its
 data (`workdir_lock.CLAIM_FILE`) and leaves any run another live process
 holds, going round once more at the end for those whose process stopped
-without finishing them; each writes the records of the runs it finished.
+without finishing them (on the model axis a group is claimed and left
+whole); each writes the records of the runs it finished.
 `--status` names the process training each started run.
 
 Records (`--results`, default `results/` of the repository), one per
@@ -83,6 +84,7 @@ and the paper's numbers in `reproduction_report`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -734,7 +736,7 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
   else:
     stopped = _run_model_axis(pending(), configs, task_dirs, run_dir,
                               results_dir, overrides, maker, budget,
-                              progress)
+                              progress, label, out)
   left = pending()
   if left and stopped:
     print(f"stopped at the budget ({budget_minutes:g} min): "
@@ -756,38 +758,75 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
           "pending": [label(s) for s in left]}
 
 
+def _claim_all(run_dirs: Sequence[str]) -> Optional[contextlib.ExitStack]:
+  """Claims every run directory (`workdir_lock.CLAIM_FILE`), or none: the
+  held claims (close the stack to release them), or None if another live
+  process holds one of them."""
+  if any(workdir_lock.holder(d) is not None for d in run_dirs):
+    return None   # Asked first: a group left creates nothing.
+  stack = contextlib.ExitStack()
+  try:
+    for d in run_dirs:
+      stack.enter_context(workdir_lock.hold(d, workdir_lock.CLAIM_FILE))
+  except workdir_lock.WorkdirInUse:   # Taken since: release ours.
+    stack.close()
+    return None
+  return stack
+
+
 def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
-                    overrides, maker, budget, progress) -> bool:
-  """Trains each (task, model, m) group's runs at once with grid.run_grid."""
-  from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
-  from nsrnn_jax import loop  # pylint: disable=g-import-not-at-top
+                    overrides, maker, budget, progress, label, out) -> bool:
+  """Trains each (task, model, m) group's runs at once with grid.run_grid.
+
+  A group trains as a whole: it is claimed as a whole before it starts, and
+  left to the other processes if one of them holds any of its runs.
+  """
   groups: dict[tuple[str, str], list[RunSpec]] = {}
   for spec in runs:
     groups.setdefault((spec.task, spec.group), []).append(spec)
   for k, ((task, name), specs) in enumerate(groups.items()):
     if budget.expired():
       return True
-    if k:
-      loop.drop_compiled_programs()  # As between sequential runs.
-    lrs = sorted({s.learning_rate for s in specs}, reverse=True)
-    restart_ids = sorted({s.restart for s in specs})
-    # The grid's members are every (lr, restart in restart_ids); their seeds
-    # (seed + r) and layout equal the sequential runs'. A member whose run
-    # finished earlier resumes as stopped and costs nothing.
-    config = configs[specs[0]].copy_and_resolve_references()
-    with config.unlocked():
-      config.data_seed = config.param_seed = config.shuffle_seed = BASE_SEED
-      config.grid_learning_rates = tuple(lrs)
-      config.num_restarts = restart_ids[-1] + 1
-      config.grid_restart_ids = tuple(restart_ids)
-    progress.show(specs)
-    summary = grid.run_grid(config, os.path.join(task_dirs[task], name),
-                            should_stop=budget.expired)
-    if not summary.get("finished", True):
-      return True
-    for spec in specs:
-      _record_finished(spec, run_dir(spec), results_dir, overrides,
-                       maker)
+    claims = _claim_all([run_dir(s) for s in specs])
+    if claims is None:
+      held = [s for s in specs if workdir_lock.holder(run_dir(s))]
+      other = (workdir_lock.holder(run_dir(held[0])) if held else None
+               ) or {"pid": "?", "host": "?"}
+      _left_to(other, ", ".join(label(s) for s in held or specs), out)
+      continue
+    with claims:
+      if _train_group(k, task, name, specs, configs, task_dirs, run_dir,
+                      results_dir, overrides, maker, budget, progress):
+        return True
+  return False
+
+
+def _train_group(k, task, name, specs, configs, task_dirs, run_dir,
+                 results_dir, overrides, maker, budget, progress) -> bool:
+  """One claimed group of `_run_model_axis` (its k-th); True if the budget
+  stopped it."""
+  from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
+  from nsrnn_jax import loop  # pylint: disable=g-import-not-at-top
+  if k:
+    loop.drop_compiled_programs()  # As between sequential runs.
+  lrs = sorted({s.learning_rate for s in specs}, reverse=True)
+  restart_ids = sorted({s.restart for s in specs})
+  # The grid's members are every (lr, restart in restart_ids); their seeds
+  # (seed + r) and layout equal the sequential runs'. A member whose run
+  # finished earlier resumes as stopped and costs nothing.
+  config = configs[specs[0]].copy_and_resolve_references()
+  with config.unlocked():
+    config.data_seed = config.param_seed = config.shuffle_seed = BASE_SEED
+    config.grid_learning_rates = tuple(lrs)
+    config.num_restarts = restart_ids[-1] + 1
+    config.grid_restart_ids = tuple(restart_ids)
+  progress.show(specs)
+  summary = grid.run_grid(config, os.path.join(task_dirs[task], name),
+                          should_stop=budget.expired)
+  if not summary.get("finished", True):
+    return True
+  for spec in specs:
+    _record_finished(spec, run_dir(spec), results_dir, overrides, maker)
   return False
 
 

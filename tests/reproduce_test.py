@@ -1049,6 +1049,39 @@ def test_model_axis_gives_the_records_of_sequential_runs(tmp_path):
                                rtol=1e-4, atol=1e-6)
 
 
+def test_model_axis_leaves_a_group_another_process_holds(tmp_path):
+  # On the model axis a group trains as a whole: one member held by a live
+  # process (here this one) leaves the whole group; the other task's group
+  # trains, claimed while it does.
+  kwargs = dict(task=list(TWO_TASKS), execution="model_axis", restarts=2,
+                learning_rates=(0.01,), overrides={**TINY, "max_epochs": 1})
+  first, second = TWO_TASKS
+  reproduce.check_workdir(str(tmp_path / "axis"), reproduce.SEVERAL_TASKS,
+                          kwargs["overrides"])
+  reproduce.check_workdir(str(tmp_path / "axis" / first), first,
+                          kwargs["overrides"])
+  held = str(tmp_path / "axis" / first / "lstm" / "lr_0.01" / "restart_1")
+  out = io.StringIO()
+  with workdir_lock.hold(held):
+    result = _tiny_run(tmp_path, "axis", out=out, **kwargs)
+  assert not result["finished"] and not result["stopped"]
+  assert result["pending"] == [f"{first}/lstm/lr_0.01/restart_0",
+                               f"{first}/lstm/lr_0.01/restart_1"]
+  assert (f"left to process {os.getpid()} on {socket.gethostname()}, which "
+          f"trains it: {first}/lstm/lr_0.01/restart_1") in out.getvalue()
+  # Nothing of the left group was claimed or trained; the other's claims
+  # are released.
+  assert not (tmp_path / "axis" / first / "lstm" / "lr_0.01" / "restart_0"
+              ).exists()
+  for r in (0, 1):
+    run_dir = tmp_path / "axis" / second / "lstm" / "lr_0.01" / f"restart_{r}"
+    assert (run_dir / "results.json").is_file()
+    assert not (run_dir / workdir_lock.CLAIM_FILE).exists()
+  # Free again: a rerun trains the group.
+  again = _tiny_run(tmp_path, "axis", out=io.StringIO(), **kwargs)
+  assert again["finished"] and len(again["done"]) == 4
+
+
 @pytest.mark.parametrize("change,message", [
     ("copy_to_restart_9", "holds the record of dyck/ns/lr_0.01 restart 0, "
      "which belongs in its own restart_0.json"),
