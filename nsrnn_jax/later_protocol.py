@@ -340,14 +340,12 @@ def run(tasks, models, workdir: str, num_runs: Optional[int] = None,
     if not os.path.isfile(record_path):
       # Held by another live process (another run of this command on the
       # same workdir): left to it.
-      other = workdir_lock.holder(run_dir)
-      if other is None:
+      def train_run(i=i, name=name, config=configs[(k, t, m)],
+                    run_dir=run_dir):
         print(f"[{i}/{len(plan)}] {name}", file=out, flush=True)
-        try:
-          with workdir_lock.hold(run_dir, workdir_lock.CLAIM_FILE):
-            results = train.train_and_evaluate(configs[(k, t, m)], run_dir)
-        except workdir_lock.WorkdirInUse:
-          other = workdir_lock.holder(run_dir) or {"pid": "?", "host": "?"}
+        return train.train_and_evaluate(config, run_dir)
+
+      other, results = workdir_lock.run_claimed(run_dir, train_run)
       if other is not None:
         print(f"[{i}/{len(plan)}] {name}: left to process {other['pid']} "
               f"on {other['host']}, which trains it", file=out, flush=True)

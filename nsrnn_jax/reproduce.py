@@ -674,35 +674,27 @@ def run_protocol(task: Union[str, Sequence[str]], workdir: str, *,
     def train_one(spec) -> str:
       """Trains `spec` here: "done", "stopped" (the budget) or "left" (to
       the live process that holds its directory)."""
-      nonlocal trained
       if _record_finished(spec, run_dir(spec), results_dir, overrides,
                           maker):
         return "done"  # Finished earlier, record not yet written.
-      other = workdir_lock.holder(run_dir(spec))
-      if other is None:
-        try:
-          # Claimed before its data and programs are built, so that other
-          # commands sharing the grid pass it by at once.
-          with workdir_lock.hold(run_dir(spec), workdir_lock.CLAIM_FILE):
-            if trained:
-              # Every run compiles its own programs (its train state's
-              # static fields, the model's apply function and the
-              # optimizer, are new objects, so the jitted steps trace
-              # again) and JAX keeps them all: on the CPU each holds memory
-              # mappings (a tiny NS-RNN run adds ~2,100 and takes as long
-              # with the caches kept as cleared), and a third NS-RNN run in
-              # one process hit the kernel's limit (65,530) and died in
-              # LLVM ("Cannot allocate memory").
-              loop.drop_compiled_programs()
-            trained = True
-            progress.show([spec])
-            results = train_fn(configs[spec], run_dir(spec),
-                               should_stop=budget.expired)
-        except workdir_lock.WorkdirInUse:
-          # Claimed (or locked) since the check above, by a process that
-          # checked too.
-          other = workdir_lock.holder(run_dir(spec)) or {"pid": "?",
-                                                         "host": "?"}
+
+      def train():
+        nonlocal trained
+        if trained:
+          # Every run compiles its own programs (its train state's static
+          # fields, the model's apply function and the optimizer, are new
+          # objects, so the jitted steps trace again) and JAX keeps them
+          # all: on the CPU each holds memory mappings (a tiny NS-RNN run
+          # adds ~2,100 and takes as long with the caches kept as cleared),
+          # and a third NS-RNN run in one process hit the kernel's limit
+          # (65,530) and died in LLVM ("Cannot allocate memory").
+          loop.drop_compiled_programs()
+        trained = True
+        progress.show([spec])
+        return train_fn(configs[spec], run_dir(spec),
+                        should_stop=budget.expired)
+
+      other, results = workdir_lock.run_claimed(run_dir(spec), train)
       if other is not None:
         _left_to(other, label(spec), out)
         return "left"
@@ -789,10 +781,10 @@ def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
       return True
     claims = _claim_all([run_dir(s) for s in specs])
     if claims is None:
-      held = [s for s in specs if workdir_lock.holder(run_dir(s))]
-      other = (workdir_lock.holder(run_dir(held[0])) if held else None
-               ) or {"pid": "?", "host": "?"}
-      _left_to(other, ", ".join(label(s) for s in held or specs), out)
+      held = [(s, workdir_lock.holder(run_dir(s))) for s in specs]
+      held = [(s, h) for s, h in held if h] or [(s, None) for s in specs]
+      _left_to(held[0][1] or {"pid": "?", "host": "?"},
+               ", ".join(label(s) for s, _ in held), out)
       continue
     with claims:
       if _train_group(k, task, name, specs, configs, task_dirs, run_dir,

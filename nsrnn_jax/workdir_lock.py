@@ -21,7 +21,7 @@ import contextlib
 import json
 import os
 import socket
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 LOCK_FILE = ".lock"
 # A run picked from a shared grid, from the moment it is picked.
@@ -153,3 +153,23 @@ def hold(workdir: str, lock_file: str = LOCK_FILE):
       os.remove(path)
     except FileNotFoundError:
       pass
+
+
+def run_claimed(workdir: str, fn: Callable[[], Any]
+                ) -> tuple[Optional[dict[str, Any]], Any]:
+  """Calls `fn()` with `workdir` claimed (`CLAIM_FILE`), unless another live
+  process holds it: `(None, fn's result)`, or `(holder, None)` when it was
+  held before the claim or was found held by `fn` (`WorkdirInUse` from the
+  training's own lock; holder `?` if that process has let go since).
+
+  How a command sharing a grid takes a run: the claim goes before the run's
+  data and programs are built, so the others pass it by at once.
+  """
+  other = holder(workdir)
+  if other is None:
+    try:
+      with hold(workdir, CLAIM_FILE):
+        return None, fn()
+    except WorkdirInUse:
+      other = holder(workdir) or {"pid": "?", "host": "?"}
+  return other, None
