@@ -771,35 +771,62 @@ def _run_model_axis(runs, configs, task_dirs, run_dir, results_dir,
   """Trains each (task, model, m) group's runs at once with grid.run_grid.
 
   A group trains as a whole: it is claimed as a whole before it starts, and
-  left to the other processes if one of them holds any of its runs.
+  left to the other processes if one of them holds any of its runs. As on
+  the sequential path, a group left to a process that has since stopped
+  without finishing it gets one more round at the end.
   """
   groups: dict[tuple[str, str], list[RunSpec]] = {}
   for spec in runs:
     groups.setdefault((spec.task, spec.group), []).append(spec)
-  for k, ((task, name), specs) in enumerate(groups.items()):
-    if budget.expired():
-      return True
+  trained = False
+
+  def try_group(task, name, specs) -> str:
+    """"left", "stopped" (the budget) or "done" for one group."""
+    nonlocal trained
     claims = _claim_all([run_dir(s) for s in specs])
     if claims is None:
       held = [(s, workdir_lock.holder(run_dir(s))) for s in specs]
       held = [(s, h) for s, h in held if h] or [(s, None) for s in specs]
       _left_to(held[0][1] or {"pid": "?", "host": "?"},
                ", ".join(label(s) for s, _ in held), out)
-      continue
+      return "left"
     with claims:
-      if _train_group(k, task, name, specs, configs, task_dirs, run_dir,
-                      results_dir, overrides, maker, budget, progress):
-        return True
+      stopped = _train_group(trained, task, name, specs, configs, task_dirs,
+                             run_dir, results_dir, overrides, maker, budget,
+                             progress)
+    trained = True
+    return "stopped" if stopped else "done"
+
+  left = []
+  for (task, name), specs in groups.items():
+    if budget.expired():
+      return True
+    outcome = try_group(task, name, specs)
+    if outcome == "stopped":
+      return True
+    if outcome == "left":
+      left.append((task, name))
+  # Once each: the runs of a left group its holder did not finish, if no
+  # live process holds any of them now.
+  done = set(progress.done())
+  for task, name in left:
+    specs = [s for s in groups[(task, name)] if s not in done]
+    if not specs or any(workdir_lock.holder(run_dir(s)) is not None
+                        for s in specs):
+      continue
+    if budget.expired() or try_group(task, name, specs) == "stopped":
+      return True
   return False
 
 
-def _train_group(k, task, name, specs, configs, task_dirs, run_dir,
-                 results_dir, overrides, maker, budget, progress) -> bool:
-  """One claimed group of `_run_model_axis` (its k-th); True if the budget
-  stopped it."""
+def _train_group(after_another, task, name, specs, configs, task_dirs,
+                 run_dir, results_dir, overrides, maker, budget,
+                 progress) -> bool:
+  """One claimed group of `_run_model_axis` (`after_another`: not the first
+  this process trains); True if the budget stopped it."""
   from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import loop  # pylint: disable=g-import-not-at-top
-  if k:
+  if after_another:
     loop.drop_compiled_programs()  # As between sequential runs.
   lrs = sorted({s.learning_rate for s in specs}, reverse=True)
   restart_ids = sorted({s.restart for s in specs})

@@ -1082,6 +1082,44 @@ def test_model_axis_leaves_a_group_another_process_holds(tmp_path):
   assert again["finished"] and len(again["done"]) == 4
 
 
+def test_model_axis_gives_a_group_its_holder_gave_up_a_second_round(
+    tmp_path, monkeypatch):
+  # The first task's group is held (one member) when the command reaches
+  # it; its holder lets go, unfinished, while the second task's group
+  # trains. The command goes round once more for it and finishes the grid.
+  from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
+  kwargs = dict(task=list(TWO_TASKS), execution="model_axis", restarts=2,
+                learning_rates=(0.01,), overrides={**TINY, "max_epochs": 1})
+  first, second = TWO_TASKS
+  reproduce.check_workdir(str(tmp_path / "axis"), reproduce.SEVERAL_TASKS,
+                          kwargs["overrides"])
+  reproduce.check_workdir(str(tmp_path / "axis" / first), first,
+                          kwargs["overrides"])
+  held = contextlib.ExitStack()
+  held.enter_context(workdir_lock.hold(
+      str(tmp_path / "axis" / first / "lstm" / "lr_0.01" / "restart_1")))
+  order = []
+  run_grid = grid.run_grid
+
+  def let_go_then_train(config, workdir, **kw):
+    order.append(os.path.relpath(workdir, tmp_path / "axis"))
+    held.close()
+    return run_grid(config, workdir, **kw)
+
+  monkeypatch.setattr(grid, "run_grid", let_go_then_train)
+  out = io.StringIO()
+  result = _tiny_run(tmp_path, "axis", out=out, **kwargs)
+  assert result["finished"] and not result["stopped"]
+  assert order == [os.path.join(second, "lstm"), os.path.join(first, "lstm")]
+  assert out.getvalue().count(
+      f"which trains it: {first}/lstm/lr_0.01/restart_1") == 1
+  for task in TWO_TASKS:
+    for r in (0, 1):
+      run_dir = tmp_path / "axis" / task / "lstm" / "lr_0.01" / f"restart_{r}"
+      assert (run_dir / "results.json").is_file()
+      assert workdir_lock.holder(str(run_dir)) is None
+
+
 @pytest.mark.parametrize("change,message", [
     ("copy_to_restart_9", "holds the record of dyck/ns/lr_0.01 restart 0, "
      "which belongs in its own restart_0.json"),
