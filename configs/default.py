@@ -43,7 +43,8 @@ def get_config() -> ml_collections.ConfigDict:
   # (corpus: stream rows') smallest product margin (valid_stack_margin, nats)
   # and the fraction proven exact (above ~-40 in float32:
   # rns_stack.share_margin), the final results and test table the best
-  # parameters'; ~1 stack forward more per string.
+  # parameters', with the unproven test strings scored again in float64;
+  # ~1 stack forward more per string.
   config.valid_stack_margin = False
   # NS-RNN: strings the stack runs at once (0 = automatic: on CPU chunks
   # whose table fits 10 MiB, on accelerators all; else the largest divisor

@@ -329,6 +329,24 @@ def summarize(results: Sequence[dict]) -> dict:
   return out
 
 
+def _unproven_errors(best_params_K, model, runs, tests, guard
+                     ) -> list[dict]:
+  """Per run, `evaluate.unproven_errors` of its test strings: those its
+  stack margin does not prove exact, scored again in float64 (every
+  process computes them; process 0 writes them)."""
+  from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
+  guard.phase_done()   # The test's programs are done with.
+  params_K = parallel.to_host(best_params_K)
+  out = []
+  for k, run in enumerate(runs):
+    config = ml_collections.ConfigDict(run.config.to_dict())
+    config.alphabet = list(run.splits.alphabet)
+    params = jax.tree.map(lambda x, k=k: x[k], params_K)
+    out.append(evaluate.unproven_errors(
+        evaluate.Loaded(model, params, config), run.splits.test, tests[k]))
+  return out
+
+
 def test_outputs(results: Sequence[dict], config) -> tuple[dict, dict]:
   """(per-length table, summary) of one model's test `evaluate_split` dicts.
 
@@ -880,6 +898,10 @@ def _finish(state, model, runs, mesh, results, writers, main, guard):
         state.best_params, model.apply, [r.splits.test for r in runs], config,
         [test_num_lengths(r.splits.test, config) for r in runs], mesh, eos,
         stack_margin, guard)
+  unproven = [{} for _ in runs]
+  if tests is not None and stack_margin:
+    unproven = _unproven_errors(state.best_params, model, runs, tests,
+                                guard)
   for k, run in enumerate(runs):
     results[k].update({f"best_valid_{key}": v
                        for key, v in summarize(best_valid[k]).items()})
@@ -888,7 +910,7 @@ def _finish(state, model, runs, mesh, results, writers, main, guard):
                          margin_summary(best_valid[k], model.dtype).items()})
     if tests is not None:
       table, summary = test_outputs(tests[k], config)
-      results[k].update(summary)
+      results[k].update(summary, **unproven[k])
       text = metrics_lib.write_test_table(run.workdir, table, enabled=main)
       if main and len(runs) == 1:  # The result goes to stdout.
         print(f"Test cross-entropy difference by length ({run.workdir}):\n"

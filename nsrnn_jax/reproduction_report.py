@@ -377,6 +377,19 @@ def _ns_margin_summary(records) -> str:
            for t, (runs, proven, strings, low) in sorted(
                per_task.items(), key=lambda kv: list(TASK_TITLES).index(
                    kv[0]))]
+  checked = {}
+  for r in records:
+    test = r.get("test") or {}
+    if r["model"] == "ns" and "unproven_max_error" in test:
+      runs, strings, worst = checked.get(r["task"], (0, 0, 0.0))
+      checked[r["task"]] = (runs + 1, strings + test["unproven_strings"],
+                            max(worst, test["unproven_max_error"]))
+  rescored = "; ".join(
+      f"{TASK_TITLES[t]} {strings:,} string{'s' if strings != 1 else ''} "
+      f"({runs} run{'s' if runs > 1 else ''}), ln p within {worst:.1e} nats "
+      "of float64"
+      for t, (runs, strings, worst) in sorted(
+          checked.items(), key=lambda kv: list(TASK_TITLES).index(kv[0])))
   older = (f" ({factor} of these records "
            "measured the factor margin of before 2026-12-06, never above the "
            "product margin: a lower bound)" if factor else "")
@@ -384,9 +397,11 @@ def _ns_margin_summary(records) -> str:
           "(its product margin above ½ ln of the float type's flush, −40.2 "
           "nats in float32; records that measured it, "
           f"`config.valid_stack_margin`): {'; '.join(parts)}{older}. The "
-          "margin is conservative: `python -m nsrnn_jax.evaluate --workdir=RUN "
-          "--stack_margin` scores a run's unproven test strings again in "
-          "float64 and reports the largest difference in ln p.")
+          "margin is conservative: the unproven test strings scored again "
+          "in float64 with the same parameters (records from 2026-12-07 "
+          f"on, `test.unproven_max_error`): {rescored or 'none yet'}; "
+          "`python -m nsrnn_jax.evaluate --workdir=RUN --stack_margin` does "
+          "the same for any run.")
 
 
 def _hardware_summary(records) -> str:

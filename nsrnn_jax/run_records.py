@@ -244,6 +244,9 @@ def read_json(path: str):
 # Per-epoch keys a record keeps where the run measured them: the share
 # stack's product margin on the validation strings (config.valid_stack_margin).
 MARGIN_KEYS = ("valid_stack_margin", "valid_stack_exact_fraction")
+# And, at the test, how many test strings the margin did not prove exact
+# and the largest |ln p − ln p_float64| among them (nats).
+UNPROVEN_KEYS = ("unproven_strings", "unproven_max_error")
 
 
 def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
@@ -277,6 +280,10 @@ def make_record(spec: RunSpec, run_dir: str, overrides: Mapping[str, Any],
             if k in table}
     if "test_stack_margin_kind" in results:
       test["stack_margin_kind"] = results["test_stack_margin_kind"]
+    # The strings the margin does not prove, scored again in float64.
+    for key in UNPROVEN_KEYS:
+      if f"test_stack_{key}" in results:
+        test[key] = results[f"test_stack_{key}"]
   return {
       "format": RECORD_FORMAT,
       "task": spec.task, "model": spec.model, "setting": spec.setting,

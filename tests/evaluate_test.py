@@ -299,6 +299,19 @@ def test_a_run_re_evaluates_on_the_exact_log_table(tmp_path):
   assert np.any(got != got.astype(np.float32).astype(np.float64))
   np.testing.assert_allclose(evaluate.score(sharp, strings, exact=True),
                              want_sharp, rtol=1e-12)
+  # As `unproven_errors` scores: each string padded to its length bucket
+  # (config.length_buckets) in batches of config.batch_size rows, empty rows
+  # filling the last; the float64 margins, masked to each string, still
+  # send the sharp run to the log table.
+  batches = evaluate._batches(loaded, strings, bucketed=True)[1]  # pylint: disable=protected-access
+  assert {b["symbols"].shape for _, b in batches} == {
+      (loaded.config.batch_size, loaded.config.length_buckets[0])}
+  assert sorted(k for ks, _ in batches for k in ks if k >= 0) == list(
+      range(len(strings)))
+  for run, want_run in ((loaded, want), (sharp, want_sharp)):
+    np.testing.assert_allclose(
+        evaluate._float64_scores(run, strings, bucketed=True),  # pylint: disable=protected-access
+        want_run, rtol=1e-12)
   # The strings whose float32 margin does not prove them exact are scored
   # again in float64: their count and the largest difference (an action
   # layer 60 times sharper: margins ~ -36 at length 5, proven, and ~ -43 at

@@ -48,15 +48,22 @@ def test_best_epoch_parameters_are_tested_when_the_last_epoch_is_worse(
   assert np.max(np.abs(np.asarray(saved) - tables["params"])) > 1e-3
 
 
-def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys):
+def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys,
+                                                  monkeypatch):
   """With valid_stack_margin, each epoch's valid_stack_margin (from the
   loop's batches padded to a bucket, the margin masked to each string) is
   the smallest margin of the validation strings each run alone with that
   epoch's parameters, and the fraction proven exact is theirs; the epoch
   line shows both; results.json and the test table hold the best
-  parameters' on the validation and test strings (per length)."""
+  parameters' on the validation and test strings (per length), and how far
+  the test strings the margin does not prove are from float64."""
+  from nsrnn_jax import evaluate  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
   from nsrnn_jax import rns_stack  # pylint: disable=g-import-not-at-top
+  # Every test string counts as unproven for the float64 check (this tiny
+  # model's margins prove them all), which then scores them on the float64
+  # 'log' table.
+  monkeypatch.setattr(evaluate, "exact_margin", lambda loaded: np.inf)
   model = models.get("ns", 3, hidden_size=3, num_states=2,
                      num_stack_symbols=2)
   config = tiny_config(max_epochs=1, valid_stack_margin=True,
@@ -100,6 +107,23 @@ def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys):
   assert results["test_stack_margin_kind"] == "product"
   assert results["test_stack_margin"] == pytest.approx(
       np.min(np.concatenate(test)), rel=1e-5)
+  # Each test string alone, in float32 and (a model built from scratch) in
+  # float64: the largest difference in ln p is the recorded one.
+  lp = lambda m, p, x: float(models.sequence_log_prob(
+      m.apply({"params": p}, x[None]), x[None])[0])
+  strings = [w for b in splits.test for w in b.symbols]
+  lp32 = [lp(model, arrays["best_params"], w) for w in strings]
+  with jax.enable_x64(True):
+    model64 = models.get("ns", 3, hidden_size=3, num_states=2,
+                         num_stack_symbols=2, dtype="float64")
+    params64 = jax.tree.map(lambda a: np.asarray(a, np.float64),
+                            arrays["best_params"])
+    lp64 = [lp(model64, params64, np.asarray(w)) for w in strings]
+  assert results["test_stack_unproven_strings"] == len(strings) == 18
+  error = np.max(np.abs(np.subtract(lp32, lp64)))
+  assert 0 < results["test_stack_unproven_max_error"] < 1e-5
+  assert results["test_stack_unproven_max_error"] == pytest.approx(
+      error, abs=3e-7)
 
 
 @pytest.mark.parametrize("strategy,compiles", [("per_length", 2),

@@ -53,6 +53,20 @@ def test_report_says_on_how_many_test_strings_the_ns_stack_is_exact():
   assert ("-50.5 nats) (1 of these records measured the factor margin of "
           "before 2026-12-06, never above the product margin: a lower "
           "bound). The margin") in line, line
+  assert "again in float64 with the same parameters (records from " \
+      "2026-12-07 on, `test.unproven_max_error`): none yet;" in line, line
+  # Records that scored their unproven strings again in float64: per task
+  # the strings and the largest error over its runs.
+  for i, (strings, error) in ((1, (350, 2.5e-5)), (3, (120, 7.0e-4))):
+    records[i]["test"].update(unproven_strings=strings,
+                              unproven_max_error=error)
+  records[2] = measured("dyck", 2, [1.0, 1.0], [-20.0, -25.0])
+  records[2]["test"].update(unproven_strings=0, unproven_max_error=0.0)
+  line = next(l for l in reproduction_report.render_report(
+      records).splitlines() if l.startswith("Records: "))
+  assert ("`test.unproven_max_error`): Marked reversal 120 strings (1 run), "
+          "ln p within 7.0e-04 nats of float64; Dyck 350 strings (2 runs), "
+          "ln p within 2.5e-05 nats of float64;") in line, line
   line = next(l for l in reproduction_report.render_report(
       records[:1]).splitlines() if l.startswith("Records: "))
   assert "proven exact" not in line

@@ -190,7 +190,9 @@ def test_a_record_keeps_the_stack_margins_its_run_measured(tmp_path):
       "".join(json.dumps(e) + "\n" for e in epochs))
   (run_dir / "results.json").write_text(json.dumps(
       {"epochs": 2, "best_epoch": 2, "best_valid_ce_diff": 0.1,
-       "test_stack_margin_kind": "product"}))
+       "test_stack_margin_kind": "product",
+       "test_stack_unproven_strings": 3,
+       "test_stack_unproven_max_error": 2.5e-5}))
   (run_dir / "config.json").write_text(json.dumps({"model": "ns"}))
   table = {"lengths": [40, 41], "ce_diff": [0.1, 0.2],
            "num_strings": [100, 100], "stack_margin": [-30.0, -41.0],
@@ -203,6 +205,8 @@ def test_a_record_keeps_the_stack_margins_its_run_measured(tmp_path):
   assert rec["test"]["stack_margin"] == [-30.0, -41.0]
   assert rec["test"]["stack_exact_fraction"] == [1.0, 0.97]
   assert rec["test"]["stack_margin_kind"] == "product"
+  assert rec["test"]["unproven_strings"] == 3
+  assert rec["test"]["unproven_max_error"] == 2.5e-5
   for e in epochs:
     del e["valid_stack_margin"], e["valid_stack_exact_fraction"]
   (run_dir / "metrics.jsonl").write_text(
