@@ -1049,17 +1049,24 @@ def test_model_axis_gives_the_records_of_sequential_runs(tmp_path):
                                rtol=1e-4, atol=1e-6)
 
 
+def _two_task_axis(tmp_path) -> dict:
+  """run_protocol's arguments for TWO_TASKS' LSTM groups (2 restarts, one
+  epoch) on the model axis in tmp_path/axis, whose workdirs are set up."""
+  kwargs = dict(task=list(TWO_TASKS), execution="model_axis", restarts=2,
+                learning_rates=(0.01,), overrides={**TINY, "max_epochs": 1})
+  reproduce.check_workdir(str(tmp_path / "axis"), reproduce.SEVERAL_TASKS,
+                          kwargs["overrides"])
+  reproduce.check_workdir(str(tmp_path / "axis" / TWO_TASKS[0]),
+                          TWO_TASKS[0], kwargs["overrides"])
+  return kwargs
+
+
 def test_model_axis_leaves_a_group_another_process_holds(tmp_path):
   # On the model axis a group trains as a whole: one member held by a live
   # process (here this one) leaves the whole group; the other task's group
   # trains, claimed while it does.
-  kwargs = dict(task=list(TWO_TASKS), execution="model_axis", restarts=2,
-                learning_rates=(0.01,), overrides={**TINY, "max_epochs": 1})
+  kwargs = _two_task_axis(tmp_path)
   first, second = TWO_TASKS
-  reproduce.check_workdir(str(tmp_path / "axis"), reproduce.SEVERAL_TASKS,
-                          kwargs["overrides"])
-  reproduce.check_workdir(str(tmp_path / "axis" / first), first,
-                          kwargs["overrides"])
   held = str(tmp_path / "axis" / first / "lstm" / "lr_0.01" / "restart_1")
   out = io.StringIO()
   with workdir_lock.hold(held):
@@ -1088,13 +1095,8 @@ def test_model_axis_gives_a_group_its_holder_gave_up_a_second_round(
   # it; its holder lets go, unfinished, while the second task's group
   # trains. The command goes round once more for it and finishes the grid.
   from nsrnn_jax import grid  # pylint: disable=g-import-not-at-top
-  kwargs = dict(task=list(TWO_TASKS), execution="model_axis", restarts=2,
-                learning_rates=(0.01,), overrides={**TINY, "max_epochs": 1})
+  kwargs = _two_task_axis(tmp_path)
   first, second = TWO_TASKS
-  reproduce.check_workdir(str(tmp_path / "axis"), reproduce.SEVERAL_TASKS,
-                          kwargs["overrides"])
-  reproduce.check_workdir(str(tmp_path / "axis" / first), first,
-                          kwargs["overrides"])
   held = contextlib.ExitStack()
   held.enter_context(workdir_lock.hold(
       str(tmp_path / "axis" / first / "lstm" / "lr_0.01" / "restart_1")))
