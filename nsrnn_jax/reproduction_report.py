@@ -386,8 +386,8 @@ def _ns_margin_summary(records) -> str:
                             max(worst, test["unproven_max_error"]))
   rescored = "; ".join(
       f"{TASK_TITLES[t]} {strings:,} string{'s' if strings != 1 else ''} "
-      f"({runs} run{'s' if runs > 1 else ''}), ln p within {worst:.1e} nats "
-      "of float64"
+      f"({runs} run{'s' if runs > 1 else ''})"
+      + (f", ln p within {worst:.1e} nats of float64" if strings else "")
       for t, (runs, strings, worst) in sorted(
           checked.items(), key=lambda kv: list(TASK_TITLES).index(kv[0])))
   older = (f" ({factor} of these records "

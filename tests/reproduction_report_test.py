@@ -67,6 +67,10 @@ def test_report_says_on_how_many_test_strings_the_ns_stack_is_exact():
   assert ("`test.unproven_max_error`): Marked reversal 120 strings (1 run), "
           "ln p within 7.0e-04 nats of float64; Dyck 350 strings (2 runs), "
           "ln p within 2.5e-05 nats of float64;") in line, line
+  # Runs whose margin proved every test string: nothing rescored.
+  line = next(l for l in reproduction_report.render_report(
+      records[2:3]).splitlines() if l.startswith("Records: "))
+  assert "`test.unproven_max_error`): Dyck 0 strings (1 run);" in line, line
   line = next(l for l in reproduction_report.render_report(
       records[:1]).splitlines() if l.startswith("Records: "))
   assert "proven exact" not in line
