@@ -125,7 +125,7 @@ def test_stack_margins_are_each_unpadded_string_s(tmp_path, capsys,
   error = np.max(np.abs(lp32 - lp64))
   assert 0 < results["test_stack_unproven_max_error"] < 1e-5
   assert results["test_stack_unproven_max_error"] == pytest.approx(
-      error, abs=3e-7)
+      error, abs=1e-6)  # one float32 ulp of ln p ~ -5 is 4.8e-7
 
 
 @pytest.mark.parametrize("strategy,compiles", [("per_length", 2),
