@@ -201,6 +201,8 @@ class SplitStream:
     self._mine = parallel.process_slice(num_rows, mesh)
 
   def chunk(self, index: int):
+    """Chunk `index` of this process's rows, placed on the mesh's 'data'
+    axis (a global batch of all processes' rows)."""
     local = {k: v[self._mine] for k, v in
              self.rows.chunk(index, self.chunk_length).items()}
     return parallel.shard_batch(local, self._mesh)

@@ -535,6 +535,8 @@ def reevaluate(workdir: str, splits: Optional[data.Splits] = None,
 
 
 def main(argv):
+  """`python -m nsrnn_jax.evaluate`: `reevaluate` of --workdir, its table
+  and summary printed (the flags are defined below, when run as a script)."""
   del argv
   workdir = flags.FLAGS.workdir
   if not workdir:

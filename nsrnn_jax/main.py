@@ -39,6 +39,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
+  """Backend set-up from the flags, then `train.train_and_evaluate`."""
   del argv
   if _CONFIG.value.get("task") == "corpus":
     # Corpus steps allocate hundreds of MiB of temporaries per call.

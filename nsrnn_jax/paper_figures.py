@@ -179,6 +179,7 @@ def curve(data: Optional[Mapping[str, Any]], kind: str, task: str,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  """`python -m nsrnn_jax.paper_figures`; returns the exit status."""
   from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
   parser = cli.OneLineArgumentParser(
       prog="python -m nsrnn_jax.paper_figures",

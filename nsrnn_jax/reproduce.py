@@ -269,6 +269,7 @@ class Budget:
     self.start = time.monotonic()
 
   def expired(self) -> bool:
+    """Whether the budget is spent (never, without one)."""
     return (self.seconds is not None
             and time.monotonic() - self.start >= self.seconds)
 
@@ -405,6 +406,7 @@ class Progress:
     self.label = label
 
   def done(self) -> list[RunSpec]:
+    """The runs that have a record under `results_dir`."""
     return [s for s in self.runs
             if os.path.isfile(os.path.join(self.results_dir, s.record_path))]
 
@@ -440,6 +442,7 @@ class Progress:
             f"estimated time left {format_duration(left)}{at_once}")
 
   def show(self, running: Sequence[RunSpec]) -> None:
+    """Prints `line(running)`."""
     print(self.line(running), file=self.out, flush=True)
 
 

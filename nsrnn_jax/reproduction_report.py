@@ -102,6 +102,7 @@ class Setting:
 
   @property
   def best_valid(self) -> np.ndarray:
+    """Best-epoch validation CE difference of each record."""
     return np.asarray([r["best_valid_ce_diff"] for r in self.records])
 
   def rank(self) -> tuple[float, float]:
@@ -119,6 +120,7 @@ class Cell:
 
   @property
   def runs(self) -> list:
+    """The selected setting's records (none if nothing is selected)."""
     return [] if self.selected is None else self.selected.records
 
   def per_run(self, which) -> dict:
@@ -134,6 +136,8 @@ class Cell:
     return out
 
   def last_valid(self) -> Optional[tuple[float, float]]:
+    """(mean, std) over the selected runs of the last-epoch validation
+    difference (None without runs)."""
     return _mean_std(self.per_run("last").values())
 
   def test_bin_stats(self) -> Optional[list[Optional[tuple[float, float]]]]:

@@ -95,6 +95,7 @@ class RunSpec:
 
   @property
   def name(self) -> str:
+    """`<model>/<setting>/restart_<r>`."""
     return f"{self.model}/{self.setting}/restart_{self.restart}"
 
 

@@ -364,6 +364,8 @@ class OptimizerSpec:
   name: str = "adam"
 
   def make(self) -> optax.GradientTransformation:
+    """The optimizer: gradient clipping by global norm, then Adam or SGD,
+    its learning rate a hyperparameter (`optax.inject_hyperparams`)."""
     def chain(learning_rate):
       if self.name == "sgd":
         step = optax.sgd(learning_rate)
