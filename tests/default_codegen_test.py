@@ -61,6 +61,37 @@ def test_a_flag_this_jaxlib_does_not_know_is_left_out(monkeypatch):
                                      "--xla_cpu_use_fusion_emitters=true")
 
 
+def test_fast_compile_does_not_need_the_codegen_flag(monkeypatch):
+  # A jaxlib without the previous emitters' flag still compiles the CPU
+  # session without XLA's most expensive optimisations (the probe says the
+  # backend is the CPU); NSRNN_TEST_DEFAULT_CODEGEN=1 never does, and a
+  # value already in the environment (a worker's, the user's) is followed.
+  if jax.default_backend() != "cpu":
+    pytest.skip("the probe would find another backend")
+  monkeypatch.setattr(conftest, "TEST_CODEGEN_FLAG",
+                      "--xla_cpu_no_such_flag_for_nsrnn=false")
+  monkeypatch.setattr(conftest, "_probed_backend", None)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.delenv(conftest.DEFAULT_CODEGEN_ENV, raising=False)
+  monkeypatch.delenv(conftest.FAST_COMPILE_ENV, raising=False)
+  codegen = conftest._use_test_codegen()  # pylint: disable=protected-access
+  assert not codegen
+  assert conftest._probed_backend is None  # pylint: disable=protected-access
+  assert conftest._compiles_fast(codegen)  # pylint: disable=protected-access
+  assert conftest._probed_backend == "cpu"  # pylint: disable=protected-access
+  # No second probe: the backend is known now (a GPU session's codegen
+  # probe answers "gpu", and that session compiles as the library does).
+  monkeypatch.setattr(conftest, "_probed_backend", "gpu")
+  assert not conftest._compiles_fast(False)  # pylint: disable=protected-access
+  monkeypatch.setenv(conftest.FAST_COMPILE_ENV, "true")
+  assert conftest._compiles_fast(False)  # pylint: disable=protected-access
+  monkeypatch.setenv(conftest.FAST_COMPILE_ENV, "false")
+  assert not conftest._compiles_fast(True)  # pylint: disable=protected-access
+  monkeypatch.setenv(conftest.FAST_COMPILE_ENV, "true")
+  monkeypatch.setenv(conftest.DEFAULT_CODEGEN_ENV, "1")
+  assert not conftest._compiles_fast(True)  # pylint: disable=protected-access
+
+
 def _collected(monkeypatch, nodeids, flags, float32_only=False):
   """The ids conftest keeps of `nodeids` under these XLA_FLAGS."""
   monkeypatch.setenv("XLA_FLAGS", flags)
@@ -92,10 +123,10 @@ def test_float32_tests_run_once_on_the_default_codegen(monkeypatch):
 
 
 def test_the_session_compiles_without_most_optimizations():
-  # On the CPU (the test codegen's terms) the session, its workers and
-  # subprocesses compile without XLA's most expensive optimisations.
-  if conftest.TEST_CODEGEN_FLAG not in os.environ.get("XLA_FLAGS",
-                                                      "").split():
+  # On the CPU the session, its workers and subprocesses compile without
+  # XLA's most expensive optimisations.
+  if (jax.default_backend() != "cpu"
+      or os.environ.get(conftest.DEFAULT_CODEGEN_ENV) == "1"):
     pytest.skip("this session compiles as the library does")
   assert conftest.FAST_COMPILE_ENV in os.environ
   if not conftest.fast_compile_asked():
