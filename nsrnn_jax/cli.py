@@ -145,6 +145,11 @@ def fail(error, quiet_after: bool = False) -> NoReturn:
     # config file's get_config (e.g. a bad `file.py:arg`); keep its message.
     last = [l for l in text.splitlines() if l.strip()][-1].strip()
     text = "cannot load --config: " + last.split(": ", 1)[-1]
+    if "get_config() takes 0 positional arguments" in last:
+      # `configs/quick.py:x` for a config without parameters: say so, not
+      # Python's complaint about get_config's signature.
+      text = ("cannot load --config: this config file takes no "
+              "parameter; drop the ':...' after its path")
   message = " ".join(text.split()) or type(error).__name__
   if "Failed loading config file" in message and "[Errno" in message:
     # ml_collections wraps the OSError of a missing config file in prose.

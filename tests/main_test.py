@@ -39,6 +39,9 @@ def _cases(tmp):
                                f"--config={REPO}/configs/nope.py",
                                f"--workdir={new}"],
        "cannot load --config: [Errno 2] No such file"),
+      ("parameter for a config without any", [
+          "-m", "nsrnn_jax.main", f"--config={QUICK}:ns", f"--workdir={new}"],
+       "this config file takes no parameter; drop the ':...'"),
       ("ill-typed override", main + ["--config.hidden_size=1.5",
                                      f"--workdir={new}"],
        "--config.hidden_size=1.5"),
