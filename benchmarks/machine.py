@@ -27,13 +27,14 @@ from nsrnn_jax import parallel
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def source_revision():
-  """The checkout's short commit, with "+changes" if tracked files differ
-  from it; None without git (e.g. a copied tree on a device machine)."""
+def source_revision(repo=REPO):
+  """The short commit of the checkout at `repo` (this one by default), with
+  "+changes" if tracked files differ from it; None without git (e.g. a
+  copied tree on a device machine)."""
   try:
-    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True)
-    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
+    dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain",
                             "--untracked-files=no"],
                            capture_output=True, text=True, check=True)
   except (OSError, subprocess.CalledProcessError):

@@ -142,10 +142,14 @@ def parse(xml_paths, root="."):
 INTERRUPTED_EXIT_CODES = (2, 124, 137)
 
 
-def record(xml_paths, root, command, environment, exit_code=None):
+def record(xml_paths, root, command, environment, exit_code=None,
+           commit=None):
   """The results record: `parse` plus the machine, packages and code.
 
   xml_paths: one report, or the parts of one suite in order (`parse`).
+  commit: the revision the suite ran; by default that of the checkout at
+    `root` where it is one (a fresh clone's, not this checkout's), else of
+    this checkout.
   exit_code: the suite's exit status (of its last part), if known; an
     interrupted suite (time limit) is marked `"interrupted": true` -- its
     counts are of the tests that finished, not of the suite.
@@ -162,7 +166,8 @@ def record(xml_paths, root, command, environment, exit_code=None):
   d = {"note": "the test suite's result, written by benchmarks/"
                "suite_record.py from pytest's JUnit XML report",
        "device": machine.device_label(info), "date": time.strftime("%Y-%m-%d"),
-       "commit": info.get("source_revision"),
+       "commit": (commit or machine.source_revision(root)
+                  or info.get("source_revision")),
        "python": sys.version.split()[0], "packages": versions,
        "command": command, "environment": environment, **result}
   if len(xml_paths) > 1:
@@ -188,13 +193,16 @@ def main():
                       help="the directory pytest ran in (for test paths)")
   parser.add_argument("--command", default="")
   parser.add_argument("--environment", default="")
+  parser.add_argument("--commit", default=None,
+                      help="the revision the suite ran (default: that of "
+                      "the checkout at --root, else of this one)")
   parser.add_argument("--exit_code", type=int, default=None,
                       help="the suite's exit status, of its last part (2, "
                       "124, 137: interrupted, so the counts are partial)")
   args = parser.parse_args()
   try:
     d = record(args.report, args.root, args.command, args.environment,
-               args.exit_code)
+               args.exit_code, args.commit)
   except (OSError, ElementTree.ParseError) as e:
     parser.error(f"cannot read {' '.join(args.report)}: {e}")
   with open(args.out, "w") as f:

@@ -264,3 +264,28 @@ def test_the_session_leaves_out_what_an_earlier_report_finished(
   ids = ["tests/main_test.py::test_a", "tests/main_test.py::test_b[x-1]",
          "tests/main_test.py::test_b[x-2]", "tests/main_test.py::test_c"]
   assert conftest.kept_by_collection(ids) == ids[2:]
+
+
+def test_commit_is_that_of_the_checkout_the_suite_ran_in(suite_record,
+                                                         tmp_path):
+  # The README's test command runs in a fresh clone, and the record is
+  # written from there with --root: its commit is the clone's HEAD (which
+  # may be behind this checkout's), and --commit says it outright.
+  xml = _run_suite(tmp_path)
+  git = ["git", "-C", str(tmp_path), "-c", "user.name=t",
+         "-c", "user.email=t@t"]
+  subprocess.run(git + ["init", "-q"], check=True)
+  subprocess.run(git + ["add", "sub"], check=True)
+  subprocess.run(git + ["commit", "-q", "-m", "x"], check=True)
+  head = subprocess.run(git + ["rev-parse", "--short", "HEAD"],
+                        capture_output=True, text=True,
+                        check=True).stdout.strip()
+  assert suite_record.record(str(xml), str(tmp_path), "", "")[
+      "commit"] == head
+  out = tmp_path / "s.json"
+  run = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
+       str(xml), "--out", str(out), "--root", str(tmp_path),
+       "--commit", "abc1234"], capture_output=True, text=True, check=False)
+  assert run.returncode == 0, run.stderr
+  assert json.loads(out.read_text())["commit"] == "abc1234"
