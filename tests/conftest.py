@@ -76,6 +76,11 @@ _created_cache_dir = None
 # docstring); a flag XLA does not know aborts the process, hence the probe.
 TEST_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"
 DEFAULT_CODEGEN_ENV = "NSRNN_TEST_DEFAULT_CODEGEN"
+# Set once the session's first process has probed for the flag: its xdist
+# workers inherit the answer (XLA_FLAGS holds the flag or not) instead of
+# each repeating the probe -- a second or two per worker where this jaxlib
+# refuses the flag or the backend is a GPU, which the flag never reaches.
+CODEGEN_PROBED_ENV = "NSRNN_TEST_CODEGEN_PROBED"
 
 
 # JAX's default backend as this process's probes found it (None: no probe
@@ -111,9 +116,11 @@ def _use_test_codegen():
   flags = os.environ.get("XLA_FLAGS", "")
   if os.environ.get(DEFAULT_CODEGEN_ENV) == "1":
     return False
-  if "xla_cpu_use_fusion_emitters" in flags:
+  if ("xla_cpu_use_fusion_emitters" in flags
+      or os.environ.get(CODEGEN_PROBED_ENV) == "1"):
     return TEST_CODEGEN_FLAG in flags.split()
   candidate = f"{flags} {TEST_CODEGEN_FLAG}".strip()
+  os.environ[CODEGEN_PROBED_ENV] = "1"
   # On a GPU or TPU the session keeps XLA's defaults whole (its tests run
   # on that backend's compiler; issue 11 asks for the suite there at the
   # default environment).

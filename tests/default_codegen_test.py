@@ -51,14 +51,21 @@ def test_a_flag_this_jaxlib_does_not_know_is_left_out(monkeypatch):
                       "--xla_cpu_no_such_flag_for_nsrnn=false")
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
   monkeypatch.delenv(conftest.DEFAULT_CODEGEN_ENV, raising=False)
+  # (Unset: the session's own probe set it, and this one must probe.)
+  monkeypatch.delenv(conftest.CODEGEN_PROBED_ENV, raising=False)
   conftest._use_test_codegen()  # pylint: disable=protected-access
   assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
   monkeypatch.setattr(conftest, "TEST_CODEGEN_FLAG",
                       "--xla_cpu_use_fusion_emitters=true")
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+  monkeypatch.delenv(conftest.CODEGEN_PROBED_ENV, raising=False)
   conftest._use_test_codegen()  # pylint: disable=protected-access
   assert os.environ["XLA_FLAGS"] == ("--xla_cpu_enable_fast_math=false "
                                      "--xla_cpu_use_fusion_emitters=true")
+
+
+def _no_probe(xla_flags):
+  raise AssertionError(f"a second probe (XLA_FLAGS={xla_flags!r})")
 
 
 def test_fast_compile_does_not_need_the_codegen_flag(monkeypatch):
@@ -74,9 +81,15 @@ def test_fast_compile_does_not_need_the_codegen_flag(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "")
   monkeypatch.delenv(conftest.DEFAULT_CODEGEN_ENV, raising=False)
   monkeypatch.delenv(conftest.FAST_COMPILE_ENV, raising=False)
+  monkeypatch.delenv(conftest.CODEGEN_PROBED_ENV, raising=False)
   codegen = conftest._use_test_codegen()  # pylint: disable=protected-access
   assert not codegen
   assert conftest._probed_backend is None  # pylint: disable=protected-access
+  # A worker inherits the refusal and does not probe again.
+  assert os.environ[conftest.CODEGEN_PROBED_ENV] == "1"
+  with monkeypatch.context() as m:
+    m.setattr(conftest, "_probe_backend", _no_probe)
+    assert not conftest._use_test_codegen()  # pylint: disable=protected-access
   assert conftest._compiles_fast(codegen)  # pylint: disable=protected-access
   assert conftest._probed_backend == "cpu"  # pylint: disable=protected-access
   # No second probe: the backend is known now (a GPU session's codegen
