@@ -21,10 +21,8 @@ Safety rules (README "Outputs"):
 * `check_workdir` compares a workdir's stored config.json with the requested
   config before anything is written: a difference that changes the run is a
   one-line error naming the fields.
-* `workdir_lock` (`workdir_lock.hold`) keeps a second training process out
-  of a run directory that one is training in (two writers would interleave
-  checkpoints and metrics); a lock left by a process that died is taken
-  over.
+The lock that keeps a second training process out of a run directory is
+`workdir_lock.hold`.
 
 Keeping Orbax behind these functions means a move to its V1 API touches only
 this file.
@@ -50,11 +48,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nsrnn_jax import workdir_lock as workdir_lock_lib
-
 PyTree = Any
 CONFIG_FILE = "config.json"
-LOCK_FILE = workdir_lock_lib.LOCK_FILE
 UNREADABLE_DIR = "checkpoints_unreadable"
 # Checkpoints newer than the run's metrics log (a directory put together
 # from copies of different times) are moved here on resume, not deleted.
@@ -213,10 +208,6 @@ def check_workdir(workdir: str, config_json: Mapping[str, Any]) -> None:
     raise ValueError(
         f"{workdir!r} holds a run with a different config: {'; '.join(diffs)}."
         " Use a new --workdir, or the stored values to resume")
-
-
-# The run directory's lock (`workdir_lock.hold`), under its older name.
-workdir_lock = workdir_lock_lib.hold
 
 
 def write_config(workdir: str, config_json: Mapping[str, Any]) -> None:

@@ -53,6 +53,7 @@ from nsrnn_jax import corpus as corpus_lib
 from nsrnn_jax import metrics as metrics_lib
 from nsrnn_jax import parallel
 from nsrnn_jax import train
+from nsrnn_jax import workdir_lock
 
 # config.task of a corpus run.
 TASK = "corpus"
@@ -355,7 +356,7 @@ def train_and_evaluate(config, workdir: str,
   template = jax.tree.map(np.asarray, state.arrays())
   with contextlib.ExitStack() as stack:
     if main:
-      stack.enter_context(checkpointing.workdir_lock(workdir))
+      stack.enter_context(workdir_lock.hold(workdir))
     manager = checkpointing.make_manager(
         checkpointing.checkpoint_dir(workdir),
         keep=int(config.checkpoints_to_keep))

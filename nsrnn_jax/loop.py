@@ -44,6 +44,7 @@ from nsrnn_jax import data
 from nsrnn_jax import metrics as metrics_lib
 from nsrnn_jax import parallel
 from nsrnn_jax import train
+from nsrnn_jax import workdir_lock
 
 PyTree = Any
 
@@ -542,7 +543,7 @@ def run_models(runs: Sequence[Run], model, mesh=None,
   with contextlib.ExitStack() as locks:
     if main:  # One writer per run directory (a second process is refused).
       for run in runs:
-        locks.enter_context(checkpointing.workdir_lock(run.workdir))
+        locks.enter_context(workdir_lock.hold(run.workdir))
     return _run_locked(state, runs, model, mesh, rngs, orders, main,
                        should_stop, template)
 

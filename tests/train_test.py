@@ -21,6 +21,7 @@ from configs import default
 from nsrnn_jax import checkpointing
 from nsrnn_jax import data
 from nsrnn_jax import train
+from nsrnn_jax import workdir_lock
 
 
 # ---------------------------------------------------------------------------
@@ -883,7 +884,7 @@ def test_a_second_process_cannot_train_in_a_busy_workdir(tmp_path):
   holder = subprocess.Popen([sys.executable, "-c",
                              "import time; time.sleep(120)"])
   try:
-    lock = os.path.join(workdir, checkpointing.LOCK_FILE)
+    lock = os.path.join(workdir, workdir_lock.LOCK_FILE)
     with open(lock, "w") as f:
       json.dump({"pid": holder.pid, "host": socket.gethostname()}, f)
     config = tiny_config(model="lstm", max_epochs=1)

@@ -14,7 +14,6 @@ import threading
 
 import pytest
 
-from nsrnn_jax import checkpointing
 from nsrnn_jax import workdir_lock
 
 
@@ -87,9 +86,6 @@ def test_a_live_holder_is_refused_and_reported_a_dead_one_taken_over(
   with pytest.raises(workdir_lock.WorkdirInUse, match="on elsewhere"):
     with workdir_lock.hold(workdir):
       pass
-  # checkpointing's name for it is the same lock.
-  assert checkpointing.workdir_lock is workdir_lock.hold
-  assert checkpointing.LOCK_FILE == workdir_lock.LOCK_FILE
 
 
 def test_a_claim_is_reported_like_a_lock_and_lets_its_own_run_train(
