@@ -190,9 +190,7 @@ def run_config(task: str, model: str, run_index: int, learning_rate: float,
     config.data_seed = config.param_seed = config.shuffle_seed = seed
     config.progress_bar = False
     for field, value in dict(overrides).items():
-      if field not in config:
-        raise run_records.unknown_field("--set", field, config.keys())
-      config[field] = value
+      run_records.set_field(config, "--set", field, value)
   try:
     train.validate_config(config)
   except ValueError as e:

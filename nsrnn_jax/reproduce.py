@@ -113,6 +113,7 @@ from nsrnn_jax.run_records import read_json
 from nsrnn_jax.run_records import REPO_ROOT
 from nsrnn_jax.run_records import ReproduceError
 from nsrnn_jax.run_records import RunSpec
+from nsrnn_jax.run_records import set_field
 from nsrnn_jax.run_records import STACK_SIZES
 from nsrnn_jax.run_records import TASKS
 from nsrnn_jax.run_records import unknown_field
@@ -245,7 +246,7 @@ def run_config(spec: RunSpec, overrides: Mapping[str, Any] = ()):
         raise ReproduceError(f"--set {field}: set by the protocol; use "
                              "--task/--models/--learning_rates/--stack_sizes/"
                              "--restarts")
-      config[field] = value
+      set_field(config, "--set", field, value)
     # The NS-RNN's share stack also measures its product margin on the
     # validation and test strings (one more stack sweep per string there;
     # training unchanged), so its records say on how many strings its

@@ -229,6 +229,22 @@ def unknown_field(flag: str, field: str, fields) -> ReproduceError:
                         "(fields: configs/default.py)")
 
 
+def set_field(config, flag: str, field: str, value: Any) -> None:
+  """config[field] = value for `--set field=value`, or a one-line error
+  naming the field where the value is not of its type (ml_collections
+  refuses, e.g., hidden_size=abc)."""
+  if field not in config:
+    raise unknown_field(flag, field, config.keys())
+  try:
+    config[field] = value
+  except (TypeError, ValueError) as e:
+    old = config[field]
+    kind = (f"{type(old).__name__} values" if old is not None
+            else "values of another type")
+    raise ReproduceError(f"{flag} {field}={value!r}: the field holds "
+                         f"{kind} (configs/default.py)") from e
+
+
 def made_by() -> dict[str, Any]:
   """What a record says made it: {"hardware": `hardware()`, "code":
   `code_version()`}. Take it once when an invocation starts (see

@@ -159,6 +159,8 @@ def test_a_run_another_process_trains_is_left_to_it(tmp_path, capsys):
      "--set bogus: unknown config field"),
     (["--task=marked_copy", "--models=lstm", "--set=hidden_size=0"],
      "config.hidden_size must be >= 1"),
+    (["--task=marked_copy", "--models=lstm", "--set=hidden_size=abc"],
+     "--set hidden_size='abc': the field holds int values"),
     (["--task=paper,marked_copy", "--models=lstm"],
      "--task=paper stands alone"),
     (["--task=marked_copy", "--models=paper,lstm"],
