@@ -29,6 +29,7 @@ The source lacks the training figures of unmarked and padded reversal.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -83,8 +84,12 @@ def _panel(body: str, where: str) -> dict[str, dict[str, list[float]]]:
   """{model: {"x", "mean", "std"}} of one figure file's text."""
   bands = {}
   for color, path in _BAND.findall(body):
-    bands[int(color)] = _band([(float(x), float(y))
-                               for x, y in _POINT.findall(path)])
+    try:
+      points = [(float(x), float(y)) for x, y in _POINT.findall(path)]
+    except ValueError as e:
+      raise PaperFiguresError(f"{where}: unreadable band color{color} "
+                              f"({e})") from e
+    bands[int(color)] = _band(points)
   out = {}
   lines = list(_LINE.finditer(body))
   for i, match in enumerate(lines):
@@ -161,13 +166,38 @@ def load(path: str = DEFAULT_PATH) -> Optional[dict[str, dict[str, Any]]]:
   if not os.path.isfile(path):
     return None
   try:
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
       data = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, ValueError) as e:   # ValueError: JSON, UTF-8
     raise PaperFiguresError(f"unreadable {path}: {e}") from e
   if not isinstance(data, dict) or data.get("format") != FORMAT:
     raise PaperFiguresError(f"{path} is not a {FORMAT} file")
+  for kind in ("train", "test"):
+    for task, model, problem in _curve_problems(data.get(kind)):
+      raise PaperFiguresError(f"{path}: {kind}/{task}/{model} {problem}")
   return {"train": data["train"], "test": data["test"]}
+
+
+def _curve_problems(panels):
+  """(task, model, what is wrong) of each curve of one kind that is not
+  {"x", "mean", "std"}: lists of finite numbers of one length."""
+  if not isinstance(panels, dict):
+    yield "-", "-", "is missing or not an object"
+    return
+  for task, panel in panels.items():
+    if not isinstance(panel, dict):
+      yield task, "-", "is not an object"
+      continue
+    for model, c in panel.items():
+      lists = [c.get(k) for k in ("x", "mean", "std")] if isinstance(
+          c, dict) else [None]
+      if not all(isinstance(v, list) for v in lists):
+        yield task, model, "lacks the lists x, mean and std"
+      elif len({len(v) for v in lists}) != 1:
+        yield task, model, "has lists x, mean and std of different lengths"
+      elif not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v) for v in sum(lists, [])):
+        yield task, model, "holds a value that is not a finite number"
 
 
 def curve(data: Optional[Mapping[str, Any]], kind: str, task: str,
@@ -192,6 +222,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     with open(args.tex, encoding="utf-8") as f:
       data = parse(f.read())
+  except UnicodeDecodeError as e:
+    print(f"error: {args.tex} is not UTF-8 text ({e.reason} at byte "
+          f"{e.start})", file=sys.stderr)
+    return 2
   except (OSError, PaperFiguresError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

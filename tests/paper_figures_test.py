@@ -93,6 +93,9 @@ def test_parse_reads_every_line_and_its_band():
     (lambda s: s.replace("\n2.0 0.2\n", "\n2.0 0.21\n"), "not centred"),
     (lambda s: s.replace("\\addplot [line", "\\addplot [curve"),
      "no \\\\addplot line"),
+    # A band point that is not a number.
+    (lambda s: s.replace("(axis cs:2.0,", "(axis cs:e,", 1),
+     "unreadable band color"),
 ])
 def test_parse_refuses_what_it_cannot_read(edit, match):
   source = edit(_source())
@@ -123,6 +126,32 @@ def test_cli_writes_what_load_reads_and_fails_in_one_line(tmp_path, capsys):
   out.write_text("{not json")
   with pytest.raises(paper_figures.PaperFiguresError, match="unreadable"):
     paper_figures.load(str(out))
+  out.write_bytes(b"\x89PNG\r\n")
+  with pytest.raises(paper_figures.PaperFiguresError, match="unreadable"):
+    paper_figures.load(str(out))
+  # The right format with curves that are not curves: named, not a
+  # KeyError or AttributeError from the report that reads them.
+  good = paper_figures.parse(_source())
+  task, panel = next(iter(good["train"].items()))
+  model = next(iter(panel))
+  for data, what in [
+      ({"test": good["test"]}, "train/-/- is missing"),
+      ({"train": 5, "test": {}}, "train/-/- is missing or not an object"),
+      ({"train": {task: 5}, "test": {}}, f"train/{task}/- is not an"),
+      ({"train": {task: {model: {"x": [1]}}}, "test": {}},
+       f"train/{task}/{model} lacks the lists"),
+      ({"train": {task: {model: {"x": [1], "mean": [1], "std": []}}},
+        "test": {}}, "of different lengths"),
+      ({"train": {task: {model: {"x": [1], "mean": ["a"], "std": [1]}}},
+        "test": {}}, "not a finite number")]:
+    out.write_text(json.dumps({"format": paper_figures.FORMAT, **data}))
+    with pytest.raises(paper_figures.PaperFiguresError, match=what):
+      paper_figures.load(str(out))
+  # Not UTF-8 LaTeX: one line, exit 2.
+  tex.write_bytes(b"\x89PNG\r\n\x1a\n")
+  assert paper_figures.main([f"--tex={tex}", f"--out={out}"]) == 2
+  err = capsys.readouterr().err
+  assert "is not UTF-8 text" in err and err.count("\n") == 1
 
 
 # Curve lengths of the training figures (reference-behaviour.md 10.1).
