@@ -350,9 +350,13 @@ def load_records(results_dir: str, task: Optional[str] = None
   """Every record under results_dir (of one task if given), sorted by path."""
   out = []
   root = results_dir if task is None else os.path.join(results_dir, task)
-  for dirpath, _, filenames in sorted(os.walk(root)):
+  for dirpath, dirnames, filenames in sorted(os.walk(root)):
+    for name in dirnames:
+      if _is_record_name(name):
+        raise ReproduceError(f"{os.path.join(dirpath, name)} is a directory,"
+                             " not a record file")
     for name in sorted(filenames):
-      if name.startswith("restart_") and name.endswith(".json"):
+      if _is_record_name(name):
         path = os.path.join(dirpath, name)
         try:
           rec = read_json(path)
@@ -361,6 +365,26 @@ def load_records(results_dir: str, task: Optional[str] = None
         check_record(rec, path)
         out.append(rec)
   return out
+
+
+def _is_record_name(name: str) -> bool:
+  return name.startswith("restart_") and name.endswith(".json")
+
+
+def _non_finite(value: Any) -> bool:
+  """Whether a number, or a list of them, holds NaN or ±inf (Python's json
+  reads NaN and Infinity)."""
+  if isinstance(value, list):
+    return any(_non_finite(v) for v in value)
+  return isinstance(value, float) and not math.isfinite(value)
+
+
+# The numbers the reports average that a finished run has finite (training
+# raises on a non-finite loss or validation perplexity): NaN or inf there
+# is damage. (A stack margin is +inf where a string forms no product.)
+_FINITE_EPOCH_KEYS = ("train_loss", "valid_ce_diff", "valid_perplexity",
+                      "time")
+_FINITE_TEST_KEYS = ("ce_diff", "perplexity", "lower_bound_perplexity")
 
 
 # A record's fields that the reports read, and their JSON types.
@@ -389,6 +413,17 @@ def check_record(rec: Any, path: str) -> None:
                            "record's")
   if not all(isinstance(e, dict) for e in rec["epochs"]):
     raise ReproduceError(f"{path}: field 'epochs' holds a non-object")
+  if not isinstance(rec.get("test"), (dict, type(None))):  # None: no test
+    raise ReproduceError(f"{path}: field 'test' is {rec['test']!r}, not an "
+                         "object")
+  places = [(f, rec.get(f)) for f in _RECORD_FIELDS] + [
+      (f"test.{k}", (rec.get("test") or {}).get(k))
+      for k in _FINITE_TEST_KEYS]
+  places += [(f"epochs[{i}].{k}", e.get(k))
+             for i, e in enumerate(rec["epochs"]) for k in _FINITE_EPOCH_KEYS]
+  for where, value in places:
+    if _non_finite(value):
+      raise ReproduceError(f"{path}: {where} holds NaN or an infinity")
   parts = os.path.normpath(path).split(os.sep)
   if (parts[-1] != f"restart_{rec['restart']}.json"
       or rec["task"] not in parts[:-1] or rec["model"] not in parts[:-1]):

@@ -296,6 +296,20 @@ def test_bad_config_is_a_one_line_error(corpus_dir, tmp_path, overrides,
   assert not os.path.exists(tmp_path / "run")
 
 
+def test_a_diverged_run_raises_instead_of_reporting_its_start(corpus_dir,
+                                                               tmp_path):
+  # lr 1e4 without clipping: ~9,000 nats a token, a finite training loss
+  # whose perplexity never beats the initial best (inf).
+  with pytest.raises(FloatingPointError,
+                     match=r"non-finite validation perplexity \(inf; "
+                     r"cross-entropy [0-9.e+]+ nats per token\) in epoch 1:"
+                     " training diverged"):
+    train.train_and_evaluate(
+        _config(corpus_dir, learning_rate=1e4, clip_norm=1e30,
+                max_epochs=2), str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run" / "results.json")
+
+
 def _free_port():
   with socket.socket() as sock:
     sock.bind(("localhost", 0))

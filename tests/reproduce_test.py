@@ -1133,6 +1133,12 @@ def test_model_axis_gives_a_group_its_holder_gave_up_a_second_round(
     ("no_protocol", "field 'protocol' is None, not a record's"),
     ("string_ce_diff", "field 'best_valid_ce_diff' is 'abc', not a record's"),
     ("bool_restart", "field 'restart' is True, not a record's"),
+    ("test_not_object", "field 'test' is 5, not an object"),
+    # NaN / inf that a finished run cannot have: averaged into the report.
+    ("nan_ce_diff", "best_valid_ce_diff holds NaN or an infinity"),
+    ("inf_test_ce_diff", "test.ce_diff holds NaN or an infinity"),
+    ("inf_epoch_ce_diff", "epochs[3].valid_ce_diff holds NaN or an infinity"),
+    ("directory", "is a directory, not a record file"),
 ])
 def test_a_misplaced_or_malformed_record_is_refused_in_one_line(
     tmp_path, capsys, change, message):
@@ -1154,9 +1160,21 @@ def test_a_misplaced_or_malformed_record_is_refused_in_one_line(
     del rec["protocol"]
   elif change == "string_ce_diff":
     rec["best_valid_ce_diff"] = "abc"
-  else:
+  elif change == "test_not_object":
+    rec["test"] = 5
+  elif change == "nan_ce_diff":
+    rec["best_valid_ce_diff"] = float("nan")
+  elif change == "inf_test_ce_diff":
+    rec["test"]["ce_diff"][2] = float("inf")
+  elif change == "inf_epoch_ce_diff":
+    rec["epochs"][3]["valid_ce_diff"] = -float("inf")
+  elif change == "bool_restart":
     rec["restart"] = True
-  target.write_text(json.dumps(rec))
+  if change == "directory":
+    target.unlink()
+    target.mkdir()
+  else:
+    target.write_text(json.dumps(rec))
   with pytest.raises(run_records.ReproduceError, match=re.escape(message)):
     run_records.load_records(str(results))
   for flags in (["--report", f"--report_path={tmp_path / 'rep.md'}"],

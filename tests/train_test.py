@@ -50,6 +50,15 @@ class NaNLM(TinyLM):
     return super().__call__(symbols_BxN) * jnp.nan
 
 
+class FarOffLM(TinyLM):
+  """TinyLM that puts e^-10000 on every symbol but "0": a finite training
+  loss (~5,000 nats a symbol) whose perplexity is past float range."""
+
+  def __call__(self, symbols_BxN):
+    logits = super().__call__(symbols_BxN)
+    return logits.at[..., 0].add(1e4)
+
+
 # One instance per stand-in, shared by all tests, so that the module-level
 # jit caches of train.py are reused across tests.
 TINY = TinyLM()
@@ -807,6 +816,20 @@ def test_non_finite_loss_raises(tmp_path):
     train.train_and_evaluate(config, str(tmp_path),
                              splits=tiny_splits(lengths=(5,)),
                              model=NaNLM())
+
+
+def test_a_validation_perplexity_past_float_range_raises(tmp_path):
+  # Such a model never beats the initial best (inf): without the check the
+  # run went on to "finish" and reported its initial parameters.
+  config = tiny_config(max_epochs=2)
+  with pytest.raises(FloatingPointError,
+                     match=r"non-finite validation perplexity \(inf; "
+                     r"cross-entropy [0-9.e+]+ nats per symbol\) in epoch 1 "
+                     f"of run {tmp_path}: training diverged"):
+    train.train_and_evaluate(config, str(tmp_path),
+                             splits=tiny_splits(lengths=(5,)),
+                             model=FarOffLM())
+  assert not os.path.exists(os.path.join(tmp_path, "results.json"))
 
 
 def test_bucket_strategy_trains_like_per_length(tmp_path):
