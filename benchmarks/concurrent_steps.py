@@ -121,8 +121,8 @@ def main():
   parser.add_argument("--batch_chunk", default="0",
                       help="comma-separated config.stack_batch_chunk values "
                       "for the NS models (0: automatic)")
-  parser.add_argument("--out", default=os.path.join(RESULTS,
-                                                    "concurrent_steps.json"))
+  parser.add_argument("--out", type=cli.output_file,
+                      default=os.path.join(RESULTS, "concurrent_steps.json"))
   args = parser.parse_args()
   if args.cores < 2 or args.window <= 0 or args.rounds < 1:
     cli.fail("--cores must be >= 2, --window > 0, --rounds >= 1")

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--baseline", default="",
                       help="also time the stack models' step with the "
                       "window stacks as of this git revision")
-  parser.add_argument("--out", default="",
+  parser.add_argument("--out", type=cli.output_file, default=None,
                       help="output JSON (default: benchmarks/results/"
                       "corpus_step[_quick].json)")
   return parser

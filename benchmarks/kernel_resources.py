@@ -200,7 +200,7 @@ def main():
                       "ref, at its own default tiles")
   parser.add_argument("--arch", type=int, default=90,
                       help="CUDA compute capability, e.g. 90 (H100/H200)")
-  parser.add_argument("--out", default=os.path.join(
+  parser.add_argument("--out", type=cli.output_file, default=os.path.join(
       REPO, "benchmarks", "results", "kernel_resources.json"))
   args = parser.parse_args()
   if args.triton_path:

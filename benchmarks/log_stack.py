@@ -278,7 +278,8 @@ def main():
   parser.add_argument("--note", default="")
   parser.add_argument("--workdir", default=None)
   parser.add_argument("--strings", type=cli.positive_int, default=20)
-  parser.add_argument("--out", default="log_stack_trained.json")
+  parser.add_argument("--out", type=cli.output_file,
+                      default="log_stack_trained.json")
   parser.add_argument("--baseline", default=None,
                       help="also time nsrnn_jax/log_stack.py as of this git "
                       "revision ('log_before'; a before/after in one run)")

@@ -195,7 +195,7 @@ def main():
   parser.add_argument("--n", type=int, default=80)
   parser.add_argument("--batch", type=int, default=10)
   parser.add_argument("--reps", type=cli.positive_int, default=5)
-  parser.add_argument("--out", default=None,
+  parser.add_argument("--out", type=cli.output_file, default=None,
                       help="JSON path (default results/ns_stack.json, or "
                            "results/ns_stack_quick.json with --quick)")
   args = parser.parse_args()
@@ -252,7 +252,7 @@ def main():
           f"{r['net_rss_400_over_200']:.2f}, gross "
           f"{r['gross_rss_400_over_200']:.2f}, XLA temp "
           f"{r['xla_temp_400_over_200']:.2f}")
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"rows": rows, "ratios": ratios,
                "alternatives_measured_during_development": _ALTERNATIVES,

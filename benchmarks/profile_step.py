@@ -309,7 +309,7 @@ def build_parser():
   parser.add_argument("--top", type=cli.positive_int, default=12)
   parser.add_argument("--length", type=cli.positive_int, default=80,
                       help="string length n of the batch")
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--out", type=cli.output_file, default=None)
   parser.add_argument("--contractions", default="dot",
                       choices=("dot", "reduce", "reduce_all"),
                       help="the stack update's contractions (rns_stack)")

@@ -47,12 +47,22 @@ def _model_key(r):
   return name
 
 
+# The results file a block read last: named when a block fails on what it
+# read (a file without a field the block needs).
+_last_loaded = None
+
+
 def _load(name):
+  global _last_loaded
   path = os.path.join(RESULTS, name)
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  _last_loaded = os.path.relpath(path, REPO)
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except ValueError as e:   # not JSON, or not UTF-8
+    raise ValueError(f"unreadable {_last_loaded}: {e}") from e
 
 
 def _ms(seconds):
@@ -1468,14 +1478,22 @@ DOCUMENTS = {README: BLOCKS, BENCHMARKS: BENCHMARKS_BLOCKS,
 
 def render(readme_text, blocks=None):
   """README text (or another document's, given its blocks) regenerated."""
+  global _last_loaded
   for name, fn in (BLOCKS if blocks is None else blocks).items():
     pattern = re.compile(
         rf"(<!-- report:{name}:begin -->\n).*?(<!-- report:{name}:end -->)",
         re.S)
     if not pattern.search(readme_text):
       raise ValueError(f"the document has no report:{name} markers")
-    readme_text = pattern.sub(
-        lambda m, fn=fn: m.group(1) + fn() + m.group(2), readme_text)
+    _last_loaded = None
+    try:
+      block = fn()
+    except (KeyError, IndexError, TypeError, AttributeError) as e:
+      read = f" (last read: {_last_loaded})" if _last_loaded else ""
+      raise ValueError(f"report:{name}: a results file lacks what the block "
+                       f"reads{read}: {type(e).__name__} {e}") from e
+    readme_text = pattern.sub(lambda m, b=block: m.group(1) + b + m.group(2),
+                              readme_text)
   return readme_text
 
 
@@ -1484,10 +1502,13 @@ def main():
   parser.add_argument("--check", action="store_true")
   args = parser.parse_args()
   for path, blocks in DOCUMENTS.items():
-    with open(path) as f:
-      text = f.read()
-    new = render(text, blocks)
     rel = os.path.relpath(path, REPO)
+    try:
+      with open(path) as f:
+        text = f.read()
+      new = render(text, blocks)
+    except (OSError, ValueError) as e:
+      cli.fail(f"{rel}: {e}")
     if args.check:
       if new != text:
         print(f"{rel}'s benchmark tables are out of date: run "

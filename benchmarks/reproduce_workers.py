@@ -86,8 +86,8 @@ def main():
   parser.add_argument("--modes", default=",".join(MODES),
                       help="comma-separated, in the order to run them; "
                       "speed-ups are against the first")
-  parser.add_argument("--out", default=os.path.join(RESULTS,
-                                                    "reproduce_workers.json"))
+  parser.add_argument("--out", type=cli.output_file,
+                      default=os.path.join(RESULTS, "reproduce_workers.json"))
   args = parser.parse_args()
   if args.runs < 1 or args.max_epochs < 1 or args.cores < 2:
     cli.fail("--runs and --max_epochs must be >= 1, --cores >= 2")

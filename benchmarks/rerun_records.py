@@ -241,7 +241,7 @@ def main():
                       "first learning rate)")
   parser.add_argument("--conditions", default=None,
                       help="how the run was made (recorded in the JSON)")
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--out", type=cli.output_file, default=None)
   args = parser.parse_args()
   if args.against and not machine.is_revision(args.against):
     # Checked before the reruns, which take long.

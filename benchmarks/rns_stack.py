@@ -265,7 +265,8 @@ def main():
   parser = cli.OneLineArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="n in {100, 500} only")
-  parser.add_argument("--out", default=None, help="JSON path")
+  parser.add_argument("--out", type=cli.output_file, default=None,
+                      help="JSON path")
   parser.add_argument("--vs-ns", action="store_true",
                       help="unlimited RNS DP vs ns_stack (B=10, Q=S=2 and "
                       "Q=S=3), forward and forward+backward")

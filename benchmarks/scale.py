@@ -190,7 +190,7 @@ def build_parser():
                       help="rns_stack.UPDATE_KERNELS: 'pallas' runs the "
                       "stack's updates as Pallas kernels (stack_kernels; "
                       "GPUs), batched over K by vmap (K axis only)")
-  parser.add_argument("--out", default=None,
+  parser.add_argument("--out", type=cli.output_file, default=None,
                       help="default results/scale_<backend>.json")
   return parser
 

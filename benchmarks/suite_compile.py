@@ -156,8 +156,9 @@ def main(argv=None):
   sys.path.insert(0, REPO)
   from nsrnn_jax import cli  # pylint: disable=g-import-not-at-top
   parser = cli.OneLineArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default=os.path.join(HERE, "results",
-                                                    "suite_compile.json"))
+  parser.add_argument("--out", type=cli.output_file,
+                      default=os.path.join(HERE, "results",
+                                           "suite_compile.json"))
   parser.add_argument("--top", type=cli.positive_int, default=20)
   args = parser.parse_args(argv)
   with tempfile.TemporaryDirectory() as out_dir:

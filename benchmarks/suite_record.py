@@ -188,7 +188,7 @@ def main():
                       help="pytest --junitxml output; or the parts of one "
                       "suite in order: an interrupted run's report, then "
                       "that of the run that finished it (NSRNN_TEST_DONE)")
-  parser.add_argument("--out", required=True)
+  parser.add_argument("--out", type=cli.output_file, required=True)
   parser.add_argument("--root", default=".",
                       help="the directory pytest ran in (for test paths)")
   parser.add_argument("--command", default="")

@@ -623,7 +623,7 @@ def build_parser():
                       "(config.scan_unroll)")
   parser.add_argument("--baseline_ref", default=None,
                       help="git ref of an ns_stack.py to compare against")
-  parser.add_argument("--cpu_devices", type=int, default=1)
+  parser.add_argument("--cpu_devices", type=cli.positive_int, default=1)
   parser.add_argument("--batch_chunk", default=[], type=cli.int_list,
                       help="comma-separated config.stack_batch_chunk values "
                       "(NS models; the plain row is automatic)")
@@ -664,13 +664,15 @@ def build_parser():
   parser.add_argument("--compile_study", action="store_true")
   parser.add_argument("--study_model", default="ns22,jm",
                       help="comma-separated models for --compile_study")
-  parser.add_argument("--study_lengths", default="41,61,79")
-  parser.add_argument("--buckets", default="50,60,70,80")
+  parser.add_argument("--study_lengths", default=[41, 61, 79],
+                      type=cli.int_list)
+  parser.add_argument("--buckets", default=[50, 60, 70, 80],
+                      type=cli.int_list)
   parser.add_argument("--conditions", default=None,
                       help="how the run was made (e.g. pinned to one core, "
                       "background paused): recorded in the JSON and shown "
                       "by report.py")
-  parser.add_argument("--out", default=None,
+  parser.add_argument("--out", type=cli.output_file, default=None,
                       help="default results/train_step_<backend>.json")
   return parser
 
@@ -759,8 +761,7 @@ def main():
     out["compile_study"] = []
     for name in args.study_model.split(","):
       out["compile_study"].append(compile_study(
-          name, [int(x) for x in args.study_lengths.split(",")],
-          [int(x) for x in args.buckets.split(",")], args.repeats,
+          name, args.study_lengths, args.buckets, args.repeats,
           args.precision))
       save()
   save()

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how the machine was used, saved in the JSON")
   parser.add_argument("--length", type=int, default=80,
                       help="string length n of --compare (T = n - 1)")
-  parser.add_argument("--out", default=None,
+  parser.add_argument("--out", type=cli.output_file, default=None,
                       help="output JSON (default: benchmarks/results/"
                       "vrns_stack_speed.json with --compare, else "
                       "vrns_stack[_quick].json)")

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="time the chunk gradient with limited_stack as "
                       "of this git revision against the working tree "
                       "instead (window_vjp_before_after.json)")
-  parser.add_argument("--out", default=None,
+  parser.add_argument("--out", type=cli.output_file, default=None,
                       help="output JSON (default: benchmarks/results/"
                       "window_vjp[_huge_pages].json)")
   return parser

@@ -181,6 +181,18 @@ def int_list(text):
   return [int(t) for t in items]
 
 
+def output_file(text):
+  """argparse type of a file a command writes (--out): not empty (an empty
+  --out would fall back to the default path, over a committed result) and
+  not a directory (found only when the run, minutes long, is done)."""
+  if not text.strip():
+    raise argparse.ArgumentTypeError("want a file path, got ''")
+  if os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text!r} is a directory; want a file"
+                                     " path")
+  return text
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
   """argparse for the package's argparse commands: a flag that does not parse
   is one line, not argparse's usage block.

@@ -24,6 +24,18 @@ import pytest
     ("train_step", ["--unroll=2,x"],
      "error: argument --unroll: want comma-separated integers >= 0, got "
      "'2,x'"),
+    ("train_step", ["--study_lengths=abc"],
+     "error: argument --study_lengths: want comma-separated integers >= 0"),
+    ("train_step", ["--cpu_devices=0"],
+     "error: argument --cpu_devices: want an integer >= 1, got '0'"),
+    # An empty --out fell back to the default path: over the committed
+    # results file, after the run.
+    ("train_step", ["--out="], "error: argument --out: want a file path"),
+    ("scale", ["--out="], "error: argument --out: want a file path"),
+    ("train_step", ["--out=/"],
+     "error: argument --out: '/' is a directory; want a file path"),
+    ("corpus_step", ["--out=/"],
+     "error: argument --out: '/' is a directory; want a file path"),
     ("window_vjp", ["--baseline_ref=no-such-revision-x"],
      "error: no nsrnn_jax/limited_stack.py at git revision "
      "'no-such-revision-x'"),

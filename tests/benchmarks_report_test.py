@@ -287,3 +287,33 @@ def test_stream_margin_benchmark_reports_the_chunk_s_margin(load_benchmark):
   inputs = np.random.default_rng(0).integers(0, 50, (4, 6)).astype(np.int32)
   want = model.apply({"params": params}, inputs, method="stack_margin")
   assert row["min_margin"] == pytest.approx(float(np.min(want)), rel=1e-5)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ('{"rows": [', "unreadable benchmarks/results/train_step_cpu.json"),
+    ('{"steps": [5]}', "report:benchmarks: a results file lacks what the "
+     "block reads (last read: "),
+])
+def test_a_damaged_results_file_is_one_line_naming_it(
+    report, tmp_path, monkeypatch, capsys, damage, message):
+  # A copy of the results with the headline CPU run damaged: one line and
+  # exit 2 naming the file or the block, not a traceback from inside a
+  # renderer (and the document is not rewritten).
+  import shutil  # pylint: disable=g-import-not-at-top
+  results = tmp_path / "benchmarks" / "results"
+  shutil.copytree(os.path.join(REPO, "benchmarks", "results"), results)
+  (results / "train_step_cpu.json").write_text(damage)
+  monkeypatch.setattr(report, "RESULTS", str(results))
+  monkeypatch.setattr(report, "REPO", str(tmp_path))
+  doc = tmp_path / "doc.md"
+  text = "<!-- report:benchmarks:begin -->\n<!-- report:benchmarks:end -->\n"
+  doc.write_text(text)
+  monkeypatch.setattr(report, "DOCUMENTS",
+                      {str(doc): {"benchmarks": report.benchmarks_block}})
+  monkeypatch.setattr(sys, "argv", ["report.py"])
+  with pytest.raises(SystemExit) as e:
+    report.main()
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err, err
+  assert doc.read_text() == text
