@@ -104,9 +104,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   model = need("model")
   if model not in MODELS:
     fail("model", f"is {model!r}; expected one of {', '.join(MODELS)}")
-  if model == "vrns":
-    from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
-    vrns_model.validate_config(config)
+  from nsrnn_jax import vrns_model  # pylint: disable=g-import-not-at-top
+  vrns_model.validate_config(config)
   # Optional: configs stored before the field existed mean the same model.
   from nsrnn_jax import models  # pylint: disable=g-import-not-at-top
   table = config.get("stack_table", models.DEFAULT_NS_TABLE)

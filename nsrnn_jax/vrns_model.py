@@ -263,9 +263,24 @@ def check_options(stack_vector_size, stack_bottom_vector,
                      f'{broadcast_bottom_vector!r})')
 
 
+# The VRNS fields' defaults (configs/default.py): another model's config
+# leaves them there (set otherwise they would be ignored without a word).
+VRNS_FIELD_DEFAULTS = {'stack_vector_size': 3,
+                       'stack_bottom_vector': 'learned',
+                       'broadcast_bottom_vector': False}
+
+
 def validate_config(config) -> None:
-  """Checks a config's VRNS fields (only when config.model == 'vrns')."""
-  if config.get('model') != 'vrns':
+  """Checks a config's VRNS fields: valid for model 'vrns', at their
+  defaults for the other models."""
+  model = config.get('model')
+  if model != 'vrns':
+    for field, default in VRNS_FIELD_DEFAULTS.items():
+      value = config.get(field, default)
+      if value != default:
+        raise ValueError(
+            f'config.{field} is {value!r} but applies to model \'vrns\' '
+            f'only (model is {model!r}); leave it at {default!r}')
     return
   for field in ('stack_vector_size', 'stack_bottom_vector',
                 'broadcast_bottom_vector'):

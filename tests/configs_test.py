@@ -357,6 +357,23 @@ def test_bad_jm_variant_is_a_one_line_error(changes, message):
   train.validate_config(config)
 
 
+@pytest.mark.parametrize("model,field,value", [
+    ("ns", "stack_vector_size", 0), ("lstm", "stack_vector_size", 20),
+    ("rns", "stack_bottom_vector", "bogus"),
+    ("jm", "broadcast_bottom_vector", True)])
+def test_a_vrns_field_set_for_another_model_is_refused(model, field, value):
+  # It would be ignored: a run that looks like it used the value.
+  config = default.get_config()
+  config.model = model
+  with config.unlocked():
+    config[field] = value
+  with pytest.raises(ValueError, match=(
+      f"config.{field} is {re.escape(repr(value))} but applies to model "
+      f"'vrns' only \\(model is '{model}'\\); leave it at")) as info:
+    train.validate_config(config)
+  assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("task", ["dyck_k7", "marked_reversal_k3",
                                   "unmarked_reversal_k5", "marked_copy_k3",
                                   "count_and_copy_k4"])
