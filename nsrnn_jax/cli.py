@@ -283,11 +283,17 @@ def refuse_config_overrides(argv: Sequence[str],
       raise ValueError(f"{name}: {reasons[name[len('--config.'):]]}")
 
 
+# The config-file flags `define_config_file` defined: `parse_flags` checks
+# that each loaded file gave a ConfigDict.
+_config_flag_names = []
+
+
 def define_config_file(name: str, help_text: str, lock_config: bool):
   """`config_flags.DEFINE_config_file(name, None, ...)`, whose errors are
   one line: it reads the command line's --flagfile files when defined
   (before `run` parses anything), and an unreadable one was a traceback."""
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  _config_flag_names.append(name)
   try:
     return config_flags.DEFINE_config_file(name, None, help_text,
                                            lock_config=lock_config)
@@ -301,11 +307,19 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     if root not in sys.path:
       sys.path.append(root)
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
+    message = _innermost(e)
+    # A config file without get_config, or whose get_config returned no
+    # ConfigDict (seen here when an override is applied to it).
+    if "has no attribute 'get_config'" in message:
+      fail("cannot load --config: the file defines no get_config()")
+    if message.startswith("Attribute <class"):
+      kind = message.split("'")[1] if "'" in message else "another type"
+      fail(f"cannot load --config: its get_config() returned type {kind}, not"
+           " an ml_collections.ConfigDict")
     # ml_collections raises these for --config.<name> with an unknown name;
     # its own guess is one close spelling, so name ours where we can.
-    message = _innermost(e)
     name = re.match(r"'([^']+)'", message)
     fields = _config_fields(argv) if name else None
     if fields is not None:
@@ -316,6 +330,17 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
   except (flags.Error, ImportError, OSError, TypeError, ValueError,
           SyntaxError) as e:
     fail(e)
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  for name in _config_flag_names:
+    value = flags.FLAGS[name].value if name in flags.FLAGS else None
+    # (ml_collections's stand-in for a file it could not load raises its
+    # own error, one line at first use: `run`.)
+    if value is not None and type(value).__name__ != "_ErrorConfig" and (
+        not isinstance(value, (ml_collections.ConfigDict,
+                               ml_collections.FrozenConfigDict))):
+      fail(f"cannot load --{name}: its get_config() returned type "
+           f"{type(value).__name__}, not an ml_collections.ConfigDict")
+  return rest
 
 
 def comma_list(value: str, what: str, cast: Callable[[str], Any] = str

@@ -42,6 +42,19 @@ def _cases(tmp):
       ("parameter for a config without any", [
           "-m", "nsrnn_jax.main", f"--config={QUICK}:ns", f"--workdir={new}"],
        "this config file takes no parameter; drop the ':...'"),
+      ("config file without get_config", [
+          "-m", "nsrnn_jax.main", f"--config={tmp}/bad_configs/no_get.py",
+          f"--workdir={new}"],
+       "cannot load --config: the file defines no get_config()"),
+      ("config file whose get_config returns no ConfigDict", [
+          "-m", "nsrnn_jax.main", f"--config={tmp}/bad_configs/five.py",
+          f"--workdir={new}"],
+       "cannot load --config: its get_config() returned type int, not an "
+       "ml_collections.ConfigDict"),
+      ("the same, with an override", [
+          "-m", "nsrnn_jax.main", f"--config={tmp}/bad_configs/five.py",
+          "--config.max_epochs=2", f"--workdir={new}"],
+       "cannot load --config: its get_config() returned type int"),
       ("ill-typed override", main + ["--config.hidden_size=1.5",
                                      f"--workdir={new}"],
        "--config.hidden_size=1.5"),
@@ -161,6 +174,11 @@ def test_every_bad_input_is_one_line_and_exit_2(tmp_path):
   tmp = str(tmp_path)
   with open(os.path.join(tmp, "a_file"), "w") as f:
     f.write("not a directory")
+  os.makedirs(os.path.join(tmp, "bad_configs"))
+  with open(os.path.join(tmp, "bad_configs", "no_get.py"), "w") as f:
+    f.write("X = 1\n")
+  with open(os.path.join(tmp, "bad_configs", "five.py"), "w") as f:
+    f.write("def get_config():\n  return 5\n")
   sys.path.insert(0, REPO)
   try:
     from configs import quick  # pylint: disable=g-import-not-at-top
