@@ -61,8 +61,9 @@ TASK = "corpus"
 STREAM_MODELS = ("lstm", "rns", "vrns")
 
 
-def validate_config(config) -> None:
-  """The corpus-specific fields (train.validate_config calls this)."""
+def validate_config(config, files: bool = True) -> None:
+  """The corpus-specific fields (train.validate_config calls this);
+  `files`: also that config.corpus_dir holds the corpus's files."""
 
   def fail(field, message):
     raise ValueError(f"config.{field} {message}")
@@ -71,9 +72,9 @@ def validate_config(config) -> None:
   if not isinstance(corpus_dir, str) or not corpus_dir:
     fail("corpus_dir", "must name a directory with train/valid/test.txt "
          "for task 'corpus' (python -m nsrnn_jax.corpus writes a small one)")
-  if not os.path.isdir(corpus_dir):
+  if files and not os.path.isdir(corpus_dir):
     fail("corpus_dir", f"{corpus_dir!r} is not a directory")
-  for split in corpus_lib.SPLITS:  # Before a run starts, not when it loads.
+  for split in corpus_lib.SPLITS if files else ():  # Before a run starts.
     try:
       corpus_lib.split_path(corpus_dir, split)
     except ValueError as e:

@@ -79,7 +79,14 @@ def load_model(workdir: str, model: Any = None,
   """
   # JSON turns tuples into lists; ConfigDict accepts either.
   config = ml_collections.ConfigDict(checkpointing.read_config(workdir))
-  if stack_table is not None:
+  try:
+    # A stored config edited by hand (or damaged) fails here, naming its
+    # field, not later as a wrong batch size or silently unused.
+    train.validate_config(config, training=False)
+  except ValueError as e:
+    raise ValueError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)}: "
+                     f"{e}") from None
+  if stack_table is not None:   # (models.build names what cannot run it)
     config.stack_table = stack_table
   if model is None:
     from nsrnn_jax import models  # pylint: disable=g-import-not-at-top

@@ -71,8 +71,13 @@ CORPUS_FIELD_DEFAULTS = {"corpus_dir": "", "bptt_length": 35,
                          "eval_batch_size": 0, "init_scale": 0.0}
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Checks a config; raises a one-line ValueError naming the bad field."""
+def validate_config(config: ml_collections.ConfigDict,
+                    training: bool = True) -> None:
+  """Checks a config; raises a one-line ValueError naming the bad field.
+
+  `training`: also what only training needs of this host: the batch splits
+  over its devices and the corpus directory is there (a stored run read
+  for evaluation batches on its own, and may be given a moved corpus)."""
 
   def fail(field, message):
     raise ValueError(f"config.{field} {message}")
@@ -264,9 +269,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
          f"{', '.join(OPTIMIZERS)}")
   if is_corpus:
     from nsrnn_jax import corpus_train  # pylint: disable=g-import-not-at-top
-    corpus_train.validate_config(config)
+    corpus_train.validate_config(config, files=training)
   num_devices = jax.device_count()
-  if config.batch_size % num_devices:
+  if training and config.batch_size % num_devices:
     fail("batch_size", f"({config.batch_size}) is not divisible by the number "
          f"of devices ({num_devices})")
 

@@ -368,3 +368,27 @@ def test_a_table_the_run_cannot_use_is_a_clear_error(workdir):
   with pytest.raises(ValueError, match="stack_table 'log' applies to models "
                      "ns, rns and vrns only"):
     evaluate.on_table(evaluate.load_model(workdir), "log")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("compile_strategy", "bogus", "config.compile_strategy"),
+    ("test_strings_per_length", 0,
+     "config.test_strings_per_length must be >= 1 (got 0)"),
+    ("stack_vector_size", 0, "config.stack_vector_size is 0 but applies to "
+     "model 'vrns' only")])
+def test_a_damaged_stored_config_is_named_before_anything_runs(
+    workdir, tmp_path, field, value, message):
+  # A config.json edited by hand: its field, not a batch size it implies
+  # (test_strings_per_length is the test's batch) or silence.
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  path = os.path.join(copy, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config[field] = value
+  with open(path, "w") as f:
+    json.dump(config, f)
+  with pytest.raises(ValueError) as info:
+    evaluate.load_model(copy)
+  assert str(info.value).startswith(f"{path}: ") and message in str(
+      info.value) and "\n" not in str(info.value)
