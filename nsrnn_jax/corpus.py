@@ -77,10 +77,18 @@ def digest(corpus_dir: str) -> str:
 
 
 def read_tokens(path: str) -> Iterator[tuple[int, list[str]]]:
-  """Yields (line number, tokens + [<eos>]) for every line of a file."""
+  """Yields (line number, tokens + [<eos>]) for every line of a file.
+
+  Raises:
+    ValueError: the file is not UTF-8 text (named).
+  """
   with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, start=1):
-      yield number, line.split() + [EOS]
+    try:
+      for number, line in enumerate(f, start=1):
+        yield number, line.split() + [EOS]
+    except UnicodeDecodeError as e:
+      # (Decoded in blocks: the line it is on is not known here.)
+      raise ValueError(f"{path} is not UTF-8 text ({e.reason})") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,12 +187,13 @@ def _scored(lang: languages.Language, symbols: np.ndarray) -> Batch:
                lang.length_log_prob(symbols.shape[1]))
 
 
-def _check_sizes(**sizes) -> None:
+def _check_sizes(minimum: int = 0, **sizes) -> None:
+  """One-line ValueError unless every size is an int >= `minimum`."""
   for name, value in sizes.items():
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
       raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-      raise ValueError(f"{name} must be >= 0, got {value}")
+    if value < minimum:
+      raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def make_splits(task: str, *, seed: int, test_seed: int = 0,
@@ -230,15 +231,15 @@ def make_splits(task: str, *, seed: int, test_seed: int = 0,
   """
   lang = languages.get(task, preserve_start=preserve_start)
   _check_sizes(seed=seed, test_seed=test_seed, train_batches=train_batches,
-               valid_batches=valid_batches, batch_size=batch_size,
-               test_per_length=test_per_length)
+               valid_batches=valid_batches, test_per_length=test_per_length)
+  # Any batch needs a string; without batches the size is not used.
+  _check_sizes(minimum=1 if train_batches or valid_batches else 0,
+               batch_size=batch_size)
   train_lengths = lang.valid_lengths(train_min_length, train_max_length)
   test_lengths = lang.valid_lengths(test_min_length, test_max_length)
   if not train_lengths and (train_batches or valid_batches):
     raise ValueError(f"{task} has no string with length in "
                      f"[{train_min_length}, {train_max_length}]")
-  if batch_size < 1 and (train_batches or valid_batches):
-    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
   if not test_lengths and test_per_length:
     raise ValueError(f"{task} has no string with length in the test "
                      f"interval [{test_min_length}, {test_max_length}]")

@@ -626,6 +626,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not args.workdir:
       raise run_records.ReproduceError("--workdir is an empty path")
+    if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+      raise run_records.ReproduceError(
+          f"--workdir {args.workdir} is a file, not a directory of runs")
+    if args.seed is not None and args.seed < 0:
+      raise run_records.ReproduceError(
+          f"--seed must be an integer >= 0, got {args.seed}")
     records_dir = os.path.join(args.workdir, RECORDS_DIR)
     if args.status:
       if not args.task or not args.models:

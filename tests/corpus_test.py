@@ -47,6 +47,16 @@ def test_unknown_token_without_unk_is_a_one_line_error(tmp_path):
     corpus.load(d)
 
 
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+  d = _write(tmp_path, **{"train.txt": "a b\n", "valid.txt": "a\n",
+                          "test.txt": "a\n"})
+  with open(os.path.join(d, "test.txt"), "wb") as f:
+    f.write(b"a b\nc \xb1\xff\n")
+  with pytest.raises(ValueError, match=r"test.txt is not UTF-8 text "
+                     r"\(invalid start byte\)"):
+    corpus.load(d)
+
+
 @pytest.mark.parametrize("files, message", [
     ({}, "has no train file"),
     ({"train.txt": "a\n", "valid.txt": "a\n"}, "has no test file"),

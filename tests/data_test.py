@@ -123,6 +123,9 @@ def test_bad_arguments():
                      **dict(SMALL, test_min_length=4, test_max_length=4))
   with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
     data.make_splits("dyck", seed=0, **dict(SMALL, batch_size=0))
+  # (Not ">= 0": 0 is refused too where there are batches.)
+  with pytest.raises(ValueError, match="batch_size must be >= 1, got -3"):
+    data.make_splits("dyck", seed=0, **dict(SMALL, batch_size=-3))
   # No validation batches: no bound to report, and no division by zero.
   assert data.make_splits("dyck", seed=0, **dict(
       SMALL, valid_batches=0)).valid.num_strings == 0

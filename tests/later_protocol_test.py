@@ -161,6 +161,8 @@ def test_a_run_another_process_trains_is_left_to_it(tmp_path, capsys):
      "config.hidden_size must be >= 1"),
     (["--task=marked_copy", "--models=lstm", "--set=hidden_size=abc"],
      "--set hidden_size='abc': the field holds int values"),
+    (["--task=dyck", "--models=lstm", "--seed=-1", "--status"],
+     "--seed must be an integer >= 0, got -1"),
     (["--task=paper,marked_copy", "--models=lstm"],
      "--task=paper stands alone"),
     (["--task=marked_copy", "--models=paper,lstm"],
@@ -182,6 +184,17 @@ def test_bad_input_is_one_line_exit_2_and_trains_nothing(tmp_path, capsys,
   assert err.count("\n") == 1 and err.startswith("error: ")
   assert message in err
   assert not workdir.exists()
+
+
+def test_a_file_as_workdir_is_refused_for_status_too(tmp_path, capsys):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  for mode in ([], ["--status"]):
+    assert later_protocol.main(["--task=dyck", "--models=lstm",
+                                f"--workdir={a_file}"] + mode) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --workdir {a_file} is a file, not a directory "
+                   "of runs\n")
 
 
 def test_the_papers_tasks_and_models(tmp_path, capsys, monkeypatch):
