@@ -416,14 +416,10 @@ def _train(state, config, programs, splits, manager, writer, main,
     train_ce = float(nlls.sum()) / train_split.rows.num_targets
     valid = evaluate(state.params, programs, splits["valid"], bar, "valid",
                      stack_margin)
-    if not np.isfinite(np.float32(valid["perplexity"])):
-      # Past float32's range it never beats the initial best (inf): the
-      # run would report its initial parameters (loop.run_models too).
-      raise FloatingPointError(
-          f"non-finite validation perplexity ({valid['perplexity']}; "
-          f"cross-entropy {valid['cross_entropy']:.6g} nats per token) in "
-          f"epoch {epoch}: training diverged (try a smaller learning rate "
-          "or clip_norm); the last checkpoint is kept")
+    metrics_lib.check_valid_perplexity(
+        valid["perplexity"], valid["cross_entropy"], "token", f"epoch {epoch}",
+        "try a smaller learning rate or clip_norm",
+        "the last checkpoint is kept")
     lr_used = float(host(train.learning_rate(state)))
     state = programs.end_of_epoch(state, jnp.float32(valid["perplexity"]))
     after = host({"best_epoch": state.best_epoch,

@@ -674,16 +674,10 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
         guard)
     valid = [summarize(r) for r in valid_results]
     for k in np.flatnonzero(~stopped):
-      # A perplexity past float32's range (a diverged model: over 88 nats
-      # a symbol) never beats the best, which starts at inf: the run would
-      # go on to "finish" and report its initial parameters as the best.
-      if not np.isfinite(np.float32(valid[k]["perplexity"])):
-        raise FloatingPointError(
-            f"non-finite validation perplexity ({valid[k]['perplexity']}; "
-            f"cross-entropy {valid[k]['cross_entropy']:.6g} nats per symbol)"
-            f" in epoch {int(host(state.epoch)[k]) + 1} of run "
-            f"{runs[k].name}: training diverged (try a smaller learning "
-            "rate); its last checkpoint is kept")
+      metrics_lib.check_valid_perplexity(
+          valid[k]["perplexity"], valid[k]["cross_entropy"], "symbol",
+          f"epoch {int(host(state.epoch)[k]) + 1} of run {runs[k].name}",
+          "try a smaller learning rate", "its last checkpoint is kept")
     if stack_margin:
       for v, r in zip(valid, valid_results):
         v.update(margin_summary(r, model.dtype))

@@ -77,6 +77,24 @@ def check_finite(value, what: str):
         "the model for log-zero NaNs)")
 
 
+def check_valid_perplexity(perplexity: float, cross_entropy: float,
+                           unit: str, where: str, advice: str,
+                           checkpoint: str) -> None:
+  """Raises FloatingPointError if a validation perplexity is past float32's
+  range (the type the best-so-far is kept in).
+
+  Such a model (over 88 nats per `unit`) has diverged, and it never beats
+  the best, which starts at inf: without this the run would go on to
+  "finish" and report its initial parameters as the best. `where` names
+  the epoch (and run); `advice` what to try, `checkpoint` what is kept.
+  """
+  if not np.isfinite(np.float32(perplexity)):
+    raise FloatingPointError(
+        f"non-finite validation perplexity ({perplexity}; cross-entropy "
+        f"{cross_entropy:.6g} nats per {unit}) in {where}: training diverged"
+        f" ({advice}); {checkpoint}")
+
+
 class MetricWriter:
   """Writes scalars to `workdir/metrics.jsonl` and TensorBoard events.
 
