@@ -61,6 +61,13 @@ def _run_suite(tmp_path):
   return xml
 
 
+def _record_cli(*args):
+  """`python benchmarks/suite_record.py ARGS`, its output captured."""
+  return subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
+       *args], capture_output=True, text=True, check=False)
+
+
 def test_counts_of_a_real_report(suite_record, tmp_path):
   got = suite_record.parse(str(_run_suite(tmp_path)), str(tmp_path))
   assert {k: got[k] for k in ("passed", "failed", "errors", "skipped",
@@ -80,11 +87,8 @@ def test_cli_writes_a_record_report_py_can_render(suite_record, load_benchmark,
                                                   tmp_path):
   xml = _run_suite(tmp_path)
   out = tmp_path / "gpu_suite_x.json"
-  run = subprocess.run(
-      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
-       str(xml), "--out", str(out), "--root", str(tmp_path),
-       "--command", "pytest sub", "--environment", "defaults"],
-      capture_output=True, text=True, check=False)
+  run = _record_cli(str(xml), "--out", str(out), "--root", str(tmp_path),
+                    "--command", "pytest sub", "--environment", "defaults")
   assert run.returncode == 0, run.stderr
   assert "2 passed, 2 failed, 1 errors" in run.stdout
   d = json.loads(out.read_text())
@@ -104,10 +108,7 @@ def test_cli_writes_a_record_report_py_can_render(suite_record, load_benchmark,
 def test_unreadable_report_is_a_clear_error(tmp_path):
   bad = tmp_path / "bad.xml"
   bad.write_text("<testsuite><testcase")
-  run = subprocess.run(
-      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
-       str(bad), "--out", str(tmp_path / "x.json")],
-      capture_output=True, text=True, check=False)
+  run = _record_cli(str(bad), "--out", str(tmp_path / "x.json"))
   assert run.returncode == 2
   assert "cannot read" in run.stderr and "Traceback" not in run.stderr
 
@@ -140,10 +141,8 @@ def test_suite_stopped_at_its_time_limit_gives_a_partial_record(
   got = suite_record.parse(str(xml), str(tmp_path))
   assert (got["passed"], got["failed"], got["errors"]) == (2, 0, 0)
   out = tmp_path / "gpu_suite_x.json"
-  run = subprocess.run(
-      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
-       str(xml), "--out", str(out), "--root", str(tmp_path),
-       "--exit_code", "124"], capture_output=True, text=True, check=False)
+  run = _record_cli(str(xml), "--out", str(out), "--root", str(tmp_path),
+                    "--exit_code", "124")
   assert run.returncode == 0, run.stderr
   assert run.stdout.startswith("INTERRUPTED")
   d = json.loads(out.read_text())
@@ -192,11 +191,8 @@ def test_record_says_where_the_suite_s_time_went(suite_record, load_benchmark,
                                         abs=0.02)
   assert got["test_s"] <= got["wall_s"] + 0.01   # one worker
   out = tmp_path / "cpu_suite.json"
-  run = subprocess.run(
-      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
-       str(xml), "--out", str(out), "--root", str(tmp_path),
-       "--command", "pytest sub"], capture_output=True, text=True,
-      check=False)
+  run = _record_cli(str(xml), "--out", str(out), "--root", str(tmp_path),
+                    "--command", "pytest sub")
   assert run.returncode == 0, run.stderr
   report = load_benchmark("report")
   report.RESULTS = str(tmp_path)
@@ -233,10 +229,8 @@ def test_a_suite_in_two_parts_counts_as_the_whole(suite_record, tmp_path):
   # A test in both parts counts once.
   assert suite_record.parse([first, first], str(tmp_path))["passed"] == 2
   out = tmp_path / "gpu_suite_x.json"
-  run = subprocess.run(
-      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
-       first, rest, "--out", str(out), "--root", str(tmp_path),
-       "--exit_code", "1"], capture_output=True, text=True, check=False)
+  run = _record_cli(first, rest, "--out", str(out), "--root", str(tmp_path),
+                    "--exit_code", "1")
   assert run.returncode == 0, run.stderr
   assert "2 passed, 2 failed, 1 errors" in run.stdout
   assert "in 2 parts" in run.stdout
@@ -283,9 +277,7 @@ def test_commit_is_that_of_the_checkout_the_suite_ran_in(suite_record,
   assert suite_record.record(str(xml), str(tmp_path), "", "")[
       "commit"] == head
   out = tmp_path / "s.json"
-  run = subprocess.run(
-      [sys.executable, os.path.join(REPO, "benchmarks", "suite_record.py"),
-       str(xml), "--out", str(out), "--root", str(tmp_path),
-       "--commit", "abc1234"], capture_output=True, text=True, check=False)
+  run = _record_cli(str(xml), "--out", str(out), "--root", str(tmp_path),
+                    "--commit", "abc1234")
   assert run.returncode == 0, run.stderr
   assert json.loads(out.read_text())["commit"] == "abc1234"
