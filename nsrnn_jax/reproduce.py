@@ -116,7 +116,6 @@ from nsrnn_jax.run_records import RunSpec
 from nsrnn_jax.run_records import set_field
 from nsrnn_jax.run_records import STACK_SIZES
 from nsrnn_jax.run_records import TASKS
-from nsrnn_jax.run_records import unknown_field
 from nsrnn_jax.run_records import write_json_atomic
 MANIFEST_FILE = "reproduce.json"
 
@@ -239,8 +238,6 @@ def run_config(spec: RunSpec, overrides: Mapping[str, Any] = ()):
     config.shuffle_seed = BASE_SEED + spec.restart
     config.progress_bar = False
     for field, value in dict(overrides).items():
-      if field not in config:
-        raise unknown_field("--set", field, config.keys())
       if field in ("task", "model", "learning_rate", "stack_embedding_size",
                    "data_seed", "param_seed", "shuffle_seed"):
         raise ReproduceError(f"--set {field}: set by the protocol; use "
