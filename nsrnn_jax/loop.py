@@ -673,10 +673,11 @@ def _train(state, runs, model, mesh, managers, writers, console, rngs, orders,
         [r.splits.valid.num_lengths for r in runs], mesh, eos, stack_margin,
         guard)
     valid = [summarize(r) for r in valid_results]
+    epoch_now = np.asarray(host(state.epoch)) + 1   # (one copy an epoch)
     for k in np.flatnonzero(~stopped):
       metrics_lib.check_valid_perplexity(
           valid[k]["perplexity"], valid[k]["cross_entropy"], "symbol",
-          f"epoch {int(host(state.epoch)[k]) + 1} of run {runs[k].name}",
+          f"epoch {int(epoch_now[k])} of run {runs[k].name}",
           "try a smaller learning rate", "its last checkpoint is kept")
     if stack_margin:
       for v, r in zip(valid, valid_results):
